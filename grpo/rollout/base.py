@@ -1,0 +1,95 @@
+"""The seam between the trainer and every sampler: `Sampling`, `Rollout` and the `Engine` protocol.
+
+Engines take and give token ids; the tokenizer lives outside them. This module holds only the data
+types and the protocol, no sampling code (that is `grpo/rollout/sampling.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample, with the semantics of vLLM's SamplingParams.
+
+    `temperature == 0` is greedy. `top_k <= 0`, `top_p >= 1` and `min_p <= 0` switch that filter off.
+    A row stops at any id in `stop_token_ids` (EOS) or once its completion ends with one of the
+    token-id sequences in `stop_sequences`; the stop tokens are kept in the completion and counted.
+    `ignore_eos` forces every row to `max_new_tokens` (benchmarks use it for fixed lengths).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"Sampling.max_new_tokens={self.max_new_tokens}: must be at least 1")
+        if self.temperature < 0:
+            raise ValueError(f"Sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"Sampling.top_p={self.top_p}: must be in (0, 1]")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"Sampling.min_p={self.min_p}: must be in [0, 1)")
+
+
+@dataclass
+class Rollout:
+    """P prompts times n completions, in group order: row i belongs to prompt i // n.
+
+    `completion_ids` is right-padded with `pad_id`; `mask` is True where a completion token counts
+    (up to and including the stop token). `sampler_logp` holds the sampler's log-probability of each
+    sampled token under softmax(logits / temperature) before any top-k/top-p/min-p truncation, which is
+    what the trainer computes too, so the two can be compared token by token; 0 where `mask` is False.
+    """
+
+    prompt_ids: list[list[int]]  # P prompts
+    completion_ids: torch.Tensor  # (P*n, T) long
+    mask: torch.Tensor  # (P*n, T) bool
+    sampler_logp: torch.Tensor  # (P*n, T) float32
+    finished: torch.Tensor  # (P*n,) bool: stopped by EOS or a stop sequence, not by length
+    n: int = 1
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for logging
+
+    def __post_init__(self) -> None:
+        rows = len(self.prompt_ids) * self.n
+        for name in ("completion_ids", "mask", "sampler_logp"):
+            t = getattr(self, name)
+            if t.dim() != 2 or t.shape[0] != rows:
+                raise ValueError(f"Rollout.{name} has shape {tuple(t.shape)}; expected ({rows}, T)")
+        if self.mask.shape != self.completion_ids.shape or self.sampler_logp.shape != self.completion_ids.shape:
+            raise ValueError(
+                f"Rollout shapes differ: completion_ids {tuple(self.completion_ids.shape)}, "
+                f"mask {tuple(self.mask.shape)}, sampler_logp {tuple(self.sampler_logp.shape)}"
+            )
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (P*n,)
+        return self.mask.sum(-1)
+
+    def completions(self) -> list[list[int]]:
+        """The completions as lists of token ids, padding removed."""
+        return [row[m].tolist() for row, m in zip(self.completion_ids, self.mask)]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Anything that turns prompt ids into a `Rollout`.
+
+    `release_memory()` is called by the trainer after each generation: an engine that holds large
+    buffers (a KV cache) frees or lends them there so training can reuse the memory.
+    """
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout: ...
+
+    def release_memory(self) -> None: ...
