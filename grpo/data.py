@@ -1,0 +1,440 @@
+"""Training data: examples, chat prompts, the prompt-length budget and the prompt stream.
+
+    examples = load_examples("arithmetic", split="train", seed=cfg.seed)   # list[Example]
+    prompts  = build_prompts(tokenizer, examples, cfg.max_prompt_length)  # PromptSet: ids, dropped
+    stream   = PromptStream(len(prompts), cfg.prompts_per_step, cfg.seed)
+    batch    = next(stream)                                              # P indices into prompts
+
+Sources: the built-in `arithmetic` set (generated offline from a seed; its held-out split is fixed,
+whatever the training seed), `gsm8k` (openai/gsm8k), `dapo` (open-r1/DAPO-Math-17k-Processed, en) and
+JSONL files with `question` and `answer` fields (a directory holding `train.jsonl` / `test.jsonl` gives
+both splits). Extra JSONL fields are kept in `Example.columns` and passed to reward functions.
+
+Prompts use the tokenizer's own chat template when it has one, else a built-in Llama 3 template, and
+end with `<start_working_out>`. This module does not tokenize completions, decode, or batch tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from grpo.rewards import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START
+
+__all__ = [
+    "REASONING_START", "REASONING_END", "SOLUTION_START", "SOLUTION_END", "SYSTEM_PROMPT", "Example",
+    "load_examples", "arithmetic_examples", "gsm8k_example", "dapo_example", "load_jsonl", "chat_prompt",
+    "PromptSet", "build_prompts", "batch_columns", "PromptStream",
+]
+
+SYSTEM_PROMPT = (
+    "You are given a problem. Think about it and show your working out.\n"
+    f"Place your working out between {REASONING_START} and {REASONING_END}.\n"
+    f"Then give your final answer between {SOLUTION_START} and {SOLUTION_END}."
+)
+
+BUILTIN = ("arithmetic", "gsm8k", "dapo")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem: the question shown to the model, the reference answer as text, and any extra
+    fields (passed to reward functions as keyword arguments, one list per field)."""
+
+    question: str
+    answer: str
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+def load_examples(name_or_path: str, split: str = "train", seed: int = 0) -> list[Example]:
+    """The examples of one split ("train" or "test") of a built-in dataset or a JSONL path.
+
+    `seed` only matters for `arithmetic`, whose training problems it generates; the held-out problems
+    of every source are the same whatever the seed, and never among the training ones.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split {split!r}: use 'train' or 'test'")
+    if name_or_path == "arithmetic":
+        return arithmetic_examples(split, seed)
+    if name_or_path == "gsm8k":
+        return _load_hub("gsm8k", split)
+    if name_or_path == "dapo":
+        return _load_hub("dapo", split)
+    path = Path(name_or_path)
+    if path.is_dir():
+        return load_jsonl(path / f"{split}.jsonl")
+    if path.is_file():
+        if split != "train":
+            raise ValueError(f"--dataset {name_or_path}: a single JSONL file has no held-out split; fix: set "
+                             "--eval-size 0, or give a directory holding train.jsonl and test.jsonl")
+        return load_jsonl(path)
+    raise ValueError(f"--dataset {name_or_path!r}: no such file, and not a built-in dataset "
+                     f"({', '.join(BUILTIN)}); fix: give one of those or the path of a JSONL file")
+
+
+# --- arithmetic: word problems with integer answers, generated offline -------------------------
+
+ARITHMETIC_TRAIN_SIZE = 5000
+ARITHMETIC_TEST_SIZE = 500
+_HELDOUT_SEED = "arithmetic-heldout-v1"  # fixed: the held-out set never depends on the training seed
+
+_NAMES = ("Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Leo",
+          "Maya", "Nico", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yara")
+_ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "coins", "cards", "shells", "stamps",
+          "cookies", "beads", "tickets", "bottles", "plants", "candles")
+
+
+def _level1(rng: random.Random) -> tuple[str, int]:
+    """One addition or subtraction of two numbers; some answers are negative."""
+    name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(5)
+    if kind == 0:
+        a, b = rng.randint(2, 500), rng.randint(2, 500)
+        return f"{name} has {a} {items} and gets {b} more. How many {items} does {name} have now?", a + b
+    if kind == 1:
+        a = rng.randint(10, 900)
+        b = rng.randint(1, a)
+        return f"{name} had {a} {items} and gave {b} of them away. How many {items} are left?", a - b
+    if kind == 2:
+        a, b = rng.randint(-20, 35), rng.randint(1, 60)
+        return (f"The temperature was {a} degrees at noon and fell by {b} degrees by midnight. "
+                f"What was the temperature at midnight, in degrees?"), a - b
+    if kind == 3:
+        a, b = rng.randint(-999, 999), rng.randint(1, 999)
+        return f"What is {a} minus {b}?", a - b
+    a, b = rng.randint(0, 900), rng.randint(1, 1200)
+    return (f"A bank account holds {a} dollars. After a withdrawal of {b} dollars, what is the balance "
+            f"in dollars? (An overdrawn balance is negative.)"), a - b
+
+
+def _level2(rng: random.Random) -> tuple[str, int]:
+    """A multiplication, an exact division, or a product and a difference."""
+    name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(5)
+    if kind == 0:
+        a, b = rng.randint(2, 25), rng.randint(2, 30)
+        return (f"{name} buys {a} packs of {items} with {b} {items} in each pack. "
+                f"How many {items} does {name} buy?"), a * b
+    if kind == 1:
+        a, b = rng.randint(2, 15), rng.randint(2, 30)
+        return (f"A diver starts at the surface and descends {a} meters every minute. What is the diver's "
+                f"position after {b} minutes, in meters relative to the surface (below is negative)?"), -a * b
+    if kind == 2:
+        a, b, c = rng.randint(2, 30), rng.randint(2, 30), rng.randint(1, 400)
+        return f"What is {a} times {b}, minus {c}?", a * b - c
+    if kind == 3:
+        friends, each = rng.randint(2, 12), rng.randint(2, 40)
+        return (f"{name} shares {friends * each} {items} equally among {friends} friends. "
+                f"How many {items} does each friend get?"), each
+    a, b = rng.randint(-40, -2), rng.randint(2, 40)
+    return f"What is {a} multiplied by {b}?", a * b
+
+
+def _level3(rng: random.Random) -> tuple[str, int]:
+    """Several steps: three or four numbers and two or three operations."""
+    name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(5)
+    if kind == 0:
+        boxes, per_box, delivery = rng.randint(2, 12), rng.randint(2, 20), rng.randint(1, 200)
+        stock = boxes * per_box + rng.randint(0, 300)
+        return (f"A shop has {stock} {items}. It sells {boxes} boxes of {per_box} {items} each, then receives "
+                f"a delivery of {delivery} {items}. How many {items} does the shop have now?"),\
+            stock - boxes * per_box + delivery
+    if kind == 1:
+        weeks, jars, each = rng.randint(2, 10), rng.randint(2, 8), rng.randint(1, 30)
+        wage = max(rng.randint(5, 60), math.ceil(jars * each / weeks))  # enough to fill the jars
+        spent = wage * weeks - jars * each
+        return (f"{name} earns {wage} dollars a week for {weeks} weeks and spends {spent} dollars. {name} "
+                f"splits the rest equally among {jars} jars. How many dollars go in each jar?"), each
+    if kind == 2:
+        depth, up, down = rng.randint(10, 400), rng.randint(1, 300), rng.randint(1, 300)
+        return (f"A submarine is {depth} meters below sea level. It rises {up} meters, then dives {down} meters. "
+                f"Where is it now, in meters relative to sea level (below is negative)?"), -depth + up - down
+    if kind == 3:
+        a, b, c, d = rng.randint(-50, 50), rng.randint(-50, 50), rng.randint(2, 12), rng.randint(-100, 100)
+        return f"Compute ({a} - {_p(b)}) * {c} + {_p(d)}.", (a - b) * c + d
+    jan, feb, mar = rng.randint(100, 5000), rng.randint(100, 6000), rng.randint(100, 5000)
+    return (f"A company made a profit of {jan} dollars in January, a loss of {feb} dollars in February and a "
+            f"profit of {mar} dollars in March. What is its total profit over the three months, in dollars "
+            f"(a loss counts as negative)?"), jan - feb + mar
+
+
+def _p(x: int) -> str:
+    return f"({x})" if x < 0 else str(x)
+
+
+_LEVELS = (_level1, _level2, _level3)
+
+
+def _arithmetic(count: int, seed: str | int, exclude: set[str]) -> list[Example]:
+    rng = random.Random(f"arithmetic:{seed}")
+    seen, out = set(exclude), []
+    for _ in range(50 * count):  # a generous bound: duplicates are rare
+        if len(out) == count:
+            break
+        level = rng.randrange(len(_LEVELS))
+        question, answer = _LEVELS[level](rng)
+        if question not in seen:
+            seen.add(question)
+            out.append(Example(question, str(answer), {"level": level + 1}))
+    if len(out) < count:
+        raise RuntimeError(f"arithmetic: only {len(out)} distinct problems for {count} requested")
+    return out
+
+
+def arithmetic_examples(split: str = "train", seed: int = 0, size: int | None = None) -> list[Example]:
+    """Word problems with integer answers at three levels (column `level`: 1 two-number addition or
+    subtraction, 2 multiplication/division/mixed, 3 multi-step), negative answers included.
+
+    The test split comes from a fixed seed; the train split from `seed`, minus every test question.
+    """
+    heldout = _arithmetic(ARITHMETIC_TEST_SIZE, _HELDOUT_SEED, set())
+    if split == "test":
+        return heldout[:size] if size else heldout
+    return _arithmetic(size or ARITHMETIC_TRAIN_SIZE, seed, {e.question for e in heldout})
+
+
+# --- datasets from the Hugging Face hub -----------------------------------------------------------
+
+HUB = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "dapo": ("open-r1/DAPO-Math-17k-Processed", "en"),
+}
+
+
+def gsm8k_example(row: dict[str, Any]) -> Example | None:
+    """An openai/gsm8k row -> Example: the answer is what follows `####`, without thousands
+    separators; None when the row has no `####`."""
+    solution = str(row["answer"])
+    if "####" not in solution:
+        return None
+    answer = solution.rsplit("####", 1)[1].strip().replace(",", "")
+    return Example(str(row["question"]).strip(), answer) if answer else None
+
+
+_DAPO_HEAD = "Solve the following math problem"
+_DAPO_TAIL = "Remember to put your answer"
+
+
+def dapo_example(row: dict[str, Any]) -> Example | None:
+    """An open-r1/DAPO-Math-17k-Processed row (`prompt`, `solution`) -> Example.
+
+    The answer is `solution`, or what follows its last `Answer:` if it has one. The source prompts wrap
+    each problem in an instruction to end with "Answer: $Answer", which contradicts the system prompt's
+    `<SOLUTION>` format, so that first and last paragraph are removed; other prompts pass unchanged.
+    """
+    question, solution = str(row["prompt"]).strip(), str(row["solution"])
+    answer = solution.rsplit("Answer:", 1)[-1].strip()
+    paragraphs = question.split("\n\n")
+    if len(paragraphs) >= 2 and paragraphs[0].startswith(_DAPO_HEAD):
+        paragraphs = paragraphs[1:]
+    if len(paragraphs) >= 2 and paragraphs[-1].startswith(_DAPO_TAIL):
+        paragraphs = paragraphs[:-1]
+    question = "\n\n".join(paragraphs).strip()
+    return Example(question, answer) if question and answer else None
+
+
+def _heldout(question: str, one_in: int = 20) -> bool:
+    """A fixed ~5% of questions, chosen by hash: the same whatever the seed or the row order."""
+    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "little") % one_in == 0
+
+
+def _load_hub(name: str, split: str) -> list[Example]:
+    repo, config = HUB[name]
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"--dataset {name} needs the datasets library; fix: pip install datasets") from None
+    hub_split = "train" if name == "dapo" else split  # DAPO has only a train split: held out by hash
+    try:
+        rows = datasets.load_dataset(repo, config, split=hub_split)
+    except Exception as err:  # offline, no cache, hub down: all read the same to a user
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(f"--dataset {name}: cannot load {repo} ({config}, {hub_split}) from the Hugging Face "
+                           f"hub: {reason}; fix: --dataset arithmetic (offline) or a local JSONL path with "
+                           "'question' and 'answer' fields") from None
+    to_example = gsm8k_example if name == "gsm8k" else dapo_example
+    examples = [e for e in map(to_example, rows) if e is not None]
+    if name == "dapo":
+        examples = [e for e in examples if _heldout(e.question) == (split == "test")]
+    if not examples:
+        raise ValueError(f"--dataset {name}: {repo} gave no usable rows for split {split}")
+    return examples
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+
+def load_jsonl(path: str | Path) -> list[Example]:
+    """One JSON object per line with `question` and `answer`; blank lines are skipped; other fields
+    become columns. Every error names the file, the line and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--dataset {path}: no such file; fix: give the path of a JSONL file with "
+                         "'question' and 'answer' fields")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); fix: one JSON object per "
+                                 "line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: a {type(row).__name__}, not a JSON object; fix: one "
+                                 "object with 'question' and 'answer' per line")
+            missing = [k for k in ("question", "answer") if row.get(k) is None or str(row[k]).strip() == ""]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: no {' and no '.join(repr(k) for k in missing)} field; "
+                                 "fix: every line needs 'question' and 'answer'")
+            columns = {k: v for k, v in row.items() if k not in ("question", "answer")}
+            examples.append(Example(str(row["question"]).strip(), _answer_text(row["answer"]), columns))
+    if not examples:
+        raise ValueError(f"{path}: no rows; fix: one JSON object with 'question' and 'answer' per line")
+    return examples
+
+
+def _answer_text(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # 42.0 -> "42", as a model would write it
+    return str(value).strip()
+
+
+# --- prompts -----------------------------------------------------------------------------------
+
+# The Llama 3 chat format, for tokenizers that carry no template (the Llama 3.2 test tokenizer).
+_LLAMA3 = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>"
+           "<|start_header_id|>user<|end_header_id|>\n\n{user}<|eot_id|>"
+           "<|start_header_id|>assistant<|end_header_id|>\n\n")
+# Llama 3.x templates print today's date unless given one: fixed, so prompts never change by the day.
+_DATE = "26 Jul 2024"
+
+
+def chat_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
+    """The prompt text: system prompt and question in the tokenizer's chat template (a built-in
+    Llama 3 one when it has none), with the generation prompt, then `<start_working_out>`."""
+    if not getattr(tokenizer, "chat_template", None):
+        return _LLAMA3.format(system=system_prompt, user=question) + REASONING_START
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             date_string=_DATE)
+    except Exception:  # templates without a system role (Gemma): put the instructions in the user turn
+        messages = [{"role": "user", "content": f"{system_prompt}\n\n{question}"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             date_string=_DATE)
+    return text + REASONING_START
+
+
+@dataclass
+class PromptSet:
+    """Tokenized prompts within the length budget, aligned with their examples."""
+
+    prompt_ids: list[list[int]]
+    prompts: list[str]
+    examples: list[Example]
+    max_prompt_length: int
+    dropped: int  # prompts longer than max_prompt_length, left out
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def answers(self) -> list[str]:
+        return [e.answer for e in self.examples]
+
+
+def _percentile(values: Sequence[int], q: float) -> int:
+    """Nearest rank: the smallest value with at least q of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def build_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length: int | None = None,
+                  system_prompt: str = SYSTEM_PROMPT) -> PromptSet:
+    """Tokenize every prompt and keep those of at most `max_prompt_length` tokens (default: the 90th
+    percentile of the lengths, as in the reference recipe). The text already holds the template's
+    special tokens (BOS included), so none are added."""
+    if not examples:
+        raise ValueError("build_prompts: no examples; fix: check the dataset and --num-train-examples")
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise ValueError(f"--max-prompt-length {max_prompt_length}: use 1 or more (or none for the 90th percentile)")
+    texts = [chat_prompt(tokenizer, e.question, system_prompt) for e in examples]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    lengths = [len(x) for x in ids]
+    budget = max_prompt_length if max_prompt_length is not None else _percentile(lengths, 0.9)
+    keep = [i for i, n in enumerate(lengths) if n <= budget]
+    if not keep:
+        raise ValueError(f"--max-prompt-length {budget}: every prompt is longer (shortest {min(lengths)} "
+                         "tokens); fix: raise it")
+    return PromptSet(prompt_ids=[list(ids[i]) for i in keep], prompts=[texts[i] for i in keep],
+                     examples=[examples[i] for i in keep], max_prompt_length=budget,
+                     dropped=len(examples) - len(keep))
+
+
+def batch_columns(examples: Sequence[Example], repeat: int = 1) -> dict[str, list[Any]]:
+    """Extra columns for reward functions: one list per field (None where an example lacks it), each
+    value repeated `repeat` times (once per completion of the prompt)."""
+    keys = list(dict.fromkeys(k for e in examples for k in e.columns))
+    return {k: [e.columns.get(k) for e in examples for _ in range(repeat)] for k in keys}
+
+
+# --- the prompt stream ---------------------------------------------------------------------------
+
+class PromptStream:
+    """P prompt indices per step, epoch after epoch, each epoch in its own order drawn from the seed.
+
+    `next(stream)` (or `stream.next()`) gives the next P indices; a step that crosses an epoch's end
+    finishes it and continues with the next epoch's order. `state_dict()` is (epoch, position), so a
+    resumed run continues with exactly the prompts an uninterrupted run would have seen.
+    """
+
+    def __init__(self, n_items: int, per_step: int, seed: int = 0) -> None:
+        if n_items < 1:
+            raise ValueError(f"PromptStream: n_items={n_items}; the dataset has no prompts")
+        if per_step < 1:
+            raise ValueError(f"PromptStream: per_step={per_step}; use 1 or more prompts per step")
+        self.n_items, self.per_step, self.seed = n_items, per_step, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(self.n_items))
+        random.Random(f"prompt-stream:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        batch = []
+        while len(batch) < self.per_step:
+            if self.position == self.n_items:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            batch.append(self._order[self.position])
+            self.position += 1
+        return batch
+
+    next = __next__
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n_items": self.n_items,
+                "per_step": self.per_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "n_items"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"PromptStream.load_state_dict: checkpoint has {key}={state[key]}, this run "
+                                 f"{getattr(self, key)}; fix: resume with the same dataset and --seed")
+        if not 0 <= state["position"] <= self.n_items:
+            raise ValueError(f"PromptStream.load_state_dict: position {state['position']} is outside "
+                             f"0..{self.n_items}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,339 @@
+"""Datasets, row parsing, JSONL errors, chat prompts, the prompt-length budget and the prompt stream."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import types
+
+import pytest
+
+from grpo import data
+from grpo.data import (
+    REASONING_START, SYSTEM_PROMPT, Example, PromptStream, batch_columns, build_prompts, chat_prompt,
+    dapo_example, gsm8k_example, load_examples, load_jsonl,
+)
+
+
+@pytest.fixture(scope="module")
+def arithmetic():
+    return {"train": load_examples("arithmetic", "train", seed=0), "test": load_examples("arithmetic", "test")}
+
+
+# --- arithmetic ----------------------------------------------------------------------------------
+
+def test_arithmetic_is_deterministic_for_a_seed_and_varies_with_it(arithmetic):
+    assert load_examples("arithmetic", "train", seed=0) == arithmetic["train"]
+    other = load_examples("arithmetic", "train", seed=1)
+    assert other != arithmetic["train"]
+    assert len({e.question for e in other} ^ {e.question for e in arithmetic["train"]}) > 1000
+
+
+def test_arithmetic_heldout_is_fixed_and_disjoint_from_train_for_any_seed(arithmetic):
+    heldout = {e.question for e in arithmetic["test"]}
+    assert [e.question for e in load_examples("arithmetic", "test", seed=7)] == [e.question for e in arithmetic["test"]]
+    for seed in (0, 1, 3407):
+        train = load_examples("arithmetic", "train", seed=seed) if seed else arithmetic["train"]
+        assert not heldout & {e.question for e in train}
+
+
+def test_arithmetic_has_sizes_levels_unique_questions_and_negative_answers(arithmetic):
+    train, test = arithmetic["train"], arithmetic["test"]
+    assert len(train) >= 2000 and len(test) >= 200
+    for split in (train, test):
+        assert len({e.question for e in split}) == len(split)
+        assert {e.columns["level"] for e in split} == {1, 2, 3}
+        answers = [int(e.answer) for e in split]  # integer answers, written as a model would
+        assert all(e.answer == str(a) for e, a in zip(split, answers))
+        negatives = sum(a < 0 for a in answers) / len(answers)
+        assert 0.05 < negatives < 0.6
+
+
+def test_arithmetic_answers_agree_with_an_independent_evaluation(arithmetic):
+    patterns = [
+        (r"What is (-?\d+) minus (\d+)\?", lambda a, b: a - b),
+        (r"What is (-?\d+) multiplied by (\d+)\?", lambda a, b: a * b),
+        (r"What is (\d+) times (\d+), minus (\d+)\?", lambda a, b, c: a * b - c),
+        (r"Compute \((-?\d+) - \(?(-?\d+)\)?\) \* (\d+) \+ \(?(-?\d+)\)?\.", lambda a, b, c, d: (a - b) * c + d),
+        (r"(\w+) has (\d+) (\w+) and gets (\d+) more\.", lambda _, a, __, b: a + b),
+    ]
+    checked = 0
+    for e in arithmetic["train"] + arithmetic["test"]:
+        for pattern, fn in patterns:
+            m = re.fullmatch(pattern, e.question) or re.match(pattern, e.question)
+            if m:
+                args = [int(g) if re.fullmatch(r"-?\d+", g) else g for g in m.groups()]
+                assert int(e.answer) == fn(*args), e
+                checked += 1
+    assert checked > 500
+
+
+# --- hub datasets: row parsing and the offline error ------------------------------------------------
+
+def test_gsm8k_row_takes_the_answer_after_hashes_without_separators():
+    row = {"question": "  How many?\n", "answer": "48/2 = <<48/2=24>>24 in May.\n#### 1,234"}
+    assert gsm8k_example(row) == Example("How many?", "1234")
+    assert gsm8k_example({"question": "q", "answer": "#### -5"}).answer == "-5"
+    assert gsm8k_example({"question": "q", "answer": "no final answer"}) is None
+
+
+DAPO_PROMPT = ("Solve the following math problem step by step. The last line of your response should be of "
+               "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+               "Let $x$ be a number.\n\nFind $x^2$ if $x = 3$.\n\n"
+               "Remember to put your answer on its own line after \"Answer:\".")
+
+
+def test_dapo_row_keeps_the_problem_and_the_answer():
+    e = dapo_example({"prompt": DAPO_PROMPT, "solution": "9", "data_source": "x"})
+    assert e == Example("Let $x$ be a number.\n\nFind $x^2$ if $x = 3$.", "9")
+    assert dapo_example({"prompt": "What is 2+2?", "solution": "Answer: 4"}) == Example("What is 2+2?", "4")
+    assert dapo_example({"prompt": "Q?", "solution": "  "}) is None
+
+
+@pytest.fixture
+def fake_datasets(monkeypatch):
+    """A stand-in `datasets` module whose load_dataset serves given rows or raises."""
+    module = types.ModuleType("datasets")
+    calls = []
+
+    def install(rows=None, error=None):
+        def load_dataset(repo, config, split):
+            calls.append((repo, config, split))
+            if error is not None:
+                raise error
+            return rows
+
+        module.load_dataset = load_dataset
+        monkeypatch.setitem(sys.modules, "datasets", module)
+        return calls
+
+    return install
+
+
+def test_hub_loading_failure_is_one_line_naming_the_dataset_and_the_fix(fake_datasets):
+    fake_datasets(error=ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)\nmore"))
+    with pytest.raises(RuntimeError) as info:
+        load_examples("gsm8k", "train")
+    message = str(info.value)
+    assert "\n" not in message and "openai/gsm8k" in message and "OfflineModeIsEnabled" in message
+    assert "--dataset arithmetic" in message and "JSONL" in message
+
+
+@pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"),
+                    reason="only offline: online it would download the dataset")
+def test_real_hub_loading_fails_cleanly_offline():
+    pytest.importorskip("datasets")
+    try:
+        examples = load_examples("dapo", "train")
+    except RuntimeError as err:
+        assert "open-r1/DAPO-Math-17k-Processed" in str(err) and "--dataset arithmetic" in str(err)
+    else:  # a machine with the dataset cached: then it must have parsed rows
+        assert examples and all(e.answer for e in examples)
+
+
+def test_gsm8k_loads_the_requested_split_and_skips_unusable_rows(fake_datasets):
+    calls = fake_datasets(rows=[{"question": "a", "answer": "#### 1"}, {"question": "b", "answer": "none"}])
+    assert load_examples("gsm8k", "test") == [Example("a", "1")]
+    assert calls == [("openai/gsm8k", "main", "test")]
+
+
+def test_dapo_heldout_is_a_fixed_hash_split_of_its_only_split(fake_datasets):
+    rows = [{"prompt": f"Problem number {i}?", "solution": str(i)} for i in range(400)]
+    calls = fake_datasets(rows=rows)
+    train, test = load_examples("dapo", "train"), load_examples("dapo", "test")
+    assert {c[2] for c in calls} == {"train"} and calls[0][:2] == ("open-r1/DAPO-Math-17k-Processed", "en")
+    assert not {e.question for e in train} & {e.question for e in test}
+    assert len(train) + len(test) == 400 and 5 <= len(test) <= 45
+    fake_datasets(rows=rows[::-1])  # row order does not move a problem between splits
+    assert {e.question for e in load_examples("dapo", "test")} == {e.question for e in test}
+
+
+# --- JSONL ---------------------------------------------------------------------------------------
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_keeps_extra_fields_as_columns_and_normalizes_answers(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [
+        json.dumps({"question": "Q1", "answer": 42, "source": "s1"}),
+        "",
+        json.dumps({"question": "Q2", "answer": 3.5}),
+        json.dumps({"question": "Q3", "answer": 7.0, "source": "s3", "weight": 2}),
+    ])
+    examples = load_jsonl(path)
+    assert [e.answer for e in examples] == ["42", "3.5", "7"]
+    assert examples[0].columns == {"source": "s1"} and examples[1].columns == {}
+    assert batch_columns(examples, repeat=2) == {
+        "source": ["s1", "s1", None, None, "s3", "s3"], "weight": [None, None, None, None, 2, 2]}
+    assert load_examples(str(path)) == examples
+
+
+@pytest.mark.parametrize("lines, match", [
+    (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": "2"}', '{"question": "c",'],
+     r"d\.jsonl:3: malformed JSON"),
+    (['{"question": "a", "answer": "1"}', '{"question": "b"}'], r"d\.jsonl:2: no 'answer' field"),
+    (['{"answer": "1"}'], r"d\.jsonl:1: no 'question' field"),
+    (['{"question": "  ", "answer": ""}'], r"d\.jsonl:1: no 'question' and no 'answer' field"),
+    (['["question", "answer"]'], r"d\.jsonl:1: a list, not a JSON object"),
+    (["", "  "], r"d\.jsonl: no rows"),
+])
+def test_jsonl_errors_name_the_file_line_and_fix(tmp_path, lines, match):
+    path = _write(tmp_path / "d.jsonl", lines)
+    with pytest.raises(ValueError, match=match) as info:
+        load_examples(str(path))
+    assert "\n" not in str(info.value) and "fix:" in str(info.value)
+
+
+def test_dataset_paths_missing_files_and_directories(tmp_path):
+    with pytest.raises(ValueError, match="no such file, and not a built-in dataset"):
+        load_examples(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="missing.jsonl: no such file"):
+        load_jsonl(tmp_path / "missing.jsonl")
+    _write(tmp_path / "train.jsonl", ['{"question": "t", "answer": "1"}'])
+    _write(tmp_path / "test.jsonl", ['{"question": "h", "answer": "2"}'])
+    assert load_examples(str(tmp_path), "train") == [Example("t", "1")]
+    assert load_examples(str(tmp_path), "test") == [Example("h", "2")]
+    with pytest.raises(ValueError, match="has no held-out split; fix: set --eval-size 0"):
+        load_examples(str(tmp_path / "train.jsonl"), "test")
+    with pytest.raises(ValueError, match="split 'validation'"):
+        load_examples("arithmetic", "validation")
+
+
+# --- chat prompts ----------------------------------------------------------------------------------
+
+def test_llama3_fallback_template_with_the_real_tokenizer(llama_tokenizer):
+    assert not llama_tokenizer.chat_template
+    text = chat_prompt(llama_tokenizer, "What is 2 + 2?")
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n" + SYSTEM_PROMPT)
+    assert text.endswith("What is 2 + 2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+                         + REASONING_START)
+    ids = llama_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[:2] == [128000, 128006] and ids.count(128000) == 1  # one BOS, special tokens as single ids
+    assert llama_tokenizer.decode(ids) == text
+
+
+def test_system_prompt_names_every_tag():
+    for tag in (data.REASONING_START, data.REASONING_END, data.SOLUTION_START, data.SOLUTION_END):
+        assert tag in SYSTEM_PROMPT
+
+
+class _TemplatedTokenizer:
+    """Just enough of a tokenizer to exercise the chat-template path."""
+
+    def __init__(self, template, allow_system=True):
+        self.chat_template = template
+        self.allow_system = allow_system
+        self.kwargs = []
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+        assert tokenize is False and add_generation_prompt is True
+        self.kwargs.append(kwargs)
+        if not self.allow_system and messages[0]["role"] == "system":
+            raise ValueError("System role not supported")
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+
+def test_own_chat_template_is_used_with_a_fixed_date_and_the_opening_tag():
+    tok = _TemplatedTokenizer("{{ messages }}")
+    assert chat_prompt(tok, "Q?") == f"[system]{SYSTEM_PROMPT}[user]Q?[assistant]{REASONING_START}"
+    assert tok.kwargs[0]["date_string"] == "26 Jul 2024"
+
+
+def test_template_without_system_role_gets_the_instructions_in_the_user_turn():
+    tok = _TemplatedTokenizer("{{ messages }}", allow_system=False)
+    assert chat_prompt(tok, "Q?") == f"[user]{SYSTEM_PROMPT}\n\nQ?[assistant]{REASONING_START}"
+
+
+def test_real_jinja_template_renders_through_transformers(llama_tokenizer):
+    from transformers import AutoTokenizer
+
+    from grpo.assets import llama_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(llama_tokenizer_dir())
+    tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
+                         "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+                         "<|end_header_id|>{{ date_string }}{% endif %}")
+    text = chat_prompt(tok, "Q?")
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>26 Jul 2024" + REASONING_START)
+    assert f"<|start_header_id|>user<|end_header_id|>Q?<|eot_id|>" in text
+
+
+# --- the prompt-length budget ------------------------------------------------------------------------
+
+def _varied_examples(n=50):
+    return [Example("word " * (1 + (i * 7) % n) + "?", str(i)) for i in range(n)]  # distinct lengths
+
+
+def test_default_budget_is_the_90th_percentile_and_longer_prompts_are_dropped(llama_tokenizer):
+    examples = _varied_examples()
+    lengths = [len(llama_tokenizer(chat_prompt(llama_tokenizer, e.question), add_special_tokens=False)["input_ids"])
+               for e in examples]
+    ps = build_prompts(llama_tokenizer, examples)
+    at_or_below = [sum(n <= cut for n in lengths) for cut in sorted(set(lengths))]
+    expected = min(cut for cut, k in zip(sorted(set(lengths)), at_or_below) if k >= 0.9 * len(lengths))
+    assert ps.max_prompt_length == expected
+    assert ps.dropped == sum(n > expected for n in lengths) > 0
+    assert len(ps) == len(examples) - ps.dropped >= math.ceil(0.9 * len(examples))
+    assert all(len(ids) <= expected for ids in ps.prompt_ids)
+    kept = [e for e, n in zip(examples, lengths) if n <= expected]
+    assert ps.examples == kept and ps.answers == [e.answer for e in kept]
+    for ids, text in zip(ps.prompt_ids, ps.prompts):
+        assert ids == llama_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert text.endswith(REASONING_START)
+
+
+def test_explicit_budget_keeps_all_or_refuses_when_nothing_fits(llama_tokenizer):
+    examples = _varied_examples(10)
+    ps = build_prompts(llama_tokenizer, examples, max_prompt_length=10_000)
+    assert ps.dropped == 0 and len(ps) == 10 and ps.max_prompt_length == 10_000
+    with pytest.raises(ValueError, match="--max-prompt-length 5: every prompt is longer"):
+        build_prompts(llama_tokenizer, examples, max_prompt_length=5)
+    with pytest.raises(ValueError, match="no examples"):
+        build_prompts(llama_tokenizer, [])
+
+
+# --- the prompt stream -----------------------------------------------------------------------------
+
+def test_prompt_stream_resumes_with_exactly_the_uninterrupted_prompts():
+    n, per_step, seed = 11, 4, 3407
+    uninterrupted = PromptStream(n, per_step, seed)
+    reference = [next(uninterrupted) for _ in range(9)]  # crosses three epoch boundaries
+    first = PromptStream(n, per_step, seed)
+    before = [first.next() for _ in range(4)]
+    saved = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    resumed = PromptStream(n, per_step, seed)
+    resumed.load_state_dict(saved)
+    after = [next(resumed) for _ in range(5)]
+    assert before + after == reference
+
+
+def test_prompt_stream_visits_every_item_once_per_epoch_in_a_new_order():
+    stream = PromptStream(12, 3, seed=0)
+    epochs = [sum((next(stream) for _ in range(4)), []) for _ in range(3)]
+    for order in epochs:
+        assert sorted(order) == list(range(12))
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert stream.state_dict()["epoch"] == 2 and stream.state_dict()["position"] == 12
+    other_seed = PromptStream(12, 3, seed=1)
+    assert sum((next(other_seed) for _ in range(4)), []) != epochs[0]
+
+
+def test_prompt_stream_with_more_prompts_per_step_than_items():
+    stream = PromptStream(3, 5, seed=0)
+    first, second = next(stream), next(stream)
+    assert len(first) == len(second) == 5 and sorted(first[:3]) == [0, 1, 2]
+
+
+def test_prompt_stream_refuses_a_checkpoint_from_another_dataset_or_seed():
+    state = PromptStream(10, 2, seed=0).state_dict()
+    with pytest.raises(ValueError, match="n_items=10, this run 9"):
+        PromptStream(9, 2, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=0, this run 5"):
+        PromptStream(10, 2, seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="n_items=0"):
+        PromptStream(0, 2)
