@@ -1,0 +1,243 @@
+"""The clipped surrogate loss of GRPO and its published variants, as one pure function on tensors.
+
+`clipped_surrogate` turns per-token log-probabilities, advantages and a mask into a scalar loss and a
+dict of detached statistics. It covers GRPO (DeepSeekMath), DAPO's clip-higher and token-mean,
+Dr. GRPO's constant normalizer, GSPO's sequence-level ratio, INTELLECT-2's two-sided clipping, a KL
+penalty to a reference (k1/k2/k3), and importance weights for a sampler whose numerics differ from
+the trainer's. It deliberately is not a trainer: no model, no config object, no I/O, no host sync;
+log-probabilities come from `grpo.kernels.logprobs`, advantages from `group_advantages`.
+
+Notation: B rows (completions), T token positions, mask[i, t] True where token t of completion i
+counts, n_i = sum_t mask[i, t], N = sum_i n_i, A_i the advantage of completion i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    check_choice,
+    check_logp,
+    check_mask,
+    check_same_shape,
+    check_tensor,
+    compute_dtype,
+    shape_str,
+)
+from .kl import KL_KINDS, kl_from_log_ratio
+
+RATIO_LEVELS = ("token", "sequence")
+NORMS = ("sequence", "token", "constant")
+STAT_KEYS = ("policy_loss", "kl", "clip_frac_low", "clip_frac_high", "clip_frac", "clip_frac_delta",
+             "ratio_mean", "ratio_min", "ratio_max")
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    delta: float | None = None,
+    ratio_level: str = "token",
+    norm: str = "sequence",
+    max_len: int | None = None,
+    is_weights: torch.Tensor | None = None,
+    kl: str = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""The GRPO loss: clipped importance-ratio surrogate plus an optional KL penalty, normalized.
+
+    Args:
+        logp: (B, T) log-probabilities of the sampled tokens under the policy being trained: the only
+            input that gradients flow to.
+        old_logp: (B, T) the same under the policy that the advantages were estimated for (pi_old).
+            None means "the current policy": `logp.detach()` (mu = 1 without sampler mismatch), so the
+            ratio is 1 and the gradient is the plain policy gradient.
+        adv: (B,) advantage of each completion, e.g. from `group_advantages`.
+        mask: (B, T) bool, True where a completion token counts. Values of the other inputs at
+            positions where mask is False are never read (they may be anything, even inf or nan).
+        ref_logp: (B, T) log-probabilities under the reference policy, or None. Needed when beta > 0;
+            with beta == 0 it is used only for the "kl" statistic.
+        beta: KL coefficient (>= 0).
+        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high]; eps_high defaults to eps_low.
+        delta: cap on the unclipped ratio (two-sided clipping), >= 1 + eps_high, or None for off.
+        ratio_level: "token" (GRPO, DAPO) or "sequence" (GSPO).
+        norm: "sequence" (GRPO), "token" (DAPO) or "constant" (Dr. GRPO).
+        max_len: the constant of norm="constant" (the generation budget); None means T. Ignored by
+            the other norms.
+        is_weights: (B, T) or (B,) importance weights pi_old / pi_sampler for a sampler that differs
+            from the trainer (see `grpo.loss.importance`), or None.
+        kl: KL estimator: "k1", "k2" or "k3" (see `grpo.loss.kl`).
+
+    Returns:
+        loss: 0-dim tensor, float32 (float64 if a log-probability input is float64): bf16 inputs are
+            upcast, and so is the arithmetic.
+        stats: dict of detached 0-dim tensors, keys STAT_KEYS (all present, always finite):
+            "policy_loss": the policy term alone, normalized by `norm` (loss minus the KL term);
+            "kl": masked token mean of the per-token KL (0 without ref_logp), whatever `norm` is;
+            "clip_frac_low": fraction of masked tokens with w < 1 - eps_low and A < 0 (clipped below);
+            "clip_frac_high": fraction of masked tokens with w > 1 + eps_high and A > 0 (clipped above);
+            "clip_frac": their sum (the two cannot overlap);
+            "clip_frac_delta": fraction of masked tokens with w > delta and A < 0 (0 without delta);
+            "ratio_mean", "ratio_min", "ratio_max": of w over masked tokens (with ratio_level
+            "sequence" each sequence's ratio counts once per token). Every stat is 0 when no token
+            counts. Call float() on a stat to log it (that is the only sync).
+
+    The ratio. Token level (DeepSeekMath, Shao et al. 2024, eq. 3)::
+
+        w_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t) = exp(logp_it - old_logp_it)
+
+    Sequence level (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization"): the length-normalized sequence ratio, the same
+    for every token of completion i (gradient flows to every token through the mean)::
+
+        w_i = (pi_theta(y_i | x) / pi_old(y_i | x))^(1 / n_i) = exp((1/n_i) sum_t mask_it (logp_it - old_logp_it))
+
+    A row with n_i = 0 gets w_i = 1 and contributes nothing. GSPO pairs it with norm="sequence" (then
+    the loss is exactly GSPO's objective) and with a much narrower clip range (eps_low=3e-4,
+    eps_high=4e-4 in the paper).
+
+    The per-token policy term (PPO's clipped surrogate as used by GRPO, sign flipped to a loss)::
+
+        policy_it = -min(u_it * A_i, clip(w_it, 1 - eps_low, 1 + eps_high) * A_i) * is_it
+        u_it      = w_it                  (delta None)
+                  = min(w_it, delta)      (two-sided clipping, INTELLECT-2, Prime Intellect 2025)
+
+    eps_high > eps_low is DAPO's "clip-higher" (Yu et al. 2025: eps_low = 0.2, eps_high = 0.28).
+    Why delta: the min() above leaves the ratio unbounded when A < 0 (the pessimistic branch is the
+    unclipped one), so one token that became much more likely than under pi_old, with a negative
+    advantage, can dominate the batch. Capping only the unclipped branch at delta bounds that term at
+    delta * |A| (and zeroes its gradient past delta) while leaving A > 0 unchanged, since there
+    clip() already caps at 1 + eps_high <= delta. This is how TRL applies its `delta` argument.
+    is_it are the sampler importance weights (1 when is_weights is None), constants here (detached).
+
+    The KL penalty, added per token (DeepSeekMath eq. 3 subtracts beta * D_KL inside the objective)::
+
+        loss_it = policy_it + beta * kl_it,   kl_it = k3 = exp(ref_it - logp_it) - (ref_it - logp_it) - 1
+
+    (or k1, k2; Schulman 2020, see `grpo.loss.kl`). The KL term is not importance-weighted.
+
+    Normalization (what turns loss_it into one number)::
+
+        "sequence":  (1/B) sum_i (1/max(n_i,1)) sum_t mask_it loss_it     GRPO (DeepSeekMath eq. 3)
+        "token":     (1/max(N,1)) sum_it mask_it loss_it                   DAPO (Yu et al. 2025)        
+        "constant":  (1/(B * max_len)) sum_it mask_it loss_it              Dr. GRPO (Liu et al. 2025)
+
+    With "sequence", the mean is over all B rows and an empty row (n_i = 0) contributes 0 but still
+    counts in B. Two reasons: a row's weight is then always 1/B, so averaging the losses of equal-size
+    micro-batches gives the full-batch loss however the empty rows fall; and it matches the paper's
+    1/G over the whole group (and TRL). Gradient accumulation: "sequence" and "constant" average
+    exactly over equal micro-batches; "token" does not (each micro-batch divides by its own N); for
+    DAPO's batch-level token mean, scale each micro-batch loss by N_micro / N_batch.
+
+    Raises ValueError (naming the input and both shapes) on shape mismatch, a non-bool mask, an
+    unknown option (listing the choices), beta > 0 without ref_logp, or an out-of-range number.
+    """
+    # --- checks (metadata only: no host sync) -------------------------------------------------
+    check_logp("logp", logp)
+    B, T = logp.shape
+    if old_logp is not None:
+        check_same_shape("old_logp", old_logp, "logp", logp)
+    check_mask(mask, logp)
+    check_tensor("adv", adv)
+    if adv.shape != (B,):
+        raise ValueError(f"adv has shape {shape_str(adv)} but logp has shape {shape_str(logp)}; "
+                         f"adv must be (B,) = ({B},), one advantage per completion")
+    if ref_logp is not None:
+        check_same_shape("ref_logp", ref_logp, "logp", logp)
+    if is_weights is not None:
+        check_tensor("is_weights", is_weights)
+        if is_weights.shape not in ((B, T), (B,)):
+            raise ValueError(f"is_weights has shape {shape_str(is_weights)} but logp has shape "
+                             f"{shape_str(logp)}; is_weights must be (B, T) or (B,)")
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_choice("norm", norm, NORMS)
+    check_choice("kl", kl, KL_KINDS)
+    if beta < 0:
+        raise ValueError(f"beta={beta}: the KL coefficient must be >= 0")
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"beta={beta} needs ref_logp (the reference policy's log-probabilities); "
+                         "pass ref_logp or set beta=0")
+    eps_high = eps_low if eps_high is None else eps_high
+    if not 0.0 <= eps_low <= 1.0:
+        raise ValueError(f"eps_low={eps_low}: must be in [0, 1] (the ratio is clipped below at 1 - eps_low)")
+    if eps_high < 0:
+        raise ValueError(f"eps_high={eps_high}: must be >= 0 (the ratio is clipped above at 1 + eps_high)")
+    if delta is not None and delta < 1.0 + eps_high:
+        raise ValueError(f"delta={delta} must be >= 1 + eps_high = {1.0 + eps_high}: a smaller cap would "
+                         "zero the gradient of positive-advantage tokens inside the clip range")
+    if max_len is None:
+        max_len = T
+    elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len={max_len!r}: must be a positive int (the generation budget of "
+                         "norm='constant'), or None for T")
+
+    # --- the loss -----------------------------------------------------------------------------
+    dtype = compute_dtype(logp.dtype, *(t.dtype for t in (old_logp, ref_logp) if t is not None))
+    logp = logp.to(dtype)
+    # pi_old, pi_ref, the advantages and the sampler weights are constants of this objective. Detaching
+    # them here makes clipped_surrogate(logp, logp, ...) mean the same as with logp.detach().
+    old_logp = logp.detach() if old_logp is None else old_logp.detach().to(dtype)
+    adv = adv.detach().to(dtype).unsqueeze(1)  # (B, 1)
+    n_tok = mask.sum(-1)  # (B,) long
+    n_all = n_tok.sum()  # () long
+
+    # torch.where, not a multiply by the mask: positions that do not count may hold inf or nan (padding),
+    # and 0 * inf is nan in the forward pass and 0 * nan in the backward pass. Every input is sanitized
+    # once here, so nothing downstream ever sees a non-counting value.
+    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (B, T)
+    if ratio_level == "sequence":
+        seq_log_ratio = log_ratio.sum(-1) / n_tok.clamp(min=1)  # (B,) masked mean; 0 for an empty row
+        log_ratio = seq_log_ratio.unsqueeze(1).expand(B, T)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T) w
+
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    policy = -torch.minimum(unclipped * adv, clipped * adv)  # (B, T)
+    if is_weights is not None:
+        is_w = is_weights.detach().to(dtype)
+        is_w = is_w.unsqueeze(1) if is_w.dim() == 1 else is_w  # (B, 1) or (B, T)
+        policy = policy * torch.where(mask, is_w, 0.0)
+    policy = torch.where(mask, policy, 0.0)  # (B, T)
+
+    kl_tok = None
+    if ref_logp is not None:
+        with torch.set_grad_enabled(beta > 0 and torch.is_grad_enabled()):
+            kl_tok = kl_from_log_ratio(torch.where(mask, ref_logp.detach().to(dtype) - logp, 0.0), kl)  # (B, T)
+    per_token = policy + beta * kl_tok if beta > 0 else policy  # (B, T), 0 where mask is False
+
+    loss = _normalize(per_token, n_tok, n_all, norm, max_len)
+
+    # --- statistics (detached; no host sync) --------------------------------------------------
+    with torch.no_grad():
+        count = n_all.clamp(min=1).to(dtype)
+        any_tok = n_all > 0
+        zero = logp.new_zeros(())
+        low = mask & (ratio < 1.0 - eps_low) & (adv < 0)
+        high = mask & (ratio > 1.0 + eps_high) & (adv > 0)
+        capped = mask & (ratio > delta) & (adv < 0) if delta is not None else None
+        stats = {
+            "policy_loss": _normalize(policy, n_tok, n_all, norm, max_len).detach(),
+            "kl": kl_tok.detach().sum() / count if kl_tok is not None else zero,
+            "clip_frac_low": low.sum() / count,
+            "clip_frac_high": high.sum() / count,
+            "clip_frac": (low | high).sum() / count,
+            "clip_frac_delta": capped.sum() / count if capped is not None else zero,
+            "ratio_mean": torch.where(mask, ratio, 0.0).sum() / count,
+            "ratio_min": torch.where(any_tok, torch.where(mask, ratio, torch.inf).amin(), zero),
+            "ratio_max": torch.where(any_tok, torch.where(mask, ratio, -torch.inf).amax(), zero),
+        }
+    return loss, stats
+
+
+def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor, norm: str,
+               max_len: int) -> torch.Tensor:
+    """(B, T) per-token values, already 0 where the mask is False -> the scalar loss of `norm`."""
+    if norm == "sequence":
+        return (per_token.sum(-1) / n_tok.clamp(min=1)).mean()
+    if norm == "token":
+        return per_token.sum() / n_all.clamp(min=1)
+    return per_token.sum() / (per_token.shape[0] * max_len)
