@@ -91,8 +91,9 @@ def clipped_surrogate(
 
         w_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t) = exp(logp_it - old_logp_it)
 
-    Sequence level (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization"): the length-normalized sequence ratio, the same
-    for every token of completion i (gradient flows to every token through the mean)::
+    Sequence level (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization"): the
+    length-normalized sequence ratio, the same for every token of completion i (gradient flows to
+    every token through the mean)::
 
         w_i = (pi_theta(y_i | x) / pi_old(y_i | x))^(1 / n_i) = exp((1/n_i) sum_t mask_it (logp_it - old_logp_it))
 
@@ -123,7 +124,7 @@ def clipped_surrogate(
     Normalization (what turns loss_it into one number)::
 
         "sequence":  (1/B) sum_i (1/max(n_i,1)) sum_t mask_it loss_it     GRPO (DeepSeekMath eq. 3)
-        "token":     (1/max(N,1)) sum_it mask_it loss_it                   DAPO (Yu et al. 2025)        
+        "token":     (1/max(N,1)) sum_it mask_it loss_it                   DAPO (Yu et al. 2025)
         "constant":  (1/(B * max_len)) sum_it mask_it loss_it              Dr. GRPO (Liu et al. 2025)
 
     With "sequence", the mean is over all B rows and an empty row (n_i = 0) contributes 0 but still
