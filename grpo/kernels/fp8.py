@@ -1,0 +1,397 @@
+"""FP8 (E4M3) base weights in 128x128 blocks, as a frozen `nn.Linear` that LoRA trains on.
+
+The checkpoint format (DeepSeek-V3 style, e.g. `unsloth/Llama-3.2-1B-Instruct-FP8-Block`): for each
+quantized linear, `weight` is float8_e4m3fn (N, K) and `weight_scale_inv` is float32
+(ceil(N/128), ceil(K/128)); `config.json` has `quantization_config = {quant_method: fp8,
+weight_block_size: [128, 128], ...}`. Dequantization is `W[i, j] = weight[i, j] * scale_inv[i//128, j//128]`,
+so `scale_inv` is the block's amax / 448 (448 is E4M3's largest finite value).
+
+The GEMMs. With W frozen, a training step needs only two products per layer:
+
+    forward   Y  = X W^T      X (M, K) bf16, W (N, K)      -> Y (M, N)
+    backward  dX = dY W       dY (M, N)                    -> dX (M, K)     (no dW: the base is frozen)
+
+On Hopper both run as `torch._scaled_mm` with blockwise scales. The activation side is quantized per
+token in 1x128 groups along the reduction dimension (one fp32 scale per row and 128 columns), the
+weight side uses its 128x128 block scales. `_scaled_mm(a, b, scale_a, scale_b)` computes
+`(a * scale_a) @ (b * scale_b)` with a row-major and b column-major, and wants its scales
+"column-major" (outer dimension contiguous):
+
+    forward   a = X_fp8 (M, K),   scale_a (M, K/128)   as sx.t().contiguous().t()
+              b = W_fp8.t() (K, N),  column-major for free,  scale_b (K/128, N/128) = sw.contiguous().t()
+    backward  a = dY_fp8 (M, N),  scale_a (M, N/128)   as above
+              b = W_fp8 as (N, K) column-major = W_fp8.t().contiguous().t()   (one fp8 transpose per call)
+              scale_b (N/128, K/128) = sw.t().contiguous().t()   (a 128x128 block is its own transpose)
+
+Only the fp8 weight and its scales are saved for backward: no activation is kept.
+
+Everywhere else (CPU, GPUs before Hopper, shapes whose K or N is not a multiple of 512, fp32 inputs)
+the same autograd function dequantizes W to the input's dtype for each product: slower, exact with
+respect to the stored weight, and the only path the CPU tests exercise.
+
+What this module deliberately is not: no weight gradient, no FP8 for embeddings, norms or the LM head,
+no use of transformers' FineGrainedFP8 integration (it fetches a kernel from a hub at run time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_TINY = 1e-12  # floor of an activation group's amax: an all-zero group gets a harmless scale
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight (N, K) into E4M3 codes (N, K) and float32 block scales (ceil(N/b), ceil(K/b)).
+
+    `scale_inv` is the dequantization multiplier (block amax / 448). An all-zero block gets scale 1.
+    Works for any N, K: partial edge blocks take their amax over the elements they hold.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_fp8_block: w must be 2-D (N, K), got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"quantize_fp8_block: w must be a float tensor, got {w.dtype}")
+    n, k = w.shape
+    nb, kb = math.ceil(n / block), math.ceil(k / block)
+    wf = F.pad(w.detach().float(), (0, kb * block - k, 0, nb * block - n))  # zero padding keeps each amax
+    blocks = wf.view(nb, block, kb, block)
+    amax = blocks.abs().amax(dim=(1, 3))  # (nb, kb)
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)  # clamp: never NaN on cast
+    w_fp8 = codes.view(nb * block, kb * block)[:n, :k].to(FP8_DTYPE)
+    return w_fp8.contiguous(), scale_inv.contiguous()
+
+
+def _check_pair(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> None:
+    if w_fp8.dtype != FP8_DTYPE or w_fp8.dim() != 2:
+        raise ValueError(f"FP8 weight must be 2-D float8_e4m3fn, got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    want = (math.ceil(w_fp8.shape[0] / block), math.ceil(w_fp8.shape[1] / block))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a weight of "
+                         f"shape {tuple(w_fp8.shape)} in {block}x{block} blocks")
+
+
+def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """E4M3 codes (N, K) times their block scales, in float32, rounded once to `dtype`."""
+    _check_pair(w_fp8, scale_inv)
+    n, k = w_fp8.shape
+    scale = scale_inv.float()
+    if n % BLOCK == 0 and k % BLOCK == 0:  # broadcast the scales without materialising them
+        w = w_fp8.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).float() * scale[:, None, :, None]
+        return w.view(n, k).to(dtype)
+    full = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]  # (N, K)
+    return (w_fp8.float() * full).to(dtype)
+
+
+# --- activations (1x128 groups along the reduction dimension) -------------------------------------
+
+
+def quantize_fp8_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization in 1x128 groups: x (M, K), K % 128 == 0 -> codes (M, K), scales (M, K/128).
+
+    The scales come back column-major (stride (1, M)), the layout `_scaled_mm` wants for its `scale_a`.
+    """
+    m, k = x.shape
+    groups = x.float().view(m, k // BLOCK, BLOCK)
+    scale = groups.abs().amax(-1).clamp_(min=_TINY) / FP8_MAX  # (M, K/128)
+    codes = (groups / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    return codes, scale.t().contiguous().t()
+
+
+_TRITON_QUANT = None
+
+
+def _triton_quant_kernel():
+    """Build (once, on first use) a Triton kernel that quantizes a (BLOCK_M, 128) tile per program."""
+    global _TRITON_QUANT
+    if _TRITON_QUANT is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
+                               GROUP: tl.constexpr):
+            pid_m = tl.program_id(0)
+            pid_k = tl.program_id(1)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_k * GROUP + tl.arange(0, GROUP)
+            live = rows < M
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=live[:, None], other=0.0)
+            x = x.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0  # (BLOCK_M,)
+            q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
+            tl.store(s_ptr + pid_k * M + rows, scale, mask=live)  # scales stored (K/128, M): column-major
+
+        _TRITON_QUANT = (triton, _quant_rows_kernel)
+    return _TRITON_QUANT
+
+
+def quantize_fp8_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_rows_ref` in one pass over x: a Triton kernel on CUDA, the reference elsewhere."""
+    if impl == "ref" or not x.is_cuda:
+        return quantize_fp8_rows_ref(x)
+    triton, kernel = _triton_quant_kernel()
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    codes = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty((k // BLOCK, m), dtype=torch.float32, device=x.device)
+    block_m = 32
+    kernel[(triton.cdiv(m, block_m), k // BLOCK)](x, codes, scale_t, m, k, x.stride(0),
+                                                  BLOCK_M=block_m, GROUP=BLOCK, num_warps=4)
+    return codes, scale_t.t()
+
+
+# --- the autograd function ------------------------------------------------------------------------
+
+
+def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
+    """Blockwise `_scaled_mm` checked on Hopper (sm_90) only; K and N multiples of 512 keep every
+    scale tensor's outer dimension a multiple of 4, as cuBLAS's blockwise layouts require."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0 and n % 512 == 0
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def fp8_mm_fwd(x2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant: str = "auto") -> torch.Tensor:
+    """Y = X W^T on the FP8 tensor cores. x2 (M, K) bf16/fp16 -> (M, N) in x2's dtype."""
+    x_fp8, sx = quantize_fp8_rows(x2, quant)  # (M, K), (M, K/128) column-major
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=sx, scale_b=scale_inv.contiguous().t(),
+                            out_dtype=x2.dtype)
+
+
+def fp8_mm_bwd(g2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant: str = "auto") -> torch.Tensor:
+    """dX = dY W on the FP8 tensor cores. g2 (M, N) -> (M, K) in g2's dtype."""
+    g_fp8, sg = quantize_fp8_rows(g2, quant)  # (M, N), (M, N/128)
+    w_cm = w_fp8.t().contiguous().t()  # (N, K) column-major: W^T stored row-major
+    return torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=scale_inv.t().contiguous().t(), out_dtype=g2.dtype)
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """Y = X W^T with W frozen FP8 blocks; backward gives dX only. `mode`: "scaled_mm" or "dequant";
+    `bwd`: "fp8" (quantize dY, FP8 GEMM) or "dequant" (dequantize W to bf16 once, bf16 GEMM)."""
+
+    @staticmethod
+    def forward(ctx, x2, w_fp8, scale_inv, mode, bwd):
+        ctx.save_for_backward(w_fp8, scale_inv)
+        ctx.mode, ctx.bwd = mode, bwd
+        if mode == "scaled_mm":
+            return fp8_mm_fwd(x2, w_fp8, scale_inv)
+        return x2 @ dequantize_fp8_block(w_fp8, scale_inv, x2.dtype).t()  # (M, N)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        w_fp8, scale_inv = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        if ctx.mode == "scaled_mm" and ctx.bwd == "fp8":
+            grad_x = fp8_mm_bwd(grad_y, w_fp8, scale_inv)
+        else:
+            grad_x = grad_y @ dequantize_fp8_block(w_fp8, scale_inv, grad_y.dtype)  # (M, K)
+        return grad_x, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+               *, gemm: str = "auto", bwd: str = "fp8") -> torch.Tensor:
+    """Functional FP8 linear: x (..., K) -> (..., N). `gemm`: auto, scaled_mm or dequant."""
+    n, k = w_fp8.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight expects {k}")
+    mode = gemm
+    if gemm == "auto":
+        mode = "scaled_mm" if _scaled_mm_ok(x, n, k) else "dequant"
+    x2 = x.reshape(-1, k)
+    if mode == "scaled_mm" and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = _FP8LinearFn.apply(x2, w_fp8, scale_inv, mode, bwd).view(*x.shape[:-1], n)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class FP8Linear(nn.Linear):
+    """A frozen linear layer whose weight is stored as E4M3 codes in 128x128 blocks.
+
+    A subclass of `nn.Linear` so that peft's LoRA wraps it like any linear layer. `compute_dtype` is
+    the dtype of activations and outputs; peft reads it (as it does for bitsandbytes layers) to give
+    the adapters that dtype instead of the weight's float8. `weight` and `weight_scale_inv` are
+    frozen parameters named as in FP8-Block checkpoints, so `state_dict()` writes that format.
+    `model.to(dtype)` moves them between devices but never casts them.
+    """
+
+    def __init__(self, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a dense weight
+        _check_pair(w_fp8, scale_inv)
+        self.out_features, self.in_features = w_fp8.shape
+        self.weight = nn.Parameter(w_fp8, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
+        self.compute_dtype = compute_dtype
+        self.gemm = "auto"  # auto | scaled_mm | dequant
+        self.bwd = "fp8"  # fp8 | dequant (only with scaled_mm)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
+        """Quantize a dense nn.Linear (on its own device) into an FP8Linear."""
+        w_fp8, scale_inv = quantize_fp8_block(linear.weight.detach())
+        return cls(w_fp8, scale_inv, None if linear.bias is None else linear.bias.detach(),
+                   compute_dtype=linear.weight.dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_fp8_block(self.weight, self.weight_scale_inv, dtype or self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, gemm=self.gemm, bwd=self.bwd)
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves, never dtype casts: the codes and scales are the weight.
+        probe = fn(torch.empty(0, dtype=self.compute_dtype, device=self.weight.device))
+        order = list(self._parameters)
+        held = {name: self._parameters.pop(name) for name in ("weight", "weight_scale_inv")}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(held)
+            for name in order:  # keep the state_dict order
+                self._parameters[name] = self._parameters.pop(name)
+        for p in held.values():
+            if p.device != probe.device:
+                p.data = torch.empty_like(p, device=probe.device) if p.is_meta else p.data.to(probe.device)
+        if probe.is_floating_point():
+            self.compute_dtype = probe.dtype
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8=e4m3 {BLOCK}x{BLOCK}, compute_dtype={self.compute_dtype}")
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+
+def _output_embedding_ids(model: nn.Module) -> set[int]:
+    ids = set()
+    for getter in ("get_output_embeddings", "get_input_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None and getattr(module, "weight", None) is not None:
+            ids.add(id(module.weight))
+    return ids
+
+
+def quantize_linears_(model: nn.Module, target_names: Iterable[str] | None = None) -> int:
+    """Replace, in place, every nn.Linear whose name ends with one of `target_names` (every nn.Linear
+    when None) by an FP8Linear quantized from it. The LM head and embeddings are never touched.
+    Returns how many layers were replaced."""
+    targets = None if target_names is None else tuple(target_names)
+    if targets is not None and isinstance(target_names, str):
+        raise ValueError("quantize_linears_: target_names must be a list of names, not one string")
+    keep = _output_embedding_ids(model)
+    chosen = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or id(module.weight) in keep:
+            continue
+        if targets is None or name.rsplit(".", 1)[-1] in targets:
+            chosen.append(name)
+    for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FP8Linear.from_linear(getattr(parent, child)))
+    return len(chosen)
+
+
+def _read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir}: no config.json; pass a local model directory")
+    return json.loads(path.read_text())
+
+
+def is_fp8_block_checkpoint(model_dir: str | Path) -> bool:
+    """True when config.json declares `quant_method: fp8` with block-wise weights."""
+    try:
+        qc = _read_config(model_dir).get("quantization_config") or {}
+    except ValueError:
+        return False
+    return qc.get("quant_method") == "fp8" and qc.get("weight_block_size") is not None
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no .safetensors files; FP8-Block checkpoints are read from safetensors")
+    return files
+
+
+def load_fp8_block_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16):
+    """Load an FP8-Block checkpoint on the CPU: quantized linears become FP8Linear with the stored codes
+    and scales, everything else loads in `dtype`. transformers never sees the quantization_config."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    qc = _read_config(model_dir).get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8":
+        raise ValueError(f"{model_dir}: quantization_config.quant_method is {qc.get('quant_method')!r}, not 'fp8'; "
+                         "load a bf16 checkpoint with --load-in-fp8 instead")
+    if list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise ValueError(f"{model_dir}: weight_block_size {qc.get('weight_block_size')} is not supported; "
+                         f"only [{BLOCK}, {BLOCK}] blocks are")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{model_dir}: activation_scheme {qc['activation_scheme']!r} is not supported; "
+                         "only 'dynamic' (activations quantized at run time)")
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # so transformers never takes its FineGrainedFP8 path
+    with init_empty_weights(include_buffers=False):  # parameters on meta; rotary buffers computed
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    dense: dict[str, torch.Tensor] = {}
+    fp8: dict[str, dict[str, torch.Tensor]] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                prefix, _, leaf = key.rpartition(".")
+                tensor = f.get_tensor(key)
+                if leaf == "weight_scale_inv" or tensor.dtype == FP8_DTYPE:
+                    fp8.setdefault(prefix, {})[leaf] = tensor
+                else:
+                    dense[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    for prefix, pair in fp8.items():
+        if set(pair) != {"weight", "weight_scale_inv"}:
+            raise ValueError(f"{model_dir}: {prefix} has {sorted(pair)}; an FP8 layer needs weight (float8_e4m3fn) "
+                             "and weight_scale_inv")
+        if pair["weight"].dtype != FP8_DTYPE:
+            raise ValueError(f"{model_dir}: {prefix}.weight is {pair['weight'].dtype}; only float8_e4m3fn is supported")
+        linear = model.get_submodule(prefix)
+        if type(linear) is not nn.Linear or tuple(linear.weight.shape) != tuple(pair["weight"].shape):
+            raise ValueError(f"{model_dir}: {prefix} is not an nn.Linear of shape {tuple(pair['weight'].shape)}")
+        bias = dense.pop(f"{prefix}.bias", None)
+        parent_name, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
+                FP8Linear(pair["weight"], pair["weight_scale_inv"], bias, compute_dtype=dtype))
+
+    model.load_state_dict(dense, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return model.eval()
