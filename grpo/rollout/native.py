@@ -1,0 +1,451 @@
+"""`NativeEngine`: an in-process sampler that runs on the policy model itself, gpt-fast style.
+
+It decodes with the very modules the trainer trains: the embedding, each layer's norms, the q/k/v/o
+and gate/up/down projections (whatever they are: nn.Linear, an FP8Linear subclass, a peft LoRA
+wrapper with its adapters active), the final norm and the lm_head are *called*, never read, so there
+is no second copy of any weight and the sampler always samples the current policy. What this module
+writes by hand is the rest of a Llama decoder: rotary embeddings, its own static KV cache and the
+attention over it, and the loop.
+
+One `generate(prompt_ids, n, sampling)`:
+
+1. allocates the KV cache once, `(max_batch, kv_heads, max_seq_len, head_dim)` per layer, and the
+   per-row state (current token, position, alive/finished flags, output columns) beside it;
+2. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens;
+   the attention reads only the bucket, not the whole cache), optionally over `torch.compile`d code;
+3. prefills each of the P prompts once (right-padded, causal), writing its KV straight into its n rows;
+4. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
+   drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
+   the stop flags on the device, run the forward of that token into the next logits. The host looks
+   at the flags only every `check_every` steps, to stop early once every row has finished.
+
+Rows of one prompt have their own positions: prompts of different lengths need no left padding and
+get the positions and numerics of an unpadded forward.
+
+Standby: `release_memory()` drops the KV cache, the state and the graphs (whose addresses point into
+that cache), so between generations training can reuse that memory; the next `generate` allocates
+and captures again (milliseconds, reported in `Rollout.timings['capture']`). Keeping them instead
+saves the capture but pins `kv_cache_bytes` plus the graph pool through the training phase.
+
+What it deliberately is not: a server (no paging, no continuous batching, no prefix cache), and not
+a general transformers runner: Llama-style decoders only (LlamaForCausalLM and the models that share
+its module layout), with or without peft adapters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.sampling import sample_with_noise
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The LlamaForCausalLM inside `model` (itself, or the one a peft PeftModel wraps)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(lm, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if decoder is None or not hasattr(lm, "lm_head") or not all(hasattr(decoder, a) for a in needed):
+        raise ValueError(f"model is a {type(model).__name__}; NativeEngine needs a Llama-style causal LM "
+                         "(model.embed_tokens/layers/norm/rotary_emb and lm_head), bare or wrapped by peft")
+    for i, layer in enumerate(decoder.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise ValueError(f"model layer {i} has no self_attn.q/k/v/o_proj; NativeEngine supports Llama-style "
+                             "decoder layers only")
+        if getattr(attn, "sliding_window", None):
+            raise ValueError(f"model layer {i} uses sliding-window attention, which NativeEngine does not do")
+    return lm
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers' Llama applies it (rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _decode_forward(lm: nn.Module, tok: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
+                    v_caches: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor,
+                    n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """One token per row through the decoder, writing its K/V at `pos`; returns logits (B, V) float32.
+
+    tok, pos: (B,); k_caches[l], v_caches[l]: (B, n_kv, S, D) views of the cache, S > max(pos).
+    This is the function a CUDA graph captures (and torch.compile may compile).
+    """
+    decoder = lm.model
+    rows = tok.shape[0]
+    kv_len = k_caches[0].shape[2]
+    group = n_heads // n_kv
+    x = decoder.embed_tokens(tok[:, None])  # (B, 1, H)
+    cos = cos_table[pos][:, None, None, :]  # (B, 1, 1, D)
+    sin = sin_table[pos][:, None, None, :]
+    valid = torch.arange(kv_len, device=tok.device)[None, :] <= pos[:, None]  # (B, S) True where attended
+    write_at = pos[:, None, None, None].expand(rows, n_kv, 1, head_dim)  # (B, n_kv, 1, D)
+    scale = head_dim**-0.5
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)  # (B, 1, H)
+        q = attn.q_proj(h).view(rows, n_heads, 1, head_dim)  # (B, nh, 1, D)
+        k = attn.k_proj(h).view(rows, n_kv, 1, head_dim)  # (B, n_kv, 1, D)
+        v = attn.v_proj(h).view(rows, n_kv, 1, head_dim)
+        q = _rope(q, cos, sin)
+        k = _rope(k, cos, sin)
+        k_cache, v_cache = k_caches[i], v_caches[i]
+        k_cache.scatter_(2, write_at, k)
+        v_cache.scatter_(2, write_at, v)
+        # grouped-query attention without repeating K/V: head h reads kv head h // group
+        qg = q.view(rows, n_kv, group, head_dim)  # (B, n_kv, g, D)
+        scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * scale  # (B, n_kv, g, S)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(v_cache.dtype)
+        out = torch.matmul(probs, v_cache)  # (B, n_kv, g, D)
+        x = x + attn.o_proj(out.reshape(rows, 1, n_heads * head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return lm.lm_head(decoder.norm(x))[:, 0].float()  # (B, V)
+
+
+@dataclass
+class _State:
+    """Static buffers of one engine, allocated once for `max_batch` rows (graphs use views [:B])."""
+
+    k_caches: list[torch.Tensor]  # per layer (max_batch, n_kv, max_seq_len, D)
+    v_caches: list[torch.Tensor]
+    cos: torch.Tensor  # (max_seq_len, D) model dtype
+    sin: torch.Tensor
+    logits: torch.Tensor  # (max_batch, V) float32: next-token logits of every row
+    noise: torch.Tensor  # (max_batch, V) float32: Exp(1) draws for the next sample
+    tok: torch.Tensor  # (max_batch,) long: the token the next forward consumes
+    pos: torch.Tensor  # (max_batch,) long: its position
+    step: torch.Tensor  # (1,) long: output column of the next sample
+    alive: torch.Tensor  # (max_batch,) bool: the row has not stopped yet
+    finished: torch.Tensor  # (max_batch,) bool: stopped by a stop token or sequence
+    out_ids: torch.Tensor  # (max_batch, max_seq_len) long
+    out_logp: torch.Tensor  # (max_batch, max_seq_len) float32
+    out_mask: torch.Tensor  # (max_batch, max_seq_len) bool
+    tails: dict[int, torch.Tensor]  # window length -> (max_batch, W) long: last W sampled tokens
+    consts: dict[tuple, torch.Tensor]  # stop ids and sequences as device tensors (graphs keep pointers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.logits, self.noise, self.tok, self.pos,
+               self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
+        return out + list(self.tails.values()) + list(self.consts.values())
+
+
+class NativeEngine:
+    """Samples from `model` in-process, sharing its weights. See the module docstring.
+
+    model: a LlamaForCausalLM, or a peft PeftModel around one (adapters active). Its train/eval mode
+        is left as found; generation runs in eval mode under no_grad.
+    max_seq_len: prompt plus completion tokens per row at most (the KV cache's length).
+    max_batch: rows (prompts times n) per generate at most (the KV cache's batch).
+    pad_id: fills completion_ids after a row stops.
+    use_cuda_graph: capture the one-token step in CUDA graphs; None is "on CUDA".
+    compile: None, or a torch.compile mode ("default", "max-autotune-no-cudagraphs") for the step.
+    kv_bucket: attention reads the cache in multiples of this many positions.
+    check_every: steps between host checks of "have all rows stopped".
+    """
+
+    def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int,
+                 use_cuda_graph: bool | None = None, compile: str | None = None, kv_bucket: int = 256,
+                 check_every: int = 16) -> None:
+        self.model = model
+        self.lm = _causal_lm(model)
+        cfg = self.lm.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.n_layers = len(self.lm.model.layers)
+        self.vocab_size = cfg.vocab_size
+        embed_weight = self.lm.model.embed_tokens.weight  # only for its device and dtype
+        self.device = embed_weight.device
+        self.dtype = embed_weight.dtype
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len={max_seq_len}: needs room for a prompt token and a completion token")
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: use 1 or more")
+        if kv_bucket < 1 or check_every < 1:
+            raise ValueError(f"kv_bucket={kv_bucket}, check_every={check_every}: both must be >= 1")
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        if use_cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graph=True but the model is on {self.device}; CUDA graphs need a CUDA "
+                             "model (pass use_cuda_graph=None or False)")
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+        self.pad_id = pad_id
+        self.use_cuda_graph = use_cuda_graph
+        self.compile_mode = compile
+        self.kv_bucket = kv_bucket
+        self.check_every = check_every
+        self._forward = _decode_forward
+        self._sample = sample_with_noise
+        if compile is not None:
+            self._forward = torch.compile(_decode_forward, mode=compile, fullgraph=False)
+            self._sample = torch.compile(sample_with_noise, mode=compile, fullgraph=False)
+        self._state: _State | None = None
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._fingerprint: tuple | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # memory
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this engine allocates (whether allocated now or not)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.n_layers * self.max_batch * self.n_kv * self.max_seq_len * self.head_dim * elem
+
+    def held_bytes(self) -> int:
+        """Bytes of tensors the engine holds right now (0 after `release_memory`); graph pools not counted."""
+        if self._state is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._state.tensors())
+
+    def release_memory(self) -> None:
+        """Drop the KV cache, the state buffers and the CUDA graphs; `generate` rebuilds them."""
+        self._graphs.clear()
+        self._graph_pool = None
+        self._state = None
+        self._fingerprint = None
+
+    def _allocate(self) -> _State:
+        dev, dt, B, S = self.device, self.dtype, self.max_batch, self.max_seq_len
+        cache_shape = (B, self.n_kv, S, self.head_dim)
+        positions = torch.arange(S, device=dev)[None, :]  # (1, S)
+        probe = torch.empty(1, 1, self.head_dim, device=dev, dtype=dt)
+        cos, sin = self.lm.model.rotary_emb(probe, position_ids=positions)  # (1, S, D) each, model dtype
+        return _State(
+            k_caches=[torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(self.n_layers)],
+            v_caches=[torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(self.n_layers)],
+            cos=cos[0].contiguous(), sin=sin[0].contiguous(),
+            logits=torch.zeros(B, self.vocab_size, device=dev), noise=torch.ones(B, self.vocab_size, device=dev),
+            tok=torch.full((B,), self.pad_id, device=dev, dtype=torch.long),
+            pos=torch.zeros(B, device=dev, dtype=torch.long), step=torch.zeros(1, device=dev, dtype=torch.long),
+            alive=torch.ones(B, device=dev, dtype=torch.bool), finished=torch.zeros(B, device=dev, dtype=torch.bool),
+            out_ids=torch.full((B, S), self.pad_id, device=dev, dtype=torch.long),
+            out_logp=torch.zeros(B, S, device=dev), out_mask=torch.zeros(B, S, device=dev, dtype=torch.bool),
+            tails={}, consts={},
+        )
+
+    def _model_fingerprint(self) -> tuple:
+        """What a captured graph depends on: parameter addresses and the adapters' switches."""
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        switches = tuple(
+            (id(m), bool(getattr(m, "disable_adapters", False)), bool(getattr(m, "merged", False)),
+             tuple(getattr(m, "active_adapters", ()) or ()))
+            for m in self.model.modules() if hasattr(m, "disable_adapters")
+        )
+        return ptrs, switches
+
+    # ----------------------------------------------------------------------------------------------
+    # one step
+    def _step(self, rows: int, kv_len: int, sampling: Sampling, stop_key: tuple) -> None:
+        """Sample from state.logits, record, update stop flags, forward the new token: all on device."""
+        st = self._state
+        token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
+                                   sampling.min_p, st.noise[:rows] if sampling.temperature > 0 else None)
+        alive = st.alive[:rows]
+        token = torch.where(alive, token, self.pad_id)  # (B,)
+        logp = torch.where(alive, logp, 0.0)
+        column = st.step.expand(rows)[:, None]  # (B, 1)
+        st.out_ids[:rows].scatter_(1, column, token[:, None])
+        st.out_logp[:rows].scatter_(1, column, logp[:, None])
+        st.out_mask[:rows].scatter_(1, column, alive[:, None])
+        stop_ids, stop_seqs, window = stop_key
+        if stop_ids or stop_seqs:
+            stop = torch.zeros_like(alive)
+            if stop_ids:
+                stop = stop | (token[:, None] == st.consts[("ids", stop_ids)][None, :]).any(-1)
+            if stop_seqs:
+                tail = st.tails[window][:rows]  # (B, W) the last W tokens, oldest first, -1 before the start
+                tail.copy_(torch.cat([tail[:, 1:], token[:, None]], dim=1))
+                for seq in stop_seqs:
+                    want = st.consts[("seq", seq)]  # (len,)
+                    stop = stop | (tail[:, window - len(seq):] == want[None, :]).all(-1)
+            stop = stop & alive
+            st.finished[:rows] |= stop
+            st.alive[:rows] &= ~stop
+        st.tok[:rows].copy_(token)
+        k_views = [c[:rows, :, :kv_len] for c in st.k_caches]
+        v_views = [c[:rows, :, :kv_len] for c in st.v_caches]
+        logits = self._forward(self.lm, st.tok[:rows], st.pos[:rows], k_views, v_views, st.cos, st.sin,
+                               self.n_heads, self.n_kv, self.head_dim)
+        st.logits[:rows].copy_(logits)
+        st.pos[:rows] += 1
+        st.step += 1
+
+    def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop_key: tuple) -> torch.cuda.CUDAGraph:
+        key = (rows, kv_len, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, stop_key)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        # warm up on a side stream (cuBLAS handles, compilation), then capture; both write garbage into
+        # the state, which generate resets before the prefill. Positions start at 0 so the warm-up
+        # writes stay inside the cache.
+        st = self._state
+        st.pos[:rows] = 0
+        st.step.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(rows, kv_len, sampling, stop_key)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._step(rows, kv_len, sampling, stop_key)
+        self._graphs[key] = graph
+        return graph
+
+    # ----------------------------------------------------------------------------------------------
+    # prefill
+    def _prefill(self, prompt_ids: list[list[int]], n: int) -> None:
+        """Run every prompt once; write its K/V into its n rows and its last logits into state.logits."""
+        st, lm = self._state, self.lm
+        decoder = lm.model
+        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+        rows = P * n
+        ids = torch.full((P, L), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)  # (P, L) right-padded: causal attention keeps padding out of real tokens
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
+        x = decoder.embed_tokens(ids)  # (P, L, H)
+        cos, sin = st.cos[:L][None, None], st.sin[:L][None, None]  # (1, 1, L, D)
+        for i, layer in enumerate(decoder.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(P, L, self.n_heads, self.head_dim).transpose(1, 2)  # (P, nh, L, D)
+            k = attn.k_proj(h).view(P, L, self.n_kv, self.head_dim).transpose(1, 2)  # (P, n_kv, L, D)
+            v = attn.v_proj(h).view(P, L, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            st.k_caches[i][:rows, :, :L] = k.repeat_interleave(n, dim=0)  # each prompt's KV into its n rows
+            st.v_caches[i][:rows, :, :L] = v.repeat_interleave(n, dim=0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5,
+                                                 enable_gqa=self.n_kv != self.n_heads)  # (P, nh, L, D)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(P, L, self.n_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(P, device=self.device), lengths - 1]  # (P, H) each prompt's last token
+        logits = lm.lm_head(decoder.norm(last[:, None]))[:, 0].float()  # (P, V)
+        if logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"lm_head gives {logits.shape[-1]} logits but config.vocab_size is {self.vocab_size}")
+        st.logits[:rows] = logits.repeat_interleave(n, dim=0)
+        st.pos[:rows] = lengths.repeat_interleave(n)
+
+    # ----------------------------------------------------------------------------------------------
+    def _check(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> None:
+        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty; pass a list of prompts, each a non-empty list of token ids")
+        if n < 1:
+            raise ValueError(f"n={n}: completions per prompt must be at least 1")
+        if len(prompt_ids) * n > self.max_batch:
+            raise ValueError(f"{len(prompt_ids)} prompts x n={n} = {len(prompt_ids) * n} rows exceed "
+                             f"max_batch={self.max_batch}; build the engine with a larger max_batch")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompt_ids[{i}] has a token id outside [0, {self.vocab_size})")
+            if len(p) + sampling.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt_ids[{i}] has {len(p)} tokens; with max_new_tokens="
+                                 f"{sampling.max_new_tokens} that exceeds max_seq_len={self.max_seq_len}")
+        for s in sampling.stop_sequences:
+            if len(s) == 0:
+                raise ValueError("Sampling.stop_sequences holds an empty sequence; remove it")
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        """P prompts times n completions, sampled from the model as it is now. See `Rollout`."""
+        self._check(prompt_ids, n, sampling)
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self._generate(prompt_ids, n, sampling)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        cuda = self.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda *a: None)
+        t0 = time.perf_counter()
+        if self._state is None:
+            self._state = self._allocate()
+        st = self._state
+        rows, max_new = len(prompt_ids) * n, sampling.max_new_tokens
+        max_prompt = max(len(p) for p in prompt_ids)
+        stop_ids = () if sampling.ignore_eos else tuple(sorted(set(sampling.stop_token_ids)))
+        stop_seqs = () if sampling.ignore_eos else tuple(tuple(s) for s in sampling.stop_sequences)
+        window = max((len(s) for s in stop_seqs), default=0)
+        stop_key = (stop_ids, stop_seqs, window)
+        if stop_ids and ("ids", stop_ids) not in st.consts:
+            st.consts[("ids", stop_ids)] = torch.tensor(stop_ids, device=self.device, dtype=torch.long)
+        for seq in stop_seqs:
+            if ("seq", seq) not in st.consts:
+                st.consts[("seq", seq)] = torch.tensor(seq, device=self.device, dtype=torch.long)
+        if window and window not in st.tails:
+            st.tails[window] = torch.full((self.max_batch, window), -1, device=self.device, dtype=torch.long)
+
+        def bucket(i: int) -> int:  # KV length that step i (0-based) needs: it writes at max_prompt + i
+            need = max_prompt + i + 1
+            return min(-(-need // self.kv_bucket) * self.kv_bucket, self.max_seq_len)
+
+        graphs = {}
+        if self.use_cuda_graph:
+            fingerprint = self._model_fingerprint()
+            if fingerprint != self._fingerprint:  # parameters moved or adapters switched: recapture
+                self._graphs.clear()
+                self._fingerprint = fingerprint
+            for kv_len in sorted({bucket(i) for i in range(max_new)}):
+                graphs[kv_len] = self._graph_for(rows, kv_len, sampling, stop_key)
+        sync()
+        t1 = time.perf_counter()
+
+        # reset the state the warm-up and capture wrote, then prefill
+        st.step.zero_()
+        st.alive[:rows] = True
+        st.finished[:rows] = False
+        st.out_ids[:rows] = self.pad_id
+        st.out_logp[:rows] = 0.0
+        st.out_mask[:rows] = False
+        if window:
+            st.tails[window][:rows] = -1
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._prefill(prompt_ids, n)
+        sync()
+        t2 = time.perf_counter()
+
+        steps = 0
+        for i in range(max_new):
+            if sampling.temperature > 0:
+                st.noise[:rows].exponential_(generator=generator)
+            kv_len = bucket(i)
+            if self.use_cuda_graph:
+                graphs[kv_len].replay()
+            else:
+                self._step(rows, kv_len, sampling, stop_key)
+            steps += 1
+            if stop_key != ((), (), 0) and steps % self.check_every == 0 and not bool(st.alive[:rows].any()):
+                break
+        sync()
+        t3 = time.perf_counter()
+
+        used = st.out_mask[:rows, :steps]  # (B, steps)
+        width = int(used.any(0).nonzero().max().item()) + 1 if bool(used.any()) else 1
+        return Rollout(
+            prompt_ids=[list(p) for p in prompt_ids],
+            completion_ids=st.out_ids[:rows, :width].clone(),
+            mask=st.out_mask[:rows, :width].clone(),
+            sampler_logp=st.out_logp[:rows, :width].clone(),
+            finished=st.finished[:rows].clone(),
+            n=n,
+            timings={"capture": t1 - t0, "prefill": t2 - t1, "decode": t3 - t2, "decode_steps": float(steps)},
+        )

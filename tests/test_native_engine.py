@@ -1,0 +1,374 @@
+"""NativeEngine on tiny random Llamas (CPU, no graphs): it must sample exactly what the model says."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from conftest import tiny_llama, tiny_llama_config
+from grpo.rollout.base import Engine, Sampling
+from grpo.rollout.native import NativeEngine
+from test_sampling import chi2_critical, chi2_statistic, reference_probs
+
+PAD = 4  # small_llama's pad id; tiny_llama's (128004) where the real vocabulary is used
+PROMPTS = [[5, 17, 300, 42], [7, 8, 9, 10, 11, 12, 13], [99]]  # lengths 4, 7, 1
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                         pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()
+
+
+def full_logits(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Logits predicting each completion token, from one plain forward over prompt + completion."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()  # (L + T, V)
+    return logits[len(prompt) - 1 : len(prompt) + len(completion) - 1]  # (T, V)
+
+
+def small_llama(seed: int = 0, vocab: int = 1024) -> nn.Module:
+    """tiny_llama with a small vocabulary (special ids moved inside it): fast enough for many rollouts."""
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_llama_config(vocab_size=vocab)
+    cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 4, 1, 2
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_llama(seed=0)
+
+
+def test_engine_satisfies_the_engine_protocol(model):
+    assert isinstance(NativeEngine(model, max_seq_len=32, max_batch=2, pad_id=PAD), Engine)
+
+
+def test_greedy_equals_transformers_generate_for_prompts_of_different_lengths(model):
+    engine = NativeEngine(model, max_seq_len=48, max_batch=8, pad_id=PAD, kv_bucket=16)
+    rollout = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=20, temperature=0.0))
+    assert rollout.completion_ids.shape == (6, 20)
+    assert rollout.mask.all()
+    assert not rollout.finished.any()
+    for i, prompt in enumerate(PROMPTS):
+        ref = hf_greedy(model, prompt, 20)
+        assert rollout.completion_ids[2 * i].tolist() == ref
+        assert rollout.completion_ids[2 * i + 1].tolist() == ref  # n=2: both rows of a group
+    # transformers with left padding and an attention mask gives the same tokens as the engine's
+    # own per-row positions
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    padded = model.generate(ids, attention_mask=attention, max_new_tokens=20, do_sample=False,
+                            eos_token_id=None, pad_token_id=PAD)[:, width:]
+    assert torch.equal(padded, rollout.completion_ids[::2])
+
+
+def test_greedy_equals_transformers_generate_with_the_llama_vocabulary():
+    big = tiny_llama(seed=0)  # 128256 tokens, Llama 3.2's ids
+    engine = NativeEngine(big, max_seq_len=24, max_batch=4, pad_id=128004)
+    rollout = engine.generate(PROMPTS[:2], 2, Sampling(max_new_tokens=8, temperature=0.0))
+    for i, prompt in enumerate(PROMPTS[:2]):
+        out = big.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=128004)
+        assert rollout.completion_ids[2 * i].tolist() == out[0, len(prompt):].tolist()
+        assert rollout.completion_ids[2 * i + 1].tolist() == out[0, len(prompt):].tolist()
+
+
+def test_greedy_logp_is_log_softmax_at_temperature_one(model):
+    engine = NativeEngine(model, max_seq_len=48, max_batch=4, pad_id=PAD)
+    rollout = engine.generate(PROMPTS[:2], 1, Sampling(max_new_tokens=12, temperature=0.0))
+    for i, prompt in enumerate(PROMPTS[:2]):
+        completion = rollout.completion_ids[i].tolist()
+        ref = torch.log_softmax(full_logits(model, prompt, completion), -1)
+        ref = ref.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(rollout.sampler_logp[i].double(), ref, atol=2e-5, rtol=0)
+
+
+def test_sampler_logp_equals_log_softmax_of_full_forward_before_filters(model):
+    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD, kv_bucket=8)
+    sampling = Sampling(max_new_tokens=16, temperature=0.7, top_k=50, top_p=0.95, min_p=0.05, seed=3)
+    rollout = engine.generate(PROMPTS, 2, sampling)
+    for row in range(6):
+        prompt = PROMPTS[row // 2]
+        completion = rollout.completion_ids[row].tolist()
+        ref = torch.log_softmax(full_logits(model, prompt, completion) / 0.7, -1)
+        ref = ref.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(rollout.sampler_logp[row].double(), ref, atol=2e-5, rtol=0)
+
+
+def test_seed_reproduces_rollout_and_another_seed_differs(model):
+    engine = NativeEngine(model, max_seq_len=40, max_batch=6, pad_id=PAD)
+    a = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=10, temperature=1.0, seed=11))
+    b = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=10, temperature=1.0, seed=11))
+    c = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=10, temperature=1.0, seed=12))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.sampler_logp, b.sampler_logp)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # the rows of a group are independent samples, not copies
+    assert not torch.equal(a.completion_ids[0], a.completion_ids[1])
+
+
+def test_stops_at_stop_token_keeps_it_and_pads_after(model):
+    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD, check_every=2)
+    free = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=12, temperature=0.0))
+    eos = free.completion_ids[0, 3].item()  # row 0's fourth token plays EOS
+    first = free.completion_ids[0].tolist().index(eos)
+    stopped = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=12, temperature=0.0, stop_token_ids=(eos,)))
+    assert stopped.finished[0]
+    assert stopped.mask[0].tolist() == [True] * (first + 1) + [False] * (stopped.mask.shape[1] - first - 1)
+    assert stopped.completion_ids[0, : first + 1].tolist() == free.completion_ids[0, : first + 1].tolist()
+    assert (stopped.completion_ids[0, first + 1 :] == PAD).all()
+    assert (stopped.sampler_logp[0, first + 1 :] == 0).all()
+    for row in (1, 2):  # rows that never produce it run to max_new_tokens, unfinished
+        hits = free.completion_ids[row].tolist()
+        if eos not in hits:
+            assert not stopped.finished[row] and stopped.mask[row].all()
+    ignored = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=12, temperature=0.0, stop_token_ids=(eos,),
+                                                   ignore_eos=True))
+    assert torch.equal(ignored.completion_ids, free.completion_ids)
+    assert not ignored.finished.any()
+
+
+def test_stops_at_stop_sequence_only_when_the_whole_sequence_appears(model):
+    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD)
+    free = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=14, temperature=0.0))
+    row0 = free.completion_ids[0].tolist()
+    seq = tuple(row0[4:7])
+    end = next(i + 3 for i in range(len(row0) - 2) if tuple(row0[i : i + 3]) == seq)  # first full match
+    never = (row0[4], 5, 5)  # starts like seq, never completes
+    stopped = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=14, temperature=0.0,
+                                                   stop_sequences=(never, seq)))
+    assert stopped.finished[0]
+    assert stopped.lengths[0].item() == end
+    assert stopped.completion_ids[0, :end].tolist() == row0[:end]
+    # a stop sequence that overlaps the prompt does not count: only completion tokens match
+    prompt_tail = (PROMPTS[1][-1], free.completion_ids[1, 0].item())
+    overlap = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=14, temperature=0.0,
+                                                   stop_sequences=(prompt_tail,)))
+    assert overlap.lengths[1].item() > 1 or tuple(free.completion_ids[1, :2].tolist()) == prompt_tail
+
+
+def test_early_exit_when_every_row_finished(model):
+    engine = NativeEngine(model, max_seq_len=48, max_batch=2, pad_id=PAD, check_every=2)
+    free = engine.generate([PROMPTS[0]], 1, Sampling(max_new_tokens=30, temperature=0.0))
+    eos = free.completion_ids[0, 1].item()
+    stopped = engine.generate([PROMPTS[0]], 1, Sampling(max_new_tokens=30, temperature=0.0,
+                                                        stop_token_ids=(eos,)))
+    first = free.completion_ids[0].tolist().index(eos)
+    assert stopped.completion_ids.shape[1] == first + 1
+    assert stopped.timings["decode_steps"] <= first + 1 + 2  # checked every 2 steps
+
+
+def test_lora_adapters_are_active_and_match_peft_generate():
+    from peft import LoraConfig, get_peft_model
+
+    base = small_llama(seed=1)
+    plain = {i: hf_greedy(base, p, 12) for i, p in enumerate(PROMPTS)}
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                 init_lora_weights=False))
+    engine = NativeEngine(peft_model, max_seq_len=32, max_batch=3, pad_id=PAD)
+    rollout = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=12, temperature=0.0))
+    for i, p in enumerate(PROMPTS):
+        assert rollout.completion_ids[i].tolist() == hf_greedy(peft_model, p, 12)
+    assert any(rollout.completion_ids[i].tolist() != plain[i] for i in plain), "adapters had no effect"
+    with peft_model.disable_adapter():  # the engine follows peft's switch too
+        off = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=12, temperature=0.0))
+    assert all(off.completion_ids[i].tolist() == plain[i] for i in plain)
+
+
+class CoarseLinear(nn.Linear):
+    """A stand-in for FP8Linear: an nn.Linear subclass whose forward uses a rounded copy of its weight."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CoarseLinear.calls += 1
+        return F.linear(x, torch.round(self.weight / 0.02) * 0.02, self.bias)
+
+
+def coarsen(model: nn.Module) -> nn.Module:
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                old = getattr(parent, name)
+                new = CoarseLinear(old.in_features, old.out_features, bias=old.bias is not None)
+                new.weight = old.weight
+                setattr(parent, name, new)
+    return model
+
+
+def test_projections_run_through_their_modules_forward_with_lora_on_top():
+    from peft import LoraConfig, get_peft_model
+
+    reference = small_llama(seed=2)
+    ref_tokens = [hf_greedy(reference, p, 10) for p in PROMPTS]
+    model = coarsen(small_llama(seed=2))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                             init_lora_weights=False))
+    CoarseLinear.calls = 0
+    engine = NativeEngine(model, max_seq_len=32, max_batch=3, pad_id=PAD)
+    rollout = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=10, temperature=0.0))
+    assert CoarseLinear.calls >= 7 * 2 * 10
+    for i, p in enumerate(PROMPTS):
+        assert rollout.completion_ids[i].tolist() == hf_greedy(model, p, 10)
+    assert [rollout.completion_ids[i].tolist() for i in range(3)] != ref_tokens
+
+
+class CopyWatch(TorchDispatchMode):
+    """Records every op output shaped like a weight matrix (or its transpose) that is not a view of one."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        params = [p for p in model.parameters() if p.dim() >= 2]
+        self.shapes = {tuple(p.shape) for p in params} | {tuple(p.shape[::-1]) for p in params}
+        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.shapes \
+                    and t.untyped_storage().data_ptr() not in self.storages:
+                self.copies.append((str(func), tuple(t.shape)))
+        return out
+
+
+def test_no_parameter_is_duplicated_or_moved():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(small_llama(seed=3), LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                "o_proj", "gate_proj", "up_proj",
+                                                                                "down_proj"]))
+    ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
+    engine = NativeEngine(model, max_seq_len=40, max_batch=6, pad_id=PAD, kv_bucket=8)
+    watch = CopyWatch(model)
+    with watch:
+        rollout = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=9, temperature=1.0, top_k=20, seed=0))
+    assert rollout.completion_ids.shape == (6, 9)
+    assert watch.copies == []
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == ptrs
+    held = engine._state.tensors()
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert all(t.untyped_storage().data_ptr() not in param_storages for t in held)
+    assert all(tuple(t.shape) not in watch.shapes for t in held)
+    # the check can fail: a weight cast to another dtype is caught
+    with watch:
+        model.base_model.model.model.layers[0].mlp.gate_proj.base_layer.weight.to(torch.float64)
+    assert watch.copies
+
+
+def test_leaves_each_module_train_flag_as_found():
+    model = small_llama(seed=4)
+    model.train()
+    model.model.layers[0].mlp.eval()
+    before = [m.training for m in model.modules()]
+    engine = NativeEngine(model, max_seq_len=24, max_batch=2, pad_id=PAD)
+    engine.generate([[1, 2, 3]], 2, Sampling(max_new_tokens=4, temperature=1.0, seed=0))
+    assert [m.training for m in model.modules()] == before
+    assert torch.is_grad_enabled()
+
+
+def test_release_memory_frees_buffers_and_generation_resumes(model):
+    engine = NativeEngine(model, max_seq_len=32, max_batch=4, pad_id=PAD)
+    sampling = Sampling(max_new_tokens=8, temperature=0.9, seed=5)
+    a = engine.generate(PROMPTS[:2], 2, sampling)
+    assert engine.held_bytes() >= engine.kv_cache_bytes() > 0
+    engine.release_memory()
+    assert engine.held_bytes() == 0
+    b = engine.generate(PROMPTS[:2], 2, sampling)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_smaller_batch_after_larger_uses_the_same_cache(model):
+    engine = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD)
+    engine.generate(PROMPTS, 2, Sampling(max_new_tokens=6, temperature=1.0, seed=0))
+    one = engine.generate([PROMPTS[2]], 1, Sampling(max_new_tokens=6, temperature=0.0))
+    assert one.completion_ids[0].tolist() == hf_greedy(model, PROMPTS[2], 6)
+
+
+def vocab16_model() -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_llama_config(vocab_size=16, hidden=32, intermediate=64)
+    cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(15.0)  # spread the logits so the distribution is far from uniform
+    return model
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.8, 0, 1.0, 0.0), (1.2, 10, 0.9, 0.03)])
+def test_sampled_token_frequencies_match_model_distribution(temperature, top_k, top_p, min_p):
+    model = vocab16_model()
+    prompt, draws = [3, 7, 11, 5], 3000
+    engine = NativeEngine(model, max_seq_len=8, max_batch=draws, pad_id=0)
+    sampling = Sampling(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=9)
+    rollout = engine.generate([prompt], draws, sampling)
+    first = rollout.completion_ids[:, 0]
+    double = copy.deepcopy(model).double()
+    ref = reference_probs(full_logits(double, prompt, [0])[0], temperature, top_k, top_p, min_p)
+    counts = torch.bincount(first, minlength=16)
+    assert counts[ref == 0].sum() == 0, "sampled a token the filters remove"
+    stat, df = chi2_statistic(counts, ref)
+    assert stat < chi2_critical(df), (stat, df)
+    # the second token, given the most common first one, follows the model's conditional distribution
+    top = counts.argmax().item()
+    second = rollout.completion_ids[first == top, 1]
+    ref2 = reference_probs(full_logits(double, prompt, [top, 0])[1], temperature, top_k, top_p, min_p)
+    counts2 = torch.bincount(second, minlength=16)
+    assert counts2[ref2 == 0].sum() == 0
+    stat2, df2 = chi2_statistic(counts2, ref2)
+    assert stat2 < chi2_critical(df2), (stat2, df2)
+
+
+def test_invalid_requests_raise_value_error(model):
+    engine = NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD)
+    s = Sampling(max_new_tokens=8, temperature=0.0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([[1] * 9], 1, s)
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.generate([[1], [2], [3]], 2, s)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[1], []], 1, s)
+    with pytest.raises(ValueError, match="n=0"):
+        engine.generate([[1]], 0, s)
+    with pytest.raises(ValueError, match="token id"):
+        engine.generate([[1, 128256]], 1, s)
+    with pytest.raises(ValueError, match="use_cuda_graph"):
+        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="Llama-style"):
+        NativeEngine(nn.Linear(2, 2), max_seq_len=16, max_batch=4, pad_id=PAD)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graph_rollout_equals_eager_rollout():
+    model = small_llama(seed=6).cuda()
+    sampling = Sampling(max_new_tokens=40, temperature=1.0, top_p=0.9, min_p=0.05, seed=1,
+                        stop_sequences=((17, 18),))
+    graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16)
+    eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, use_cuda_graph=False)
+    a, b = graphed.generate(PROMPTS, 2, sampling), eager.generate(PROMPTS, 2, sampling)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(a.sampler_logp, b.sampler_logp)
+    greedy = graphed.generate(PROMPTS, 1, Sampling(max_new_tokens=20, temperature=0.0))
+    for i, p in enumerate(PROMPTS):
+        out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=PAD)
+        assert greedy.completion_ids[i].tolist() == out[0, len(p):].tolist()
