@@ -309,13 +309,17 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
+class RewardError(RuntimeError):
+    """A reward function failed or returned something other than one float per completion."""
+
+
 def score(completions: Sequence[str], answers: Sequence[str], funcs: Sequence[RewardFn],
           columns: dict[str, Sequence[Any]] | None = None) -> tuple[torch.Tensor, list[str]]:
     """Call every reward function on the batch -> (rewards (N, R) float32, names (R,)).
 
     `columns` are extra per-completion fields (length N each), passed as keyword arguments. A function
     that raises is called again on one completion at a time to find the one that breaks it; the
-    RuntimeError names the function and shows that completion.
+    RewardError names the function and shows that completion.
     """
     completions, answers = list(completions), list(answers)
     n = len(completions)
@@ -337,19 +341,19 @@ def score(completions: Sequence[str], answers: Sequence[str], funcs: Sequence[Re
             raise _locate_failure(fn, completions, answers, columns, err) from err
         values = list(values) if values is not None else []
         if len(values) != n:
-            raise RuntimeError(f"reward function {name} returned {len(values)} values for {n} completions; "
+            raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions; "
                                "it must return one float per completion")
         for i, value in enumerate(values):
             as_float = _as_float(value)
             if as_float is None:
-                raise RuntimeError(f"reward function {name} returned {value!r} (a {type(value).__name__}) for "
+                raise RewardError(f"reward function {name} returned {value!r} (a {type(value).__name__}) for "
                                    f"completion {i}; it must return floats (or None where it does not apply)")
             rewards[i, j] = as_float
     return rewards, names
 
 
 def _locate_failure(fn: RewardFn, completions: list[str], answers: list[str],
-                    columns: dict[str, list[Any]], err: Exception) -> RuntimeError:
+                    columns: dict[str, list[Any]], err: Exception) -> RewardError:
     name = _name(fn)
     for i, (completion, answer) in enumerate(zip(completions, answers)):
         try:
@@ -357,7 +361,7 @@ def _locate_failure(fn: RewardFn, completions: list[str], answers: list[str],
         except Exception as single_err:
             shown = repr(completion)
             shown = shown if len(shown) <= 300 else shown[:200] + " ... " + shown[-80:]
-            return RuntimeError(f"reward function {name} raised {type(single_err).__name__}: {single_err} "
+            return RewardError(f"reward function {name} raised {type(single_err).__name__}: {single_err} "
                                 f"on completion {i} {shown} (answer {answer!r})")
-    return RuntimeError(f"reward function {name} raised {type(err).__name__}: {err} on the batch of "
+    return RewardError(f"reward function {name} raised {type(err).__name__}: {err} on the batch of "
                         f"{len(completions)} completions (no single completion reproduces it)")

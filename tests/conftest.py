@@ -27,7 +27,8 @@ def tiny_llama_config(vocab_size: int = 128256, hidden: int = 64, layers: int = 
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_pos, tie_word_embeddings=tie, bos_token_id=128000,
-        eos_token_id=[128001, 128008, 128009], pad_token_id=128004, rope_theta=500000.0,
+        eos_token_id=[128001, 128008, 128009], rope_theta=500000.0,
+        pad_token_id=128004 if vocab_size > 128004 else None,
     )
 
 
@@ -47,4 +48,47 @@ def tiny_llama_dir(tmp_path_factory, llama_tokenizer):
     path = tmp_path_factory.mktemp("tiny-llama")
     tiny_llama().save_pretrained(path)
     llama_tokenizer.save_pretrained(path)
+    return path
+
+
+CHAR_SPECIALS = ["<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+                 "<|end_header_id|>"]
+
+
+def char_tokenizer():
+    """A character-level tokenizer built in the test: every printable ASCII character is one token.
+
+    Small vocabularies make learning visible in a few CPU steps; the Llama-3 special tokens keep the
+    chat-template fallback working.
+    """
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(CHAR_SPECIALS + ["<unk>"] + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<|begin_of_text|>",
+                                  eos_token="<|eot_id|>", unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": CHAR_SPECIALS[4:]})
+    return tok
+
+
+@pytest.fixture(scope="session")
+def char_llama_dir(tmp_path_factory):
+    """A tiny random Llama over the character tokenizer (vocab 128), saved with it."""
+    tok = char_tokenizer()
+    path = tmp_path_factory.mktemp("char-llama")
+    model = tiny_llama(vocab_size=128, hidden=64, layers=2, max_pos=1024)
+    model.config.bos_token_id = tok.bos_token_id
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
     return path

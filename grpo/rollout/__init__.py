@@ -1,0 +1,33 @@
+"""Samplers behind one protocol: `native` (fast, in-process), `hf` (reference), `vllm` (external)."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.rollout.base import Engine, Rollout, Sampling
+
+__all__ = ["Engine", "Rollout", "Sampling", "build_engine", "resolve_engine_name"]
+
+
+def resolve_engine_name(name: str) -> str:
+    if name == "auto":
+        return "native" if torch.cuda.is_available() else "hf"
+    return name
+
+
+def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, **vllm_kwargs) -> Engine:
+    """The engine `name` over `policy` (the PeftModel being trained; no weights are copied)."""
+    name = resolve_engine_name(name)
+    if name == "hf":
+        from grpo.rollout.hf import HFEngine
+
+        return HFEngine(policy, pad_id=pad_id)
+    if name == "native":
+        from grpo.rollout.native import NativeEngine
+
+        return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id)
+    if name == "vllm":
+        from grpo.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(policy, max_model_len=max_seq_len, **vllm_kwargs)
+    raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf or vllm")

@@ -1,0 +1,165 @@
+"""End to end: train.py on tiny random models, offline; resume; Ctrl-C; learning; bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import Config
+from grpo.trainer import NonFiniteLoss, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# Reward functions referenced as --reward test_train:<name> (tests/ is on sys.path under pytest).
+def digit_share(completions, answers, **columns):
+    """The share of characters that are digits: a trivial reward a tiny model can learn."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def always_nan(completions, answers, **columns):
+    return [float("nan")] * len(completions)
+
+
+def always_raises(completions, answers, **columns):
+    raise ZeroDivisionError("boom")
+
+
+_calls = {"n": 0}
+
+
+def interrupt_on_third_call(completions, answers, **columns):
+    _calls["n"] += 1
+    if _calls["n"] == 3:
+        raise KeyboardInterrupt
+    return [0.0] * len(completions)
+
+
+def tiny_cfg(model_dir, out, **kw) -> Config:
+    base = dict(model=str(model_dir), dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,
+                num_generations=2, max_completion_length=8, max_prompt_length=None, max_seq_length=1024,
+                learning_rate=1e-3, warmup_ratio=0.0, save_steps=0, log_completions_steps=1,
+                output_dir=str(out), seed=11)
+    base.update(kw)
+    return Config(**base)
+
+
+def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def test_train_cli_runs_two_steps_offline_and_saves_a_peft_adapter(tiny_llama_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "train.py", "--model", str(tiny_llama_dir), "--max-steps", "2", "--prompts-per-step", "2",
+           "--num-generations", "2", "--max-completion-length", "8", "--engine", "hf", "--output-dir", str(out),
+           "--beta", "0.04", "--micro-batch-size", "2"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = Config.load(out / "config.json")
+    assert saved.max_steps == 2 and saved.micro_batch_size == 2 and saved.model == str(tiny_llama_dir)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in steps)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    loaded = PeftModel.from_pretrained(base, out / "adapter")
+    assert loaded.peft_config["default"].use_rslora and loaded.peft_config["default"].r == 32
+
+
+def test_help_lists_every_flag_with_text():
+    from grpo.config import build_parser
+
+    text = build_parser().format_help()
+    for flag in ("--model", "--dataset", "--reward-preset", "--num-generations", "--prompts-per-step",
+                 "--micro-batch-size", "--max-seq-length", "--max-prompt-length", "--max-completion-length",
+                 "--lora-rank", "--lora-alpha", "--learning-rate", "--weight-decay", "--warmup-ratio", "--optim",
+                 "--beta", "--epsilon", "--epsilon-high", "--num-iterations", "--temperature", "--top-p",
+                 "--top-k", "--min-p", "--seed", "--engine", "--max-steps", "--output-dir", "--save-steps",
+                 "--eval-steps", "--resume", "--report-to", "--load-in-fp8", "--preset"):
+        assert flag in text, flag
+    for action in build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
+    straight = tiny_cfg(tiny_llama_dir, tmp_path / "a", max_steps=4, save_steps=2, save_total_limit=3,
+                        num_iterations=2, beta=0.04)
+    train(straight)
+    resumed = tiny_cfg(tiny_llama_dir, tmp_path / "b", max_steps=4, save_steps=2, num_iterations=2, beta=0.04,
+                       resume=str(tmp_path / "a" / "checkpoint-2"))
+    train(resumed)
+    a, b = adapter_tensors(tmp_path / "a" / "adapter"), adapter_tensors(tmp_path / "b" / "adapter")
+    two = adapter_tensors(tmp_path / "a" / "checkpoint-2")
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], two[k]) for k in a), "steps 3 and 4 changed nothing"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_llama_dir, tmp_path):
+    _calls["n"] = 0
+    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=3, reward=("test_train:interrupt_on_third_call",))
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=3, resume="latest"))
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_grpo_raises_a_trivial_reward_within_a_few_dozen_steps(char_llama_dir, tmp_path):
+    # A tiny model over a character vocabulary, rewarded for the share of digits it writes. GRPO must
+    # raise that share clearly; a wrong sign anywhere (advantage, ratio, loss) makes it fall instead.
+    cfg = tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=24, prompts_per_step=4, num_generations=8,
+                   max_completion_length=12, learning_rate=1e-2, beta=0.0, min_p=0.0, optim="adamw_torch",
+                   reward=("test_train:digit_share",), max_prompt_length=None, log_completions_steps=0,
+                   lora_rank=8, lora_alpha=16, num_train_examples=64)
+    train(cfg)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    share = [r["rewards/digit_share"] for r in records if "rewards/digit_share" in r]
+    first, last = sum(share[:5]) / 5, sum(share[-5:]) / 5
+    assert last > first + 0.15 and last > 2 * first, (first, last)
+
+
+def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama_dir, tmp_path):
+    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=5, reward=("test_train:always_nan",),
+                   max_nonfinite_steps=2)
+    with pytest.raises(NonFiniteLoss, match="non-finite"):
+        train(cfg)
+    state = json.loads((tmp_path / "run" / "checkpoint-0" / "trainer_state.json").read_text())
+    assert state["skipped_steps"] == 2
+
+
+def test_a_reward_function_that_raises_is_named_with_the_completion(tiny_llama_dir, tmp_path):
+    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", reward=("test_train:always_raises",))
+    with pytest.raises(Exception, match="always_raises"):
+        train(cfg)
+
+
+def test_an_unreachable_model_id_suggests_a_local_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = subprocess.run([sys.executable, "train.py", "--model", "nobody/no-such-model", "--output-dir",
+                             str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "nobody/no-such-model" in last and "local" in last
+
+
+def test_fewer_than_two_generations_is_refused_on_the_command_line():
+    result = subprocess.run([sys.executable, "train.py", "--num-generations", "1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "--num-generations 1" in result.stderr
