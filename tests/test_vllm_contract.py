@@ -1,0 +1,537 @@
+"""The calls grpo/rollout/vllm.py makes to vLLM and Unsloth, checked against fakes (no vllm needed).
+
+tests/test_vllm.py runs the same engine against a real vLLM (scripts/test-vllm.sh); this file
+pins down the contract where vLLM is absent, and the pieces that are pure logic: Sampling ->
+SamplingParams, per-prompt seeds, one fresh adapter per call, outputs -> Rollout, stop sequences,
+sleep/wake, the log-softmax logits processor's arithmetic, and the error messages.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import importlib.machinery
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo.rollout.vllm as rv
+from grpo.rollout.base import Engine, Sampling
+
+
+# --- fakes of the vLLM surface the backend uses -------------------------------------------------
+
+class FakeSamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+        if kw.get("temperature", 1.0) < 1e-5 and kw.get("n", 1) > 1:  # as vLLM: greedy needs n=1
+            raise ValueError(f"n must be 1 when using greedy sampling, got {kw['n']}.")
+
+
+@dataclass
+class FakeLoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list
+    logprobs: list
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    outputs: list
+
+
+def fake_tokens(seed: int, length: int) -> list[int]:
+    return [(seed * 7 + 3 * j) % 97 + 1 for j in range(length)]
+
+
+@dataclass
+class FakeLLM:
+    """Records every call; generates tokens from each request's seed, stops at stop_token_ids."""
+
+    kwargs: dict = field(default_factory=dict)
+    calls: list = field(default_factory=list)
+    removed: list = field(default_factory=list)
+    logprobs_mode: str = "processed_logits"
+
+    def __post_init__(self):
+        llm = self
+        self.llm_engine = types.SimpleNamespace(
+            remove_lora=lambda i: llm.removed.append(i) or True,
+            model_config=types.SimpleNamespace(logprobs_mode=self.logprobs_mode, enable_sleep_mode=False),
+        )
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.calls.append(("generate", prompts, params, lora_request))
+        outs = []
+        for prompt, p in zip(prompts, params):
+            comps = []
+            for k in range(p.n):
+                ids = fake_tokens(p.seed + k, p.max_tokens)
+                reason = "length"
+                for j, t in enumerate(ids):
+                    if t in p.stop_token_ids:
+                        ids, reason = ids[: j + 1], "stop"
+                        break
+                logprobs = [{t: Logprob(-0.01 * (j + 1) - k)} for j, t in enumerate(ids)]
+                comps.append(Completion(k, ids, logprobs, reason))
+            outs.append(RequestOutput(comps[::-1]))  # out of index order on purpose
+        return outs
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up",))
+
+
+class FakeLogitsProcessorBase(abc.ABC):
+    pass
+
+
+class FakeMoveDirectionality(enum.Enum):
+    UNIDIRECTIONAL = enum.auto()
+    SWAP = enum.auto()
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vllm, vllm.lora.request and vllm.v1.sample.logits_processor as fakes; LLM() builds a FakeLLM."""
+    built: list[FakeLLM] = []
+
+    def LLM(**kwargs):
+        llm = FakeLLM(kwargs=kwargs)
+        built.append(llm)
+        return llm
+
+    mods = {
+        "vllm": _module("vllm", LLM=LLM, SamplingParams=FakeSamplingParams, __version__="0.32.0"),
+        "vllm.lora": _module("vllm.lora"),
+        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=FakeLoRARequest),
+        "vllm.v1": _module("vllm.v1"),
+        "vllm.v1.sample": _module("vllm.v1.sample"),
+        "vllm.v1.sample.logits_processor": _module(
+            "vllm.v1.sample.logits_processor", LogitsProcessor=FakeLogitsProcessorBase,
+            MoveDirectionality=FakeMoveDirectionality),
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(rv, "_LAZY", {})  # the processor class is built against these fakes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return built
+
+
+class FakePolicy:
+    """A peft model as far as the engine cares: save_pretrained(path) writes an adapter."""
+
+    def __init__(self):
+        self.saved: list[str] = []
+
+    def save_pretrained(self, path):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "adapter_config.json").write_text(json.dumps({"r": 8, "use_rslora": True}))
+        (Path(path) / "adapter_model.safetensors").write_bytes(b"weights")
+        self.saved.append(str(path))
+
+
+def make_engine(tmp_path, **kw):
+    policy = FakePolicy()
+    engine = rv.VLLMEngine(policy, "some/base-model", lora_rank=kw.pop("lora_rank", 32), max_model_len=64,
+                           dtype="bf16", seed=3407, work_dir=str(tmp_path / "work"), **kw)
+    return engine, policy
+
+
+# --- LLM construction ---------------------------------------------------------------------------
+
+def test_llm_is_built_with_lora_processed_logits_and_our_logits_processor(fake_vllm, tmp_path):
+    engine, _ = make_engine(tmp_path, lora_rank=4, gpu_memory_utilization=0.4)
+    kw = fake_vllm[0].kwargs
+    assert kw["model"] == "some/base-model" and kw["dtype"] == "bfloat16" and kw["seed"] == 3407
+    assert kw["enable_lora"] is True and kw["max_lora_rank"] == 8  # 4 rounded up to vLLM's next rank
+    assert kw["max_model_len"] == 64 and kw["gpu_memory_utilization"] == 0.4
+    assert kw["logprobs_mode"] == "processed_logits"
+    assert kw["logits_processors"] == ["grpo.rollout.vllm:LogSoftmaxAtTemperature"]
+    assert kw["enforce_eager"] is True  # no CUDA here
+    assert "enable_sleep_mode" not in kw  # vLLM's CPU build rejects it
+    assert isinstance(engine, Engine)
+
+
+def test_cuda_turns_on_sleep_mode_and_cuda_graphs(fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    make_engine(tmp_path)
+    kw = fake_vllm[0].kwargs
+    assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False
+
+
+def test_extra_llm_kwargs_override_the_defaults(fake_vllm, tmp_path):
+    make_engine(tmp_path, enforce_eager=False, max_num_seqs=8)
+    assert fake_vllm[0].kwargs["enforce_eager"] is False and fake_vllm[0].kwargs["max_num_seqs"] == 8
+
+
+def test_the_logits_processor_fqcn_resolves_to_a_vllm_logits_processor(fake_vllm):
+    module_name, qualname = rv.LOGITS_PROCESSOR.split(":")
+    cls = getattr(importlib.import_module(module_name), qualname)
+    assert issubclass(cls, FakeLogitsProcessorBase) and cls.__module__ == "grpo.rollout.vllm"
+    assert cls(None, torch.device("cpu"), False).is_argmax_invariant() is False
+
+
+# --- generate: the calls made and the Rollout built -------------------------------------------
+
+def test_generate_sends_token_prompts_one_seeded_params_per_prompt_and_one_adapter(fake_vllm, tmp_path):
+    engine, policy = make_engine(tmp_path)
+    llm = fake_vllm[0]
+    sampling = Sampling(max_new_tokens=5, temperature=0.9, top_p=0.95, top_k=0, min_p=0.1,
+                        stop_token_ids=(128009,))
+    prompts = [[1, 2, 3], [1, 2, 3], [4]]
+    rollout = engine.generate(prompts, 2, sampling)
+
+    kind, sent, params, lora = llm.calls[-1]
+    assert kind == "generate"
+    assert sent == [{"prompt_token_ids": p} for p in prompts]
+    assert isinstance(lora, FakeLoRARequest) and lora.lora_int_id == 1 and lora.lora_name == "grpo-1"
+    assert lora.lora_path == policy.saved[-1] and Path(lora.lora_path).name == "adapter-1"
+    p = params[0]
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (2, 0.9, 0.95, 0, 0.1, 5)
+    assert p.logprobs == 0 and p.stop_token_ids == [128009] and p.ignore_eos is True
+    assert p.detokenize is False
+    seeds = [q.seed for q in params]
+    assert seeds == [rv.prompt_seed(3407, 1, i) for i in range(3)]
+    assert len(set(seeds)) == 3  # identical prompts still get their own stream
+
+    assert rollout.completion_ids.shape == (6, 5) and rollout.n == 2
+    assert rollout.prompt_ids == prompts
+    # Group order: row 2*i + k is prompt i's k-th sample (the fake returned them reversed).
+    for i in range(3):
+        for k in range(2):
+            assert rollout.completions()[2 * i + k] == fake_tokens(seeds[i] + k, 5)
+            assert rollout.sampler_logp[2 * i + k, 0].item() == pytest.approx(-0.01 - k)
+    assert rollout.sampler_logp.dtype == torch.float32 and rollout.mask.all()
+    assert not rollout.finished.any()
+    assert {"adapter_sync", "generate"} <= set(rollout.timings)
+
+
+def test_each_call_saves_a_new_adapter_with_a_new_id_and_drops_the_old_one(fake_vllm, tmp_path):
+    engine, policy = make_engine(tmp_path)
+    llm = fake_vllm[0]
+    for _ in range(3):
+        engine.generate([[1, 2]], 2, Sampling(max_new_tokens=3))
+    ids = [c[3].lora_int_id for c in llm.calls if c[0] == "generate"]
+    names = [c[3].lora_name for c in llm.calls if c[0] == "generate"]
+    assert ids == [1, 2, 3] and names == ["grpo-1", "grpo-2", "grpo-3"]
+    assert llm.removed == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["adapter-3"]
+    assert len(policy.saved) == 3
+
+
+def test_seeds_change_per_call_unless_sampling_fixes_one(fake_vllm, tmp_path):
+    engine, _ = make_engine(tmp_path)
+    llm = fake_vllm[0]
+    engine.generate([[1]], 2, Sampling(max_new_tokens=3))
+    engine.generate([[1]], 2, Sampling(max_new_tokens=3))
+    engine.generate([[1]], 2, Sampling(max_new_tokens=3, seed=11))
+    engine.generate([[1]], 2, Sampling(max_new_tokens=3, seed=11))
+    seeds = [c[2][0].seed for c in llm.calls if c[0] == "generate"]
+    assert seeds[0] != seeds[1]
+    assert seeds[2] == seeds[3] == rv.prompt_seed(11, None, 0)
+
+
+def test_greedy_with_n_above_one_sends_each_prompt_n_times(fake_vllm, tmp_path):
+    engine, _ = make_engine(tmp_path)
+    rollout = engine.generate([[1], [2]], 3, Sampling(max_new_tokens=4, temperature=0.0))
+    _, sent, params, _ = fake_vllm[0].calls[-1]
+    assert sent == [{"prompt_token_ids": [1]}] * 3 + [{"prompt_token_ids": [2]}] * 3
+    assert all(p.n == 1 and p.temperature == 0.0 for p in params)
+    assert rollout.completion_ids.shape == (6, 4)
+    assert rollout.completions()[0] == fake_tokens(params[0].seed, 4)
+    assert rollout.completions()[3] == fake_tokens(params[3].seed, 4)
+
+
+def test_stop_tokens_pad_and_mask_and_stop_sequences_cut_after_the_first_match(fake_vllm, tmp_path):
+    engine, _ = make_engine(tmp_path, pad_id=128004)
+    seed0 = rv.prompt_seed(5, None, 0)
+    tokens = fake_tokens(seed0, 8)  # what the fake makes for sample 0
+    sampling = Sampling(max_new_tokens=8, seed=5, stop_token_ids=(tokens[2],))
+    rollout = engine.generate([[1]], 2, sampling)
+    assert rollout.completions()[0] == tokens[:3] and rollout.finished[0]
+    assert rollout.completion_ids[0, 3:].eq(128004).all() and rollout.sampler_logp[0, 3:].eq(0).all()
+    assert rollout.mask[0].tolist() == [True] * 3 + [False] * (rollout.mask.shape[1] - 3)
+
+    seq = (tokens[4], tokens[5])
+    cut = engine.generate([[1]], 2, Sampling(max_new_tokens=8, seed=5, stop_sequences=((999,), seq)))
+    assert cut.completions()[0] == tokens[:6] and cut.finished[0]
+    assert cut.sampler_logp[0, :6].tolist() == pytest.approx([-0.01 * (j + 1) for j in range(6)])
+    ignore = engine.generate([[1]], 2, Sampling(max_new_tokens=8, seed=5, stop_sequences=(seq,),
+                                                 stop_token_ids=(tokens[2],), ignore_eos=True))
+    assert fake_vllm[0].calls[-1][2][0].stop_token_ids == []
+    assert ignore.completions()[0] == tokens and not ignore.finished[0]
+
+
+def test_release_memory_sleeps_on_cuda_and_generate_wakes_first(fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine, _ = make_engine(tmp_path)
+    llm = fake_vllm[0]
+    engine.generate([[1]], 2, Sampling(max_new_tokens=2))
+    engine.release_memory()
+    engine.release_memory()  # already asleep: no second sleep
+    engine.generate([[1]], 2, Sampling(max_new_tokens=2))
+    assert [c[0] for c in llm.calls] == ["generate", "sleep", "wake_up", "generate"]
+    assert llm.calls[1] == ("sleep", 1)
+
+
+def test_release_memory_is_a_no_op_on_cpu(fake_vllm, tmp_path):
+    engine, _ = make_engine(tmp_path)
+    engine.generate([[1]], 2, Sampling(max_new_tokens=2))
+    engine.release_memory()
+    assert [c[0] for c in fake_vllm[0].calls] == ["generate"]
+
+
+def test_bad_inputs_raise_one_line_value_errors(fake_vllm, tmp_path):
+    engine, _ = make_engine(tmp_path)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        engine.generate([], 2, Sampling())
+    with pytest.raises(ValueError, match="at least one prompt"):
+        engine.generate([[1], []], 2, Sampling())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[1] * 64], 2, Sampling())
+    with pytest.raises(ValueError, match="dtype"):
+        rv.VLLMEngine(FakePolicy(), "m", lora_rank=8, max_model_len=8, dtype="int4", seed=0, work_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="up to 512"):
+        rv.vllm_lora_rank(1024)
+
+
+def test_an_llm_with_raw_logprobs_refuses_temperatures_other_than_0_and_1(fake_vllm, tmp_path):
+    llm = FakeLLM(logprobs_mode="raw_logprobs")
+    engine, _ = make_engine(tmp_path, llm=llm)
+    assert not fake_vllm  # the given LLM is used, none built
+    engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=1.0))
+    engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.0))
+    with pytest.raises(ValueError, match="temperature 1"):
+        engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.7))
+
+
+# --- the logits processor: arithmetic and batch bookkeeping -------------------------------------
+
+def test_logits_processor_makes_logits_over_t_equal_log_softmax_at_t_for_each_row(fake_vllm):
+    cls = rv.LogSoftmaxAtTemperature
+    proc = cls(None, torch.device("cpu"), False)
+    P = types.SimpleNamespace
+    added = [(0, P(temperature=0.7), None, []), (1, P(temperature=0.0), None, []),
+             (2, P(temperature=1.3), None, [])]
+    proc.update_state(P(removed=[], added=added, moved=[], batch_size=3))
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50, dtype=torch.float64) * 3  # row 3: no request state -> T = 1
+    out = proc.apply(logits.clone())
+    temps = torch.tensor([0.7, 1.0, 1.3, 1.0], dtype=torch.float64)[:, None]  # greedy reports at T = 1
+    torch.testing.assert_close(out / temps, torch.log_softmax(logits / temps, -1))
+    # Truncation afterwards only masks other tokens: the kept token's value is unchanged.
+    masked = (out / temps).masked_fill(torch.arange(50) > 10, float("-inf"))
+    torch.testing.assert_close(masked[:, :11], torch.log_softmax(logits / temps, -1)[:, :11])
+
+
+def test_logits_processor_follows_removes_adds_moves_and_swaps(fake_vllm):
+    cls = rv.LogSoftmaxAtTemperature
+    proc = cls(None, torch.device("cpu"), False)
+    P = types.SimpleNamespace
+    SWAP, ONE_WAY = FakeMoveDirectionality.SWAP, FakeMoveDirectionality.UNIDIRECTIONAL
+    proc.update_state(P(removed=[], moved=[], batch_size=3, added=[
+        (0, P(temperature=0.5), None, []), (1, P(temperature=2.0), None, []), (2, P(temperature=0.8), None, [])]))
+    proc.update_state(P(removed=[1], added=[], moved=[(2, 1, ONE_WAY)], batch_size=2))
+    assert proc.temperature == {0: 0.5, 1: 0.8}
+    proc.update_state(P(removed=[], added=[(2, P(temperature=1.5), None, [])], moved=[(0, 2, SWAP)],
+                        batch_size=3))
+    assert proc.temperature == {0: 1.5, 1: 0.8, 2: 0.5}
+    proc.update_state(P(removed=[], added=[], moved=[(2, 1, ONE_WAY)], batch_size=2))  # replaces 1's request
+    assert proc.temperature == {0: 1.5, 1: 0.5}
+    proc.update_state(P(removed=[], moved=[], batch_size=3, added=[(2, P(temperature=0.5), None, [])]))
+    proc.update_state(None)  # no change
+    logits = torch.randn(3, 20, dtype=torch.float64)
+    temps = torch.tensor([1.5, 0.5, 0.5], dtype=torch.float64)[:, None]
+    torch.testing.assert_close(proc.apply(logits.clone()) / temps, torch.log_softmax(logits / temps, -1))
+
+
+# --- errors without vllm, FP8 on old GPUs -----------------------------------------------------
+
+def test_engine_without_vllm_says_which_extra_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rv.vllm_available() is False
+    with pytest.raises(ImportError, match=r"pip install 'grpo\[vllm\]'"):
+        rv.VLLMEngine(FakePolicy(), "m", lora_rank=8, max_model_len=64, dtype="bf16", seed=0, work_dir=str(tmp_path))
+
+
+def test_importing_the_module_imports_neither_vllm_nor_unsloth():
+    import subprocess
+
+    code = ("import sys, grpo.rollout.vllm as m; "
+            "print(any(k == 'vllm' or k.startswith('vllm.') or k == 'unsloth' for k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _fake_gpu(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+
+
+def test_fp8_below_sm89_says_to_use_the_bf16_checkpoint(monkeypatch):
+    _fake_gpu(monkeypatch, (8, 6))
+    with pytest.raises(ValueError, match="sm_86.*bf16 checkpoint.*unsloth/Llama-3.2-1B-Instruct"):
+        rv.check_fp8_supported(True)
+    rv.check_fp8_supported(False)  # bf16: fine anywhere
+    _fake_gpu(monkeypatch, (8, 9))
+    rv.check_fp8_supported(True)
+
+
+def test_fp8_checkpoints_are_recognised_by_config_or_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert rv.is_fp8_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert not rv.is_fp8_checkpoint(str(tmp_path))
+    assert rv.is_fp8_checkpoint("unsloth/Llama-3.2-1B-Instruct-FP8-Block")
+    assert not rv.is_fp8_checkpoint("unsloth/Llama-3.2-1B-Instruct")
+
+
+def test_vllm_engine_refuses_an_fp8_checkpoint_below_sm89(fake_vllm, monkeypatch, tmp_path):
+    _fake_gpu(monkeypatch, (8, 0))
+    with pytest.raises(ValueError, match="bf16 checkpoint"):
+        rv.VLLMEngine(FakePolicy(), "unsloth/Llama-3.2-1B-Instruct-FP8-Block", lora_rank=32, max_model_len=64,
+                      dtype="bf16", seed=0, work_dir=str(tmp_path))
+    assert not fake_vllm  # refused before vLLM was started
+
+
+# --- Unsloth --------------------------------------------------------------------------------------
+
+class FakeUnslothModel:
+    def __init__(self, llm):
+        self.vllm_engine = llm
+        self.loaded: list = []
+        self.peft_kwargs: dict = {}
+
+    def load_lora(self, path, load_tensors=False):
+        self.loaded.append((path, load_tensors))
+        return FakeLoRARequest(str(len(self.loaded)), len(self.loaded), path)
+
+    def fast_generate(self, prompts, sampling_params=None, lora_request=None, use_tqdm=True):
+        return self.vllm_engine.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+
+
+@pytest.fixture
+def fake_unsloth(fake_vllm, monkeypatch):
+    seen: dict = {}
+    llm = FakeLLM(logprobs_mode="raw_logprobs")
+    llm.llm_engine.model_config.enable_sleep_mode = True
+    model = FakeUnslothModel(llm)
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**kw):
+            seen["from_pretrained"] = kw
+            return model, "tokenizer"
+
+        @staticmethod
+        def get_peft_model(m, **kw):
+            seen["get_peft_model"] = kw
+            return m
+
+    mod = _module("unsloth")
+
+    def module_getattr(name):  # `from unsloth import X` lands here: record the env at import time
+        if name == "FastLanguageModel":
+            seen["standby_at_import"] = __import__("os").environ.get("UNSLOTH_VLLM_STANDBY")
+            return FastLanguageModel
+        raise AttributeError(name)
+
+    mod.__getattr__ = module_getattr
+    monkeypatch.setitem(sys.modules, "unsloth", mod)
+    monkeypatch.delenv("UNSLOTH_VLLM_STANDBY", raising=False)
+    monkeypatch.setenv("UNSLOTH_RETURN_LOGITS", "1")  # monkeypatch restores it afterwards
+    _fake_gpu(monkeypatch, (9, 0))
+    return seen, model, llm
+
+
+def _load(tmp_path, **kw):
+    args = dict(load_in_fp8=True, max_seq_length=1024, lora_rank=32, lora_alpha=64, use_rslora=True,
+                target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407,
+                work_dir=str(tmp_path / "u"))
+    args.update(kw)
+    return rv.load_unsloth_policy("unsloth/Llama-3.2-1B-Instruct", **args)
+
+
+def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, tmp_path):
+    seen, model, _ = fake_unsloth
+    got_model, tokenizer, engine = _load(tmp_path)
+    assert seen["standby_at_import"] == "1"
+    fp = seen["from_pretrained"]
+    assert fp["fast_inference"] is True and fp["load_in_fp8"] is True and fp["max_lora_rank"] == 32
+    assert fp["max_seq_length"] == 1024 and fp["gpu_memory_utilization"] == 0.6 and fp["load_in_4bit"] is False
+    peft = seen["get_peft_model"]
+    assert (peft["r"], peft["lora_alpha"], peft["use_rslora"]) == (32, 64, True)
+    assert peft["target_modules"] == ["q_proj", "v_proj"] and peft["random_state"] == 3407
+    assert got_model is model and tokenizer == "tokenizer" and isinstance(engine, rv.UnslothEngine)
+    assert isinstance(engine, Engine)
+
+
+def test_unsloth_engine_sends_the_live_lora_tensors_with_a_fresh_request_each_call(fake_unsloth, tmp_path):
+    _, model, llm = fake_unsloth
+    _, _, engine = _load(tmp_path)
+    for _ in range(2):
+        rollout = engine.generate([[1, 2], [3]], 2, Sampling(max_new_tokens=4, temperature=1.0, min_p=0.1))
+        engine.release_memory()
+    assert model.loaded == [(str(tmp_path / "u" / "unsloth-adapter"), True)] * 2
+    gens = [c for c in llm.calls if c[0] == "generate"]
+    assert [g[3].lora_int_id for g in gens] == [1, 2]
+    assert [c[0] for c in llm.calls] == ["generate", "sleep", "wake_up", "generate", "sleep"]
+    assert rollout.completion_ids.shape == (4, 4) and gens[-1][2][0].logprobs == 0
+
+
+def test_unsloth_engine_refuses_temperatures_its_raw_logprobs_cannot_report(fake_unsloth, tmp_path):
+    _, _, engine = _load(tmp_path)
+    with pytest.raises(ValueError, match="temperature 1"):
+        engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.8))
+
+
+def test_unsloth_fp8_below_sm89_and_no_gpu_give_clear_errors(fake_unsloth, tmp_path, monkeypatch):
+    seen, _, _ = fake_unsloth
+    _fake_gpu(monkeypatch, (8, 0))
+    with pytest.raises(ValueError, match="bf16 checkpoint"):
+        _load(tmp_path)
+    assert "from_pretrained" not in seen
+    _load(tmp_path, load_in_fp8=False)  # bf16 on the A100: fine
+    assert seen["from_pretrained"]["load_in_fp8"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        _load(tmp_path)
+
+
+def test_unsloth_missing_says_what_to_install(fake_vllm, monkeypatch, tmp_path):
+    _fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setitem(sys.modules, "unsloth", None)
+    monkeypatch.delenv("UNSLOTH_VLLM_STANDBY", raising=False)
+    monkeypatch.setenv("UNSLOTH_RETURN_LOGITS", "1")
+    with pytest.raises(ImportError, match=r"grpo\[unsloth,vllm\]"):
+        _load(tmp_path)
