@@ -94,6 +94,8 @@ class Config:
     top_k: int = _f(0, "Keep the k most likely tokens; 0 is off.", "sampling")
     min_p: float = _f(0.1, "Drop tokens below min-p times the most likely token's probability.",
                       "sampling")
+    ignore_eos: bool = _f(False, "Always generate max-completion-length tokens (fixed lengths, for "
+                          "benchmarks).", "sampling")
 
     # --- optimizer ---------------------------------------------------------------------------
     learning_rate: float = _f(5e-6, "Peak learning rate.", "optim")

@@ -277,7 +277,7 @@ def train(cfg: Config) -> Path:
                               "seed": cfg.seed, "work_dir": str(out / "vllm")} if engine_name == "vllm" else {}))
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
-                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids)
+                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids, ignore_eos=cfg.ignore_eos)
     eval_prompts = None
     if cfg.eval_size > 0:
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]

@@ -20,7 +20,8 @@ def llama_tokenizer():
 
 
 def tiny_llama_config(vocab_size: int = 128256, hidden: int = 64, layers: int = 2, heads: int = 4,
-                      kv_heads: int = 2, intermediate: int = 128, max_pos: int = 512, tie: bool = True):
+                      kv_heads: int = 2, intermediate: int = 128, max_pos: int = 512, tie: bool = True,
+                      initializer_range: float = 0.02):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -28,7 +29,7 @@ def tiny_llama_config(vocab_size: int = 128256, hidden: int = 64, layers: int = 
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_pos, tie_word_embeddings=tie, bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009], rope_theta=500000.0,
-        pad_token_id=128004 if vocab_size > 128004 else None,
+        pad_token_id=128004 if vocab_size > 128004 else None, initializer_range=initializer_range,
     )
 
 
@@ -82,7 +83,8 @@ def char_llama_dir(tmp_path_factory):
     """A tiny random Llama over the character tokenizer (vocab 128), saved with it."""
     tok = char_tokenizer()
     path = tmp_path_factory.mktemp("char-llama")
-    model = tiny_llama(vocab_size=128, hidden=64, layers=2, max_pos=1024)
+    # Embeddings wide enough (init std 0.2) that the frozen tied head can express a clear preference.
+    model = tiny_llama(vocab_size=128, hidden=64, layers=2, max_pos=1024, initializer_range=0.2)
     model.config.bos_token_id = tok.bos_token_id
     model.config.eos_token_id = tok.eos_token_id
     model.config.pad_token_id = tok.pad_token_id

@@ -124,15 +124,16 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_llama_dir, tmp_path):
 def test_grpo_raises_a_trivial_reward_within_a_few_dozen_steps(char_llama_dir, tmp_path):
     # A tiny model over a character vocabulary, rewarded for the share of digits it writes. GRPO must
     # raise that share clearly; a wrong sign anywhere (advantage, ratio, loss) makes it fall instead.
-    cfg = tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=24, prompts_per_step=4, num_generations=8,
-                   max_completion_length=12, learning_rate=1e-2, beta=0.0, min_p=0.0, optim="adamw_torch",
+    cfg = tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=16, prompts_per_step=4, num_generations=8,
+                   max_completion_length=12, learning_rate=1e-2, lr_scheduler="constant", beta=0.0, min_p=0.0,
                    reward=("test_train:digit_share",), max_prompt_length=None, log_completions_steps=0,
                    lora_rank=8, lora_alpha=16, num_train_examples=64)
     train(cfg)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     share = [r["rewards/digit_share"] for r in records if "rewards/digit_share" in r]
     first, last = sum(share[:5]) / 5, sum(share[-5:]) / 5
-    assert last > first + 0.15 and last > 2 * first, (first, last)
+    # Seen: about 0.14 over the first five steps, 1.0 over the last five.
+    assert last > first + 0.3 and last > 2 * first, (first, last)
 
 
 def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama_dir, tmp_path):
