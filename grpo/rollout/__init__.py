@@ -29,5 +29,5 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
     if name == "vllm":
         from grpo.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(policy, max_model_len=max_seq_len, **vllm_kwargs)
+        return VLLMEngine(policy, max_model_len=max_seq_len, pad_id=pad_id, **vllm_kwargs)
     raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf or vllm")
