@@ -349,6 +349,10 @@ def test_invalid_requests_raise_value_error(model):
         engine.generate([[1, 128256]], 1, s)
     with pytest.raises(ValueError, match="use_cuda_graph"):
         NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="pad_id"):
+        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=128004)
+    with pytest.raises(ValueError, match="attention"):
+        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, attention="flash")
     with pytest.raises(ValueError, match="Llama-style"):
         NativeEngine(nn.Linear(2, 2), max_seq_len=16, max_batch=4, pad_id=PAD)
 
@@ -362,13 +366,31 @@ def test_cuda_graph_rollout_equals_eager_rollout():
     model = small_llama(seed=6).cuda()
     sampling = Sampling(max_new_tokens=40, temperature=1.0, top_p=0.9, min_p=0.05, seed=1,
                         stop_sequences=((17, 18),))
-    graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16)
     eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, use_cuda_graph=False)
-    a, b = graphed.generate(PROMPTS, 2, sampling), eager.generate(PROMPTS, 2, sampling)
-    assert torch.equal(a.completion_ids, b.completion_ids)
-    torch.testing.assert_close(a.sampler_logp, b.sampler_logp)
+    b = eager.generate(PROMPTS, 2, sampling)
+    for kw in (dict(), dict(attention="sdpa", streams=True)):
+        graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, **kw)
+        a = graphed.generate(PROMPTS, 2, sampling)
+        assert torch.equal(a.completion_ids, b.completion_ids), kw
+        torch.testing.assert_close(a.sampler_logp, b.sampler_logp, atol=1e-4, rtol=0)
+    graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16)
     greedy = graphed.generate(PROMPTS, 1, Sampling(max_new_tokens=20, temperature=0.0))
     for i, p in enumerate(PROMPTS):
         out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=20, do_sample=False,
                              eos_token_id=None, pad_token_id=PAD)
         assert greedy.completion_ids[i].tolist() == out[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("attention,streams", [("sdpa", False), ("matmul", True), ("sdpa", True)])
+def test_attention_and_stream_variants_give_the_same_rollout(model, attention, streams):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(small_llama(seed=7), LoraConfig(r=4, target_modules=["q_proj", "up_proj"],
+                                                          init_lora_weights=False))
+    sampling = Sampling(max_new_tokens=12, temperature=0.9, top_k=40, seed=2)
+    for m in (model, lora):
+        ref = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD, kv_bucket=8).generate(PROMPTS, 2, sampling)
+        out = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD, kv_bucket=8, attention=attention,
+                           streams=streams).generate(PROMPTS, 2, sampling)
+        assert torch.equal(out.completion_ids, ref.completion_ids)
+        torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)

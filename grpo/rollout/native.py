@@ -70,44 +70,137 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _decode_forward(lm: nn.Module, tok: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
-                    v_caches: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor,
-                    n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
-    """One token per row through the decoder, writing its K/V at `pos`; returns logits (B, V) float32.
-
-    tok, pos: (B,); k_caches[l], v_caches[l]: (B, n_kv, S, D) views of the cache, S > max(pos).
-    This is the function a CUDA graph captures (and torch.compile may compile).
-    """
-    decoder = lm.model
-    rows = tok.shape[0]
-    kv_len = k_caches[0].shape[2]
-    group = n_heads // n_kv
-    x = decoder.embed_tokens(tok[:, None])  # (B, 1, H)
+def _decode_prelude(embed: nn.Module, tok: torch.Tensor, pos: torch.Tensor, cos_table: torch.Tensor,
+                    sin_table: torch.Tensor, kv_len: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Embedding, rotary cos/sin at each row's position, and the attention mask over the KV bucket."""
+    x = embed(tok[:, None])  # (B, 1, H)
     cos = cos_table[pos][:, None, None, :]  # (B, 1, 1, D)
     sin = sin_table[pos][:, None, None, :]
-    valid = torch.arange(kv_len, device=tok.device)[None, :] <= pos[:, None]  # (B, S) True where attended
-    write_at = pos[:, None, None, None].expand(rows, n_kv, 1, head_dim)  # (B, n_kv, 1, D)
-    scale = head_dim**-0.5
-    for i, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)  # (B, 1, H)
-        q = attn.q_proj(h).view(rows, n_heads, 1, head_dim)  # (B, nh, 1, D)
-        k = attn.k_proj(h).view(rows, n_kv, 1, head_dim)  # (B, n_kv, 1, D)
-        v = attn.v_proj(h).view(rows, n_kv, 1, head_dim)
-        q = _rope(q, cos, sin)
-        k = _rope(k, cos, sin)
-        k_cache, v_cache = k_caches[i], v_caches[i]
-        k_cache.scatter_(2, write_at, k)
-        v_cache.scatter_(2, write_at, v)
-        # grouped-query attention without repeating K/V: head h reads kv head h // group
-        qg = q.view(rows, n_kv, group, head_dim)  # (B, n_kv, g, D)
-        scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * scale  # (B, n_kv, g, S)
+    valid = kv_len[None, :] <= pos[:, None]  # (B, S) True where attended; kv_len is arange(S)
+    return x, cos, sin, valid
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid: torch.Tensor, n_kv: int,
+            head_dim: int, attention: str) -> torch.Tensor:
+    """Grouped-query attention of one new token per row over its cache: q (B, nh, 1, D) -> (B, 1, nh*D).
+
+    No K/V repeat: the g = nh / n_kv query heads of a kv head act as g queries of one (B, n_kv) problem.
+    "matmul" is two batched matmuls and a float32 softmax; "sdpa" hands the same problem, with the mask,
+    to torch's scaled_dot_product_attention (one fused kernel on CUDA).
+    """
+    rows, n_heads = q.shape[0], q.shape[1]
+    qg = q.view(rows, n_kv, n_heads // n_kv, head_dim)  # (B, n_kv, g, D): head h reads kv head h // g
+    if attention == "sdpa":
+        out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=valid[:, None, None, :],
+                                             scale=head_dim**-0.5)  # (B, n_kv, g, D)
+    else:
+        scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * head_dim**-0.5  # (B, n_kv, g, S)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(v_cache.dtype)
-        out = torch.matmul(probs, v_cache)  # (B, n_kv, g, D)
-        x = x + attn.o_proj(out.reshape(rows, 1, n_heads * head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return lm.lm_head(decoder.norm(x))[:, 0].float()  # (B, V)
+        out = torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache)  # (B, n_kv, g, D)
+    return out.reshape(rows, 1, n_heads * head_dim)
+
+
+def _write_kv(q, k, v, cos, sin, pos, k_cache, v_cache):
+    """Rotary on q and k, then the new K/V into the cache at each row's position."""
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    write_at = pos[:, None, None, None].expand(k.shape[0], k.shape[1], 1, k.shape[3])  # (B, n_kv, 1, D)
+    k_cache.scatter_(2, write_at, k)
+    v_cache.scatter_(2, write_at, v)
+    return q
+
+
+def _decode_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, valid: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                  head_dim: int, attention: str = "matmul") -> torch.Tensor:
+    """One decoder layer for one token per row; writes the token's K/V into the cache at `pos`.
+
+    x: (B, 1, H); k_cache, v_cache: (B, n_kv, S, D) views of the cache with S > max(pos).
+    The projections, norms and MLP are the layer's own modules, called.
+    """
+    rows = x.shape[0]
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)  # (B, 1, H)
+    q = attn.q_proj(h).view(rows, n_heads, 1, head_dim)  # (B, nh, 1, D)
+    k = attn.k_proj(h).view(rows, n_kv, 1, head_dim)  # (B, n_kv, 1, D)
+    v = attn.v_proj(h).view(rows, n_kv, 1, head_dim)
+    q = _write_kv(q, k, v, cos, sin, pos, k_cache, v_cache)
+    x = x + attn.o_proj(_attend(q, k_cache, v_cache, valid, n_kv, head_dim, attention))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+# The same layer in pieces, for `streams=True`: the projections that read the same input (q/k/v, then
+# gate/up) run on separate CUDA streams, so in the captured graph their GEMMs (and LoRA chains) overlap.
+def _piece_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+def _piece_proj(proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return proj(h)
+
+
+def _piece_attention(layer: nn.Module, x, q, k, v, cos, sin, valid, pos, k_cache, v_cache, n_heads: int,
+                     n_kv: int, head_dim: int, attention: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.shape[0]
+    q = _write_kv(q.view(rows, n_heads, 1, head_dim), k.view(rows, n_kv, 1, head_dim),
+                  v.view(rows, n_kv, 1, head_dim), cos, sin, pos, k_cache, v_cache)
+    x = x + layer.self_attn.o_proj(_attend(q, k_cache, v_cache, valid, n_kv, head_dim, attention))
+    return x, layer.post_attention_layernorm(x)
+
+
+def _piece_mlp_out(mlp: nn.Module, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return x + mlp.down_proj(mlp.act_fn(gate) * up)  # LlamaMLP.forward after its gate/up products
+
+
+def _on_streams(fn, modules: list[nn.Module], h: torch.Tensor, streams: list) -> list[torch.Tensor]:
+    """fn(module, h) for each module, each on its own stream, joined back into the current stream."""
+    if not h.is_cuda:
+        return [fn(module, h) for module in modules]
+    main = torch.cuda.current_stream()
+    outs = []
+    for module, stream in zip(modules, streams):
+        stream.wait_stream(main)  # after h exists (and after every earlier use of this stream's memory)
+        with torch.cuda.stream(stream):
+            outs.append(fn(module, h))
+    for stream in streams[: len(modules)]:
+        main.wait_stream(stream)
+    return outs
+
+
+def _decode_layer_streams(layer: nn.Module, x, cos, sin, valid, pos, k_cache, v_cache, n_heads: int, n_kv: int,
+                          head_dim: int, attention: str, fns: dict, streams: list) -> torch.Tensor:
+    attn, mlp = layer.self_attn, layer.mlp
+    h = fns["norm"](layer.input_layernorm, x)
+    q, k, v = _on_streams(fns["proj"], [attn.q_proj, attn.k_proj, attn.v_proj], h, streams)
+    x, h = fns["attention"](layer, x, q, k, v, cos, sin, valid, pos, k_cache, v_cache, n_heads, n_kv, head_dim,
+                            attention)
+    gate, up = _on_streams(fns["proj"], [mlp.gate_proj, mlp.up_proj], h, streams)
+    return fns["mlp_out"](mlp, x, gate, up)
+
+
+def _decode_head(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return lm_head(norm(x))[:, 0].float()  # (B, V)
+
+
+def _decode_forward(lm: nn.Module, tok: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
+                    v_caches: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor,
+                    kv_range: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, fns: dict,
+                    attention: str = "matmul", streams: list | None = None) -> torch.Tensor:
+    """One token per row through the decoder; returns logits (B, V) float32. What a CUDA graph captures.
+
+    tok, pos: (B,); k_caches[l], v_caches[l]: (B, n_kv, S, D) cache views; kv_range: arange(S).
+    `fns` holds the parts, compiled or not: one compiled layer serves every layer (the layers'
+    parameters are inputs of the compiled graph, not constants), which keeps compile time short.
+    """
+    decoder = lm.model
+    x, cos, sin, valid = fns["prelude"](decoder.embed_tokens, tok, pos, cos_table, sin_table, kv_range)
+    for i, layer in enumerate(decoder.layers):
+        if streams:
+            x = _decode_layer_streams(layer, x, cos, sin, valid, pos, k_caches[i], v_caches[i], n_heads, n_kv,
+                                      head_dim, attention, fns, streams)
+        else:
+            x = fns["layer"](layer, x, cos, sin, valid, pos, k_caches[i], v_caches[i], n_heads, n_kv, head_dim,
+                             attention)
+    return fns["head"](decoder.norm, lm.lm_head, x)
 
 
 @dataclass
@@ -118,6 +211,7 @@ class _State:
     v_caches: list[torch.Tensor]
     cos: torch.Tensor  # (max_seq_len, D) model dtype
     sin: torch.Tensor
+    kv_range: torch.Tensor  # (max_seq_len,) arange: key positions
     logits: torch.Tensor  # (max_batch, V) float32: next-token logits of every row
     noise: torch.Tensor  # (max_batch, V) float32: Exp(1) draws for the next sample
     tok: torch.Tensor  # (max_batch,) long: the token the next forward consumes
@@ -132,7 +226,7 @@ class _State:
     consts: dict[tuple, torch.Tensor]  # stop ids and sequences as device tensors (graphs keep pointers)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.logits, self.noise, self.tok, self.pos,
+        out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.noise, self.tok, self.pos,
                self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
         return out + list(self.tails.values()) + list(self.consts.values())
 
@@ -149,11 +243,14 @@ class NativeEngine:
     compile: None, or a torch.compile mode ("default", "max-autotune-no-cudagraphs") for the step.
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
+    attention: "matmul" (two batched matmuls, float32 softmax) or "sdpa" (torch's fused attention).
+    streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
+        graph; the layer then runs as compiled pieces around the projections (on CPU: in sequence).
     """
 
     def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int,
                  use_cuda_graph: bool | None = None, compile: str | None = None, kv_bucket: int = 256,
-                 check_every: int = 16) -> None:
+                 check_every: int = 16, attention: str = "matmul", streams: bool = False) -> None:
         self.model = model
         self.lm = _causal_lm(model)
         cfg = self.lm.config
@@ -171,6 +268,9 @@ class NativeEngine:
             raise ValueError(f"max_batch={max_batch}: use 1 or more")
         if kv_bucket < 1 or check_every < 1:
             raise ValueError(f"kv_bucket={kv_bucket}, check_every={check_every}: both must be >= 1")
+        if not 0 <= pad_id < self.vocab_size:
+            raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {self.vocab_size}); finished rows feed "
+                             "it to the model, so pick an id the embedding has (e.g. the tokenizer's pad id)")
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
@@ -183,11 +283,24 @@ class NativeEngine:
         self.compile_mode = compile
         self.kv_bucket = kv_bucket
         self.check_every = check_every
-        self._forward = _decode_forward
+        if attention not in ("matmul", "sdpa"):
+            raise ValueError(f"attention={attention!r}: use 'matmul' or 'sdpa'")
+        if streams:
+            for i, layer in enumerate(self.lm.model.layers):
+                if not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                    raise ValueError(f"streams=True needs a Llama MLP (gate/up/down_proj, act_fn); layer {i} has none")
+        self.attention = attention
+        self._streams = None
+        if streams:  # on CPU the pieces run one after another (what the CPU tests check)
+            self._streams = [torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+                             for _ in range(3)]
+        self._fns = {"prelude": _decode_prelude, "layer": _decode_layer, "head": _decode_head, "norm": _piece_norm,
+                     "attention": _piece_attention, "mlp_out": _piece_mlp_out,
+                     "proj": _piece_proj}
         self._sample = sample_with_noise
         if compile is not None:
-            self._forward = torch.compile(_decode_forward, mode=compile, fullgraph=False)
-            self._sample = torch.compile(sample_with_noise, mode=compile, fullgraph=False)
+            self._fns = {name: torch.compile(fn, mode=compile) for name, fn in self._fns.items()}
+            self._sample = torch.compile(sample_with_noise, mode=compile)
         self._state: _State | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
@@ -222,7 +335,7 @@ class NativeEngine:
         return _State(
             k_caches=[torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(self.n_layers)],
             v_caches=[torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(self.n_layers)],
-            cos=cos[0].contiguous(), sin=sin[0].contiguous(),
+            cos=cos[0].contiguous(), sin=sin[0].contiguous(), kv_range=positions[0],
             logits=torch.zeros(B, self.vocab_size, device=dev), noise=torch.ones(B, self.vocab_size, device=dev),
             tok=torch.full((B,), self.pad_id, device=dev, dtype=torch.long),
             pos=torch.zeros(B, device=dev, dtype=torch.long), step=torch.zeros(1, device=dev, dtype=torch.long),
@@ -235,10 +348,9 @@ class NativeEngine:
     def _model_fingerprint(self) -> tuple:
         """What a captured graph depends on: parameter addresses and the adapters' switches."""
         ptrs = tuple(p.data_ptr() for p in self.model.parameters())
-        switches = tuple(
-            (id(m), bool(getattr(m, "disable_adapters", False)), bool(getattr(m, "merged", False)),
-             tuple(getattr(m, "active_adapters", ()) or ()))
-            for m in self.model.modules() if hasattr(m, "disable_adapters")
+        switches = tuple(  # peft tuner layers carry a bool `disable_adapters` (HF models a method of that name)
+            (id(m), m.disable_adapters, bool(getattr(m, "merged", False)), tuple(getattr(m, "active_adapters", ())))
+            for m in self.model.modules() if isinstance(getattr(m, "disable_adapters", None), bool)
         )
         return ptrs, switches
 
@@ -273,8 +385,14 @@ class NativeEngine:
         st.tok[:rows].copy_(token)
         k_views = [c[:rows, :, :kv_len] for c in st.k_caches]
         v_views = [c[:rows, :, :kv_len] for c in st.v_caches]
-        logits = self._forward(self.lm, st.tok[:rows], st.pos[:rows], k_views, v_views, st.cos, st.sin,
-                               self.n_heads, self.n_kv, self.head_dim)
+        kv_range = st.kv_range[:kv_len]
+        if self.compile_mode is not None:  # one compiled step for every KV bucket, not one per bucket
+            for view in (*k_views, *v_views):
+                torch._dynamo.maybe_mark_dynamic(view, 2)
+            torch._dynamo.maybe_mark_dynamic(kv_range, 0)
+        logits = _decode_forward(self.lm, st.tok[:rows], st.pos[:rows], k_views, v_views, st.cos, st.sin,
+                                 kv_range, self.n_heads, self.n_kv, self.head_dim, self._fns, self.attention,
+                                 self._streams)
         st.logits[:rows].copy_(logits)
         st.pos[:rows] += 1
         st.step += 1

@@ -1,0 +1,452 @@
+"""NativeEngine on the GPU: correctness against transformers, then decode speed and memory, one run.
+
+Llama-3.2-1B shapes (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 8192, vocab 128256,
+tied embeddings, llama3 rope scaling), random weights in bf16; 4 prompts x G=4 = 16 rows, 128-token
+prompts, 512 new tokens with ignore_eos; temperature 1, min_p 0.1 (the recipe's sampling).
+
+    PYTHONPATH=$PWD python3 benchmarks/native_gpu_check.py [--plan first|final] [--budget-s 150]
+
+Prints one table at the end; writes every number as JSON lines to $OUT/native_gpu.jsonl when $OUT is
+set. Standalone on purpose (no pytest): the device lease is short, so everything runs in one process
+and each variant is skipped, not failed, when the time budget runs out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+import torch._dynamo
+
+ROWS, P, G, PROMPT, NEW = 16, 4, 4, 128, 512
+T0 = time.perf_counter()
+RESULTS: list[dict] = []
+
+
+def log(**kw) -> None:
+    kw["t"] = round(time.perf_counter() - T0, 1)
+    RESULTS.append(kw)
+    print(json.dumps(kw), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "native_gpu.jsonl"), "a") as f:
+            f.write(json.dumps(kw) + "\n")
+
+
+def llama_1b_config():
+    from transformers import LlamaConfig
+
+    common = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128009,
+                  pad_token_id=128004)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+    try:
+        return LlamaConfig(rope_parameters=rope, **common)
+    except TypeError:
+        return LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
+
+
+def build_model(seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(llama_1b_config())
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def add_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=targets, lora_dropout=0.0)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():  # non-zero B so the adapters change the output, as after some training
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    return peft_model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters a decode step reads: every unique parameter storage once (the tied
+    embedding is read as the lm_head; its 16-row embedding lookup is negligible)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 28  # 512 MiB of bf16 per buffer
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() * 2 / statistics.median(times) / 1e12  # read + write, TB/s
+
+
+def gemm_table() -> list[dict]:
+    """cuBLAS bf16 at M=16 for each projection shape, and the swapped product W @ x^T."""
+    rows = []
+    for name, n, k in [("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192),
+                       ("lm_head", 128256, 2048)]:
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]  # rotate: beat L2
+        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        out = {}
+        for label, fn in (("F.linear", lambda w: torch.nn.functional.linear(x, w)), ("W@x^T", lambda w: w @ x.t())):
+            for w in ws:
+                fn(w)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(5):
+                    for w in ws:
+                        fn(w)
+            g.replay()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                g.replay()
+            torch.cuda.synchronize()
+            per = (time.perf_counter() - t) / (10 * 5 * len(ws))
+            out[label] = per
+        rows.append(dict(kind="gemm_m16", shape=name, n=n, k=k, us_linear=round(out["F.linear"] * 1e6, 2),
+                         tbps_linear=round(n * k * 2 / out["F.linear"] / 1e12, 2),
+                         us_swapped=round(out["W@x^T"] * 1e6, 2),
+                         tbps_swapped=round(n * k * 2 / out["W@x^T"] / 1e12, 2)))
+    return rows
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128000, (P, PROMPT), generator=g).tolist()
+
+
+def sampling(**kw):
+    from grpo.rollout.base import Sampling
+
+    base = dict(max_new_tokens=NEW, temperature=1.0, min_p=0.1, ignore_eos=True, seed=0)
+    base.update(kw)
+    return Sampling(**base)
+
+
+def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=2, engine_kw=None, **sample_kw):
+    """Generate `repeats` times, releasing memory in between as the trainer does (so every run after
+    the first pays the re-capture, not the compile); ms/step is the median over runs of decode / steps."""
+    from grpo.rollout.native import NativeEngine
+
+    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004,
+                          use_cuda_graph=graph, **(engine_kw or {}))
+    s = sampling(max_new_tokens=new or NEW, **sample_kw)
+    first = None
+    per_step = []
+    for i in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        r = engine.generate(prompts(), G, s)
+        wall = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated() - base_mem
+        first = first or dict(first_wall_s=round(wall, 2), first_capture_s=round(r.timings["capture"], 3))
+        steps = r.timings["decode_steps"]
+        per_step.append(r.timings["decode"] / steps)
+        engine.release_memory()
+    ms = statistics.median(per_step[1:] if len(per_step) > 1 else per_step) * 1e3
+    row = dict(kind="engine", variant=label, ms_per_step=round(ms, 3), tok_per_s=round(ROWS / ms * 1e3),
+               gbps=round(wbytes / (ms / 1e3) / 1e9), prefill_ms=round(r.timings["prefill"] * 1e3, 1),
+               capture_ms=round(r.timings["capture"] * 1e3, 1), wall_s=round(wall, 2),
+               peak_extra_gib=round(peak / 2**30, 3), kv_gib=round(engine.kv_cache_bytes() / 2**30, 3),
+               steps=int(steps), weight_gib=round(wbytes / 2**30, 3), **first)
+    log(**row)
+    return row
+
+
+def hf_generate_ms(model) -> float:
+    ids = torch.tensor(prompts(), device="cuda").repeat_interleave(G, 0)  # (16, 128)
+    kw = dict(do_sample=True, temperature=1.0, min_p=0.1, eos_token_id=None, pad_token_id=128004,
+              attention_mask=torch.ones_like(ids))
+    model.generate(ids, max_new_tokens=4, **kw)  # warm-up
+    times = {}
+    for n in (8, 40):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        times[n] = time.perf_counter() - t
+    return (times[40] - times[8]) / 32 * 1e3
+
+
+def kernel_breakdown(label: str, model, engine_kw=None) -> None:
+    """GPU time per kernel family in one eager (ungraphed) decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.rollout.native import NativeEngine
+
+    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False,
+                          **(engine_kw or {}))
+    s = sampling(max_new_tokens=3)
+    engine.generate(prompts(), G, s)  # allocates the state and leaves it in place
+    steps = 5
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        engine._step(ROWS, 256, s, ((), (), 0))  # warm-up
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine._step(ROWS, 256, s, ((), (), 0))
+            torch.cuda.synchronize()
+    model.train(was_training)
+    fams: dict[str, float] = {}
+    count: dict[str, int] = {}
+    top = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us <= 0:
+            continue
+        n = e.key.lower()
+        if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90", "xmma", "gemv", "splitk", "matmul", "mm_")):
+            fam = "gemm"
+        elif "sort" in n or "radix" in n:
+            fam = "sort"
+        elif "reduce" in n or "softmax" in n or "norm" in n:
+            fam = "reduce/softmax"
+        elif "scatter" in n or "index" in n or "gather" in n:
+            fam = "scatter/index"
+        elif "memcpy" in n or "memset" in n or "copy" in n:
+            fam = "copy"
+        else:
+            fam = "elementwise/other"
+        fams[fam] = fams.get(fam, 0.0) + us / steps
+        count[fam] = count.get(fam, 0) + e.count // steps
+        top.append((us / steps, e.count // steps, e.key[:90]))
+    log(kind="kernels", variant=label, per_step_us={k: round(v) for k, v in fams.items()},
+        per_step_launches=count, sum_us=round(sum(fams.values())), sum_launches=sum(count.values()))
+    for us, c, key in sorted(top, reverse=True)[:10]:
+        log(kind="kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
+    engine.release_memory()
+
+
+def standby(model) -> None:
+    """Peak memory of generate-then-train, with and without release_memory between the phases."""
+    from grpo.rollout.native import NativeEngine
+
+    ids = torch.tensor(prompts(), device="cuda").repeat_interleave(G, 0)
+    ids = torch.cat([ids, ids[:, :NEW].repeat(1, 4)[:, :NEW]], 1)  # (16, 640): prompt + completion length
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def train_phase():
+        model.train()
+        h = base.model(input_ids=ids).last_hidden_state  # (16, 640, 2048); no (T, V) logits
+        h.float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+    train_phase()  # warm-up allocations of the training phase alone
+    torch.cuda.synchronize()
+    for release in (True, False):
+        engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        m0 = torch.cuda.memory_allocated()
+        engine.generate(prompts(), G, sampling(max_new_tokens=64))
+        torch.cuda.synchronize()
+        gen_peak = torch.cuda.max_memory_allocated() - m0
+        after_gen = torch.cuda.memory_allocated() - m0
+        if release:
+            engine.release_memory()
+        after_release = torch.cuda.memory_allocated() - m0
+        torch.cuda.reset_peak_memory_stats()
+        train_phase()
+        torch.cuda.synchronize()
+        step_peak = max(gen_peak, torch.cuda.max_memory_allocated() - m0)
+        log(kind="standby", release=release, gen_peak_gib=round(gen_peak / 2**30, 3),
+            held_after_generate_gib=round(after_gen / 2**30, 3), held_after_release_gib=round(after_release / 2**30, 3),
+            step_peak_over_weights_gib=round(step_peak / 2**30, 3),
+            reserved_gib=round(torch.cuda.memory_reserved() / 2**30, 2))
+        engine.release_memory()
+        del engine
+    torch.cuda.reset_peak_memory_stats()
+    m0 = torch.cuda.memory_allocated()
+    train_phase()
+    log(kind="standby", release="train_only", step_peak_over_weights_gib=round(
+        (torch.cuda.max_memory_allocated() - m0) / 2**30, 3))
+
+
+def correctness(model) -> None:
+    """Greedy tokens against transformers generate; prefill logits against a forward; graph vs eager."""
+    from grpo.rollout.native import NativeEngine
+
+    ps = prompts()[:2]
+    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004)
+    r = engine.generate(ps, 1, sampling(max_new_tokens=32, temperature=0.0, min_p=0.0))
+    same = []
+    for i, p in enumerate(ps):
+        out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                             pad_token_id=128004)[0, PROMPT:].tolist()
+        mine = r.completion_ids[i].tolist()
+        agree = next((j for j, (a, b) in enumerate(zip(mine, out)) if a != b), 32)
+        same.append(agree)
+    with torch.no_grad():
+        ids = torch.tensor(ps, device="cuda")
+        full = torch.cat([ids, r.completion_ids[:, :8]], 1)
+        logits = model(full).logits.float()[:, PROMPT - 1 : PROMPT + 7]  # predicts completion tokens 0..7
+    ref = torch.log_softmax(logits, -1).gather(-1, r.completion_ids[:, :8, None])[..., 0]
+    logp_err = (ref - r.sampler_logp[:, :8]).abs().max().item()
+    eager = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False)
+    s = sampling(max_new_tokens=48, top_p=0.95, top_k=100)
+    a, b = engine.generate(prompts(), G, s), eager.generate(prompts(), G, s)
+    log(kind="correctness", greedy_tokens_equal_to_hf_of_32=same, greedy_logp_max_abs_err_vs_forward=round(logp_err, 4),
+        graph_equals_eager=bool(torch.equal(a.completion_ids, b.completion_ids)),
+        graph_vs_eager_logp_max_err=float((a.sampler_logp - b.sampler_logp).abs().max()))
+    engine.release_memory()
+    eager.release_memory()
+
+
+PLANS = {
+    # the first GPU call: correctness, transformers, graph variants, memory, one whole-model compile
+    "first": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
+              "standby", "compile"],
+    # the last: compiled variants of every model kind, and where the time goes in the compiled step
+    "final": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
+              "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=150.0, help="start no step after this many seconds")
+    ap.add_argument("--plan", default="final", choices=sorted(PLANS))
+    ap.add_argument("--variants", nargs="+", default=None, help="steps to run (default: the plan's)")
+    ap.add_argument("--compile-mode", default="default")
+    args = ap.parse_args()
+    variants = args.variants or PLANS[args.plan]
+    import transformers
+
+    torch._dynamo.config.cache_size_limit = 32  # several model kinds in one process
+    log(kind="env", torch=torch.__version__, transformers=transformers.__version__,
+        gpu=torch.cuda.get_device_name(), copy_tbps=round(copy_bandwidth(), 2))
+    for row in gemm_table():
+        log(**row)
+
+    def step(name, fn):
+        if name not in variants:
+            return None
+        if time.perf_counter() - T0 > args.budget_s:
+            log(kind="skipped", variant=name, reason="time budget")
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # report and go on: one broken variant must not cost the whole lease
+            log(kind="error", variant=name, error=repr(exc)[:400], tb=traceback.format_exc()[-1500:])
+            return None
+        finally:
+            torch.cuda.empty_cache()
+
+    mode = args.compile_mode
+    model = build_model()
+    wb = weight_bytes(model)
+    log(kind="model", variant="bf16", params=sum(p.numel() for p in model.parameters()), weight_gib=round(wb / 2**30, 3))
+    step("check", lambda: correctness(model))
+    step("hf", lambda: log(kind="hf_generate", ms_per_step=round(hf_generate_ms(model), 2)))
+    step("eager", lambda: run_engine("bf16 eager (no graph)", model, wb, graph=False, new=32, repeats=1))
+    step("graph", lambda: run_engine("bf16 graph", model, wb))
+    step("greedy", lambda: run_engine("bf16 graph greedy", model, wb, temperature=0.0, min_p=0.0))
+    step("kernels", lambda: kernel_breakdown("bf16", model))
+    step("compile", lambda: run_engine(f"bf16 graph+compile({mode})", model, wb, engine_kw=dict(compile=mode)))
+
+    # compiled variants: attention kernel, then parallel streams with the better attention
+    best = dict(compile=mode, attention="matmul")
+    timed = {}
+    for attention in ("matmul", "sdpa"):
+        kw = dict(compile=mode, attention=attention)
+        row = step(f"compile_{attention}", lambda kw=kw: run_engine(f"bf16 compile {kw['attention']}", model, wb,
+                                                                    engine_kw=kw))
+        if row:
+            timed[attention] = row["ms_per_step"]
+    if timed:
+        best["attention"] = min(timed, key=timed.get)
+    kw = dict(best, streams=True)
+    row = step("compile_streams", lambda: run_engine(f"bf16 compile {best['attention']} streams", model, wb,
+                                                     engine_kw=kw))
+    if row and (not timed or row["ms_per_step"] < min(timed.values())):
+        best = kw
+    log(kind="best", engine_kw=best)
+    step("kernels_compiled", lambda: kernel_breakdown(f"bf16 {best}", model, engine_kw=best))
+
+    fp8 = None
+    if any("fp8" in v for v in variants):
+        try:
+            from grpo.kernels.fp8 import quantize_linears_
+        except ImportError as exc:
+            log(kind="skipped", variant="fp8", reason=f"grpo.kernels.fp8 not importable: {exc}")
+        else:
+            fp8 = build_model()
+            quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+            wf = weight_bytes(fp8)
+            log(kind="model", variant="fp8", weight_gib=round(wf / 2**30, 3))
+            step("fp8", lambda: run_engine("fp8 graph", fp8, wf))
+            step("kernels_fp8", lambda: kernel_breakdown("fp8", fp8))
+            step("fp8_compiled", lambda: run_engine(f"fp8 {best}", fp8, wf, engine_kw=best))
+
+    lora = add_lora(model)  # wraps model's projections in place
+    wl = weight_bytes(lora)
+    step("lora", lambda: run_engine("bf16+LoRA r32 graph", lora, wl))
+    step("kernels_lora", lambda: kernel_breakdown("bf16+LoRA", lora))
+    step("standby", lambda: standby(lora))
+    step("lora_compiled", lambda: run_engine(f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
+    nostreams = dict(best, streams=False)
+    if best.get("streams"):
+        step("lora_compiled_nostreams", lambda: run_engine(f"bf16+LoRA r32 {nostreams}", lora, wl,
+                                                           engine_kw=nostreams))
+    if fp8 is not None:
+        fp8_lora = add_lora(fp8)
+        wfl = weight_bytes(fp8_lora)
+        step("fp8_lora_compiled", lambda: run_engine(f"fp8+LoRA r32 {best}", fp8_lora, wfl, engine_kw=best))
+        step("fp8_lora", lambda: run_engine("fp8+LoRA r32 graph", fp8_lora, wfl))
+        with fp8_lora.disable_adapter():
+            step("fp8_graph", lambda: run_engine("fp8 graph (same run)", fp8_lora, wf))
+
+    print("\n=== NativeEngine, Llama-3.2-1B shapes, 16 rows, prompt 128, new 512, H200 ===")
+    env = RESULTS[0]
+    print(f"torch {env['torch']}, transformers {env['transformers']}, {env['gpu']}, copy {env['copy_tbps']} TB/s")
+    for r in RESULTS:
+        if r["kind"] == "hf_generate":
+            print(f"HF generate: {r['ms_per_step']} ms/step")
+        if r["kind"] == "engine":
+            print(f"{r['variant']:<48} {r['ms_per_step']:>7.3f} ms/step {r['tok_per_s']:>7} tok/s {r['gbps']:>6} GB/s "
+                  f"prefill {r['prefill_ms']} ms capture {r['capture_ms']} ms first {r['first_wall_s']} s "
+                  f"peak+{r['peak_extra_gib']} GiB")
+        if r["kind"] in ("standby", "correctness", "error", "skipped", "kernels", "best"):
+            print({k: v for k, v in r.items() if k not in ("tb",)})
+
+
+if __name__ == "__main__":
+    main()
