@@ -20,6 +20,7 @@ from grpo.kernels.fp8 import (
     quantize_fp8_rows,
     quantize_fp8_rows_ref,
     quantize_linears_,
+    transpose_fp8,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -94,6 +95,14 @@ def test_row_quantization_groups_of_128_round_trip():
     back = back.view(7, 384)
     assert torch.isfinite(back).all() and (back[3] == 0).all()
     assert ((back - x).abs() <= x.abs() * 2**-4 + scale.repeat_interleave(128, 1) * 2**-10 + 1e-30).all()
+
+
+def test_row_quantization_pads_rows_with_zero_codes():
+    x = torch.randn(5, 256)
+    codes, scale = quantize_fp8_rows_ref(x, pad_rows_to=16)
+    assert codes.shape == (16, 256) and scale.shape == (16, 2) and scale.stride() == (1, 16)
+    assert (codes[5:].float() == 0).all() and torch.equal(codes[:5].view(torch.uint8),
+                                                          quantize_fp8_rows_ref(x)[0].view(torch.uint8))
 
 
 # --- FP8Linear ---------------------------------------------------------------------------------------
@@ -330,6 +339,18 @@ def test_triton_row_quantization_matches_the_reference_on_cuda():
     diff = (codes.float() - codes_ref.float()).abs()
     assert (diff <= codes_ref.float().abs() * 2**-3 + 2**-9).all()  # at most one code step apart
     assert (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.cuda
+@cuda
+def test_triton_transpose_and_padded_quantization_on_cuda():
+    w_fp8, _ = quantize_fp8_block(torch.randn(640, 200, device="cuda"))  # edges not multiples of 64
+    assert torch.equal(transpose_fp8(w_fp8).view(torch.uint8), w_fp8.t().contiguous().view(torch.uint8))
+    x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
+    codes, scale = quantize_fp8_rows(x, pad_rows_to=16)
+    codes_ref, scale_ref = quantize_fp8_rows_ref(x, pad_rows_to=16)
+    assert codes.shape == (48, 512) and scale.stride() == (1, 48) and (codes[37:].float() == 0).all()
+    torch.testing.assert_close(scale[:37], scale_ref[:37], rtol=1e-6, atol=0)
 
 
 @pytest.mark.cuda

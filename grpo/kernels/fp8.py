@@ -20,8 +20,12 @@ weight side uses its 128x128 block scales. `_scaled_mm(a, b, scale_a, scale_b)` 
     forward   a = X_fp8 (M, K),   scale_a (M, K/128)   as sx.t().contiguous().t()
               b = W_fp8.t() (K, N),  column-major for free,  scale_b (K/128, N/128) = sw.contiguous().t()
     backward  a = dY_fp8 (M, N),  scale_a (M, N/128)   as above
-              b = W_fp8 as (N, K) column-major = W_fp8.t().contiguous().t()   (one fp8 transpose per call)
+              b = W_fp8 as (N, K) column-major = W_fp8.t().contiguous().t()   (one fp8 transpose per call,
+                  a Triton kernel: keeping a transposed copy would double the weight memory)
               scale_b (N/128, K/128) = sw.t().contiguous().t()   (a 128x128 block is its own transpose)
+
+cuBLAS refused blockwise scaling for M = 1 and M = 333 on the H200 (M = 1000 and 16384 ran), so the
+quantized activations are padded with zero rows to a multiple of 16 and the output is sliced back.
 
 Only the fp8 weight and its scales are saved for backward: no activation is kept.
 
@@ -35,6 +39,8 @@ no use of transformers' FineGrainedFP8 integration (it fetches a kernel from a h
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import math
 from collections.abc import Iterable
@@ -99,85 +105,126 @@ def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
 # --- activations (1x128 groups along the reduction dimension) -------------------------------------
 
 
-def quantize_fp8_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token quantization in 1x128 groups: x (M, K), K % 128 == 0 -> codes (M, K), scales (M, K/128).
+def quantize_fp8_rows_ref(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization in 1x128 groups: x (M, K), K % 128 == 0 -> codes (M', K), scales (M', K/128).
 
-    The scales come back column-major (stride (1, M)), the layout `_scaled_mm` wants for its `scale_a`.
+    M' is M rounded up to `pad_rows_to`; the extra rows are zeros. The scales come back column-major
+    (stride (1, M')), the layout `_scaled_mm` wants for its `scale_a`.
     """
     m, k = x.shape
-    groups = x.float().view(m, k // BLOCK, BLOCK)
-    scale = groups.abs().amax(-1).clamp_(min=_TINY) / FP8_MAX  # (M, K/128)
-    codes = (groups / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    m_pad = -(-m // pad_rows_to) * pad_rows_to
+    groups = F.pad(x.float(), (0, 0, 0, m_pad - m)).view(m_pad, k // BLOCK, BLOCK)
+    scale = groups.abs().amax(-1).clamp_(min=_TINY) / FP8_MAX  # (M', K/128)
+    codes = (groups / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m_pad, k)
     return codes, scale.t().contiguous().t()
 
 
-_TRITON_QUANT = None
+_TRITON = {}
 
 
-def _triton_quant_kernel():
-    """Build (once, on first use) a Triton kernel that quantizes a (BLOCK_M, 128) tile per program."""
-    global _TRITON_QUANT
-    if _TRITON_QUANT is None:
+def _triton_kernels():
+    """Build (once, on first use) the two small Triton kernels of the FP8 path."""
+    if not _TRITON:
         import triton
         import triton.language as tl
 
         @triton.jit
-        def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
+        def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, BLOCK_M: tl.constexpr,
                                GROUP: tl.constexpr):
+            # one (BLOCK_M, 128) tile: amax per row, scale = amax / 448, codes = x / scale
             pid_m = tl.program_id(0)
             pid_k = tl.program_id(1)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_k * GROUP + tl.arange(0, GROUP)
-            live = rows < M
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=live[:, None], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
             x = x.to(tl.float32)
             scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0  # (BLOCK_M,)
             q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=live[:, None])
-            tl.store(s_ptr + pid_k * M + rows, scale, mask=live)  # scales stored (K/128, M): column-major
+            keep = rows < M_PAD  # padding rows get zero codes
+            tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=keep[:, None])
+            tl.store(s_ptr + pid_k * M_PAD + rows, scale, mask=keep)  # scales stored (K/128, M'): column-major
 
-        _TRITON_QUANT = (triton, _quant_rows_kernel)
-    return _TRITON_QUANT
+        @triton.jit
+        def _transpose_kernel(src_ptr, dst_ptr, R, C, BLOCK: tl.constexpr):
+            # dst (C, R) = src (R, C)^T, one byte per element, BLOCK x BLOCK tiles
+            r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            tile = tl.load(src_ptr + r[:, None] * C + c[None, :], mask=(r[:, None] < R) & (c[None, :] < C))
+            tl.store(dst_ptr + c[:, None] * R + r[None, :], tl.trans(tile), mask=(c[:, None] < C) & (r[None, :] < R))
+
+        _TRITON.update(triton=triton, quant=_quant_rows_kernel, transpose=_transpose_kernel)
+    return _TRITON
 
 
-def quantize_fp8_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_fp8_rows_ref` in one pass over x: a Triton kernel on CUDA, the reference elsewhere."""
-    if impl == "ref" or not x.is_cuda:
-        return quantize_fp8_rows_ref(x)
-    triton, kernel = _triton_quant_kernel()
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and importlib.util.find_spec("triton") is not None
+
+
+def quantize_fp8_rows(x: torch.Tensor, impl="auto", pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_rows_ref` in one pass over x: a Triton kernel on CUDA, the reference elsewhere.
+    `impl`: auto, ref, or a callable taking x with the same contract (benchmarks pass a compiled one)."""
+    if callable(impl):
+        m = x.shape[0]
+        return impl(F.pad(x, (0, 0, 0, -(-m // pad_rows_to) * pad_rows_to - m)))
+    if impl == "ref" or not _use_triton(x):
+        return quantize_fp8_rows_ref(x, pad_rows_to)
+    kernels = _triton_kernels()
     m, k = x.shape
+    m_pad = -(-m // pad_rows_to) * pad_rows_to
     if x.stride(1) != 1:
         x = x.contiguous()
-    codes = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty((k // BLOCK, m), dtype=torch.float32, device=x.device)
+    codes = torch.empty((m_pad, k), dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty((k // BLOCK, m_pad), dtype=torch.float32, device=x.device)
     block_m = 32
-    kernel[(triton.cdiv(m, block_m), k // BLOCK)](x, codes, scale_t, m, k, x.stride(0),
-                                                  BLOCK_M=block_m, GROUP=BLOCK, num_warps=4)
+    kernels["quant"][(kernels["triton"].cdiv(m_pad, block_m), k // BLOCK)](
+        x, codes, scale_t, m, m_pad, k, x.stride(0), BLOCK_M=block_m, GROUP=BLOCK, num_warps=4)
     return codes, scale_t.t()
 
 
+def transpose_fp8(w_fp8: torch.Tensor) -> torch.Tensor:
+    """W^T stored row-major (K, N) from W (N, K): one Triton pass on CUDA (torch's byte transpose is slow)."""
+    if not _use_triton(w_fp8):
+        return w_fp8.t().contiguous()
+    kernels = _triton_kernels()
+    n, k = w_fp8.shape
+    out = torch.empty((k, n), dtype=w_fp8.dtype, device=w_fp8.device)
+    tile = 64
+    kernels["transpose"][(kernels["triton"].cdiv(n, tile), kernels["triton"].cdiv(k, tile))](
+        w_fp8.view(torch.uint8), out.view(torch.uint8), n, k, BLOCK=tile, num_warps=4)
+    return out
+
+
 # --- the autograd function ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
     """Blockwise `_scaled_mm` checked on Hopper (sm_90) only; K and N multiples of 512 keep every
     scale tensor's outer dimension a multiple of 4, as cuBLAS's blockwise layouts require."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0 and n % 512 == 0
-            and torch.cuda.get_device_capability(x.device)[0] == 9)
+            and _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-def fp8_mm_fwd(x2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant: str = "auto") -> torch.Tensor:
+_PAD_M = 16  # cuBLAS refuses blockwise scaling for some M (seen: M=1 and M=333 on the H200); pad rows
+
+
+def fp8_mm_fwd(x2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant="auto") -> torch.Tensor:
     """Y = X W^T on the FP8 tensor cores. x2 (M, K) bf16/fp16 -> (M, N) in x2's dtype."""
-    x_fp8, sx = quantize_fp8_rows(x2, quant)  # (M, K), (M, K/128) column-major
-    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=sx, scale_b=scale_inv.contiguous().t(),
-                            out_dtype=x2.dtype)
+    x_fp8, sx = quantize_fp8_rows(x2, quant, _PAD_M)  # (M', K), (M', K/128) column-major
+    y = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=sx, scale_b=scale_inv.contiguous().t(), out_dtype=x2.dtype)
+    return y if y.shape[0] == x2.shape[0] else y[: x2.shape[0]]
 
 
-def fp8_mm_bwd(g2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant: str = "auto") -> torch.Tensor:
+def fp8_mm_bwd(g2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant="auto") -> torch.Tensor:
     """dX = dY W on the FP8 tensor cores. g2 (M, N) -> (M, K) in g2's dtype."""
-    g_fp8, sg = quantize_fp8_rows(g2, quant)  # (M, N), (M, N/128)
-    w_cm = w_fp8.t().contiguous().t()  # (N, K) column-major: W^T stored row-major
-    return torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=scale_inv.t().contiguous().t(), out_dtype=g2.dtype)
+    g_fp8, sg = quantize_fp8_rows(g2, quant, _PAD_M)  # (M', N), (M', N/128)
+    w_cm = transpose_fp8(w_fp8).t()  # (N, K) column-major: W^T stored row-major
+    dx = torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=scale_inv.t().contiguous().t(), out_dtype=g2.dtype)
+    return dx if dx.shape[0] == g2.shape[0] else dx[: g2.shape[0]]
 
 
 class _FP8LinearFn(torch.autograd.Function):

@@ -118,8 +118,8 @@ def _triton_kernel():
     return _TRITON_KERNEL
 
 
-TRITON_BLOCK_V = 4096
-TRITON_NUM_WARPS = 8
+TRITON_BLOCK_V = 8192  # measured on the H200 (benchmarks/RESULTS.md): 8192/16 warps beat 4096/8 and 2048/4
+TRITON_NUM_WARPS = 16
 
 
 def _chunk_triton(logits, targets, inv_t, logp_out, ent_out, want_grad):
@@ -143,9 +143,10 @@ def _chunk(hidden_c, weight, targets_c, inv_t, logp_out, ent_out, want_grad, imp
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t, chunk, impl, recompute, want_entropy):
+    def forward(ctx, hidden, weight, targets, inv_t, chunk, impl, recompute, want_entropy, want_grad):
+        # want_grad comes from the caller: inside forward grad mode is always off, and needs_input_grad
+        # is True under torch.no_grad() too, which would compute an unused gradient factor.
         n = hidden.shape[0]
-        want_grad = ctx.needs_input_grad[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=hidden.device)
         grad_factor = torch.empty_like(hidden) if want_grad and not recompute else None  # (N, H)
@@ -181,7 +182,7 @@ class _TokenLogprobs(torch.autograd.Function):
             else:
                 factor = grad_factor[s:e]
             grad_hidden[s:e] = factor.float() * grad_logp[s:e, None]  # rows scaled by dLoss/dlogp
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 def default_chunk_size(n: int, vocab: int, dtype: torch.dtype, impl: str) -> int:
@@ -229,6 +230,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     if chunk_size < 1:
         raise ValueError(f"token_logprobs: chunk_size {chunk_size} must be >= 1")
     targets = targets.to(torch.int64).contiguous()
+    want_grad = hidden.requires_grad and torch.is_grad_enabled()
     logp, ent = _TokenLogprobs.apply(hidden, lm_head_weight.detach(), targets, 1.0 / temperature, max(1, chunk_size),
-                                     impl, recompute, return_entropy)
+                                     impl, recompute, return_entropy, want_grad)
     return (logp, ent) if return_entropy else logp

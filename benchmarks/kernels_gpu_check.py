@@ -1,0 +1,648 @@
+"""GPU checks and timings of grpo/kernels (issue 9): FP8Linear and token_logprobs on one GPU.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/kernels_gpu_check.py --out $OUT
+
+Sections (each one is independent; a failure prints its traceback and the rest go on):
+  rates     the two ceilings: device copy bandwidth and a large bf16 matmul
+  fp8-err   relative errors of the FP8 paths against float64 on the dequantized weight
+  fp8-time  forward+backward at M=16384 for the Llama-3.2-1B shapes, bf16 nn.Linear vs FP8 variants
+  logprobs  N=32768, V=128256, H=2048 forward+backward: plain, chunked plain, torch and Triton variants
+  model     a Llama-3.2-1B-shaped model (random weights): base-weight memory, FP8 vs bf16 log-probs,
+            and forward+backward of the whole model with rsLoRA adapters
+  overhead  (only with --only overhead) host-side cost of the autograd path at small shapes
+  smollm2   (only with --only smollm2; CPU) a real trained model, SmolLM2-135M, FP8 vs bf16 log-probs
+Timings are medians over CUDA events after warm-up, on random (never zero) inputs. Writes
+kernels_gpu.json to --out. `--small` shrinks every size so the script can be smoke-run on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from grpo.kernels.fp8 import (
+    FP8Linear,
+    dequantize_fp8_block,
+    fp8_mm_bwd,
+    fp8_mm_fwd,
+    quantize_fp8_rows,
+    quantize_fp8_rows_ref,
+    quantize_linears_,
+    transpose_fp8,
+)
+from grpo.kernels import logprobs as lp_mod
+from grpo.kernels.logprobs import token_logprobs, token_logprobs_ref
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GiB = 2**30
+RESULTS: dict = {}
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, warmup: int = 2, iters: int = 7) -> float:
+    """Median milliseconds of fn() over `iters` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench(fn) -> float:
+    """Median ms for short kernels: triton's do_bench (25 ms warm-up, 200 ms of repeats)."""
+    if not torch.cuda.is_available():
+        return time_ms(fn, 1, 3)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def peak_extra_gib(fn) -> float:
+    """Peak memory allocated while fn() runs, above what was allocated before it."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    sync()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    sync()
+    return (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def section(fn):
+    @functools.wraps(fn)
+    def run(args):
+        say(f"\n=== {fn.__name__} ===")
+        t0 = time.time()
+        try:
+            fn(args)
+        except Exception:  # keep going: one broken section must not hide the others
+            tb = traceback.format_exc()
+            say(tb)
+            RESULTS.setdefault("errors", {})[fn.__name__] = tb.splitlines()[-1]
+        say(f"[{fn.__name__} took {time.time() - t0:.1f} s]")
+        sync()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    return run
+
+
+# --- sections -------------------------------------------------------------------------------------
+
+
+@section
+def env(args):
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = torch.cuda.get_device_capability()
+        import triton
+
+        info["triton"] = triton.__version__
+    import peft
+    import transformers
+
+    info["transformers"], info["peft"] = transformers.__version__, peft.__version__
+    RESULTS["env"] = info
+    say(json.dumps(info))
+
+
+@section
+def rates(args):
+    d = args.device
+    n = 2**30 // 2 if not args.small else 2**20
+    src = torch.randn(n, device=d, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    gbps = 2 * src.numel() * 2 / ms / 1e6
+    s = 8192 if not args.small else 256
+    a = torch.randn(s, s, device=d, dtype=torch.bfloat16)
+    b = torch.randn(s, s, device=d, dtype=torch.bfloat16)
+    ms_mm = bench(lambda: a @ b)
+    tflops = 2 * s**3 / ms_mm / 1e9
+    RESULTS["rates"] = {"copy_GBps": gbps, "bf16_tflops": tflops}
+    say(f"copy {gbps:.0f} GB/s (read+write); bf16 {s}^3 matmul {tflops:.0f} TFLOP/s")
+
+
+SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]  # (K in, N out) of Llama-3.2-1B
+
+
+@section
+def fp8_err(args):
+    d = args.device
+    rows = []
+    cases = [(16384, k, n) for k, n in SHAPES] + [(1000, 2048, 512), (1, 512, 512), (333, 8192, 2048)]
+    if args.small:
+        cases = [(64, 512, 512)]
+    for m, k, n in cases:
+        torch.manual_seed(m + k + n)
+        lin = nn.Linear(k, n, bias=False, device=d, dtype=torch.bfloat16)
+        fp8 = FP8Linear.from_linear(lin)
+        w64 = fp8.dequantized_weight(torch.float64)
+        x = torch.randn(m, k, device=d, dtype=torch.bfloat16)
+        g = torch.randn(m, n, device=d, dtype=torch.bfloat16)
+        y64, dx64 = x.double() @ w64.t(), g.double() @ w64
+        row = {"m": m, "k": k, "n": n}
+        if d == "cuda":
+            row["fwd_fp8"] = rel(fp8_mm_fwd(x, fp8.weight, fp8.weight_scale_inv), y64)
+            row["bwd_fp8"] = rel(fp8_mm_bwd(g, fp8.weight, fp8.weight_scale_inv), dx64)
+        row["fwd_dequant"] = rel(x @ fp8.dequantized_weight().t(), y64)
+        row["bwd_dequant"] = rel(g @ fp8.dequantized_weight(), dx64)
+        row["bf16_linear_vs_fp8_weight"] = rel(lin(x), y64)  # the bf16 weight itself vs its FP8 copy
+        if d == "cuda":
+            xq, sx = quantize_fp8_rows(x)
+            xr, sr = quantize_fp8_rows_ref(x)
+            row["quant_triton_code_mismatch"] = (xq.view(torch.uint8) != xr.view(torch.uint8)).float().mean().item()
+            row["quant_triton_scale_maxrel"] = ((sx - sr).abs() / sr).max().item()
+        rows.append(row)
+        say("  " + "  ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+    RESULTS["fp8_err"] = rows
+
+
+@section
+def fp8_time(args):
+    d = args.device
+    m = 16384 if not args.small else 256
+    compiled = None
+    if d == "cuda":
+        qc = torch.compile(quantize_fp8_rows_ref, dynamic=True)
+
+        def compiled(x):
+            codes, scale = qc(x)
+            return codes, scale.t().contiguous().t()  # insist on the layout _scaled_mm wants
+
+    rows = []
+    for k, n in SHAPES:
+        torch.manual_seed(k * n)
+        lin = nn.Linear(k, n, bias=False, device=d, dtype=torch.bfloat16).requires_grad_(False)
+        lin_train = nn.Linear(k, n, bias=False, device=d, dtype=torch.bfloat16)
+        fp8 = FP8Linear.from_linear(lin)
+        fp8_deq = FP8Linear.from_linear(lin)
+        fp8_deq.bwd = "dequant"
+        w, s = fp8.weight, fp8.weight_scale_inv
+        x = torch.randn(m, k, device=d, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(m, n, device=d, dtype=torch.bfloat16)
+        row = {"k": k, "n": n, "m": m}
+        row["bf16_frozen_fb"] = bench(lambda: torch.autograd.grad(lin(x), x, g))
+        row["bf16_train_fb"] = bench(lambda: torch.autograd.grad(lin_train(x), (x, lin_train.weight), g))
+        row["bf16_fwd"] = bench(lambda: lin(x.detach()))
+        if d == "cuda":
+            xd = x.detach()
+            row["fp8_fb"] = bench(lambda: torch.autograd.grad(fp8(x), x, g))
+            row["fp8_fb_bwd_dequant"] = bench(lambda: torch.autograd.grad(fp8_deq(x), x, g))
+            row["fp8_fb_manual"] = bench(lambda: (fp8_mm_fwd(xd, w, s), fp8_mm_bwd(g, w, s)))
+            row["fp8_fb_quant_eager"] = bench(lambda: (fp8_mm_fwd(xd, w, s, "ref"), fp8_mm_bwd(g, w, s, "ref")))
+            try:
+                row["fp8_fb_quant_compiled"] = bench(lambda: (fp8_mm_fwd(xd, w, s, compiled),
+                                                              fp8_mm_bwd(g, w, s, compiled)))
+            except Exception as e:  # torch.compile is optional here
+                say(f"  compiled quantize failed: {type(e).__name__}: {str(e)[:200]}")
+            row["fp8_fwd"] = bench(lambda: fp8(xd))
+            xq, sx = quantize_fp8_rows(xd)
+            row["fp8_gemm_fwd_only"] = bench(lambda: torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=s.contiguous().t(),
+                                                                      out_dtype=torch.bfloat16))
+            gq, sg = quantize_fp8_rows(g)
+            w_cm, s_cm = w.t().contiguous().t(), s.t().contiguous().t()
+            row["fp8_gemm_bwd_only"] = bench(lambda: torch._scaled_mm(gq, w_cm, scale_a=sg, scale_b=s_cm,
+                                                                      out_dtype=torch.bfloat16))
+            try:  # the ceiling without block scales: one scale per row of X and per column of W
+                one_a = torch.ones(m, 1, device=d)
+                one_b = torch.ones(1, n, device=d)
+                row["fp8_gemm_rowwise_fwd"] = bench(lambda: torch._scaled_mm(
+                    xq, w.t(), scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16, use_fast_accum=True))
+            except Exception as e:
+                say(f"  rowwise _scaled_mm failed: {type(e).__name__}: {str(e)[:200]}")
+            row["quant_x_triton"] = bench(lambda: quantize_fp8_rows(xd))
+            row["quant_x_eager"] = bench(lambda: quantize_fp8_rows_ref(xd))
+            row["dequant_w"] = bench(lambda: dequantize_fp8_block(w, s))
+            row["transpose_w_torch"] = bench(lambda: w.t().contiguous())
+            row["transpose_w_triton"] = bench(lambda: transpose_fp8(w))
+            assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
+            row["speedup_vs_bf16_frozen"] = row["bf16_frozen_fb"] / row["fp8_fb"]
+        rows.append(row)
+        say("  " + "  ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+    RESULTS["fp8_time"] = rows
+
+
+@section
+def logprobs(args):
+    d = args.device
+    n, v, h = (32768, 128256, 2048) if not args.small else (512, 5000, 64)
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, device=d, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(v, h, device=d) * (3 / h**0.5)).to(torch.bfloat16)  # logits of std ~3
+    targets = torch.randint(0, v, (n,), device=d)
+    upstream = torch.randn(n, device=d)
+
+    def plain():
+        return torch.autograd.grad(token_logprobs_ref(hidden, weight, targets), hidden, upstream)[0]
+
+    def plain_chunked(rows=4096):
+        grad = torch.empty_like(hidden)
+        for s in range(0, n, rows):
+            hc = hidden[s:s + rows].detach().requires_grad_()
+            grad[s:s + rows] = torch.autograd.grad(token_logprobs_ref(hc, weight, targets[s:s + rows]), hc,
+                                                   upstream[s:s + rows])[0]
+        return grad
+
+    def matmuls_only(rows=2048):
+        for s in range(0, n, rows):
+            (hidden[s:s + rows].detach() @ weight.t()) @ weight
+
+    def ours(**kw):
+        def run():
+            out = token_logprobs(hidden, weight, targets, **kw)
+            out = out[0] if isinstance(out, tuple) else out
+            return torch.autograd.grad(out, hidden, upstream)[0]
+        return run
+
+    def ours_fwd(**kw):
+        def run():
+            with torch.no_grad():
+                return token_logprobs(hidden, weight, targets, **kw)
+        return run
+
+    def triton_blocks(block_v, warps, **kw):
+        def run():
+            old = lp_mod.TRITON_BLOCK_V, lp_mod.TRITON_NUM_WARPS
+            lp_mod.TRITON_BLOCK_V, lp_mod.TRITON_NUM_WARPS = block_v, warps
+            try:
+                return ours(impl="triton", **kw)()
+            finally:
+                lp_mod.TRITON_BLOCK_V, lp_mod.TRITON_NUM_WARPS = old
+        return run
+
+    small_chunk = 128 if not args.small else 64
+    variants = [
+        ("plain (bf16 logits, fp32 log_softmax, gather)", plain),
+        ("plain chunked by 4096 rows", plain_chunked),
+        ("two matmuls only (floor), 2048-row chunks", matmuls_only),
+        ("torch, grad in forward, default chunk", ours(impl="torch")),
+        ("torch, recompute in backward, default chunk", ours(impl="torch", recompute=True)),
+    ]
+    if d == "cuda":
+        variants += [
+            ("triton, grad in forward, chunk 2048 (default)", ours(impl="triton")),
+            ("triton, grad in forward, chunk 1024", ours(impl="triton", chunk_size=1024)),
+            ("triton, grad in forward, chunk 4096", ours(impl="triton", chunk_size=4096)),
+            ("triton, recompute in backward, chunk 2048", ours(impl="triton", recompute=True)),
+            ("triton BLOCK_V 4096 / 8 warps, chunk 2048", triton_blocks(4096, 8)),
+            ("triton BLOCK_V 16384 / 16 warps, chunk 2048", triton_blocks(16384, 16)),
+            ("triton + entropy, grad in forward, chunk 2048", ours(impl="triton", return_entropy=True)),
+            ("triton forward only (no grad), chunk 2048", ours_fwd(impl="triton")),
+        ]
+    else:
+        variants += [("torch small chunk", ours(impl="torch", chunk_size=small_chunk))]
+
+    # correctness against the plain path on the same bf16 logits, and against float64 on a few rows
+    ref_logp = token_logprobs_ref(hidden, weight, targets).detach()
+    ref_grad = plain()
+    rows64 = slice(0, 64)
+    h64 = hidden[rows64].detach().double().requires_grad_()
+    logp64 = token_logprobs_ref(h64, weight.double(), targets[rows64])
+    (grad64,) = torch.autograd.grad(logp64, h64, upstream[rows64].double())
+    impls = [("torch", False), ("torch", True)] + ([("triton", False), ("triton", True)] if d == "cuda" else [])
+    errs = []
+    for impl, rec in impls:
+        out = token_logprobs(hidden, weight, targets, impl=impl, recompute=rec)
+        (grad,) = torch.autograd.grad(out, hidden, upstream)
+        e = {"impl": impl, "recompute": rec,
+             "logp_maxabs_vs_plain": (out.detach() - ref_logp).abs().max().item(),
+             "grad_rel_vs_plain": rel(grad, ref_grad),
+             "logp_maxabs_vs_fp64": (out.detach()[rows64].double() - logp64.detach()).abs().max().item(),
+             "grad_rel_vs_fp64": rel(grad[rows64], grad64),
+             "plain_logp_maxabs_vs_fp64": (ref_logp[rows64].double() - logp64.detach()).abs().max().item(),
+             "plain_grad_rel_vs_fp64": rel(ref_grad[rows64], grad64)}
+        errs.append(e)
+        say("  " + "  ".join(f"{k}={val:.3g}" if isinstance(val, float) else f"{k}={val}" for k, val in e.items()))
+    RESULTS["logprobs_err"] = errs
+    del ref_grad
+
+    rows = []
+    for name, fn in variants:
+        try:
+            ms = time_ms(fn, warmup=2, iters=7)
+            mem = peak_extra_gib(fn)
+        except Exception as e:
+            say(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append({"variant": name, "ms": ms, "peak_extra_GiB": mem})
+        say(f"  {name:52s} {ms:8.2f} ms  {mem:7.2f} GiB")
+    RESULTS["logprobs_time"] = {"n": n, "v": v, "h": h, "rows": rows}
+
+
+def llama_1b_config(small: bool):
+    from transformers import LlamaConfig
+
+    if small:
+        return LlamaConfig(vocab_size=128256, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                           rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=4096)
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
+
+
+def param_bytes(model: nn.Module, only=None) -> int:
+    total = 0
+    for name, mod in model.named_modules():
+        if only is not None and not only(name, mod):
+            continue
+        for p in mod.parameters(recurse=False):
+            total += p.numel() * p.element_size()
+    return total
+
+
+@section
+def model(args):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    d = args.device
+    cfg = llama_1b_config(args.small)
+    torch.manual_seed(0)
+    with torch.device(d):
+        m32 = LlamaForCausalLM(cfg).eval()  # the float32 truth for this random model
+    m16 = copy.deepcopy(m32).to(torch.bfloat16)
+    m8 = copy.deepcopy(m16)
+    count = quantize_linears_(m8, TARGETS)  # as --load-in-fp8 does, from the bf16 weights
+    is_target = lambda name, mod: name.rsplit(".", 1)[-1] in TARGETS  # noqa: E731
+    mem = {"fp8_layers": count,
+           "linear_bf16_GB": param_bytes(m16, is_target) / 1e9, "linear_fp8_GB": param_bytes(m8, is_target) / 1e9,
+           "model_bf16_GB": param_bytes(m16) / 1e9, "model_fp8_GB": param_bytes(m8) / 1e9}
+    mem["linear_ratio"] = mem["linear_fp8_GB"] / mem["linear_bf16_GB"]
+    mem["model_ratio"] = mem["model_fp8_GB"] / mem["model_bf16_GB"]
+    if d == "cuda":  # what the allocator actually holds for each model
+        sync()
+        before = torch.cuda.memory_allocated()
+        probe = copy.deepcopy(m16)
+        quantize_linears_(probe, TARGETS)
+        sync()
+        mem["allocated_fp8_copy_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
+        del probe
+    say("  " + json.dumps({k: round(v, 4) for k, v in mem.items()}))
+    RESULTS["model_memory"] = mem
+
+    b, t = (8, 512) if not args.small else (2, 32)
+    ids = torch.randint(0, cfg.vocab_size, (b, t), device=d)
+
+    def logp_of(mdl):
+        with torch.no_grad():
+            hid = mdl.model(ids).last_hidden_state[:, :-1].reshape(-1, cfg.hidden_size)
+            return token_logprobs(hid, mdl.get_output_embeddings().weight, ids[:, 1:].reshape(-1)).double(), hid
+
+    def set_gemm(mdl, gemm):
+        for mod in mdl.modules():
+            if isinstance(mod, FP8Linear):
+                mod.gemm = gemm
+
+    lp32, h32 = logp_of(m32)
+    lp16, h16 = logp_of(m16)
+    lp8, h8 = logp_of(m8)
+    set_gemm(m8, "dequant")  # FP8 weights, bf16 activations: the weight error alone
+    lp8w, h8w = logp_of(m8)
+    set_gemm(m8, "auto")
+    acc = {"logp_mean_fp32": lp32.mean().item()}
+    for name, lp_, h_ in (("bf16", lp16, h16), ("fp8", lp8, h8), ("fp8_weights_only", lp8w, h8w)):
+        acc[f"{name}_logp_rel_vs_fp32"] = rel(lp_, lp32)
+        acc[f"{name}_logp_maxabs_vs_fp32"] = (lp_ - lp32).abs().max().item()
+        acc[f"{name}_hidden_rel_vs_fp32"] = rel(h_, h32)
+    acc["fp8_logp_rel_vs_bf16"] = rel(lp8, lp16)
+    acc["fp8_logp_maxabs_vs_bf16"] = (lp8 - lp16).abs().max().item()
+    acc["fp8_hidden_rel_vs_bf16"] = rel(h8, h16)
+    acc["fp8_ratio_rel_err_mean"] = (lp8 - lp16).exp().sub(1).abs().mean().item()  # |pi_fp8/pi_bf16 - 1|
+    say("  " + json.dumps({k: float(f"{v:.4g}") for k, v in acc.items()}))
+    RESULTS["model_logp"] = acc
+    del m32, h32, h16, h8, h8w
+
+    # forward+backward of the whole model with rsLoRA (r=32, alpha=64) on the 7 projections
+    bt = (16, 1024) if not args.small else (2, 32)
+    ids_t = torch.randint(0, cfg.vocab_size, bt, device=d)
+    step = {}
+    for name, base in (("bf16", m16), ("fp8", m8)):
+        pm = get_peft_model(base, LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=TARGETS,
+                                             lora_dropout=0.0))
+        pm.train()
+        inner = pm.base_model.model
+        w = inner.get_output_embeddings().weight
+
+        def fb():
+            hid = inner.model(ids_t).last_hidden_state[:, :-1].reshape(-1, cfg.hidden_size)
+            loss = token_logprobs(hid, w, ids_t[:, 1:].reshape(-1)).mean()
+            loss.backward()
+            for p in pm.parameters():
+                p.grad = None
+
+        ms = time_ms(fb, warmup=2, iters=5)
+        peak = peak_extra_gib(fb)
+        step[name] = {"ms": ms, "peak_extra_GiB": peak}
+        say(f"  {name}: whole-model fwd+bwd with rsLoRA, {bt[0]}x{bt[1]} tokens: {ms:.1f} ms, peak extra {peak:.2f} GiB")
+        pm.unload() if hasattr(pm, "unload") else None
+        del pm
+    step["speedup"] = step["bf16"]["ms"] / step["fp8"]["ms"]
+    RESULTS["model_step"] = step
+
+
+@section
+def overhead(args):
+    """Where the module path loses to the manual path at small shapes: a Python autograd.Function
+    wrapping plain bf16 matmuls, host-side wall clock per call, and the profiler's top ops."""
+    d = args.device
+    m = 16384 if not args.small else 256
+
+    class PyLinear(torch.autograd.Function):  # the same autograd structure as _FP8LinearFn, bf16 math
+        @staticmethod
+        def forward(ctx, x2, w):
+            ctx.save_for_backward(w)
+            return x2 @ w.t()
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, gy):
+            (w,) = ctx.saved_tensors
+            return gy @ w, None
+
+    rows = []
+    for k, n in ((2048, 512), (2048, 2048)):
+        lin = nn.Linear(k, n, bias=False, device=d, dtype=torch.bfloat16).requires_grad_(False)
+        fp8 = FP8Linear.from_linear(lin)
+        x = torch.randn(m, k, device=d, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(m, n, device=d, dtype=torch.bfloat16)
+        xd, w, s = x.detach(), fp8.weight, fp8.weight_scale_inv
+        fns = {"bf16_linear": lambda: torch.autograd.grad(lin(x), x, g),
+               "bf16_pyfunction": lambda: torch.autograd.grad(PyLinear.apply(x, lin.weight), x, g),
+               "fp8_module": lambda: torch.autograd.grad(fp8(x), x, g),
+               }
+        if d == "cuda":
+            fns["fp8_manual"] = lambda: (fp8_mm_fwd(xd, w, s), fp8_mm_bwd(g, w, s))
+        row = {"k": k, "n": n}
+        for name, fn in fns.items():
+            row[f"{name}_gpu_ms"] = bench(fn)
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            t_host = (time.perf_counter() - t0) / 50 * 1e3  # host time per call, queue not drained
+            sync()
+            row[f"{name}_host_ms"] = t_host
+        rows.append(row)
+        say("  " + "  ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+        if d == "cuda" and n == 512:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fns["fp8_module"]()
+                sync()
+            say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+    RESULTS["overhead"] = rows
+
+
+@section
+def smollm2(args):
+    """A real trained model on the CPU: SmolLM2-135M-Instruct (the Q4_1 GGUF that grpo.assets ships,
+    dequantized), FP8 block weights against bf16 and fp32, on text the model wrote itself. Activation
+    quantization (1x128 groups, as the scaled_mm path does) is simulated with a pre-hook."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.assets import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    m32 = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompts = ["Question: A farmer has 17 sheep and buys 3 times as many goats. How many animals does he have? "
+               "Answer step by step.", "Explain why the sum of two odd numbers is always even.",
+               "Write a short paragraph about the history of the printing press."]
+    torch.manual_seed(0)
+    seqs = []
+    for text in prompts:
+        ids = tok(text, return_tensors="pt").input_ids
+        new = 128 if not args.small else 8
+        out = m32.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_p=1.0,
+                           pad_token_id=tok.eos_token_id)
+        seqs.append(out[0])
+
+    def act_quant(mod, inputs):
+        x = inputs[0]
+        k = x.shape[-1]
+        kp = -(-k // 128) * 128
+        codes, scale = quantize_fp8_rows_ref(F.pad(x.reshape(-1, k).float(), (0, kp - k)))
+        deq = (codes.float().view(-1, kp // 128, 128) * scale[..., None]).view(-1, kp)[:, :k]
+        return (deq.to(x.dtype).view_as(x),)
+
+    def logp_of(mdl):
+        lps = []
+        with torch.no_grad():
+            for seq in seqs:
+                hid = mdl.model(seq[None]).last_hidden_state[0, :-1]
+                lps.append(token_logprobs(hid, mdl.get_output_embeddings().weight, seq[1:]).double())
+        return torch.cat(lps)
+
+    m16 = copy.deepcopy(m32).to(torch.bfloat16)
+    m8 = copy.deepcopy(m16)
+    quantize_linears_(m8, TARGETS)
+    lp32, lp16, lp8 = logp_of(m32), logp_of(m16), logp_of(m8)
+    hooks = [mod.register_forward_pre_hook(act_quant) for mod in m8.modules() if isinstance(mod, FP8Linear)]
+    lp8a = logp_of(m8)
+    for h_ in hooks:
+        h_.remove()
+    acc = {"tokens": lp32.numel(), "logp_mean_fp32": lp32.mean().item()}
+    for name, lp_ in (("bf16", lp16), ("fp8_weights", lp8), ("fp8_weights_acts", lp8a)):
+        acc[f"{name}_logp_rel_vs_fp32"] = rel(lp_, lp32)
+        acc[f"{name}_logp_rel_vs_bf16"] = rel(lp_, lp16) if name != "bf16" else 0.0
+        acc[f"{name}_ratio_dev_vs_bf16"] = (lp_ - lp16).exp().sub(1).abs().mean().item()
+        acc[f"{name}_logp_maxabs_vs_bf16"] = (lp_ - lp16).abs().max().item()
+    say("  " + json.dumps({k: float(f"{v:.4g}") for k, v in acc.items()}))
+    RESULTS["smollm2_cpu"] = acc
+
+
+def summary():
+    say("\n=================== SUMMARY ===================")
+    env_ = RESULTS.get("env", {})
+    say(f"{env_.get('gpu', 'cpu')}  torch {env_.get('torch')}  triton {env_.get('triton')}  "
+        f"transformers {env_.get('transformers')}  peft {env_.get('peft')}")
+    if "rates" in RESULTS:
+        r = RESULTS["rates"]
+        say(f"copy {r['copy_GBps']:.0f} GB/s, bf16 matmul {r['bf16_tflops']:.0f} TFLOP/s")
+    if "fp8_time" in RESULTS:
+        say("FP8Linear fwd+bwd (dX only) at M=16384, ms (median):")
+        say(f"{'K->N':>11} {'bf16 frz':>8} {'bf16 trn':>8} {'fp8':>7} {'fp8 bdq':>7} {'eagerQ':>7} {'compQ':>7} "
+            f"{'x':>5} | {'bf16 f':>6} {'fp8 f':>6} {'gemm f':>6} {'gemm b':>6} {'rowwise':>7} {'quantX':>6}")
+        for r in RESULTS["fp8_time"]:
+            f = lambda key: f"{r[key]:.3f}" if key in r else "-"  # noqa: E731
+            say(f"{r['k']:>5}->{r['n']:<5} {f('bf16_frozen_fb'):>8} {f('bf16_train_fb'):>8} {f('fp8_fb'):>7} "
+                f"{f('fp8_fb_bwd_dequant'):>7} {f('fp8_fb_quant_eager'):>7} {f('fp8_fb_quant_compiled'):>7} "
+                f"{r.get('speedup_vs_bf16_frozen', float('nan')):>5.2f} | {f('bf16_fwd'):>6} {f('fp8_fwd'):>6} "
+                f"{f('fp8_gemm_fwd_only'):>6} {f('fp8_gemm_bwd_only'):>6} {f('fp8_gemm_rowwise_fwd'):>7} "
+                f"{f('quant_x_triton'):>6}")
+    if "logprobs_time" in RESULTS:
+        lt = RESULTS["logprobs_time"]
+        say(f"token_logprobs fwd+bwd at N={lt['n']}, V={lt['v']}, H={lt['h']}:")
+        for r in lt["rows"]:
+            say(f"  {r['variant']:52s} {r['ms']:8.2f} ms  {r['peak_extra_GiB']:6.2f} GiB")
+    for key in ("model_memory", "model_logp", "model_step", "smollm2_cpu"):
+        if key in RESULTS:
+            say(f"{key}: {json.dumps(RESULTS[key], default=float)}")
+    if "errors" in RESULTS:
+        say(f"ERRORS: {json.dumps(RESULTS['errors'])}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".", help="folder for kernels_gpu.json and kernels_gpu.log")
+    ap.add_argument("--small", action="store_true", help="tiny sizes: a smoke run on any device")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these sections")
+    args = ap.parse_args()
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for sec in (env, rates, fp8_err, fp8_time, logprobs, model, overhead, smollm2):
+        if (args.only and sec.__name__ not in args.only) or (not args.only and sec in (overhead, smollm2)):
+            continue  # overhead (a diagnosis) and smollm2 (CPU, needs the cached GGUF) run only when asked for
+        sec(args)
+    summary()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=float))
+    (out / "kernels_gpu.log").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
