@@ -137,6 +137,9 @@ class Config:
             raise ValueError(f"--micro-batch-size {self.micro_batch_size}: use 1 or more")
         if self.num_iterations < 1:
             raise ValueError(f"--num-iterations {self.num_iterations}: use 1 or more")
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature {self.temperature}: GRPO samples G different completions per prompt; "
+                             "use a temperature above 0 (1.0 is the recipe's)")
         if self.beta < 0:
             raise ValueError(f"--beta {self.beta}: the KL coefficient must be >= 0")
         if self.max_steps < 1:
