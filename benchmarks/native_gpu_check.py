@@ -24,6 +24,7 @@ import torch
 import torch._dynamo
 
 ROWS, P, G, PROMPT, NEW = 16, 4, 4, 128, 512
+PLAIN = dict(compile=None, streams=False)  # the engine's CUDA defaults compile and use streams; variants opt in
 T0 = time.perf_counter()
 RESULTS: list[dict] = []
 
@@ -159,7 +160,7 @@ def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=
     from grpo.rollout.native import NativeEngine
 
     engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004,
-                          use_cuda_graph=graph, **(engine_kw or {}))
+                          use_cuda_graph=graph, **{**PLAIN, **(engine_kw or {})})
     s = sampling(max_new_tokens=new or NEW, **sample_kw)
     first = None
     per_step = []
@@ -207,7 +208,7 @@ def kernel_breakdown(label: str, model, engine_kw=None) -> None:
     from grpo.rollout.native import NativeEngine
 
     engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False,
-                          **(engine_kw or {}))
+                          **{**PLAIN, **(engine_kw or {})})
     s = sampling(max_new_tokens=3)
     engine.generate(prompts(), G, s)  # allocates the state and leaves it in place
     steps = 5
@@ -271,7 +272,7 @@ def standby(model) -> None:
     train_phase()  # warm-up allocations of the training phase alone
     torch.cuda.synchronize()
     for release in (True, False):
-        engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004)
+        engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, **PLAIN)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -305,7 +306,7 @@ def correctness(model) -> None:
     from grpo.rollout.native import NativeEngine
 
     ps = prompts()[:2]
-    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004)
+    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, **PLAIN)
     r = engine.generate(ps, 1, sampling(max_new_tokens=32, temperature=0.0, min_p=0.0))
     same = []
     for i, p in enumerate(ps):
@@ -320,7 +321,8 @@ def correctness(model) -> None:
         logits = model(full).logits.float()[:, PROMPT - 1 : PROMPT + 7]  # predicts completion tokens 0..7
     ref = torch.log_softmax(logits, -1).gather(-1, r.completion_ids[:, :8, None])[..., 0]
     logp_err = (ref - r.sampler_logp[:, :8]).abs().max().item()
-    eager = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False)
+    eager = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False,
+                         **PLAIN)
     s = sampling(max_new_tokens=48, top_p=0.95, top_k=100)
     a, b = engine.generate(prompts(), G, s), eager.generate(prompts(), G, s)
     log(kind="correctness", greedy_tokens_equal_to_hf_of_32=same, greedy_logp_max_abs_err_vs_forward=round(logp_err, 4),

@@ -50,7 +50,9 @@ def model():
 
 
 def test_engine_satisfies_the_engine_protocol(model):
-    assert isinstance(NativeEngine(model, max_seq_len=32, max_batch=2, pad_id=PAD), Engine)
+    engine = NativeEngine(model, max_seq_len=32, max_batch=2, pad_id=PAD)
+    assert isinstance(engine, Engine)
+    assert engine.compile_mode is None and engine._streams is None and not engine.use_cuda_graph  # CPU defaults
 
 
 def test_greedy_equals_transformers_generate_for_prompts_of_different_lengths(model):
@@ -366,9 +368,10 @@ def test_cuda_graph_rollout_equals_eager_rollout():
     model = small_llama(seed=6).cuda()
     sampling = Sampling(max_new_tokens=40, temperature=1.0, top_p=0.9, min_p=0.05, seed=1,
                         stop_sequences=((17, 18),))
-    eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, use_cuda_graph=False)
+    eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, use_cuda_graph=False,
+                         compile=None, streams=False)
     b = eager.generate(PROMPTS, 2, sampling)
-    for kw in (dict(), dict(attention="sdpa", streams=True)):
+    for kw in (dict(), dict(compile=None, streams=False), dict(compile=None, attention="sdpa", streams=True)):
         graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, **kw)
         a = graphed.generate(PROMPTS, 2, sampling)
         assert torch.equal(a.completion_ids, b.completion_ids), kw

@@ -12,7 +12,9 @@ One `generate(prompt_ids, n, sampling)`:
 1. allocates the KV cache once, `(max_batch, kv_heads, max_seq_len, head_dim)` per layer, and the
    per-row state (current token, position, alive/finished flags, output columns) beside it;
 2. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens;
-   the attention reads only the bucket, not the whole cache), optionally over `torch.compile`d code;
+   the attention reads only the bucket, not the whole cache). By default on CUDA the step is
+   `torch.compile`d per layer (one compiled layer serves all layers: seconds of compile, not a
+   minute) and the projections that share an input run on parallel streams inside the graph;
 3. prefills each of the P prompts once (right-padded, causal), writing its KV straight into its n rows;
 4. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
    drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
@@ -24,8 +26,9 @@ get the positions and numerics of an unpadded forward.
 
 Standby: `release_memory()` drops the KV cache, the state and the graphs (whose addresses point into
 that cache), so between generations training can reuse that memory; the next `generate` allocates
-and captures again (milliseconds, reported in `Rollout.timings['capture']`). Keeping them instead
-saves the capture but pins `kv_cache_bytes` plus the graph pool through the training phase.
+and captures again (0.1-0.5 s on the H200 for Llama-3.2-1B shapes, in `Rollout.timings['capture']`,
+against seconds of generation). Keeping them instead saves the capture but pins `kv_cache_bytes()`
+plus the graph pool through the training phase. Measured numbers: benchmarks/RESULTS.md.
 
 What it deliberately is not: a server (no paging, no continuous batching, no prefix cache), and not
 a general transformers runner: Llama-style decoders only (LlamaForCausalLM and the models that share
@@ -100,12 +103,25 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid
     return out.reshape(rows, 1, n_heads * head_dim)
 
 
-def _write_kv(q, k, v, cos, sin, pos, k_cache, v_cache):
-    """Rotary on q and k, then the new K/V into the cache at each row's position."""
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+@torch.compiler.disable
+def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    """Write each row's new K/V (B, n_kv, 1, D) into its cache view at `pos`, in place.
+
+    Kept out of torch.compile on purpose: inductor functionalizes an in-place scatter into a graph
+    input that is a strided view, so the compiled layer wrote a full new copy of the cache view and
+    copied it back, twice per layer per token (~0.4 ms of a 2.1 ms step on the H200). Eagerly it is
+    one small scatter kernel per tensor, captured in the CUDA graph like the rest.
+    """
     write_at = pos[:, None, None, None].expand(k.shape[0], k.shape[1], 1, k.shape[3])  # (B, n_kv, 1, D)
     k_cache.scatter_(2, write_at, k)
     v_cache.scatter_(2, write_at, v)
+
+
+def _write_kv(q, k, v, cos, sin, pos, k_cache, v_cache):
+    """Rotary on q and k, then the new K/V into the cache at each row's position."""
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    _store_kv(k_cache, v_cache, pos, k, v)
     return q
 
 
@@ -240,17 +256,19 @@ class NativeEngine:
     max_batch: rows (prompts times n) per generate at most (the KV cache's batch).
     pad_id: fills completion_ids after a row stops.
     use_cuda_graph: capture the one-token step in CUDA graphs; None is "on CUDA".
-    compile: None, or a torch.compile mode ("default", "max-autotune-no-cudagraphs") for the step.
+    compile: a torch.compile mode for the step ("default", "max-autotune-no-cudagraphs"), None for
+        eager kernels, or "auto": "default" on CUDA, None elsewhere. The first generate compiles.
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
     attention: "matmul" (two batched matmuls, float32 softmax) or "sdpa" (torch's fused attention).
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph; the layer then runs as compiled pieces around the projections (on CPU: in sequence).
+        None is "on CUDA, when every layer's MLP is a Llama MLP".
     """
 
     def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int,
-                 use_cuda_graph: bool | None = None, compile: str | None = None, kv_bucket: int = 256,
-                 check_every: int = 16, attention: str = "matmul", streams: bool = False) -> None:
+                 use_cuda_graph: bool | None = None, compile: str | None = "auto", kv_bucket: int = 256,
+                 check_every: int = 16, attention: str = "matmul", streams: bool | None = None) -> None:
         self.model = model
         self.lm = _causal_lm(model)
         cfg = self.lm.config
@@ -280,15 +298,20 @@ class NativeEngine:
         self.max_batch = max_batch
         self.pad_id = pad_id
         self.use_cuda_graph = use_cuda_graph
-        self.compile_mode = compile
         self.kv_bucket = kv_bucket
         self.check_every = check_every
         if attention not in ("matmul", "sdpa"):
             raise ValueError(f"attention={attention!r}: use 'matmul' or 'sdpa'")
-        if streams:
-            for i, layer in enumerate(self.lm.model.layers):
-                if not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-                    raise ValueError(f"streams=True needs a Llama MLP (gate/up/down_proj, act_fn); layer {i} has none")
+        llama_mlp = all(hasattr(layer.mlp, a) for layer in self.lm.model.layers
+                        for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        if streams is None:
+            streams = self.device.type == "cuda" and llama_mlp
+        if streams and not llama_mlp:
+            raise ValueError("streams=True needs Llama MLPs (gate/up/down_proj and act_fn) in every layer; pass "
+                             "streams=False")
+        if compile == "auto":
+            compile = "default" if self.device.type == "cuda" else None
+        self.compile_mode = compile
         self.attention = attention
         self._streams = None
         if streams:  # on CPU the pieces run one after another (what the CPU tests check)
