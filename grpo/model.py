@@ -8,6 +8,7 @@ model. The reference policy is this same model with its adapters disabled.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,7 +27,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The GPU if there is one (cuda:LOCAL_RANK under torchrun: one GPU per rank), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local_rank)) if local_rank is not None else torch.device("cuda")
 
 
 def resolve_model_dir(name: str) -> Path:
@@ -79,10 +84,15 @@ def smollm2_dir() -> Path:
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain = plain.to(torch.bfloat16)
     plain.generation_config.eos_token_id = tokenizer.eos_token_id
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # ranks under torchrun convert side by side
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
+    try:
+        partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(partial)  # another process finished first; its copy is the same
     return target
 
 

@@ -2,7 +2,12 @@
 
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. The
 loss is `grpo.loss` and nothing else; the sampler is any `Engine`; the model is the PeftModel that
-`grpo.model` loads. Read `train()` from its first line to its last to know what a run does.
+`grpo.model` loads. Read `run()` from its first line to its last to know what a run does.
+
+Under `torchrun --nproc-per-node N` every rank runs the same loop on its own P prompts (a step trains
+on N*P*G completions): the ranks meet in `grpo.distributed` to gather rewards, count tokens and sum
+adapter gradients, and rank 0 alone prints, logs, evaluates and saves. A one-process run with
+N*P prompts per step sees the same prompts and takes the same steps.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.config import Config
+from grpo.distributed import World, init_world
 from grpo.kernels.logprobs import token_logprobs
 from grpo.loss import clipped_surrogate, group_advantages
 from grpo.loss.importance import importance_weights
@@ -121,17 +127,29 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: everything needed to continue as if never stopped
 # --------------------------------------------------------------------------------------------------
-def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, stream, state: dict, cfg: Config) -> Path:
+def rng_state() -> dict:
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng-rank{rank}.pt"
+
+
+def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, stream, state: dict, cfg: Config,
+                    rngs: list[dict]) -> Path:
+    """Written by rank 0 alone: the adapters, optimizer and stream are the same on every rank; `rngs`
+    holds each rank's RNG state (only rank 0's when the others could not be asked, as on Ctrl-C)."""
     final = out / f"{CHECKPOINT_PREFIX}{step}"
     tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
+    for rank, rng in enumerate(rngs):
+        torch.save(rng, tmp / rng_file(rank))
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "stream": stream.state_dict(), **state}))
     cfg.save(tmp)
     shutil.rmtree(final, ignore_errors=True)
@@ -156,19 +174,25 @@ def find_checkpoint(resume: str, out: Path) -> Path:
     return path
 
 
-def load_checkpoint(path: Path, policy, optimizer, scheduler, stream) -> dict:
+def load_checkpoint(path: Path, policy, optimizer, scheduler, stream, world: World) -> dict:
+    """Every rank loads the same files; each takes its own RNG state where the checkpoint has it."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    state = json.loads((path / "trainer_state.json").read_text())
+    saved_world = state.get("world_size", 1)
+    if saved_world != world.size:
+        raise ValueError(f"--resume {path}: the checkpoint was written by {saved_world} rank(s), this run has "
+                         f"{world.size}; fix: resume on {saved_world} (torchrun --nproc-per-node {saved_world})")
     set_peft_model_state_dict(policy, load_file(path / "adapter_model.safetensors"))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    state = json.loads((path / "trainer_state.json").read_text())
+    if (path / rng_file(world.rank)).is_file():  # absent for ranks > 0 after Ctrl-C: they keep their seed
+        rng = torch.load(path / rng_file(world.rank), weights_only=False)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     stream.load_state_dict(state.pop("stream"))
     return state
 
@@ -248,15 +272,26 @@ def stop_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
 # The run
 # --------------------------------------------------------------------------------------------------
 def train(cfg: Config) -> Path:
-    """Run GRPO as `cfg` says; returns the folder of the final adapter."""
+    """Run GRPO as `cfg` says; returns the folder of the final adapter. Under torchrun, every rank
+    calls this; without it, the run is one process and makes no process group."""
+    world = init_world()
+    try:
+        return run(cfg, world)
+    finally:
+        world.close()
+
+
+def run(cfg: Config, world: World) -> Path:
+    """The loop, as one rank of `world` runs it (the only rank without torchrun)."""
     from rich.console import Console
 
     from grpo.eval import evaluate, log_eval
 
-    console = Console()
+    console = Console(quiet=not world.is_main)  # rank 0 prints for all
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg.save(out)
+    if world.is_main:
+        cfg.save(out)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = default_device()
@@ -271,10 +306,11 @@ def train(cfg: Config) -> Path:
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
     pad_id = tokenizer.pad_token_id
     engine_name = resolve_engine_name(cfg.engine)
+    vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
     engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=prompts.max_prompt_length + max_completion,
                           max_batch=max(cfg.batch_size, cfg.eval_size * max(1, cfg.eval_samples)),
                           **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
-                              "seed": cfg.seed, "work_dir": str(out / "vllm")} if engine_name == "vllm" else {}))
+                              "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids, ignore_eos=cfg.ignore_eos)
@@ -285,25 +321,30 @@ def train(cfg: Config) -> Path:
 
     # Optimizer over the adapters only; the schedule counts optimizer steps.
     params = [p for p in policy.parameters() if p.requires_grad]
+    world.broadcast_(params)  # every rank starts from rank 0's adapters
+    if world.rank > 0:  # ... and from here draws its own dropout masks (sampling is seeded per step and rank)
+        torch.manual_seed(cfg.seed + world.rank)
     optimizer = make_optimizer(cfg, params)
     scheduler = make_scheduler(cfg, optimizer)
-    stream = grpo_data.PromptStream(len(prompts), cfg.prompts_per_step, seed=cfg.seed)
-    state = {"nonfinite_in_row": 0, "skipped_steps": 0}
+    # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
+    stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
+    state = {"nonfinite_in_row": 0, "skipped_steps": 0, "world_size": world.size}
     step = 0
     if cfg.resume:
         ckpt = find_checkpoint(cfg.resume, out)
-        state.update(load_checkpoint(ckpt, policy, optimizer, scheduler, stream))
+        state.update(load_checkpoint(ckpt, policy, optimizer, scheduler, stream, world))
         step = state.pop("step")
         console.print(f"[bold]resumed[/] from {ckpt} at step {step}")
-    log = MetricsLog(out, cfg, step)
+    log = MetricsLog(out, cfg, step) if world.is_main else None
     summary = model_summary(policy)
+    ranks = f" x {world.size} ranks" if world.size > 1 else ""
     console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {engine_name} | {len(prompts)} prompts "
-                  f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step} "
-                  f"G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
+                  f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
+                  f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
                   f"{summary['total_params']:,} | completions up to {max_completion} tokens")
 
     def run_eval(at_step: int) -> None:
-        if eval_prompts is None:
+        if eval_prompts is None or not world.is_main:  # the others wait in their next collective
             return
         engine.release_memory()
         result = evaluate(engine, tokenizer, eval_prompts, sampling, k=cfg.eval_samples,
@@ -312,7 +353,11 @@ def train(cfg: Config) -> Path:
         log_eval(console, log, at_step, result)
 
     def checkpoint(at_step: int) -> Path:
-        return save_checkpoint(out, at_step, policy, optimizer, scheduler, stream, state, cfg)
+        rngs = world.gather_objects(rng_state())
+        if world.is_main:
+            save_checkpoint(out, at_step, policy, optimizer, scheduler, stream, state, cfg, rngs)
+        world.barrier()  # no rank runs ahead of a checkpoint
+        return out / f"{CHECKPOINT_PREFIX}{at_step}"
 
     micro = cfg.micro_batch_size or cfg.batch_size
     last_step_time = 0.0
@@ -328,21 +373,30 @@ def train(cfg: Config) -> Path:
                 torch.cuda.reset_peak_memory_stats(device)
             timings: dict[str, float] = {}
 
-            # 1. Sample P prompts x G completions with the current policy.
-            idx = stream.next()
+            # 1. Sample P prompts x G completions with the current policy (this rank's P of the N*P).
+            idx = stream.next()[world.rank * cfg.prompts_per_step:(world.rank + 1) * cfg.prompts_per_step]
             batch_examples = [prompts.examples[i] for i in idx]
             t = time.perf_counter()
-            step_sampling = Sampling(**{**sampling.__dict__, "seed": cfg.seed * 100_003 + step})
+            seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank
+            step_sampling = Sampling(**{**sampling.__dict__, "seed": seed})
             rollout = engine.generate([prompts.prompt_ids[i] for i in idx], cfg.num_generations, step_sampling)
             engine.release_memory()
             timings["generate"] = time.perf_counter() - t
 
-            # 2. Score: one column per reward function, summed into one reward per completion.
+            # 2. Score: one column per reward function, summed into one reward per completion. Every rank
+            #    gathers all N*P*G rows (rank order is a one-process run's order): its advantages need only
+            #    its own groups, but scale_rewards="batch" and the log use the whole batch.
             texts = tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
             answers = [ex.answer for ex in batch_examples for _ in range(cfg.num_generations)]
             columns = grpo_data.batch_columns(batch_examples, repeat=cfg.num_generations)
             rewards, reward_names = grpo_rewards.score(texts, answers, reward_funcs, columns)  # (P*G, R)
-            adv, adv_stats = group_advantages(rewards.sum(-1), cfg.num_generations, scale=cfg.scale_rewards)
+            judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
+            table = world.gather_rows(torch.cat([rewards, torch.tensor(judged, dtype=rewards.dtype),
+                                                 rollout.lengths[:, None].to(rewards.dtype),
+                                                 rollout.finished[:, None].to(rewards.dtype)], dim=1))
+            all_rewards, correct, formatted, lengths, finished = table.split([len(reward_names), 1, 1, 1, 1], dim=1)
+            adv, adv_stats = group_advantages(all_rewards.sum(-1), cfg.num_generations, scale=cfg.scale_rewards)
+            adv = adv.view(world.size, -1)[world.rank]  # (P*G,) this rank's groups
 
             # 3. Reference and old log-probs, only when something uses them.
             policy.train()
@@ -363,7 +417,8 @@ def train(cfg: Config) -> Path:
 
             # 4. mu passes of clipped-surrogate steps over the rollout, in micro-batches.
             t = time.perf_counter()
-            n_tokens = batch.mask.sum().clamp(min=1)
+            n_rows = world.size * len(batch)  # completions in the whole step, over all ranks
+            n_tokens = world.sum(batch.mask.sum()).clamp(min=1)
             agg: dict[str, float] = {}
             nonfinite = False
             for _ in range(cfg.num_iterations):
@@ -382,8 +437,9 @@ def train(cfg: Config) -> Path:
                         ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=max_completion,
                         is_weights=is_w, kl=cfg.kl_estimator)
                     # Each micro-batch's loss is normalised within itself; weight it by its share of the
-                    # whole batch so the accumulated gradient equals one pass over all P*G rows.
-                    share = (mb.mask.sum() / n_tokens) if cfg.loss_norm == "token" else len(mb) / len(batch)
+                    # whole step's batch so that the gradient, accumulated and summed over ranks, equals
+                    # one pass over all N*P*G rows.
+                    share = (mb.mask.sum() / n_tokens) if cfg.loss_norm == "token" else len(mb) / n_rows
                     if not torch.isfinite(loss):
                         nonfinite = True
                         break
@@ -396,6 +452,7 @@ def train(cfg: Config) -> Path:
                             agg[k] = max(agg.get(k, -math.inf), float(v))
                         else:
                             agg[k] = agg.get(k, 0.0) + float(v) * float(share) / cfg.num_iterations
+                nonfinite = world.sum_grads_(params, nonfinite)  # a bad loss on any rank skips the step on all
                 if nonfinite:
                     break
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0
@@ -405,6 +462,8 @@ def train(cfg: Config) -> Path:
                     break
                 optimizer.step()
             timings["train"] = time.perf_counter() - t
+            if not nonfinite:  # every rank agrees on nonfinite, and then holds the same keys
+                agg = world.reduce_stats(agg)
             if nonfinite:
                 optimizer.zero_grad(set_to_none=True)
                 state["nonfinite_in_row"] += 1
@@ -421,30 +480,29 @@ def train(cfg: Config) -> Path:
             scheduler.step()
             step += 1
 
-            # 5. Log.
+            # 5. Log: the batch of all ranks; time and memory are rank 0's.
             last_step_time = time.perf_counter() - t_step
-            total = rewards.sum(-1)
+            total = all_rewards.sum(-1)  # (N*P*G,)
             record = {
                 "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
-                **{f"rewards/{name}": float(rewards[:, j].mean()) for j, name in enumerate(reward_names)},
-                "accuracy": sum(grpo_rewards.is_correct(c, a) for c, a in zip(texts, answers)) / len(texts),
-                "format": sum(grpo_rewards.has_exact_format(c) for c in texts) / len(texts),
-                "completion_length": float(rollout.lengths.float().mean()),
-                "frac_finished": float(rollout.finished.float().mean()),
+                **{f"rewards/{name}": float(all_rewards[:, j].mean()) for j, name in enumerate(reward_names)},
+                "accuracy": float(correct.double().mean()), "format": float(formatted.double().mean()),
+                "completion_length": float(lengths.double().mean()), "frac_finished": float(finished.double().mean()),
                 "frac_zero_std": float(adv_stats["frac_zero_std"]),
                 "lr": scheduler.get_last_lr()[0], "grad_norm": None if nonfinite else float(grad_norm),
                 "skipped": nonfinite, **{k: v for k, v in agg.items()},
                 "step_time": last_step_time, **{f"time/{k}": v for k, v in timings.items()},
                 "peak_mem_gib": peak_memory_gib(device),
             }
-            log.write(record)
+            if world.is_main:
+                log.write(record)
             line = (f"reward {record['reward']:7.3f} ± {record['reward_std']:.3f} | acc {record['accuracy']:.2f} | "
                     f"fmt {record['format']:.2f} | kl {agg.get('kl', 0.0):.4f} | len {record['completion_length']:6.1f} | "
                     f"{last_step_time:6.2f} s | {record['peak_mem_gib']:.2f} GiB")
             progress.update(bar, completed=step, stats=line)
             console.print(f"step {step:>4}/{cfg.max_steps} | {line}")
             if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
-                for j in range(0, len(texts), cfg.num_generations)[:2]:
+                for j in range(0, len(texts), cfg.num_generations)[:2]:  # rank 0's rows come first in total
                     console.print(f"  [dim]answer {answers[j]!r} reward {float(total[j]):.2f}:[/] {texts[j][:400]!r}")
             if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
                 checkpoint(step)
@@ -452,16 +510,19 @@ def train(cfg: Config) -> Path:
                 run_eval(step)
     except KeyboardInterrupt:
         progress.stop()
-        path = checkpoint(step)
-        console.print(f"[bold yellow]interrupted[/]: saved {path}; continue with --resume latest")
-        log.close()
+        if world.is_main:  # alone: the other ranks may be anywhere, but hold the same adapters and optimizer
+            path = save_checkpoint(out, step, policy, optimizer, scheduler, stream, state, cfg, [rng_state()])
+            console.print(f"[bold yellow]interrupted[/]: saved {path}; continue with --resume latest")
+            log.close()
         raise
     finally:
         progress.stop()
     checkpoint(step)
     run_eval(step)
     final = out / "adapter"
-    policy.save_pretrained(final)
-    log.close()
+    if world.is_main:
+        policy.save_pretrained(final)
+        log.close()
+    world.barrier()
     console.print(f"[bold green]done[/]: {step} steps, {state['skipped_steps']} skipped; adapter in {final}")
     return final
