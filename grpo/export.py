@@ -1,0 +1,149 @@
+"""Export a trained adapter: the PEFT adapter as it is, and a merged 16-bit model.
+
+    python -m grpo.export --model smollm2-135m-instruct --adapter outputs/smollm2-arithmetic/adapter \\
+        --out exports/smollm2-arithmetic [--dtype bf16|fp16] [--load-in-fp8]
+
+writes
+    OUT/adapter   adapter_config.json + adapter_model.safetensors: the format peft's
+                  `PeftModel.from_pretrained` and vLLM's `LoRARequest(name, id, OUT/adapter)` read.
+    OUT/merged    config.json + model.safetensors + tokenizer + generation config: a plain checkpoint
+                  that `AutoModelForCausalLM.from_pretrained` (and vLLM, llama.cpp converters, ...) load
+                  with no peft and no quantization_config.
+
+The merge runs in float32 and rounds once to the 16-bit dtype: W' = W + (alpha/sqrt(r)) B A. An FP8
+base (an FP8-Block checkpoint, or --load-in-fp8 as in training) is first dequantized, FP8Linear ->
+nn.Linear holding codes x block scales, so the adapter merges onto exactly the weights it was trained
+against. What this is not: a quantizer (the merged model is dense 16-bit; re-quantize it with your
+serving stack) nor a converter to GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_adapter(path: str | Path) -> Path:
+    """The folder holding a PEFT adapter: `path` itself, or `path/adapter` (a run's --output-dir)."""
+    path = Path(path)
+    for folder in (path, path / "adapter"):
+        if all((folder / name).is_file() for name in ADAPTER_FILES):
+            return folder
+    raise FileNotFoundError(f"--adapter {path}: no {' and '.join(ADAPTER_FILES)} there; pass a run's adapter folder "
+                            "(OUTPUT_DIR/adapter) or a checkpoint-N folder")
+
+
+def dequantize_fp8_linears_(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Replace, in place, every FP8Linear by an nn.Linear whose weight is its dequantized weight in
+    `dtype`. Returns how many were replaced."""
+    from grpo.kernels.fp8 import FP8Linear
+
+    names = [name for name, module in model.named_modules() if isinstance(module, FP8Linear)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        fp8 = getattr(parent, child)
+        dense = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None, dtype=dtype,
+                          device=fp8.weight.device)
+        with torch.no_grad():
+            dense.weight.copy_(fp8.dequantized_weight(dtype))
+            if fp8.bias is not None:
+                dense.bias.copy_(fp8.bias.to(dtype))
+        dense.requires_grad_(False)
+        setattr(parent, child, dense)
+    return len(names)
+
+
+def merge_adapter(base: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """The base model with the adapter folded into its weights, as a plain transformers model.
+
+    `base` is consumed (its modules are replaced); FP8Linear layers are dequantized to the dtype of the
+    model's other weights first, since peft cannot merge into float8 codes.
+    """
+    from peft import PeftModel
+
+    dtype = base.get_input_embeddings().weight.dtype
+    dequantize_fp8_linears_(base, dtype)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False).merge_and_unload()
+    if hasattr(merged.config, "quantization_config"):
+        del merged.config.quantization_config
+    return merged.eval()
+
+
+def adapter_targets(adapter_dir: Path) -> tuple[str, ...] | None:
+    """The module names the adapter was trained on (the layers training quantized with --load-in-fp8)."""
+    targets = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_modules")
+    return tuple(sorted(targets)) if isinstance(targets, list) and targets else None
+
+
+def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16",
+           load_in_fp8: bool = False) -> dict[str, Path]:
+    """Write OUT/adapter and OUT/merged (see the module docstring); returns both folders."""
+    from transformers import GenerationConfig
+
+    from grpo.config import Config
+    from grpo.model import load_base_model, load_tokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    adapter_dir = find_adapter(adapter)
+    out = Path(out)
+    src = adapter_dir.resolve()
+    if (out / "adapter").resolve() == src or (out / "merged").resolve() in (src, *src.parents):
+        raise ValueError(f"--out {out}: exporting there would overwrite the adapter being exported; choose a new folder")
+
+    # The adapter, unchanged: the files training wrote are already what peft and vLLM read.
+    out_adapter = out / "adapter"
+    out_adapter.mkdir(parents=True, exist_ok=True)
+    for name in ADAPTER_FILES:
+        shutil.copyfile(adapter_dir / name, out_adapter / name)
+
+    # The base in float32 on the CPU (FP8 layers stay FP8 until merge_adapter dequantizes them).
+    targets = adapter_targets(adapter_dir)
+    cfg = Config(model=model, dtype="fp32", load_in_fp8=load_in_fp8, gradient_checkpointing=False,
+                 **({"lora_targets": targets} if targets else {}))
+    base, model_dir = load_base_model(cfg, torch.device("cpu"))
+    merged = merge_adapter(base, adapter_dir).to(DTYPES[dtype])
+    bad = [n for n, p in merged.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"--dtype {dtype}: {bad[0]} overflows when rounded to {dtype}; use --dtype bf16")
+    merged.config.dtype = DTYPES[dtype]
+    try:  # FP8-Block loading builds the model from its config, without the checkpoint's generation config
+        merged.generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        pass
+
+    out_merged = out / "merged"
+    if out_merged.exists():
+        shutil.rmtree(out_merged)
+    merged.save_pretrained(out_merged)
+    load_tokenizer(model_dir).save_pretrained(out_merged)
+    return {"adapter": out_adapter, "merged": out_merged}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True,
+                        help="The base the adapter was trained on: local folder, hub id or smollm2-135m-instruct.")
+    parser.add_argument("--adapter", required=True,
+                        help="Folder with adapter_model.safetensors (OUTPUT_DIR/adapter or a checkpoint-N).")
+    parser.add_argument("--out", required=True, help="Output folder; gets adapter/ and merged/.")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the merged model.")
+    parser.add_argument("--load-in-fp8", action="store_true",
+                        help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
+    args = parser.parse_args(argv)
+    paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8)
+    print(f"adapter: {paths['adapter']}\nmerged:  {paths['merged']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""grpo.export: the PEFT adapter copied as trained, and a merged 16-bit model whose outputs match the
+adapter applied on the base (dense, or FP8 dequantized first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import LORA_TARGETS, Config
+from grpo.export import dequantize_fp8_linears_, export, find_adapter, merge_adapter
+from grpo.kernels.fp8 import FP8Linear, quantize_linears_
+from grpo.model import add_lora
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = torch.tensor([[128000, 791, 4062, 220, 18, 489, 220, 19, 284, 30, 4815, 1115],
+                    [128000, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])  # (2, 12)
+FP8_QCONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def load_dense(model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def trained_adapter(base, folder: Path, seed: int = 5, rank: int = 8):
+    """rsLoRA on every target with non-zero B (as after training), saved in PEFT format; returns the policy."""
+    cfg = Config(model="unused", lora_rank=rank, lora_alpha=16, gradient_checkpointing=False)
+    policy = add_lora(base, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    policy.save_pretrained(folder)
+    return policy.eval()
+
+
+@torch.no_grad()
+def logits(model) -> torch.Tensor:
+    return model(input_ids=IDS).logits.float()
+
+
+def test_merged_fp32_model_matches_base_plus_adapter(tiny_llama_dir, tmp_path):
+    policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter")
+    expected = logits(policy)
+    with policy.disable_adapter():
+        base_out = logits(policy)
+    assert (expected - base_out).abs().max() > 1e-2  # the adapter changes the outputs: the test can fail
+    merged = merge_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(logits(merged), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_export_writes_the_adapter_unchanged_and_a_bf16_model_that_reloads_and_matches(tiny_llama_dir, tmp_path):
+    from peft import PeftModel
+
+    policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "run" / "adapter")
+    expected = logits(policy)
+    paths = export(str(tiny_llama_dir), tmp_path / "run", tmp_path / "out")  # a run folder finds run/adapter
+
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (paths["adapter"] / name).read_bytes() == (tmp_path / "run" / "adapter" / name).read_bytes()
+    reloaded_adapter = PeftModel.from_pretrained(load_dense(tiny_llama_dir), paths["adapter"]).eval()
+    assert reloaded_adapter.peft_config["default"].use_rslora
+    torch.testing.assert_close(logits(reloaded_adapter), expected, atol=1e-5, rtol=1e-5)
+
+    config = json.loads((paths["merged"] / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert (paths["merged"] / "tokenizer.json").is_file() and (paths["merged"] / "generation_config.json").is_file()
+    merged = load_dense(paths["merged"], dtype=None)
+    assert merged.dtype == torch.bfloat16
+    # Merged in fp32, rounded once: every weight equals the fp32 merge rounded to bf16, bit for bit.
+    exact = merge_adapter(load_dense(tiny_llama_dir), tmp_path / "run" / "adapter").state_dict()
+    for name, w in merged.state_dict().items():
+        assert torch.equal(w, exact[name].to(torch.bfloat16)), name
+    torch.testing.assert_close(logits(merged), expected, atol=3e-2, rtol=0)  # bf16 weights and activations
+
+
+def fp8_checkpoint(tiny_llama_dir, folder: Path) -> Path:
+    """The tiny Llama quantized to FP8 128x128 blocks and saved as an FP8-Block checkpoint."""
+    from transformers import AutoTokenizer
+
+    model = load_dense(tiny_llama_dir)
+    quantize_linears_(model, LORA_TARGETS)
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QCONFIG}))
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
+    return folder
+
+
+def quantize_and_return(model):
+    quantize_linears_(model, LORA_TARGETS)
+    return model
+
+
+@pytest.mark.parametrize("source", ["fp8_block_checkpoint", "load_in_fp8"])
+def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_dir, tmp_path, source):
+    from grpo.kernels.fp8 import load_fp8_block_model
+
+    if source == "fp8_block_checkpoint":
+        model_dir = fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8")
+        fresh_base = lambda: load_fp8_block_model(model_dir, torch.float32)  # noqa: E731
+    else:  # a bf16/fp32 checkpoint that training quantized on load
+        model_dir = tiny_llama_dir
+        fresh_base = lambda: quantize_and_return(load_dense(tiny_llama_dir))  # noqa: E731
+    base = fresh_base()
+    assert sum(isinstance(m, FP8Linear) for m in base.modules()) == 7 * 2
+    policy = trained_adapter(base, tmp_path / "adapter")  # trained against the FP8 weights
+    expected = logits(policy)
+    layer = policy.get_base_model().model.layers[1].mlp.down_proj
+    w_ref = (layer.base_layer.dequantized_weight(torch.float64)  # float64: W_deq + (alpha/sqrt(r)) B A
+             + layer.scaling["default"] * layer.lora_B["default"].weight.double() @ layer.lora_A["default"].weight.double())
+
+    merged_fp32 = merge_adapter(fresh_base(), tmp_path / "adapter")
+    assert not any(isinstance(m, FP8Linear) for m in merged_fp32.modules())
+    torch.testing.assert_close(merged_fp32.model.layers[1].mlp.down_proj.weight.double(), w_ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(merged_fp32), expected, atol=1e-5, rtol=1e-5)
+
+    paths = export(str(model_dir), tmp_path / "adapter", tmp_path / "out", dtype="fp16",
+                   load_in_fp8=source == "load_in_fp8")
+    config = json.loads((paths["merged"] / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float16"
+    merged = load_dense(paths["merged"], dtype=None)
+    assert all(w.dtype == torch.float16 for w in merged.state_dict().values())
+    torch.testing.assert_close(logits(merged), expected, atol=5e-3, rtol=0)
+
+
+def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(tiny_llama_dir):
+    model = quantize_and_return(load_dense(tiny_llama_dir))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    want = q_proj.dequantized_weight(torch.float32)
+    assert dequantize_fp8_linears_(model) == 14
+    dense = model.model.layers[0].self_attn.q_proj
+    assert type(dense) is torch.nn.Linear and not dense.weight.requires_grad
+    assert torch.equal(dense.weight, want)
+    assert dequantize_fp8_linears_(model) == 0
+
+
+def test_cli_exports_and_reports_both_folders(tiny_llama_dir, tmp_path):
+    policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
+    expected = logits(policy)
+    cmd = [sys.executable, "-m", "grpo.export", "--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"),
+           "--out", str(tmp_path / "out"), "--dtype", "bf16"]
+    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert str(tmp_path / "out" / "merged") in result.stdout
+    torch.testing.assert_close(logits(load_dense(tmp_path / "out" / "merged")), expected, atol=3e-2, rtol=0)
+
+
+def test_bad_inputs_give_one_line_errors_naming_the_fix(tiny_llama_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--adapter .*adapter_model.safetensors"):
+        find_adapter(tmp_path)
+    policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter")
+    with pytest.raises(ValueError, match="would overwrite the adapter"):
+        export(str(tiny_llama_dir), tmp_path / "adapter", tmp_path)
+    with pytest.raises(ValueError, match="--dtype fp8"):
+        export(str(tiny_llama_dir), tmp_path / "adapter", tmp_path / "out", dtype="fp8")
+    with torch.no_grad():  # a merged weight beyond fp16's 65504
+        policy.get_base_model().model.layers[0].self_attn.v_proj.lora_B["default"].weight.fill_(1e5)
+    policy.save_pretrained(tmp_path / "huge")
+    with pytest.raises(ValueError, match="overflows .* use --dtype bf16"):
+        export(str(tiny_llama_dir), tmp_path / "huge", tmp_path / "out16", dtype="fp16")
