@@ -12,13 +12,13 @@ N*P prompts per step sees the same prompts and takes the same steps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
 import resource
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,7 @@ from grpo import rewards as grpo_rewards
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.kernels.logprobs import token_logprobs
-from grpo.loss import clipped_surrogate, group_advantages
-from grpo.loss.importance import importance_weights
+from grpo.loss import clipped_surrogate, group_advantages, importance_weights
 from grpo.model import default_device, load_policy, model_summary
 from grpo.rollout import Rollout, Sampling, build_engine, resolve_engine_name
 
@@ -296,8 +295,21 @@ def run(cfg: Config, world: World) -> Path:
     torch.manual_seed(cfg.seed)
     device = default_device()
 
-    # Model, data, rewards, engine.
-    policy, tokenizer, model_dir = load_policy(cfg, device)
+    # Model, data, rewards, engine. With --engine vllm on CUDA and Unsloth installed, Unsloth loads the
+    # model and its vLLM engine together, so that sampling and training share the base weights.
+    engine_name = resolve_engine_name(cfg.engine)
+    vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
+    engine = None
+    if engine_name == "vllm" and device.type == "cuda" and importlib.util.find_spec("unsloth") is not None:
+        from grpo.rollout.vllm import load_unsloth_policy
+
+        policy, tokenizer, engine = load_unsloth_policy(
+            cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
+            gpu_memory_utilization=0.35, seed=cfg.seed, work_dir=str(vllm_dir))
+        model_dir = None
+    else:
+        policy, tokenizer, model_dir = load_policy(cfg, device)
     examples = grpo_data.load_examples(cfg.dataset, split="train", seed=cfg.seed)
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
@@ -305,12 +317,11 @@ def run(cfg: Config, world: World) -> Path:
     max_completion = cfg.max_completion_length or cfg.max_seq_length - prompts.max_prompt_length
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
     pad_id = tokenizer.pad_token_id
-    engine_name = resolve_engine_name(cfg.engine)
-    vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
-    engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=prompts.max_prompt_length + max_completion,
-                          max_batch=max(cfg.batch_size, cfg.eval_size * max(1, cfg.eval_samples)),
-                          **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
-                              "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
+    if engine is None:
+        engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=prompts.max_prompt_length + max_completion,
+                              max_batch=max(cfg.batch_size, cfg.eval_size * max(1, cfg.eval_samples)),
+                              **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
+                                  "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids, ignore_eos=cfg.ignore_eos)

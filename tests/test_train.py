@@ -141,8 +141,12 @@ def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama
                    max_nonfinite_steps=2)
     with pytest.raises(NonFiniteLoss, match="non-finite"):
         train(cfg)
-    state = json.loads((tmp_path / "run" / "checkpoint-0" / "trainer_state.json").read_text())
+    (ckpt,) = (tmp_path / "run").glob("checkpoint-*")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["skipped_steps"] == 2
+    # Skipped steps never touch the adapter: lora_B is still its initial zeros.
+    lora_b = [t for k, t in adapter_tensors(ckpt).items() if "lora_B" in k]
+    assert lora_b and all(torch.count_nonzero(t) == 0 for t in lora_b)
 
 
 def test_a_reward_function_that_raises_is_named_with_the_completion(tiny_llama_dir, tmp_path):
