@@ -1,0 +1,475 @@
+"""What the benchmark suite is built from: the model, the prompts, the configs, the TRL peer, the results.
+
+- `build_model_dir`: a Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32/8 heads, vocab 128256,
+  tied embeddings, llama3 rope), randomly initialised, saved with the real Llama 3.2 tokenizer
+  (`grpo.assets`). There is no model hub here; the step's cost depends on shapes, not on weights.
+- `write_prompts`: a JSONL whose every question makes a chat prompt (`grpo.data.chat_prompt`) of
+  exactly `prompt_len` tokens, so prompt and completion lengths (with `ignore_eos`) are fixed.
+- `step_config`: the `grpo.config.Config` of one shape: rsLoRA r=32 on the 7 projections, beta 0.04,
+  8-bit AdamW, gradient checkpointing, the native engine, in bf16 or FP8.
+- `summarize_steps`: steady-state medians of the trainer's per-step records (metrics.jsonl).
+- `run_trl`: the peer, TRL's GRPOTrainer on the same model, prompts, lengths and hyperparameters.
+- `Results`: the records of one run, written to `benchmarks/results/<date>-<gpu>.json` as they come.
+
+What it deliberately is not: a second trainer. The step measured is `grpo.trainer.train`, unchanged;
+nothing here reimplements or patches a phase of it. Nothing happens at import.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import platform
+import random
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark configuration: P prompts x G completions of fixed lengths."""
+
+    name: str
+    prompts: int  # P
+    generations: int  # G
+    prompt_len: int
+    completion_len: int
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.completion_len
+
+
+# The issue's bench config, and the seed's long config (recipe B: 288 + 1760 = 2048 tokens).
+BENCH = Shape("bench", 4, 4, 128, 512)
+LONG = Shape("long", 4, 4, 288, 1760)
+# Plumbing check on a CPU (--bench-smoke): the same code paths on a tiny model.
+SMOKE_BENCH = Shape("bench", 2, 2, 96, 6)
+SMOKE_LONG = Shape("long", 2, 2, 112, 10)
+
+# Measured earlier on this project's H200 (issue 5): TRL 1.16 GRPOTrainer, same random-init model,
+# forced lengths. The long config is too slow to rerun in every lease, so it is quoted, marked as such.
+TRL_QUOTED = {
+    "bench": {"step_time_s": 14.6, "peak_alloc_gib": 4.54, "peak_reserved_gib": None},
+    "long": {"step_time_s": 67.6, "peak_alloc_gib": 9.55, "peak_reserved_gib": 14.1},
+}
+QUOTE_NOTE = "quoted: TRL 1.16 on this project's H200, same random-init model, forced lengths (issue 5)"
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+def model_config(size: str = "1b"):
+    """LlamaConfig of Llama-3.2-1B ("1b"), or a tiny one with the same vocabulary ("tiny")."""
+    from transformers import LlamaConfig
+
+    if size == "1b":
+        dims = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072)
+    elif size == "tiny":
+        dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+    else:
+        raise ValueError(f"model size {size!r}: use '1b' or 'tiny'")
+    common = dict(vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=128000,
+                  eos_token_id=[128001, 128008, 128009], pad_token_id=128004, **dims)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+    try:  # transformers 5 spells it rope_parameters
+        return LlamaConfig(rope_parameters=rope, **common)
+    except TypeError:
+        return LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
+
+
+def build_model_dir(path: str | Path, size: str = "1b", device: str = "cuda", seed: int = 0) -> Path:
+    """Save a randomly initialised Llama (bf16) and the real Llama 3.2 tokenizer into `path`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from grpo.assets import llama_tokenizer_dir
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16 directly: no fp32 copy of 1.2B weights
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config(size))
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.eos_token_id = [128001, 128008, 128009]
+    model.generation_config.bos_token_id = 128000
+    model.generation_config.pad_token_id = 128004
+    partial = path.with_name(path.name + ".partial")
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(llama_tokenizer_dir()).save_pretrained(partial)
+    del model
+    free_memory()
+    partial.rename(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts of an exact length
+# --------------------------------------------------------------------------------------------------
+_WORDS = ("apple", "river", "stone", "green", "seven", "table", "light", "music", "cloud", "paper", "house",
+          "bread", "train", "glass", "chair", "water", "field", "north", "metal", "story", "plant", "night")
+
+
+def fixed_length_question(tokenizer, prompt_len: int, rng: random.Random, index: int) -> tuple[str, str]:
+    """A question whose chat prompt is exactly `prompt_len` tokens, and its answer."""
+    from grpo.data import chat_prompt
+
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    words = [rng.choice(_WORDS) for _ in range(4 * prompt_len)]
+
+    def question(k: int) -> str:
+        return f"Note {index}: {' '.join(words[:k])}. What is {a} plus {b}?"
+
+    def length(k: int) -> int:
+        return len(tokenizer(chat_prompt(tokenizer, question(k)), add_special_tokens=False)["input_ids"])
+
+    base = length(0)
+    if base > prompt_len:
+        raise ValueError(f"prompt_len {prompt_len}: the chat template alone takes {base} tokens; use more")
+    k = prompt_len - base  # each filler word is about one token
+    for _ in range(20):
+        n = length(k)
+        if n == prompt_len:
+            return question(k), str(a + b)
+        k = max(0, k + prompt_len - n)
+    raise RuntimeError(f"could not make a prompt of exactly {prompt_len} tokens (last {n})")
+
+
+def write_prompts(path: str | Path, tokenizer, prompt_len: int, n: int = 64, seed: int = 0) -> Path:
+    """A JSONL of `n` question/answer rows whose chat prompts are all `prompt_len` tokens long."""
+    rng = random.Random(f"bench-prompts:{seed}:{prompt_len}")
+    path = Path(path)
+    with path.open("w") as f:
+        for i in range(n):
+            q, a = fixed_length_question(tokenizer, prompt_len, rng, i)
+            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Our step
+# --------------------------------------------------------------------------------------------------
+def step_config(model_dir: str | Path, dataset: str | Path, shape: Shape, *, fp8: bool, steps: int,
+                output_dir: str | Path, cuda: bool = True, **overrides: Any):
+    """The recipe at `shape`: rsLoRA r=32 alpha=64 on the 7 projections, beta 0.04, 8-bit AdamW,
+    gradient checkpointing, fixed lengths (ignore_eos), the native engine; bf16 or FP8 base weights."""
+    from grpo.config import Config
+
+    values = dict(
+        model=str(model_dir), dataset=str(dataset), load_in_fp8=fp8, dtype="bf16" if cuda else "auto",
+        lora_rank=32, lora_alpha=64, use_rslora=True, lora_targets=LORA_TARGETS, gradient_checkpointing=True,
+        max_prompt_length=shape.prompt_len, max_completion_length=shape.completion_len,
+        max_seq_length=shape.seq_len, prompts_per_step=shape.prompts, num_generations=shape.generations,
+        beta=0.04, optim="adamw_8bit", engine="native", ignore_eos=True, temperature=1.0, min_p=0.1,
+        max_steps=steps, save_steps=0, eval_size=0, log_completions_steps=0, output_dir=str(output_dir),
+        seed=3407,
+    )
+    values.update(overrides)
+    return Config(**values)
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize_steps(records: list[dict], warmup: int, rows: int | None = None) -> dict:
+    """Steady state of a run: medians over the records after the first `warmup` steps.
+
+    `phases_s` holds the trainer's own phase timers; `other_s` is the rest of the step (scoring,
+    batching, logging). Peak memory is the largest of the steady steps' peaks.
+    """
+    if not records:
+        raise ValueError("summarize_steps: no step records; did the run write metrics.jsonl?")
+    steady = records[warmup:] if len(records) > warmup else records[-1:]
+    step_time = statistics.median(r["step_time"] for r in steady)
+    phase_keys = [k for k in steady[0] if k.startswith("time/")]
+    phases = {k[len("time/"):]: statistics.median(r[k] for r in steady) for k in phase_keys}
+    out = {
+        "steps": len(records), "steady_steps": len(steady), "step_time_s": step_time,
+        "step_times_s": [round(r["step_time"], 4) for r in records],
+        "phases_s": phases, "other_s": max(0.0, step_time - sum(phases.values())),
+        "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),
+        "completion_length": statistics.median(r["completion_length"] for r in steady),
+    }
+    if rows is not None:
+        out["completion_tokens_per_s"] = rows * out["completion_length"] / step_time
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The peer: TRL's GRPOTrainer
+# --------------------------------------------------------------------------------------------------
+def trl_dataset_rows(tokenizer, dataset: str | Path, shape: Shape) -> list[dict]:
+    """Our prompts as TRL reads plain-text prompts. TRL tokenizes them with the tokenizer's default
+    special tokens, which prepend BOS, so the text goes without ours: the same ids reach the model."""
+    from grpo.data import build_prompts, load_jsonl
+
+    prompts = build_prompts(tokenizer, load_jsonl(dataset), shape.prompt_len)
+    bos = tokenizer.bos_token or ""
+    rows = []
+    for text, ids, ex in zip(prompts.prompts, prompts.prompt_ids, prompts.examples):
+        plain = text[len(bos):] if bos and text.startswith(bos) else text
+        if tokenizer(plain)["input_ids"] != ids:
+            raise RuntimeError("TRL would see other prompt ids than ours; the comparison would be unfair")
+        rows.append({"prompt": plain, "answer": ex.answer})
+    return rows
+
+
+def run_trl(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: int, output_dir: str | Path,
+            cuda: bool = True, seed: int = 3407) -> list[dict]:
+    """TRL's GRPOTrainer at `shape` with our recipe; one record per optimizer step (time, peak memory).
+
+    Same model (bf16, rsLoRA r=32 alpha=64 on the 7 projections, reference = adapters disabled),
+    same prompts, completions forced to `shape.completion_len` (min_new_tokens), the same four-tier
+    reward, beta 0.04, the GRPO sequence-mean loss, 8-bit AdamW, gradient checkpointing.
+    """
+    try:
+        import datasets
+        import trl
+    except ImportError:
+        raise ImportError("the TRL peer needs trl and datasets: pip install trl datasets") from None
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from grpo import rewards as grpo_rewards
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train_set = datasets.Dataset.from_list(trl_dataset_rows(tokenizer, dataset, shape))
+    funcs = grpo_rewards.reward_functions("dapo")
+
+    def four_tier(completions, answer, **_):
+        columns = [fn(list(completions), list(answer)) for fn in funcs]
+        return [float(sum(vals)) for vals in zip(*columns)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.records: list[dict] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            rec = {"step": state.global_step, "step_time": time.perf_counter() - self.t0}
+            if cuda:
+                rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / GiB
+                rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+            else:
+                rec["peak_mem_gib"] = 0.0
+            self.records.append(rec)
+
+    args = trl.GRPOConfig(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=shape.rows,
+        gradient_accumulation_steps=1, num_generations=shape.generations,
+        max_completion_length=shape.completion_len,
+        generation_kwargs={"min_new_tokens": shape.completion_len},  # EOS ignored: fixed lengths
+        temperature=1.0, top_p=1.0, top_k=0, min_p=0.1, beta=0.04, loss_type="grpo", scale_rewards="group",
+        num_iterations=1, epsilon=0.2, learning_rate=5e-6, weight_decay=0.001, warmup_steps=0.1,
+        lr_scheduler_type="linear", optim="adamw_8bit", adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=cuda, use_cpu=not cuda, model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
+        seed=seed, dataloader_num_workers=0,
+    )
+    lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                      bias="none", task_type="CAUSAL_LM")
+    clock = StepClock()
+    trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=four_tier, args=args, train_dataset=train_set,
+                              processing_class=tokenizer, peft_config=lora, callbacks=[clock])
+    trainer.train()
+    lengths = [r["completions/min_length"] for r in trainer.state.log_history if "completions/min_length" in r]
+    for rec, length in zip(clock.records, lengths):
+        rec["completion_length"] = length  # the shortest completion of the step
+    del trainer
+    free_memory()
+    return clock.records
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory, environment, results
+# --------------------------------------------------------------------------------------------------
+def free_memory() -> None:
+    """Collect garbage and return cached device memory, so the next measurement starts clean.
+
+    Compiled code (the native engine's torch.compile'd step) can hold tensors of a model that is
+    otherwise gone; dropping dynamo's caches releases them (the next engine compiles anew anyway).
+    """
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def memory_info() -> dict:
+    """Peak allocated and reserved device memory since the last reset, GiB (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"peak_alloc_gib": 0.0, "peak_reserved_gib": 0.0}
+    return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB}
+
+
+def environment() -> dict:
+    """The GPU and the versions that matter to the numbers."""
+    import importlib.metadata
+
+    import torch
+
+    versions = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "triton", "trl", "accelerate", "datasets",
+                "pytest-benchmark"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+        versions["cuda"] = torch.version.cuda
+        props = torch.cuda.get_device_properties(0)
+        device = {"gpu": gpu, "capability": f"{props.major}.{props.minor}",
+                  "memory_gib": round(props.total_memory / GiB, 1)}
+    else:
+        device = {"gpu": "cpu", "capability": None, "memory_gib": None}
+    return {**device, "versions": versions}
+
+
+def gpu_slug(gpu: str) -> str:
+    """'NVIDIA H200' -> 'h200'; used in the results file name."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower().replace("nvidia", "")).strip("-")
+    return slug or "unknown"
+
+
+def ratio_to_peer(ours: float | None, peer: float | None) -> float | None:
+    if ours is None or peer is None or peer <= 0 or not math.isfinite(ours):
+        return None
+    return ours / peer
+
+
+class Results:
+    """The records of one suite run; `add` rewrites the whole JSON file, so a run cut short keeps
+    everything it finished."""
+
+    def __init__(self, directory: str | Path, command: str, smoke: bool = False, date: str | None = None):
+        env = environment()
+        self.meta = {
+            "date": date or datetime.date.today().isoformat(), **env, "command": command, "smoke": smoke,
+        }
+        name = f"{self.meta['date']}-{gpu_slug(env['gpu'])}{'-smoke' if smoke else ''}.json"
+        self.path = Path(directory) / name
+        self.records: list[dict] = []
+
+    def add(self, benchmark, *, group: str, config: str | None = None, impl: str | None = None,
+            dtype: str | None = None) -> dict:
+        stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+        timing = None
+        if stats is not None:
+            timing = {k: getattr(stats, k) for k in ("median", "min", "max", "mean", "stddev", "rounds")}
+        rec = {"name": benchmark.name, "group": group, "config": config, "impl": impl, "dtype": dtype,
+               "measured": True, "timing_s": timing, "extra_info": dict(benchmark.extra_info)}
+        self.records.append(rec)
+        self.write()
+        return rec
+
+    def step_rows(self) -> list[dict]:
+        """One row per (config, impl, dtype) step record, plus TRL's quoted figures."""
+        return step_rows(self.records)
+
+    def write(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {**self.meta, "records": self.records, "comparisons": comparisons(self.records)}
+        self.path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n")
+        return self.path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    return str(value)
+
+
+def step_rows(records: list[dict]) -> list[dict]:
+    """Step records as flat rows: config, impl, dtype, step time, peak memory, quoted or measured."""
+    rows = []
+    for rec in records:
+        if rec.get("group") != "step":
+            continue
+        info = rec.get("extra_info", {})
+        peak = info.get("peak_alloc_gib")
+        if peak is not None:  # what the run itself needed: less what the process held before it started
+            peak -= info.get("baseline_alloc_gib") or 0.0
+        rows.append({"config": rec["config"], "impl": rec["impl"], "dtype": rec["dtype"],
+                     "step_time_s": info.get("step_time_s"), "peak_alloc_gib": peak,
+                     "peak_reserved_gib": info.get("peak_reserved_gib"), "measured": rec.get("measured", True),
+                     "phases_s": info.get("phases_s", {}), "other_s": info.get("other_s"),
+                     "completion_tokens_per_s": info.get("completion_tokens_per_s"),
+                     "note": info.get("note")})
+    for config, quoted in TRL_QUOTED.items():  # always beside the measured ones, for reference
+        rows.append({"config": config, "impl": "trl", "dtype": "bf16", **quoted, "measured": False,
+                     "phases_s": {}, "other_s": None, "completion_tokens_per_s": None, "note": QUOTE_NOTE})
+    return rows
+
+
+def trl_peer(rows: list[dict], config: str) -> dict | None:
+    """TRL's row for `config`: measured in this run if it was, else the quoted one."""
+    peers = [r for r in rows if r["impl"] == "trl" and r["config"] == config and r["step_time_s"] is not None]
+    return next((r for r in peers if r["measured"]), peers[0] if peers else None)
+
+
+def comparisons(records: list[dict]) -> list[dict]:
+    """Ours over TRL, per config and dtype: step time and peak allocated memory (below 1 is better).
+    TRL's figures from the same run when it ran, else the quoted ones."""
+    rows = step_rows(records)
+    out = []
+    for ours in (r for r in rows if r["impl"] == "ours"):
+        peer = trl_peer(rows, ours["config"])
+        if peer is None:
+            continue
+        t = ratio_to_peer(ours["step_time_s"], peer["step_time_s"])
+        m = ratio_to_peer(ours["peak_alloc_gib"], peer["peak_alloc_gib"])
+        out.append({"config": ours["config"], "dtype": ours["dtype"], "time_ratio": t, "memory_ratio": m,
+                    "speedup": None if not t else 1.0 / t, "trl_measured": peer["measured"]})
+    return out

@@ -1,0 +1,103 @@
+"""One full GRPO step, ours and TRL's, at the bench config and at the seed's long config.
+
+Ours is `grpo.trainer.train` itself, run for a few steps: pytest-benchmark times the whole run (model
+load and warm-up steps included, ending in a CUDA synchronize), and `extra_info` carries what the
+suite is for, the steady state: the median step time and phase times of the steps after the first
+ones, from the trainer's own per-step records, and their peak memory. TRL's GRPOTrainer runs the same
+model, prompts, lengths and recipe in the same process (`bench_setup.run_trl`); its steps are timed
+by a callback, and the ratio of ours to TRL is printed at the end and stored in the results.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+import bench_setup as bs
+
+
+def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str) -> dict:
+    pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
+    import torch
+
+    from grpo.trainer import train
+
+    shape = bench_env.shape(config_name)
+    steps = bench_env.steps if config_name == "bench" else bench_env.long_steps
+    warmup = min(2, steps - 1) if config_name == "bench" else 1
+    out = tmp_path / "run"
+    cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=dtype == "fp8", steps=steps,
+                         output_dir=out, cuda=bench_env.cuda)
+    baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
+
+    def run():
+        train(cfg)
+        bs.sync()
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    records = bs.read_metrics(out)
+    assert len(records) == steps and not any(r["skipped"] for r in records)
+    summary = bs.summarize_steps(records, warmup, rows=shape.rows)
+    # Fixed lengths or the numbers mean nothing: every completion ran to the end.
+    assert summary["completion_length"] == shape.completion_len
+    info = {**summary, "peak_reserved_gib": bs.memory_info()["peak_reserved_gib"], "baseline_alloc_gib": baseline,
+            "shape": bs.asdict(shape), "warmup_steps": warmup,
+            "note": "peak_reserved_gib: the last step's; timing_s: the whole run (load + all steps)"}
+    benchmark.extra_info.update(info)
+    results.add(benchmark, group="step", config=config_name, impl="ours", dtype=dtype)
+    return info
+
+
+@pytest.mark.bench_order(30)
+@pytest.mark.bench_cost(30)
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_grpo_step_at_bench_config(benchmark, bench_env, results, tmp_path, dtype):
+    """4 prompts x G=4, 128-token prompts, 512 completion tokens: steady-state step time and memory."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype)
+
+
+@pytest.mark.bench_order(50)
+@pytest.mark.bench_cost(40)
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_grpo_step_at_long_config(benchmark, bench_env, results, tmp_path, dtype):
+    """The seed's long config: 16 completions of 1760 tokens after 288-token prompts."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "long", dtype)
+
+
+@pytest.mark.bench_order(40)
+@pytest.mark.bench_cost(80)
+@pytest.mark.parametrize("config_name", ["bench", "long"])
+def test_trl_grpo_step(benchmark, bench_env, results, tmp_path, request, config_name):
+    """The peer: TRL's GRPOTrainer on the same model and config, in the same run."""
+    if config_name == "long" and not request.config.getoption("--bench-trl-long"):
+        q = bs.TRL_QUOTED["long"]
+        pytest.skip(f"TRL at the long config takes ~{q['step_time_s']} s a step; quoted instead "
+                    "(--bench-trl-long runs it)")
+    pytest.importorskip("trl", reason="the peer needs trl: pip install trl")
+    pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
+    shape = bench_env.shape(config_name)
+    steps = bench_env.trl_steps
+    records: list[dict] = []
+
+    def run():
+        records.extend(bs.run_trl(bench_env.model_dir(), bench_env.prompts(shape), shape, steps=steps,
+                                  output_dir=tmp_path / "trl", cuda=bench_env.cuda))
+        bs.sync()
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    assert len(records) == steps
+    steady = records[1:] if len(records) > 1 else records
+    lengths = [r["completion_length"] for r in records if r.get("completion_length") is not None]
+    assert lengths and min(lengths) == shape.completion_len, f"TRL completions not all forced: {lengths}"
+    step_time = statistics.median(r["step_time"] for r in steady)
+    info = {"steps": len(records), "steady_steps": len(steady), "step_time_s": step_time,
+            "step_times_s": [round(r["step_time"], 4) for r in records],
+            "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),
+            "peak_reserved_gib": max(r.get("peak_reserved_gib", 0.0) for r in steady),
+            "completion_tokens_per_s": shape.rows * shape.completion_len / step_time,
+            "completion_length": min(lengths),
+            "shape": bs.asdict(shape), "warmup_steps": len(records) - len(steady),
+            "note": "timed per step by a TrainerCallback (on_step_begin to on_step_end, synchronized)"}
+    benchmark.extra_info.update(info)
+    results.add(benchmark, group="step", config=config_name, impl="trl", dtype="bf16")

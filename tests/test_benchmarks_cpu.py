@@ -1,0 +1,256 @@
+"""The benchmark suite on a CPU: it skips cleanly, its inputs are what it claims, render.py renders.
+
+The suite itself needs a CUDA GPU; here it must skip with a reason (without --benchmark, and without
+CUDA), its fixed-length prompts must really be fixed-length, its steady-state summary and ours/TRL
+ratios must be right, and render.py must turn a hand-written results file into RESULTS.md's section
+and a PNG without touching anything outside its markers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture
+def bench_modules(monkeypatch):
+    """(bench_setup, render) imported from benchmarks/, as the suite and the script import them."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bs = importlib.import_module("bench_setup")
+    render = importlib.import_module("render")
+    return bs, render
+
+
+def _pytest_benchmarks(tmp_path, *args, cuda_visible: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    cmd = [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-rs", "-p", "no:cacheprovider",
+           "--bench-results-dir", str(tmp_path / "results"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _counts(output: str) -> dict[str, int]:
+    last = output.strip().splitlines()[-1]
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|errors?|deselected)", last)}
+
+
+def test_benchmarks_are_all_skipped_without_the_benchmark_option(tmp_path):
+    proc = _pytest_benchmarks(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = _counts(proc.stdout)
+    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, proc.stdout
+    assert "benchmarks run only with --benchmark" in proc.stdout
+    assert not (tmp_path / "results").exists()  # nothing measured, nothing written
+
+
+def test_benchmarks_skip_with_a_reason_when_there_is_no_cuda(tmp_path):
+    proc = _pytest_benchmarks(tmp_path, "--benchmark", cuda_visible="")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = _counts(proc.stdout)
+    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, proc.stdout
+    assert "needs a CUDA GPU" in proc.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_fixed_length_prompts_are_exactly_the_requested_length_for_us_and_for_trl(llama_tokenizer, tmp_path,
+                                                                                     bench_modules):
+    from grpo.data import build_prompts, load_jsonl
+
+    bs, _ = bench_modules
+    for length in (128, 288):
+        path = bs.write_prompts(tmp_path / f"p{length}.jsonl", llama_tokenizer, length, n=6)
+        examples = load_jsonl(path)
+        prompts = build_prompts(llama_tokenizer, examples, length)
+        assert prompts.dropped == 0
+        assert [len(ids) for ids in prompts.prompt_ids] == [length] * 6
+        assert len({e.question for e in examples}) == 6
+        for e in examples:  # "What is a plus b?" with its sum as the answer
+            a, b = map(int, re.search(r"What is (\d+) plus (\d+)\?", e.question).groups())
+            assert e.answer == str(a + b)
+        # TRL prepends BOS itself: the text it gets must give the very same ids.
+        shape = bs.Shape("x", 2, 2, length, 8)
+        rows = bs.trl_dataset_rows(llama_tokenizer, path, shape)
+        assert [llama_tokenizer(r["prompt"])["input_ids"] for r in rows] == prompts.prompt_ids
+    with pytest.raises(ValueError, match="chat template alone"):
+        bs.write_prompts(tmp_path / "short.jsonl", llama_tokenizer, 20, n=1)
+
+
+def test_step_config_is_the_recipe_at_fixed_lengths(bench_modules, tmp_path):
+    bs, _ = bench_modules
+    cfg = bs.step_config("m", "d.jsonl", bs.LONG, fp8=True, steps=3, output_dir=tmp_path)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.use_rslora, cfg.beta, cfg.optim) == (32, 64, True, 0.04, "adamw_8bit")
+    assert set(cfg.lora_targets) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert cfg.gradient_checkpointing and cfg.ignore_eos and cfg.load_in_fp8 and cfg.engine == "native"
+    assert (cfg.max_prompt_length, cfg.max_completion_length, cfg.max_seq_length) == (288, 1760, 2048)
+    assert cfg.batch_size == 16 and cfg.dtype == "bf16"
+
+
+def test_summarize_steps_takes_medians_after_the_warmup_steps(bench_modules):
+    bs, _ = bench_modules
+    times = [9.0, 4.0, 1.0, 2.0, 1.5]
+    records = [{"step": i + 1, "step_time": t, "time/generate": t / 2, "time/train": t / 4, "peak_mem_gib": 3.0 + i,
+                "completion_length": 512.0, "skipped": False} for i, t in enumerate(times)]
+    s = bs.summarize_steps(records, warmup=2, rows=16)
+    assert s["step_time_s"] == 1.5 and s["steady_steps"] == 3 and s["steps"] == 5
+    assert s["phases_s"] == {"generate": 0.75, "train": 0.375}
+    assert s["other_s"] == pytest.approx(1.5 - 0.75 - 0.375)
+    assert s["peak_alloc_gib"] == 7.0  # the largest steady peak, not the median
+    assert s["completion_tokens_per_s"] == pytest.approx(16 * 512 / 1.5)
+    assert bs.summarize_steps(records[:1], warmup=2)["step_time_s"] == 9.0  # too few steps: the last one
+    with pytest.raises(ValueError, match="no step records"):
+        bs.summarize_steps([], warmup=1)
+
+
+def _step(config, impl, dtype, t, mem, reserved=None, phases=None, baseline=0.0):
+    return {"name": f"test[{config}-{impl}-{dtype}]", "group": "step", "config": config, "impl": impl, "dtype": dtype,
+            "measured": True, "timing_s": {"median": 10 * t, "rounds": 1},
+            "extra_info": {"step_time_s": t, "peak_alloc_gib": mem, "peak_reserved_gib": reserved,
+                           "baseline_alloc_gib": baseline,
+                           "phases_s": phases or {}, "other_s": 0.01, "completion_tokens_per_s": 16 * 512 / t,
+                           "shape": {"name": config, "prompts": 4, "generations": 4, "prompt_len": 128,
+                                     "completion_len": 512}}}
+
+
+def test_comparisons_divide_ours_by_trl_and_fall_back_to_the_quoted_figures(bench_modules):
+    bs, _ = bench_modules
+    records = [_step("bench", "ours", "bf16", 1.46, 2.27), _step("long", "ours", "fp8", 6.76, 4.775)]
+    comps = {(c["config"], c["dtype"]): c for c in bs.comparisons(records)}
+    assert comps[("bench", "bf16")]["time_ratio"] == pytest.approx(1.46 / 14.6)
+    assert comps[("bench", "bf16")]["speedup"] == pytest.approx(10.0)
+    assert comps[("bench", "bf16")]["memory_ratio"] == pytest.approx(0.5)
+    assert comps[("long", "fp8")]["time_ratio"] == pytest.approx(0.1) and not comps[("long", "fp8")]["trl_measured"]
+    measured = records + [_step("bench", "trl", "bf16", 2.92, 4.54)]
+    comp = next(c for c in bs.comparisons(measured) if c["config"] == "bench")
+    assert comp["time_ratio"] == pytest.approx(0.5) and comp["trl_measured"]  # measured beats quoted
+    # a run that started with memory held by an earlier one is charged only its own
+    held = [_step("bench", "ours", "bf16", 1.46, 3.27, baseline=1.0)]
+    assert bs.comparisons(held)[0]["memory_ratio"] == pytest.approx(2.27 / 4.54)
+
+
+def _fake_run(date="2026-11-29"):
+    phases = {"generate": 0.5, "reference": 0.05, "old_logprobs": 0.0, "train": 0.25}
+    return {
+        "date": date, "gpu": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8, "smoke": False,
+        "versions": {"torch": "2.11.0", "cuda": "13.0", "transformers": "5.17.0", "peft": "0.21.0", "trl": "1.16.0"},
+        "command": "pytest benchmarks/ --benchmark",
+        "records": [
+            _step("bench", "ours", "bf16", 0.8, 3.0, 4.0, phases),
+            _step("bench", "ours", "fp8", 0.9, 3.0, 3.5, phases, baseline=0.5),  # 2.5 GiB of its own
+            _step("bench", "trl", "bf16", 14.0, 4.5, 6.0),
+            _step("long", "ours", "fp8", 5.0, 5.5, 7.0, phases),
+            {"name": "test_adamw", "group": "kernel", "config": "adamw_8bit", "impl": "ours", "dtype": "fp32",
+             "measured": True, "timing_s": {"median": 0.05}, "extra_info": {"params": 22544384,
+                                                                           "achieved_gb_per_s": 180.4}},
+            {"name": "test_gen", "group": "decode", "config": "bench", "impl": "ours", "dtype": "bf16",
+             "measured": True, "timing_s": {"median": 1.9},
+             "extra_info": {"decode_ms_per_step": 3.456, "prefill_ms": 12.3, "capture_ms": 80.0,
+                            "tokens_per_s": 4741.0, "achieved_gb_per_s": 912.0}},
+        ],
+    }
+
+
+OTHERS = ("# Benchmark results\n\n## Kernels (issue 9)\n\nFP8Linear | 1.23 ms\n\n"
+          "## Native engine (issue 4)\n\ndecode 3.1 ms/step\n")
+
+
+def test_render_writes_only_its_own_section_and_the_chart(bench_modules, tmp_path):
+    _, render = bench_modules
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "2026-11-29-h200.json").write_text(json.dumps(_fake_run()))
+    smoke = {**_fake_run("2026-12-01"), "smoke": True, "gpu": "cpu"}
+    (results / "2026-12-01-cpu-smoke.json").write_text(json.dumps(smoke))  # ignored
+    md, png = tmp_path / "RESULTS.md", tmp_path / "step_time.png"
+    md.write_text(OTHERS)
+    args = ["--results", str(results), "--markdown", str(md), "--chart", str(png)]
+    assert render.main(args) == 0
+
+    text = md.read_text()
+    assert text.startswith(OTHERS.rstrip("\n"))  # the others' sections, byte for byte
+    section = text.split(render.HEADING, 1)[1]
+    assert section.count(render.BEGIN) == 1 and section.count(render.END) == 1
+    assert "**2026-11-29**, NVIDIA H200" in section and "2026-12-01" not in section
+    assert "torch 2.11.0 (CUDA 13.0)" in section and "trl 1.16.0" in section
+    assert "`pytest benchmarks/ --benchmark`" in section
+    assert "| bench | ours | bf16 | 0.80 | 3.00 | 4.00 | 10240 | 0.057 (17.5x faster) | 0.67 |" in section
+    assert "| bench | ours | fp8 | 0.90 | 2.50 | 3.50 |" in section  # peak less the baseline
+    assert "| bench | TRL | bf16 | 14.00 | 4.50 | 6.00 |" in section
+    assert "| bench | TRL (quoted)* | bf16 | 14.60 | 4.54 |" in section  # beside the measured one
+    assert "| long | TRL (quoted)* | bf16 | 67.60 | 9.55 | 14.10 |" in section
+    # goals: met, and missed by how much
+    assert "| step time (bench, bf16) | <= 1.0 s | 0.80 s | yes |" in section
+    assert "| faster than TRL (bench, bf16) | >= 14x | 17.5x | yes |" in section
+    assert "| step time (long, fp8) | <= 4 s | 5.00 s | **no**: missed by 1.00 s (25% over) |" in section
+    assert "| FP8 no slower than bf16 (bench) | <= 0.80 s | 0.90 s | **no**: missed by 0.10 s (12% over) |" in section
+    # per-phase breakdown, with the optimizer taken out of the train phase
+    assert "| bench | bf16 | 0.80 | 0.50 | 0.05 | 0.00 | 0.20 | 0.0500 | 0.01 |" in section  # 0.25 - 0.05
+    assert "decode 3.46 ms/step, prefill 12.3 ms, capture 80 ms, 4741 tok/s, 912 GB/s" in section
+    assert "| adamw_8bit fp32 (params=22544384) | 50.000 ms | 180 GB/s |" in section
+    assert "![Step time and peak allocated memory by config](step_time.png)" in section
+
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == (1100, 462)
+
+    # hand-written notes under the heading survive, and a second render changes nothing
+    md.write_text(text + "\n### Notes\n\nwritten by hand\n")
+    before = md.read_text()
+    render.main(args)
+    assert md.read_text() == before
+
+
+def test_render_puts_the_markers_under_an_existing_heading_and_lists_earlier_runs(bench_modules, tmp_path):
+    _, render = bench_modules
+    results = tmp_path / "results"
+    results.mkdir()
+    old = _fake_run("2026-11-01")
+    old["records"][0]["extra_info"]["step_time_s"] = 2.5
+    (results / "2026-11-01-h200.json").write_text(json.dumps(old))
+    (results / "2026-11-29-h200.json").write_text(json.dumps(_fake_run()))
+    md = tmp_path / "RESULTS.md"
+    md.write_text(OTHERS + "\n" + render.HEADING + "\n\nnotes kept\n")
+    render.main(["--results", str(results), "--markdown", str(md), "--chart", str(tmp_path / "c.png")])
+    text = md.read_text()
+    assert text.count(render.HEADING) == 1
+    head, tail = text.split(render.END)
+    assert "notes kept" in tail and render.BEGIN in head
+    assert "**2026-11-29**" in text
+    assert "| 2026-11-01 | NVIDIA H200 | bench | ours | bf16 | 2.50 | 3.00 | 2026-11-01-h200.json |" in text
+
+
+@pytest.mark.slow
+def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
+    """--bench-smoke on the CPU: the real trainer, the native engine and the kernels, tiny sizes."""
+    pytest.importorskip("bitsandbytes")
+    selection = "(bench_config and bf16) or (token_logprobs and forward_backward) or adamw"
+    proc = _pytest_benchmarks(tmp_path, "--benchmark", "--bench-smoke", "-k", selection, cuda_visible="")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = (tmp_path / "results").glob("*-smoke.json")
+    data = json.loads(path.read_text())
+    assert data["smoke"] is True and data["gpu"] == "cpu"
+    groups = sorted((r["group"], r["config"], r["dtype"]) for r in data["records"])
+    assert groups == [("decode", "bench", "bf16"), ("kernel", "adamw_8bit", "fp32"),
+                      ("kernel", "token_logprobs", "forward_backward"), ("step", "bench", "bf16")]
+    step = next(r for r in data["records"] if r["group"] == "step")
+    info = step["extra_info"]
+    assert info["steps"] == 2 and info["completion_length"] == 6 and info["step_time_s"] > 0
+    assert {"generate", "reference", "old_logprobs", "train"} <= set(info["phases_s"])
+    assert step["timing_s"]["rounds"] == 1
+    (comp,) = data["comparisons"]
+    assert comp["config"] == "bench" and not comp["trl_measured"]
+    assert comp["time_ratio"] == pytest.approx(info["step_time_s"] / 14.6)
+    assert "ours/TRL at bench (bf16)" in proc.stdout
