@@ -393,6 +393,7 @@ def run(cfg: Config, world: World) -> Path:
             rollout = engine.generate([prompts.prompt_ids[i] for i in idx], cfg.num_generations, step_sampling)
             engine.release_memory()
             timings["generate"] = time.perf_counter() - t
+            timings.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
 
             # 2. Score: one column per reward function, summed into one reward per completion. Every rank
             #    gathers all N*P*G rows (rank order is a one-process run's order): its advantages need only
@@ -403,8 +404,8 @@ def run(cfg: Config, world: World) -> Path:
             rewards, reward_names = grpo_rewards.score(texts, answers, reward_funcs, columns)  # (P*G, R)
             judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
             table = world.gather_rows(torch.cat([rewards, torch.tensor(judged, dtype=rewards.dtype),
-                                                 rollout.lengths[:, None].to(rewards.dtype),
-                                                 rollout.finished[:, None].to(rewards.dtype)], dim=1))
+                                                 rollout.lengths[:, None].to("cpu", rewards.dtype),
+                                                 rollout.finished[:, None].to("cpu", rewards.dtype)], dim=1))
             all_rewards, correct, formatted, lengths, finished = table.split([len(reward_names), 1, 1, 1, 1], dim=1)
             adv, adv_stats = group_advantages(all_rewards.sum(-1), cfg.num_generations, scale=cfg.scale_rewards)
             adv = adv.view(world.size, -1)[world.rank]  # (P*G,) this rank's groups
@@ -466,12 +467,14 @@ def run(cfg: Config, world: World) -> Path:
                 nonfinite = world.sum_grads_(params, nonfinite)  # a bad loss on any rank skips the step on all
                 if nonfinite:
                     break
+                t_opt = time.perf_counter()
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0
                                                            else float("inf"))
                 if not torch.isfinite(grad_norm):
                     nonfinite = True
                     break
                 optimizer.step()
+                timings["optimizer"] = timings.get("optimizer", 0.0) + time.perf_counter() - t_opt
             timings["train"] = time.perf_counter() - t
             if not nonfinite:  # every rank agrees on nonfinite, and then holds the same keys
                 agg = world.reduce_stats(agg)
