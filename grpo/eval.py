@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from grpo import data as grpo_data
     from grpo.config import Config
-    from grpo.model import default_device, load_policy
+    from grpo.model import default_device, load_base_model, load_tokenizer
     from grpo.rollout import build_engine
     from grpo.trainer import stop_token_ids
 
@@ -67,21 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-p", type=float, default=0.1, help="min-p for pass@1 sampling.")
     parser.add_argument("--engine", default="auto", choices=["auto", "native", "hf"], help="Sampler.")
     parser.add_argument("--seed", type=int, default=3407, help="Seed of the sampled decoding.")
+    parser.add_argument("--max-prompt-length", type=int, default=1024,
+                        help="Held-out prompts longer than this are dropped (the default keeps all of arithmetic's).")
+    parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
     args = parser.parse_args(argv)
-    cfg = Config(model=args.model, dataset=args.dataset, gradient_checkpointing=False)
-    policy, tokenizer, _ = load_policy(cfg, default_device())
-    if args.adapter:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+    cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
+    base, model_dir = load_base_model(cfg, default_device())
+    tokenizer = load_tokenizer(model_dir)
+    policy = base
+    if args.adapter:  # with its own saved settings (rank, targets), whatever they are
+        from peft import PeftModel
 
-        set_peft_model_state_dict(policy, load_file(f"{args.adapter}/adapter_model.safetensors"))
+        policy = PeftModel.from_pretrained(base, args.adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    prompt_set = grpo_data.build_prompts(tokenizer, examples, None)
+    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length)
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
-                          max_seq_len=prompt_set.max_prompt_length + args.max_completion_length,
+                          max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,
                           max_batch=max(1, args.eval_size * max(1, args.samples)))
     sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
-                        stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config))
+                        stop_token_ids=stop_token_ids(tokenizer, base.generation_config))
     result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed)
     Console(stderr=True).print(result)
     json.dump(result, sys.stdout)

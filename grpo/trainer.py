@@ -315,20 +315,21 @@ def run(cfg: Config, world: World) -> Path:
         examples = examples[:cfg.num_train_examples]
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length)
     max_completion = cfg.max_completion_length or cfg.max_seq_length - prompts.max_prompt_length
+    eval_prompts = None
+    if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
+        held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
+        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, cfg.max_seq_length - max_completion)
+    longest_prompt = max([prompts.max_prompt_length] + [len(p) for p in (eval_prompts.prompt_ids if eval_prompts else [])])
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
     pad_id = tokenizer.pad_token_id
     if engine is None:
-        engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=prompts.max_prompt_length + max_completion,
+        engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=longest_prompt + max_completion,
                               max_batch=max(cfg.batch_size, cfg.eval_size * max(1, cfg.eval_samples)),
                               **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
                                   "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids, ignore_eos=cfg.ignore_eos)
-    eval_prompts = None
-    if cfg.eval_size > 0:
-        held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
-        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, prompts.max_prompt_length)
 
     # Optimizer over the adapters only; the schedule counts optimizer steps.
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -535,8 +536,11 @@ def run(cfg: Config, world: World) -> Path:
     run_eval(step)
     final = out / "adapter"
     if world.is_main:
+        from grpo.plots import plot_metrics
+
         policy.save_pretrained(final)
         log.close()
+        plot_metrics(log.path, out / "metrics.png")
     world.barrier()
     console.print(f"[bold green]done[/]: {step} steps, {state['skipped_steps']} skipped; adapter in {final}")
     return final

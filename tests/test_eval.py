@@ -1,0 +1,64 @@
+"""Held-out evaluation: accuracy and format measured apart; `python -m grpo.eval` with any adapter."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from grpo import eval as grpo_eval
+from grpo.rollout import Rollout, Sampling
+
+
+class ScriptedEngine:
+    """Returns fixed completions per prompt: greedy calls get `greedy`, sampled calls `sampled`."""
+
+    def __init__(self, tokenizer, greedy: list[str], sampled: list[str]):
+        self.tokenizer, self.greedy, self.sampled = tokenizer, greedy, sampled
+
+    def release_memory(self) -> None:
+        pass
+
+    def generate(self, prompt_ids, n, sampling: Sampling) -> Rollout:
+        texts = self.greedy if sampling.temperature == 0 else self.sampled
+        rows = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), True
+        return Rollout(prompt_ids, ids, mask, torch.zeros(ids.shape), torch.ones(len(rows), dtype=torch.bool), n=n)
+
+
+class _Prompts:
+    def __init__(self, answers):
+        from grpo.data import Example
+
+        self.prompt_ids = [[1, 2, 3] for _ in answers]
+        self.examples = [Example(question="q", answer=a, columns={}) for a in answers]
+
+
+def test_accuracy_and_format_are_reported_apart(llama_tokenizer):
+    good = "2+2<end_working_out><SOLUTION>4</SOLUTION>"
+    right_but_unformatted = "the answer is <SOLUTION>4</SOLUTION> and more text"
+    wrong_formatted = "2+2<end_working_out><SOLUTION>5</SOLUTION>"
+    engine = ScriptedEngine(llama_tokenizer, greedy=[good, right_but_unformatted],
+                            sampled=[wrong_formatted, good, right_but_unformatted, right_but_unformatted])
+    result = grpo_eval.evaluate(engine, llama_tokenizer, _Prompts(["4", "4"]), Sampling(max_new_tokens=8),
+                                k=2, seed=0)
+    assert result["eval/greedy_accuracy"] == 1.0 and result["eval/greedy_format"] == 0.5
+    assert result["eval/pass@1"] == 0.75 and result["eval/sampled_format"] == 0.5
+
+
+def test_eval_cli_loads_an_adapter_with_its_own_rank_and_targets(tiny_llama_dir, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    adapted = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter")
+    code = grpo_eval.main(["--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"), "--eval-size", "2",
+                           "--samples", "1", "--max-completion-length", "4", "--engine", "hf"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["eval/prompts"] == 2.0 and 0.0 <= result["eval/pass@1"] <= 1.0
