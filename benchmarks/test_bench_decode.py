@@ -15,16 +15,7 @@ import statistics
 import pytest
 
 import bench_setup as bs
-
-
-def _param_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        key = p.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += p.numel() * p.element_size()
-    return total
+from native_gpu_check import weight_bytes as param_bytes
 
 
 @pytest.mark.bench_order(20)
@@ -62,7 +53,7 @@ def test_native_generate_at_bench_config(benchmark, bench_env, results, dtype):
     step_s = decode / steps
     lm = policy.get_base_model()
     cfg_m = lm.config
-    weight_bytes = _param_bytes(policy)
+    weight_bytes = param_bytes(policy)
     kv_elem = 2  # bf16 cache
     kv_per_pos = 2 * cfg_m.num_hidden_layers * shape.rows * cfg_m.num_key_value_heads * cfg_m.head_dim * kv_elem
     bucket = engine.kv_bucket
