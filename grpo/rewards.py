@@ -348,6 +348,9 @@ def score(completions: Sequence[str], answers: Sequence[str], funcs: Sequence[Re
             if as_float is None:
                 raise RewardError(f"reward function {name} returned {value!r} (a {type(value).__name__}) for "
                                    f"completion {i}; it must return floats (or None where it does not apply)")
+            if math.isinf(as_float):
+                raise RewardError(f"reward function {name} returned {as_float} for completion {i}; rewards must be "
+                                  "finite (None where a function does not apply)")
             rewards[i, j] = as_float
     return rewards, names
 

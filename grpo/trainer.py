@@ -12,12 +12,15 @@ N*P prompts per step sees the same prompts and takes the same steps.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import random
 import resource
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +85,8 @@ def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
     fused `token_logprobs`, so a (tokens, vocab) logits tensor never exists whole.
     """
     base = policy.get_base_model()
-    hidden = base.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    hidden = base.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        use_cache=False).last_hidden_state
     T = batch.completion_ids.shape[1]
     positions = batch.start[:, None] - 1 + torch.arange(T, device=hidden.device)  # (B, T)
     positions = positions.clamp(max=hidden.shape[1] - 1)
@@ -153,15 +157,20 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, stream, 
     cfg.save(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # a crash mid-save never leaves a half-written checkpoint under the final name
-    checkpoints = sorted(out.glob(f"{CHECKPOINT_PREFIX}*"), key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-    for old in checkpoints[:-cfg.save_total_limit] if cfg.save_total_limit > 0 else []:
+    for old in list_checkpoints(out)[:-cfg.save_total_limit] if cfg.save_total_limit > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def list_checkpoints(out: Path) -> list[Path]:
+    """checkpoint-N folders of `out`, oldest first (other names are left alone)."""
+    found = [p for p in out.glob(f"{CHECKPOINT_PREFIX}*") if p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
 def find_checkpoint(resume: str, out: Path) -> Path:
     if resume == "latest":
-        found = sorted(out.glob(f"{CHECKPOINT_PREFIX}*"), key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+        found = list_checkpoints(out)
         if not found:
             raise FileNotFoundError(f"--resume latest: no {CHECKPOINT_PREFIX}N folder in {out}; "
                                     "start without --resume")
@@ -259,6 +268,41 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class StopOnCtrlC:
+    """The first Ctrl-C asks the loop to finish the step in flight, save and stop; the second stops at once.
+
+    Finishing the step keeps a checkpoint exact: resuming from it continues as if never stopped.
+    Only the main thread can own the handler; elsewhere Ctrl-C keeps Python's default behaviour.
+    """
+
+    def __init__(self, console):
+        self.requested = False
+        self.console = console
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.console.print("[bold yellow]Ctrl-C[/]: finishing this step, then saving (Ctrl-C again to stop now)")
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def synced_clock(device: torch.device):
+    """A clock that first waits for the device, so each phase is charged with its own GPU work."""
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return now
+
+
 def stop_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
     """EOS ids of the tokenizer and of the model's generation config (Llama 3 instruct has three)."""
     ids = {tokenizer.eos_token_id}
@@ -306,7 +350,8 @@ def run(cfg: Config, world: World) -> Path:
         policy, tokenizer, engine = load_unsloth_policy(
             cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
-            gpu_memory_utilization=0.35, seed=cfg.seed, work_dir=str(vllm_dir))
+            gpu_memory_utilization=0.35, seed=cfg.seed, work_dir=str(vllm_dir), lora_dropout=cfg.lora_dropout,
+            use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False)
         model_dir = None
     else:
         policy, tokenizer, model_dir = load_policy(cfg, device)
@@ -314,7 +359,8 @@ def run(cfg: Config, world: World) -> Path:
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length)
-    max_completion = cfg.max_completion_length or cfg.max_seq_length - prompts.max_prompt_length
+    max_completion = (cfg.max_completion_length if cfg.max_completion_length is not None
+                      else cfg.max_seq_length - prompts.max_prompt_length)
     eval_prompts = None
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
@@ -372,12 +418,14 @@ def run(cfg: Config, world: World) -> Path:
         return out / f"{CHECKPOINT_PREFIX}{at_step}"
 
     micro = cfg.micro_batch_size or cfg.batch_size
-    last_step_time = 0.0
+    clock = synced_clock(device)
+    interrupted = False
     if step == 0 and cfg.eval_size > 0:
         run_eval(0)
     progress = make_progress(console)
     bar = progress.add_task("grpo", total=cfg.max_steps, completed=step, stats="")
     progress.start()
+    stop = StopOnCtrlC(console)
     try:
         while step < cfg.max_steps:
             t_step = time.perf_counter()
@@ -386,14 +434,15 @@ def run(cfg: Config, world: World) -> Path:
             timings: dict[str, float] = {}
 
             # 1. Sample P prompts x G completions with the current policy (this rank's P of the N*P).
+            stream_at_start, updated = stream.state_dict(), False  # what a Ctrl-C mid-step saves
             idx = stream.next()[world.rank * cfg.prompts_per_step:(world.rank + 1) * cfg.prompts_per_step]
             batch_examples = [prompts.examples[i] for i in idx]
-            t = time.perf_counter()
+            t = clock()
             seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank
-            step_sampling = Sampling(**{**sampling.__dict__, "seed": seed})
+            step_sampling = dataclasses.replace(sampling, seed=seed)
             rollout = engine.generate([prompts.prompt_ids[i] for i in idx], cfg.num_generations, step_sampling)
             engine.release_memory()
-            timings["generate"] = time.perf_counter() - t
+            timings["generate"] = clock() - t
             timings.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
 
             # 2. Score: one column per reward function, summed into one reward per completion. Every rank
@@ -408,33 +457,36 @@ def run(cfg: Config, world: World) -> Path:
                                                  rollout.lengths[:, None].to("cpu", rewards.dtype),
                                                  rollout.finished[:, None].to("cpu", rewards.dtype)], dim=1))
             all_rewards, correct, formatted, lengths, finished = table.split([len(reward_names), 1, 1, 1, 1], dim=1)
-            adv, adv_stats = group_advantages(all_rewards.sum(-1), cfg.num_generations, scale=cfg.scale_rewards)
+            # A reward function may return None ("does not apply", NaN here): it adds nothing to the total.
+            adv, adv_stats = group_advantages(all_rewards.nansum(-1), cfg.num_generations, scale=cfg.scale_rewards)
             adv = adv.view(world.size, -1)[world.rank]  # (P*G,) this rank's groups
 
-            # 3. Reference and old log-probs, only when something uses them.
-            policy.train()
+            # 3. Reference and old log-probs, only when something uses them (eval mode: no dropout).
+            policy.eval()
             batch = make_batch(rollout, pad_id, device)
             adv = adv.to(device)
             slices = [slice(i, i + micro) for i in range(0, len(batch), micro)]
-            t = time.perf_counter()
+            t = clock()
             ref_logp = old_logp = None
             if cfg.beta > 0:
                 with torch.no_grad(), policy.disable_adapter():
                     ref_logp = torch.cat([sequence_logprobs(policy, batch.rows(s), cfg.temperature) for s in slices])
-            timings["reference"] = time.perf_counter() - t
-            t = time.perf_counter()
+            timings["reference"] = clock() - t
+            t = clock()
             if cfg.num_iterations > 1:
                 with torch.no_grad():
                     old_logp = torch.cat([sequence_logprobs(policy, batch.rows(s), cfg.temperature) for s in slices])
-            timings["old_logprobs"] = time.perf_counter() - t
+            timings["old_logprobs"] = clock() - t
 
             # 4. mu passes of clipped-surrogate steps over the rollout, in micro-batches.
-            t = time.perf_counter()
+            policy.train()
+            timings["train"] = timings["optimizer"] = 0.0  # loss forward+backward; clip and optimizer step
             n_rows = world.size * len(batch)  # completions in the whole step, over all ranks
             n_tokens = world.sum(batch.mask.sum()).clamp(min=1)
             agg: dict[str, float] = {}
             nonfinite = False
             for _ in range(cfg.num_iterations):
+                t = clock()
                 optimizer.zero_grad(set_to_none=True)
                 for s in slices:
                     mb = batch.rows(s)
@@ -466,17 +518,18 @@ def run(cfg: Config, world: World) -> Path:
                         else:
                             agg[k] = agg.get(k, 0.0) + float(v) * float(share) / cfg.num_iterations
                 nonfinite = world.sum_grads_(params, nonfinite)  # a bad loss on any rank skips the step on all
+                timings["train"] += clock() - t
                 if nonfinite:
                     break
-                t_opt = time.perf_counter()
+                t = clock()
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0
                                                            else float("inf"))
                 if not torch.isfinite(grad_norm):
                     nonfinite = True
                     break
                 optimizer.step()
-                timings["optimizer"] = timings.get("optimizer", 0.0) + time.perf_counter() - t_opt
-            timings["train"] = time.perf_counter() - t
+                updated = True
+                timings["optimizer"] += clock() - t
             if not nonfinite:  # every rank agrees on nonfinite, and then holds the same keys
                 agg = world.reduce_stats(agg)
             if nonfinite:
@@ -486,7 +539,7 @@ def run(cfg: Config, world: World) -> Path:
                 console.print(f"[yellow]step {step + 1}: non-finite loss or gradient, step skipped "
                               f"({state['nonfinite_in_row']} in a row)[/]")
                 if state["nonfinite_in_row"] >= cfg.max_nonfinite_steps:
-                    # Skipped steps changed nothing: this checkpoint is the last good state.
+                    # A skipped step changes nothing (with mu > 1, passes before the bad one did update).
                     path = checkpoint(step)
                     raise NonFiniteLoss(f"{state['nonfinite_in_row']} non-finite steps in a row; stopped with the "
                                         f"last good state in {path} (try a lower --learning-rate)")
@@ -497,10 +550,10 @@ def run(cfg: Config, world: World) -> Path:
 
             # 5. Log: the batch of all ranks; time and memory are rank 0's.
             last_step_time = time.perf_counter() - t_step
-            total = all_rewards.sum(-1)  # (N*P*G,)
+            total = all_rewards.nansum(-1)  # (N*P*G,)
             record = {
                 "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
-                **{f"rewards/{name}": float(all_rewards[:, j].mean()) for j, name in enumerate(reward_names)},
+                **{f"rewards/{name}": float(all_rewards[:, j].nanmean()) for j, name in enumerate(reward_names)},
                 "accuracy": float(correct.double().mean()), "format": float(formatted.double().mean()),
                 "completion_length": float(lengths.double().mean()), "frac_finished": float(finished.double().mean()),
                 "frac_zero_std": float(adv_stats["frac_zero_std"]),
@@ -523,15 +576,30 @@ def run(cfg: Config, world: World) -> Path:
                 checkpoint(step)
             if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
                 run_eval(step)
-    except KeyboardInterrupt:
+            if world.sum(torch.tensor(float(stop.requested))) > 0:  # all ranks stop after the same step
+                interrupted = True
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, saving the state before the step in flight
         progress.stop()
-        if world.is_main:  # alone: the other ranks may be anywhere, but hold the same adapters and optimizer
+        if world.is_main and not updated:  # alone: the other ranks hold the same adapters and optimizer
+            stream.load_state_dict(stream_at_start)
             path = save_checkpoint(out, step, policy, optimizer, scheduler, stream, state, cfg, [rng_state()])
             console.print(f"[bold yellow]interrupted[/]: saved {path}; continue with --resume latest")
+        elif world.is_main:
+            console.print("[bold yellow]interrupted[/] during an optimizer update: nothing saved; resume from the "
+                          "last checkpoint")
+        if log is not None:
             log.close()
         raise
     finally:
         progress.stop()
+        stop.restore()
+    if interrupted:
+        path = checkpoint(step)
+        console.print(f"[bold yellow]interrupted[/]: saved {path} after step {step}; continue with --resume latest")
+        if log is not None:
+            log.close()
+        raise KeyboardInterrupt
     checkpoint(step)
     run_eval(step)
     final = out / "adapter"

@@ -203,12 +203,12 @@ def test_score_rejects_malformed_return_values(returned, match):
         score(["a", "b"], ["1", "2"], [bad])
 
 
-def test_score_accepts_ints_bools_and_tensor_scalars_and_keeps_nonfinite():
+def test_score_accepts_ints_bools_tensor_scalars_and_none_as_nan():
     def mixed(completions, answers, **columns):
-        return [1, True, torch.tensor(2.5), float("inf")]
+        return [1, True, torch.tensor(2.5), None]
 
     rewards_, _ = score(list("abcd"), list("1234"), [mixed])
-    assert rewards_[:, 0].tolist() == [1.0, 1.0, 2.5, math.inf]
+    assert rewards_[:3, 0].tolist() == [1.0, 1.0, 2.5] and math.isnan(rewards_[3, 0])
 
 
 def test_score_rejects_mismatched_answers_and_columns():
@@ -261,3 +261,11 @@ def test_module_exports_the_tags_that_data_uses():
     assert data.REASONING_START == rewards.REASONING_START == "<start_working_out>"
     assert (data.REASONING_END, data.SOLUTION_START, data.SOLUTION_END) == (
         "<end_working_out>", "<SOLUTION>", "</SOLUTION>")
+
+
+def test_score_refuses_an_infinite_reward_and_names_the_function():
+    def blows_up(completions, answers, **columns):
+        return [float("-inf")] * len(completions)
+
+    with pytest.raises(rewards.RewardError, match="blows_up returned -inf for completion 0"):
+        rewards.score(["a"], ["1"], [blows_up])

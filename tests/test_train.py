@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,22 +25,33 @@ def digit_share(completions, answers, **columns):
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
-def always_nan(completions, answers, **columns):
-    return [float("nan")] * len(completions)
-
 
 def always_raises(completions, answers, **columns):
     raise ZeroDivisionError("boom")
 
 
+def text_signal(completions, answers, **columns):
+    """A reward that differs between completions, so every step updates the adapter."""
+    return [(len(text) % 7) / 7 for text in completions]
+
+
 _calls = {"n": 0}
 
 
+def ctrl_c_on_third_call(completions, answers, **columns):
+    """text_signal, and a real Ctrl-C (SIGINT to this process) while step 3 is being scored."""
+    _calls["n"] += 1
+    if _calls["n"] == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+    return text_signal(completions, answers)
+
+
 def interrupt_on_third_call(completions, answers, **columns):
+    """text_signal, and a KeyboardInterrupt in the middle of step 3, as a second Ctrl-C raises it."""
     _calls["n"] += 1
     if _calls["n"] == 3:
         raise KeyboardInterrupt
-    return [0.0] * len(completions)
+    return text_signal(completions, answers)
 
 
 def tiny_cfg(model_dir, out, **kw) -> Config:
@@ -60,7 +72,8 @@ def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_train_cli_runs_two_steps_offline_and_saves_a_peft_adapter(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "train.py", "--model", str(tiny_llama_dir), "--max-steps", "2", "--prompts-per-step", "2",
+    cmd = [sys.executable, "train.py", "--model", str(tiny_llama_dir), "--dataset", "arithmetic", "--max-steps", "2",
+           "--prompts-per-step", "2",
            "--num-generations", "2", "--max-completion-length", "8", "--engine", "hf", "--output-dir", str(out),
            "--beta", "0.04", "--micro-batch-size", "2"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -109,15 +122,29 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tm
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
-def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def straight_four_steps(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    train(tiny_cfg(tiny_llama_dir, out, max_steps=4, reward=("test_train:text_signal",)))
+    return adapter_tensors(out / "adapter")
+
+
+@pytest.mark.parametrize("how, saved_at", [("ctrl_c_on_third_call", 3), ("interrupt_on_third_call", 2)])
+def test_ctrl_c_saves_a_checkpoint_that_resumes_as_if_never_stopped(tiny_llama_dir, tmp_path, straight_four_steps,
+                                                                     how, saved_at):
+    # The first Ctrl-C finishes step 3 and saves it; a second one (an interrupt inside the step) saves
+    # the state before step 3. Either way the resumed run ends where the uninterrupted one does.
     _calls["n"] = 0
-    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=3, reward=("test_train:interrupt_on_third_call",))
     with pytest.raises(KeyboardInterrupt):
-        train(cfg)
-    assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
-    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=3, resume="latest"))
+        train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=4, reward=(f"test_train:{how}",)))
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == [f"checkpoint-{saved_at}"]
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=4, resume="latest", reward=("test_train:text_signal",)))
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert steps == [1, 2, 3, 4]
+    resumed = adapter_tensors(tmp_path / "run" / "adapter")
+    assert any(torch.count_nonzero(t) for k, t in resumed.items() if "lora_B" in k), "nothing was learned"
+    for k in straight_four_steps:
+        torch.testing.assert_close(resumed[k], straight_four_steps[k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -136,17 +163,31 @@ def test_grpo_raises_a_trivial_reward_within_a_few_dozen_steps(char_llama_dir, t
     assert last > first + 0.3 and last > 2 * first, (first, last)
 
 
-def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama_dir, tmp_path):
-    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=5, reward=("test_train:always_nan",),
+def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama_dir, tmp_path, monkeypatch):
+    import grpo.trainer as trainer_module
+
+    real = trainer_module.clipped_surrogate
+    calls = {"n": 0}
+
+    def nan_after_first_step(logp, *args, **kwargs):  # a fault injected into the loss from step 2 on
+        calls["n"] += 1
+        loss, stats = real(logp, *args, **kwargs)
+        return (loss * float("nan") if calls["n"] > 1 else loss), stats
+
+    monkeypatch.setattr(trainer_module, "clipped_surrogate", nan_after_first_step)
+    cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=6, reward=("test_train:text_signal",),
                    max_nonfinite_steps=2)
-    with pytest.raises(NonFiniteLoss, match="non-finite"):
+    with pytest.raises(NonFiniteLoss, match="2 non-finite steps in a row"):
         train(cfg)
     (ckpt,) = (tmp_path / "run").glob("checkpoint-*")
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["skipped_steps"] == 2
-    # Skipped steps never touch the adapter: lora_B is still its initial zeros.
-    lora_b = [t for k, t in adapter_tensors(ckpt).items() if "lora_B" in k]
-    assert lora_b and all(torch.count_nonzero(t) == 0 for t in lora_b)
+    assert state["skipped_steps"] == 2 and state["nonfinite_in_row"] == 2
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, True]  # the step that stops the run raises instead
+    # The checkpoint holds the adapter of step 1, the last good update, and it is finite.
+    saved = adapter_tensors(ckpt)
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    assert any(torch.count_nonzero(t) for k, t in saved.items() if "lora_B" in k)
 
 
 def test_a_reward_function_that_raises_is_named_with_the_completion(tiny_llama_dir, tmp_path):
