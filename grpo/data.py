@@ -255,7 +255,7 @@ def _load_hub(name: str, split: str) -> list[Example]:
         rows = datasets.load_dataset(repo, config, split=hub_split)
     except Exception as err:  # offline, no cache, hub down: all read the same to a user
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(f"--dataset {name}: cannot load {repo} ({config}, {hub_split}) from the Hugging Face "
+        raise ValueError(f"--dataset {name}: cannot load {repo} ({config}, {hub_split}) from the Hugging Face "
                            f"hub: {reason}; fix: --dataset arithmetic (offline) or a local JSONL path with "
                            "'question' and 'answer' fields") from None
     to_example = gsm8k_example if name == "gsm8k" else dapo_example

