@@ -153,6 +153,4 @@ def load_policy(cfg: Config, device: torch.device | None = None):
 def model_summary(policy) -> dict:
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.parameters())
-    base_bytes = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.requires_grad)
-    base_bytes += sum(b.numel() * b.element_size() for b in policy.buffers())
-    return {"trainable_params": trainable, "total_params": total, "base_weight_bytes": base_bytes}
+    return {"trainable_params": trainable, "total_params": total}

@@ -260,7 +260,7 @@ def test_real_jinja_template_renders_through_transformers(llama_tokenizer):
                          "<|end_header_id|>{{ date_string }}{% endif %}")
     text = chat_prompt(tok, "Q?")
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>26 Jul 2024" + REASONING_START)
-    assert f"<|start_header_id|>user<|end_header_id|>Q?<|eot_id|>" in text
+    assert "<|start_header_id|>user<|end_header_id|>Q?<|eot_id|>" in text
 
 
 # --- the prompt-length budget ------------------------------------------------------------------------

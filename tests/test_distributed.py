@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.distributed import NCCL_ENV_DEFAULTS, World, init_world, nccl_env_defaults
+from grpo.distributed import NCCL_ENV_DEFAULTS, init_world, nccl_env_defaults
 from grpo.rollout import Rollout, Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
