@@ -11,29 +11,42 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from grpo import rewards as grpo_rewards
 from grpo.rollout import Sampling
 
 
-def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed: int) -> dict[str, float]:
-    """Greedy accuracy/format and pass@1/format over `k` samples per held-out prompt."""
+def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed: int,
+             max_rows: int | None = None) -> dict[str, float]:
+    """Greedy accuracy/format and pass@1/format over `k` samples per held-out prompt.
+
+    Generates at most `max_rows` completions per engine call, so the engine's buffers stay sized for
+    training batches rather than for the whole held-out set.
+    """
     prompt_ids = prompt_set.prompt_ids
     answers = [ex.answer for ex in prompt_set.examples]
-    greedy = Sampling(**{**sampling.__dict__, "temperature": 0.0, "seed": seed})
     result: dict[str, float] = {"eval/prompts": float(len(prompt_ids))}
-    texts = tokenizer.batch_decode(engine.generate(prompt_ids, 1, greedy).completions(), skip_special_tokens=True)
+    greedy = replace(sampling, temperature=0.0, seed=seed)
+    texts = _generate_texts(engine, tokenizer, prompt_ids, 1, greedy, max_rows)
     result["eval/greedy_accuracy"] = _mean(grpo_rewards.is_correct(t, a) for t, a in zip(texts, answers))
     result["eval/greedy_format"] = _mean(grpo_rewards.has_exact_format(t) for t in texts)
     if k > 0:
-        sampled = Sampling(**{**sampling.__dict__, "seed": seed + 1})
-        rollout = engine.generate(prompt_ids, k, sampled)
-        texts = tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
+        texts = _generate_texts(engine, tokenizer, prompt_ids, k, replace(sampling, seed=seed + 1), max_rows)
         rep = [a for a in answers for _ in range(k)]
         result["eval/pass@1"] = _mean(grpo_rewards.is_correct(t, a) for t, a in zip(texts, rep))
         result["eval/sampled_format"] = _mean(grpo_rewards.has_exact_format(t) for t in texts)
         result["eval/samples"] = float(k)
     return result
+
+
+def _generate_texts(engine, tokenizer, prompt_ids, n: int, sampling: Sampling, max_rows: int | None) -> list[str]:
+    per_call = len(prompt_ids) if max_rows is None else max(1, max_rows // n)
+    completions = []
+    for start in range(0, len(prompt_ids), per_call):  # each chunk its own seed: reproducible, not repeated
+        chunk = replace(sampling, seed=None if sampling.seed is None else sampling.seed + 7 * start)
+        completions += engine.generate(prompt_ids[start:start + per_call], n, chunk).completions()
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 def _mean(values) -> float:

@@ -370,7 +370,7 @@ def run(cfg: Config, world: World) -> Path:
     pad_id = tokenizer.pad_token_id
     if engine is None:
         engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=longest_prompt + max_completion,
-                              max_batch=max(cfg.batch_size, cfg.eval_size * max(1, cfg.eval_samples)),
+                              max_batch=max(cfg.batch_size, cfg.eval_samples),
                               **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
                                   "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
@@ -406,7 +406,7 @@ def run(cfg: Config, world: World) -> Path:
             return
         engine.release_memory()
         result = evaluate(engine, tokenizer, eval_prompts, sampling, k=cfg.eval_samples,
-                          seed=cfg.seed + 7919 * at_step)
+                          seed=cfg.seed + 7919 * at_step, max_rows=max(cfg.batch_size, cfg.eval_samples))
         engine.release_memory()
         log_eval(console, log, at_step, result)
 

@@ -62,3 +62,29 @@ def test_eval_cli_loads_an_adapter_with_its_own_rank_and_targets(tiny_llama_dir,
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["eval/prompts"] == 2.0 and 0.0 <= result["eval/pass@1"] <= 1.0
+
+
+class PerPromptEngine:
+    """Completion text a function of the prompt: right and formatted for even prompt ids; records calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.rows_per_call = tokenizer, []
+
+    def release_memory(self) -> None:
+        pass
+
+    def generate(self, prompt_ids, n, sampling):
+        texts = [f"x<end_working_out><SOLUTION>{4 if p[0] % 2 == 0 else 5}</SOLUTION>" for p in prompt_ids
+                 for _ in range(n)]
+        self.rows_per_call.append(len(texts))
+        return ScriptedEngine(self.tokenizer, texts, texts).generate(prompt_ids, n, sampling)
+
+
+def test_eval_in_chunks_of_max_rows_gives_the_same_result(llama_tokenizer):
+    prompts = _Prompts(["4"] * 7)
+    prompts.prompt_ids = [[i] for i in range(7)]
+    whole, chunked = PerPromptEngine(llama_tokenizer), PerPromptEngine(llama_tokenizer)
+    a = grpo_eval.evaluate(whole, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0)
+    b = grpo_eval.evaluate(chunked, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0, max_rows=4)
+    assert a == b and a["eval/greedy_accuracy"] == 4 / 7
+    assert whole.rows_per_call == [7, 21] and max(chunked.rows_per_call) <= 4 and sum(chunked.rows_per_call) == 28
