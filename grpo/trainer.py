@@ -365,7 +365,8 @@ def run(cfg: Config, world: World) -> Path:
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
         eval_prompts = grpo_data.build_prompts(tokenizer, held_out, cfg.max_seq_length - max_completion)
-    longest_prompt = max([prompts.max_prompt_length] + [len(p) for p in (eval_prompts.prompt_ids if eval_prompts else [])])
+    eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
+    longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
     pad_id = tokenizer.pad_token_id
     if engine is None:
