@@ -226,3 +226,15 @@ def test_hf_engine_samples_as_asked_whatever_the_models_generation_config(tiny_l
                                                                   stop_token_ids=(128009,), ignore_eos=True))
     rows = {tuple(r) for r in rollout.completions()}
     assert len(rows) > 1 and rollout.mask.all() and not rollout.finished.any()
+
+
+def test_held_out_eval_runs_before_during_and_after_training_and_is_plotted(tiny_llama_dir, tmp_path):
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=2, eval_size=3, eval_samples=2, eval_steps=1))
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/greedy_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    for r in evals:
+        assert r["eval/prompts"] == 3 and r["eval/samples"] == 2
+        assert all(0.0 <= r[k] <= 1.0 for k in ("eval/greedy_accuracy", "eval/greedy_format", "eval/pass@1",
+                                                  "eval/sampled_format"))
+    assert (tmp_path / "run" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
