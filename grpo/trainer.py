@@ -259,6 +259,7 @@ def make_progress(console):
 
 
 def peak_memory_gib(device: torch.device) -> float:
+    """This step's peak allocated GPU memory; on CPU, the process's peak resident size so far."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

@@ -117,6 +117,16 @@ def random_batch(seed, B=5, T=6, spread=0.35):
     return logp, old_logp, ref_logp, adv, mask, is_tok, is_row
 
 
+def fast_and_reference(logp, old_logp, adv, mask, **kw):
+    """Loss, stats and gradient of `clipped_surrogate` and of the loop reference on the same inputs."""
+    x, x_ref = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    loss, stats = clipped_surrogate(x, old_logp, adv, mask, **kw)
+    loss.backward()
+    ref_loss, ref_stats = surrogate_loop(x_ref, old_logp, adv, mask, **kw)
+    ref_loss.backward()
+    return (loss, stats, x.grad), (ref_loss, ref_stats, x_ref.grad)
+
+
 def assert_stats_close(stats, ref_stats, tol):
     assert set(stats) == set(STAT_KEYS)
     for key in STAT_KEYS:
@@ -260,15 +270,10 @@ def test_matches_float64_loop_reference_values_stats_and_gradients(ratio_level, 
         max_len = 9 if variant % 2 else None
         kw = dict(ref_logp=ref_logp, beta=beta, eps_high=eps_high, delta=delta, ratio_level=ratio_level,
                   norm=norm, max_len=max_len, is_weights=is_weights, kl=kl)
-        x = logp.clone().requires_grad_()
-        loss, stats = clipped_surrogate(x, old_logp, adv, mask, **kw)
-        loss.backward()
-        x_ref = logp.clone().requires_grad_()
-        ref_loss, ref_stats = surrogate_loop(x_ref, old_logp, adv, mask, **kw)
-        ref_loss.backward()
+        (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         where = f"variant {variant}: beta={beta} delta={delta} is_weights={weights} eps_high={eps_high}"
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12), where
-        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, msg=where)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12, msg=where)
         assert_stats_close(stats, ref_stats, 1e-12)
 
 
@@ -369,14 +374,9 @@ def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_le
     mask = torch.tensor([[True], [True], [True], [False], [True], [True]])
     for norm in NORMS:
         kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, norm=norm)
-        x = logp.clone().requires_grad_()
-        loss, stats = clipped_surrogate(x, old_logp, adv, mask, **kw)
-        loss.backward()
-        x_ref = logp.clone().requires_grad_()
-        ref_loss, ref_stats = surrogate_loop(x_ref, old_logp, adv, mask, **kw)
-        ref_loss.backward()
+        (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12)
-        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
         assert_stats_close(stats, ref_stats, 1e-12)
 
 
