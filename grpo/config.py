@@ -94,6 +94,9 @@ class Config:
     top_k: int = _f(0, "Keep the k most likely tokens; 0 is off.", "sampling")
     min_p: float = _f(0.1, "Drop tokens below min-p times the most likely token's probability.",
                       "sampling")
+    stop: tuple[str, ...] = _f((), "Stop strings: a completion ends right after the first one it writes, "
+                               "which stays in the completion (vLLM's stop with include_stop_str_in_output). "
+                               "An empty --stop clears a preset's.", "sampling", nargs="*")
     ignore_eos: bool = _f(False, "Always generate max-completion-length tokens (fixed lengths, for "
                           "benchmarks).", "sampling")
 
@@ -150,6 +153,9 @@ class Config:
             raise ValueError(f"--min-p {self.min_p}: must be in [0, 1); 0 switches it off")
         if self.top_k < 0:
             raise ValueError(f"--top-k {self.top_k}: use 0 (off) or more")
+        if any(not text for text in self.stop):
+            raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
+                             "completion at once; remove it")
         if self.is_cap <= 1.0:
             raise ValueError(f"--is-cap {self.is_cap}: the importance-weight cap must exceed 1; 2 is usual")
         if self.eval_size < 0 or self.eval_samples < 0 or self.eval_steps < 0 or self.save_steps < 0:
@@ -210,6 +216,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-arithmetic": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
                                num_generations=8, prompts_per_step=4, max_prompt_length=160,
                                max_completion_length=160, max_seq_length=512, learning_rate=5e-5, beta=0.0,
+                               stop=("</SOLUTION>",),
                                warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=20, eval_size=16,
                                eval_samples=1, log_completions_steps=5, output_dir="outputs/smollm2-arithmetic"),
 }
@@ -279,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
             parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         values.update(PRESETS[preset])
     values.update(args)
-    for key in ("lora_targets", "reward"):
+    for key in ("lora_targets", "reward", "stop"):
         if key in values:
             values[key] = tuple(values[key])
     try:

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.config import Config
     from grpo.model import default_device, load_base_model, load_tokenizer
     from grpo.rollout import build_engine
+    from grpo.rollout.stops import stop_string_sequences
     from grpo.trainer import stop_token_ids
 
     parser = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=3407, help="Seed of the sampled decoding.")
     parser.add_argument("--max-prompt-length", type=int, default=1024,
                         help="Held-out prompts longer than this are dropped (the default keeps all of arithmetic's).")
+    parser.add_argument("--stop", nargs="*", default=[], help="Stop strings, as train.py's --stop (the "
+                        "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
     parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
     args = parser.parse_args(argv)
     cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,
                           max_batch=max(1, args.eval_size * max(1, args.samples)))
     sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
-                        stop_token_ids=stop_token_ids(tokenizer, base.generation_config))
+                        stop_token_ids=stop_token_ids(tokenizer, base.generation_config),
+                        stop_sequences=stop_string_sequences(tokenizer, args.stop))
     result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed)
     Console(stderr=True).print(result)
     json.dump(result, sys.stdout)

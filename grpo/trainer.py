@@ -35,6 +35,7 @@ from grpo.kernels.logprobs import token_logprobs
 from grpo.loss import clipped_surrogate, group_advantages, importance_weights
 from grpo.model import default_device, load_policy, model_summary
 from grpo.rollout import Rollout, Sampling, build_engine, resolve_engine_name
+from grpo.rollout.stops import stop_string_sequences
 
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -377,7 +378,8 @@ def run(cfg: Config, world: World) -> Path:
                                   "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
-                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids, ignore_eos=cfg.ignore_eos)
+                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
+                        stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
 
     # Optimizer over the adapters only; the schedule counts optimizer steps.
     params = [p for p in policy.parameters() if p.requires_grad]

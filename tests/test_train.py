@@ -36,6 +36,13 @@ def text_signal(completions, answers, **columns):
 
 
 _calls = {"n": 0}
+_seen: list[str] = []
+
+
+def record_completions(completions, answers, **columns):
+    """text_signal, keeping every completion for the test to read."""
+    _seen.extend(completions)
+    return text_signal(completions, answers)
 
 
 def ctrl_c_on_third_call(completions, answers, **columns):
@@ -226,6 +233,19 @@ def test_hf_engine_samples_as_asked_whatever_the_models_generation_config(tiny_l
                                                                   stop_token_ids=(128009,), ignore_eos=True))
     rows = {tuple(r) for r in rollout.completions()}
     assert len(rows) > 1 and rollout.mask.all() and not rollout.finished.any()
+
+
+def test_stop_strings_end_completions_right_after_the_string(char_llama_dir, tmp_path):
+    # A random character-level model writes "e" often; with --stop e every completion either has no
+    # "e" or ends with its first one. Without the stop, later characters would follow it.
+    _seen.clear()
+    train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, prompts_per_step=4, num_generations=4,
+                   max_completion_length=24, min_p=0.0, stop=("e",), reward=("test_train:record_completions",),
+                   log_completions_steps=0))
+    assert len(_seen) == 16
+    stopped = [c for c in _seen if "e" in c]
+    assert stopped, "no completion wrote the stop string; the test proves nothing"
+    assert all(c.endswith("e") and c.count("e") == 1 for c in stopped), stopped
 
 
 def test_held_out_eval_runs_before_during_and_after_training_and_is_plotted(tiny_llama_dir, tmp_path):

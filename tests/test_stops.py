@@ -1,0 +1,46 @@
+"""Stop strings: text -> token-id stop sequences, and the trainer's --stop."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.config import parse_args
+from grpo.rollout.stops import first_stop_index, stop_string_sequences
+
+
+@pytest.mark.parametrize("text", ["<SOLUTION>4</SOLUTION>", "<SOLUTION> 42 </SOLUTION>", "x\n</SOLUTION>",
+                                  "<SOLUTION></SOLUTION>", "= -7.5</SOLUTION>"])
+def test_a_completion_that_ends_with_the_stop_string_stops_on_its_last_token(llama_tokenizer, text):
+    sequences = stop_string_sequences(llama_tokenizer, ["</SOLUTION>"])
+    ids = llama_tokenizer(text + " and more", add_special_tokens=False)["input_ids"]
+    end = first_stop_index(ids, (), sequences)
+    assert end is not None
+    assert llama_tokenizer.decode(ids[:end + 1]) == text
+
+
+def test_text_without_the_whole_stop_string_does_not_stop(llama_tokenizer):
+    sequences = stop_string_sequences(llama_tokenizer, ["</SOLUTION>"])
+    for text in ["<SOLUTION>4</SOLUTION", "<SOLUTION>4</SOL>", "4 SOLUTION>"]:
+        ids = llama_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert first_stop_index(ids, (), sequences) is None, text
+
+
+def test_several_strings_each_get_their_spellings(llama_tokenizer):
+    one = stop_string_sequences(llama_tokenizer, ["</SOLUTION>"])
+    both = stop_string_sequences(llama_tokenizer, ["</SOLUTION>", "\n\nQuestion:"])
+    assert set(one) < set(both)
+    assert all(seq for seq in both)
+
+
+def test_an_empty_stop_string_is_refused(llama_tokenizer):
+    with pytest.raises(ValueError, match="empty"):
+        stop_string_sequences(llama_tokenizer, [""])
+
+
+def test_the_stop_flag_sets_clears_and_refuses_empty_strings(capsys):
+    assert parse_args(["--preset", "smollm2-arithmetic"]).stop == ("</SOLUTION>",)
+    assert parse_args(["--preset", "smollm2-arithmetic", "--stop"]).stop == ()
+    assert parse_args(["--stop", "a", "bc"]).stop == ("a", "bc")
+    with pytest.raises(SystemExit):
+        parse_args(["--stop", ""])
+    assert "--stop ''" in capsys.readouterr().err
