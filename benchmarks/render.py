@@ -45,9 +45,12 @@ def load_runs(directory: str | Path) -> list[dict]:
     return runs
 
 
+IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step"}
+
+
 def _rows(run: dict) -> list[dict]:
     order = {"bench": 0, "long": 1}
-    impl = {"ours": 0, "trl": 1}
+    impl = {"ours": 0, "ours-release": 1, "trl": 2}
     return sorted(bs.step_rows(run["records"]), key=lambda r: (order.get(r["config"], 9), impl.get(r["impl"], 9),
                                                                r["dtype"] != "bf16", not r["measured"]))
 
@@ -175,7 +178,7 @@ def render_section(runs: list[dict], chart: str | None = CHART_NAME) -> str:
             c = comps.get((r["config"], r["dtype"])) if r["impl"] == "ours" else None
             ratio_t = f"{c['time_ratio']:.3f} ({c['speedup']:.1f}x faster)" if c and c["time_ratio"] else ""
             ratio_m = _f(c["memory_ratio"]) if c else ""
-            impl = "ours" if r["impl"] == "ours" else ("TRL" if r["measured"] else "TRL (quoted)*")
+            impl = IMPL_NAMES.get(r["impl"]) or ("TRL" if r["measured"] else "TRL (quoted)*")
             quoted |= not r["measured"]
             lines.append(f"| {r['config']} | {impl} | {r['dtype']} | {_f(r['step_time_s'])} | "
                          f"{_f(r['peak_alloc_gib'])} | {_f(r['peak_reserved_gib'])} | "

@@ -17,7 +17,7 @@ import pytest
 import bench_setup as bs
 
 
-def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str) -> dict:
+def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -28,7 +28,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     warmup = min(2, steps - 1) if config_name == "bench" else 1
     out = tmp_path / "run"
     cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=dtype == "fp8", steps=steps,
-                         output_dir=out, cuda=bench_env.cuda)
+                         output_dir=out, cuda=bench_env.cuda, engine_standby=standby)
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
@@ -45,7 +45,8 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
             "shape": bs.asdict(shape), "warmup_steps": warmup,
             "note": "peak_reserved_gib: the last step's; timing_s: the whole run (load + all steps)"}
     benchmark.extra_info.update(info)
-    results.add(benchmark, group="step", config=config_name, impl="ours", dtype=dtype)
+    results.add(benchmark, group="step", config=config_name, impl="ours" if standby == "auto" else f"ours-{standby}",
+                dtype=dtype)
     return info
 
 
@@ -55,6 +56,14 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
 def test_grpo_step_at_bench_config(benchmark, bench_env, results, tmp_path, dtype):
     """4 prompts x G=4, 128-token prompts, 512 completion tokens: steady-state step time and memory."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype)
+
+
+@pytest.mark.bench_order(31)
+@pytest.mark.bench_cost(15)
+def test_grpo_step_releasing_the_engine_each_step(benchmark, bench_env, results, tmp_path):
+    """bf16 at the bench config with --engine-standby release: the KV cache and CUDA graphs are dropped
+    after each generation (lowest peak) and re-captured in the next (the time that costs)."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", standby="release")
 
 
 @pytest.mark.bench_order(50)

@@ -35,6 +35,7 @@ from grpo.kernels.logprobs import token_logprobs
 from grpo.loss import clipped_surrogate, group_advantages, importance_weights
 from grpo.model import default_device, load_policy, model_summary
 from grpo.rollout import Rollout, Sampling, build_engine, resolve_engine_name
+from grpo.rollout.native import NativeEngine
 from grpo.rollout.stops import stop_string_sequences
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -305,6 +306,17 @@ def synced_clock(device: torch.device):
     return now
 
 
+KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps a native KV cache up to this size
+
+
+def keeps_memory_between_steps(standby: str, engine) -> bool:
+    """--engine-standby: whether the engine keeps its KV cache and CUDA graphs from one step to the next.
+    Re-capturing the graphs costs a fixed time per step; keeping them costs the KV cache's memory."""
+    if standby == "auto":
+        return isinstance(engine, NativeEngine) and engine.kv_cache_bytes() <= KEEP_KV_BYTES
+    return standby == "keep"
+
+
 def stop_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
     """EOS ids of the tokenizer and of the model's generation config (Llama 3 instruct has three)."""
     ids = {tokenizer.eos_token_id}
@@ -376,6 +388,7 @@ def run(cfg: Config, world: World) -> Path:
                               max_batch=max(cfg.batch_size, cfg.eval_samples),
                               **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
                                   "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
+    keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
@@ -400,7 +413,8 @@ def run(cfg: Config, world: World) -> Path:
     log = MetricsLog(out, cfg, step) if world.is_main else None
     summary = model_summary(policy)
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
-    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {engine_name} | {len(prompts)} prompts "
+    kept = " (kept between steps)" if keep_engine else ""
+    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {engine_name}{kept} | {len(prompts)} prompts "
                   f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
                   f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
                   f"{summary['total_params']:,} | completions up to {max_completion} tokens")
@@ -445,7 +459,8 @@ def run(cfg: Config, world: World) -> Path:
             seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank
             step_sampling = dataclasses.replace(sampling, seed=seed)
             rollout = engine.generate([prompts.prompt_ids[i] for i in idx], cfg.num_generations, step_sampling)
-            engine.release_memory()
+            if not keep_engine:
+                engine.release_memory()
             timings["generate"] = clock() - t
             timings.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
 

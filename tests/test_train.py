@@ -258,3 +258,29 @@ def test_held_out_eval_runs_before_during_and_after_training_and_is_plotted(tiny
         assert all(0.0 <= r[k] <= 1.0 for k in ("eval/greedy_accuracy", "eval/greedy_format", "eval/pass@1",
                                                   "eval/sampled_format"))
     assert (tmp_path / "run" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("standby, releases", [("release", 2), ("keep", 0), ("auto", 0)])
+def test_engine_standby_releases_the_native_engine_after_each_generation_or_keeps_it(
+        tiny_llama_dir, tmp_path, monkeypatch, standby, releases):
+    from grpo.rollout.native import NativeEngine
+
+    calls = []
+    original = NativeEngine.release_memory
+    monkeypatch.setattr(NativeEngine, "release_memory", lambda self: (calls.append(1), original(self)))
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", engine_standby=standby,
+                   log_completions_steps=0))
+    assert len(calls) == releases
+
+
+def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
+    from grpo import trainer
+    from grpo.rollout.native import NativeEngine
+
+    engine = NativeEngine.__new__(NativeEngine)  # only kv_cache_bytes is asked
+    monkeypatch.setattr(NativeEngine, "kv_cache_bytes", lambda self: trainer.KEEP_KV_BYTES)
+    assert trainer.keeps_memory_between_steps("auto", engine)
+    monkeypatch.setattr(NativeEngine, "kv_cache_bytes", lambda self: trainer.KEEP_KV_BYTES + 1)
+    assert not trainer.keeps_memory_between_steps("auto", engine)
+    assert trainer.keeps_memory_between_steps("keep", engine)
+    assert not trainer.keeps_memory_between_steps("auto", object())  # hf, vllm: release (vLLM sleeps)

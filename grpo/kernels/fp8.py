@@ -156,8 +156,13 @@ def _triton_kernels():
     return _TRITON
 
 
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None  # a sys.path walk: once, not per GEMM
+
+
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and importlib.util.find_spec("triton") is not None
+    return x.is_cuda and _have_triton()
 
 
 def quantize_fp8_rows(x: torch.Tensor, impl="auto", pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
