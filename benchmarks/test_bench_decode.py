@@ -1,8 +1,9 @@
 """Generation with the native engine at the bench config: decode ms per step, prefill, capture.
 
 One `generate` is what a training step's generation phase does: the engine as the trainer builds it
-(`grpo.rollout.build_engine`), its memory released before each call as the trainer releases it after
-each one, so every call pays the CUDA-graph capture too. `Rollout.timings` splits the call into
+(`grpo.rollout.build_engine`), its memory released before each call as the trainer does with
+`--engine-standby release`, so every call pays the CUDA-graph capture too (with the default `auto`,
+steps after the first skip it: the GRPO step benchmark measures both). `Rollout.timings` splits the call into
 capture, prefill and decode. Achieved bandwidth counts the bytes a decode step must read: every
 parameter once (FP8 codes and scales, the tied embedding as the LM head, the adapters) and the KV
 cache up to the length the step attends over.
