@@ -450,6 +450,7 @@ def run(cfg: Config, world: World) -> Path:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             timings: dict[str, float] = {}
+            give_up: NonFiniteLoss | None = None
 
             # 1. Sample P prompts x G completions with the current policy (this rank's P of the N*P).
             stream_at_start, updated = stream.state_dict(), False  # what a Ctrl-C mid-step saves
@@ -559,9 +560,10 @@ def run(cfg: Config, world: World) -> Path:
                               f"({state['nonfinite_in_row']} in a row)[/]")
                 if state["nonfinite_in_row"] >= cfg.max_nonfinite_steps:
                     # A skipped step changes nothing (with mu > 1, passes before the bad one did update).
-                    path = checkpoint(step)
-                    raise NonFiniteLoss(f"{state['nonfinite_in_row']} non-finite steps in a row; stopped with the "
-                                        f"last good state in {path} (try a lower --learning-rate)")
+                    # Saved now, raised once this step's record is logged.
+                    give_up = NonFiniteLoss(f"{state['nonfinite_in_row']} non-finite steps in a row; stopped with "
+                                            f"the last good state in {checkpoint(step)} (try a lower "
+                                            "--learning-rate)")
             else:
                 state["nonfinite_in_row"] = 0
             scheduler.step()
@@ -588,6 +590,8 @@ def run(cfg: Config, world: World) -> Path:
                     f"{last_step_time:6.2f} s | {record['peak_mem_gib']:.2f} GiB")
             progress.update(bar, completed=step, stats=line)
             console.print(f"step {step:>4}/{cfg.max_steps} | {line}")
+            if give_up is not None:
+                raise give_up
             if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
                 for j in range(0, len(texts), cfg.num_generations)[:2]:  # rank 0's rows come first in total
                     console.print(f"  [dim]answer {answers[j]!r} reward {float(total[j]):.2f}:[/] {texts[j][:400]!r}")

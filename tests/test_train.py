@@ -190,7 +190,8 @@ def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["skipped_steps"] == 2 and state["nonfinite_in_row"] == 2
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped"] for r in records] == [False, True]  # the step that stops the run raises instead
+    assert [r["skipped"] for r in records] == [False, True, True]  # the last one logged, then the run stops
+    assert [r["step"] for r in records] == [1, 2, 3]
     # The checkpoint holds the adapter of step 1, the last good update, and it is finite.
     saved = adapter_tensors(ckpt)
     assert all(torch.isfinite(t).all() for t in saved.values())
