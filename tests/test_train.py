@@ -114,6 +114,21 @@ def test_help_lists_every_flag_with_text():
         assert action.help, f"{action.option_strings} has no help text"
 
 
+def test_the_loss_flags_offer_exactly_what_grpo_loss_accepts():
+    # config.py stays free of torch (fast --help), so it spells the choices out; this keeps them in step.
+    from grpo.config import build_parser
+    from grpo.loss import KL_KINDS, NORMS, RATIO_LEVELS, SCALES
+    from grpo.loss.importance import LEVELS, MODES
+
+    choices = {a.dest: tuple(a.choices) for a in build_parser()._actions if a.choices}
+    assert set(choices["loss_norm"]) == set(NORMS)
+    assert set(choices["ratio_level"]) == set(RATIO_LEVELS)
+    assert set(choices["scale_rewards"]) == set(SCALES)
+    assert set(choices["kl_estimator"]) == set(KL_KINDS)
+    assert set(choices["is_correction"]) == set(MODES)
+    assert set(choices["is_level"]) == set(LEVELS)
+
+
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
     straight = tiny_cfg(tiny_llama_dir, tmp_path / "a", max_steps=4, save_steps=2, save_total_limit=3,
                         num_iterations=2, beta=0.04)
