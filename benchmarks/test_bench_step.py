@@ -17,7 +17,8 @@ import pytest
 import bench_setup as bs
 
 
-def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto") -> dict:
+def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
+              micro_batch: int | None = None, impl: str = "ours") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -28,7 +29,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     warmup = min(2, steps - 1) if config_name == "bench" else 1
     out = tmp_path / "run"
     cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=dtype == "fp8", steps=steps,
-                         output_dir=out, cuda=bench_env.cuda, engine_standby=standby)
+                         output_dir=out, cuda=bench_env.cuda, engine_standby=standby, micro_batch_size=micro_batch)
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
@@ -45,8 +46,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
             "shape": bs.asdict(shape), "warmup_steps": warmup,
             "note": "peak_reserved_gib: the last step's; timing_s: the whole run (load + all steps)"}
     benchmark.extra_info.update(info)
-    results.add(benchmark, group="step", config=config_name, impl="ours" if standby == "auto" else f"ours-{standby}",
-                dtype=dtype)
+    results.add(benchmark, group="step", config=config_name, impl=impl, dtype=dtype)
     return info
 
 
@@ -63,7 +63,7 @@ def test_grpo_step_at_bench_config(benchmark, bench_env, results, tmp_path, dtyp
 def test_grpo_step_releasing_the_engine_each_step(benchmark, bench_env, results, tmp_path):
     """bf16 at the bench config with --engine-standby release: the KV cache and CUDA graphs are dropped
     after each generation (lowest peak) and re-captured in the next (the time that costs)."""
-    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", standby="release")
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", standby="release", impl="ours-release")
 
 
 @pytest.mark.bench_order(50)
@@ -72,6 +72,15 @@ def test_grpo_step_releasing_the_engine_each_step(benchmark, bench_env, results,
 def test_grpo_step_at_long_config(benchmark, bench_env, results, tmp_path, dtype):
     """The seed's long config: 16 completions of 1760 tokens after 288-token prompts."""
     _run_ours(benchmark, bench_env, results, tmp_path, "long", dtype)
+
+
+@pytest.mark.bench_order(51)
+@pytest.mark.bench_cost(40)
+def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, results, tmp_path):
+    """bf16 at the long config with --micro-batch-size 4 (the seed recipe's gradient accumulation of 4):
+    the same gradient in four passes, so one recomputed layer holds a quarter of the activations.
+    benchmarks/saved_activations.py measures those on CPU: 311 MiB per layer per 2048 tokens."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "long", "bf16", micro_batch=4, impl="ours-mb4")
 
 
 @pytest.mark.bench_order(40)

@@ -254,3 +254,13 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
     assert comp["config"] == "bench" and not comp["trl_measured"]
     assert comp["time_ratio"] == pytest.approx(info["step_time_s"] / 14.6)
     assert "ours/TRL at bench (bf16)" in proc.stdout
+
+
+def test_saved_activations_counts_the_float32_lora_inputs(monkeypatch):
+    # float32 adapters make peft cast each projection's input to float32 and save that copy: at the
+    # long config this is most of one recomputed layer's memory, so the script must see it.
+    monkeypatch.syspath_prepend(str(BENCH))
+    saved = importlib.import_module("saved_activations")
+    fp32, bf16 = saved.saved_bytes(64, adapters_fp32=True), saved.saved_bytes(64, adapters_fp32=False)
+    assert fp32["total"] > 1.3 * bf16["total"]
+    assert fp32["float32"] > bf16["float32"] and bf16["bfloat16"] > 0

@@ -1,0 +1,77 @@
+"""Bytes one Llama-3.2-1B decoder layer saves for backward, with rsLoRA on its 7 projections (CPU).
+
+Under gradient checkpointing a training pass holds each layer's input and, during the backward of one
+layer, that layer's recomputed activations: this script measures the second part exactly (the tensors
+autograd saves, counted once per storage, parameters excluded), which does not depend on the device.
+It compares peft's default float32 adapters (its input is cast to float32 and saved) with bf16 ones.
+
+    python benchmarks/saved_activations.py [--tokens 2048]
+
+Scale by the tokens of one micro-batch: the long config trains 16 x 2048 tokens in one pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def saved_bytes(tokens: int, adapters_fp32: bool) -> dict[str, int]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                      num_hidden_layers=1, vocab_size=1000)
+    cfg._attn_implementation = "sdpa"
+
+    class OneLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16)
+            self.rope = LlamaRotaryEmbedding(cfg)
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[1])[None]
+            return self.layer(x, position_embeddings=self.rope(x, pos), attention_mask=None, position_ids=pos)
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    model = get_peft_model(OneLayer(), lora, autocast_adapter_dtype=adapters_fp32)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randn(1, tokens, 2048, dtype=torch.bfloat16, requires_grad=True)
+    params.add(x.untyped_storage().data_ptr())  # the layer input: the checkpoint holds it anyway
+    seen: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    out = {"total": sum(n for n, _ in seen.values())}
+    for n, dtype in seen.values():
+        out[str(dtype).removeprefix("torch.")] = out.get(str(dtype).removeprefix("torch."), 0) + n
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="Tokens in the layer's input.")
+    args = parser.parse_args()
+    mib = 2**20
+    for fp32 in (True, False):
+        got = saved_bytes(args.tokens, fp32)
+        parts = ", ".join(f"{k} {v / mib:.0f}" for k, v in got.items() if k != "total")
+        print(f"adapters {'float32' if fp32 else 'bf16'}: {got['total'] / mib:.0f} MiB saved for backward over "
+              f"{args.tokens} tokens ({parts} MiB by dtype)")
+
+
+if __name__ == "__main__":
+    main()
