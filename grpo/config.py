@@ -91,8 +91,9 @@ class Config:
                      choices=["auto", "native", "hf", "vllm"])
     engine_standby: str = _f("auto", "What the sampler holds between generations: release (drop its KV cache "
                              "and CUDA graphs, so training reuses that memory; the graphs are re-captured "
-                             "every step), keep (hold them: no re-capture, the step peak adds the KV cache), "
-                             "or auto (keep when the native engine's KV cache is at most 2 GiB).", "sampling",
+                             "every step; vLLM sleeps), keep (hold them: no re-capture, the step peak adds the "
+                             "KV cache; vLLM stays awake), or auto (keep only a native engine whose KV cache is "
+                             "at most 2 GiB).", "sampling",
                              choices=["auto", "keep", "release"])
     temperature: float = _f(1.0, "Sampling temperature; the trainer's log-probs use the same.", "sampling")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this mass.", "sampling")

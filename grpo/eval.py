@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                         "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
     parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
     args = parser.parse_args(argv)
+    if any(not text for text in args.stop):
+        parser.error("--stop: an empty stop string would end every completion at once; remove it")
     cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
     base, model_dir = load_base_model(cfg, default_device())
     tokenizer = load_tokenizer(model_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from grpo import eval as grpo_eval
@@ -88,3 +89,11 @@ def test_eval_in_chunks_of_max_rows_gives_the_same_result(llama_tokenizer):
     b = grpo_eval.evaluate(chunked, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0, max_rows=4)
     assert a == b and a["eval/greedy_accuracy"] == 4 / 7
     assert whole.rows_per_call == [7, 21] and max(chunked.rows_per_call) <= 4 and sum(chunked.rows_per_call) == 28
+
+
+def test_eval_cli_refuses_an_empty_stop_string_before_loading_anything(capsys):
+    from grpo.eval import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "no/such-model", "--stop", ""])
+    assert exit_info.value.code == 2 and "--stop" in capsys.readouterr().err

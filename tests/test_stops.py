@@ -18,6 +18,16 @@ def test_a_completion_that_ends_with_the_stop_string_stops_on_its_last_token(lla
     assert llama_tokenizer.decode(ids[:end + 1]) == text
 
 
+@pytest.mark.parametrize("after", ["\n", "\n\n", ".", ")", ","])
+def test_a_stop_string_merged_with_the_next_character_still_stops_right_there(llama_tokenizer, after):
+    # Llama's BPE writes "</SOLUTION>\n" as ... "OLUTION", ">\n": the stop must fire on that token.
+    sequences = stop_string_sequences(llama_tokenizer, ["</SOLUTION>"])
+    ids = llama_tokenizer("<SOLUTION>4</SOLUTION>" + after + "next line", add_special_tokens=False)["input_ids"]
+    end = first_stop_index(ids, (), sequences)
+    assert end is not None
+    assert llama_tokenizer.decode(ids[:end + 1]) == "<SOLUTION>4</SOLUTION>" + after
+
+
 def test_text_without_the_whole_stop_string_does_not_stop(llama_tokenizer):
     sequences = stop_string_sequences(llama_tokenizer, ["</SOLUTION>"])
     for text in ["<SOLUTION>4</SOLUTION", "<SOLUTION>4</SOL>", "4 SOLUTION>"]:

@@ -251,13 +251,14 @@ def test_hf_engine_samples_as_asked_whatever_the_models_generation_config(tiny_l
     assert len(rows) > 1 and rollout.mask.all() and not rollout.finished.any()
 
 
-def test_stop_strings_end_completions_right_after_the_string(char_llama_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "native"])
+def test_stop_strings_end_completions_right_after_the_string(char_llama_dir, tmp_path, engine):
     # A random character-level model writes "e" often; with --stop e every completion either has no
     # "e" or ends with its first one. Without the stop, later characters would follow it.
     _seen.clear()
     train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, prompts_per_step=4, num_generations=4,
                    max_completion_length=24, min_p=0.0, stop=("e",), reward=("test_train:record_completions",),
-                   log_completions_steps=0))
+                   log_completions_steps=0, engine=engine))
     assert len(_seen) == 16
     stopped = [c for c in _seen if "e" in c]
     assert stopped, "no completion wrote the stop string; the test proves nothing"
@@ -290,6 +291,7 @@ def test_engine_standby_releases_the_native_engine_after_each_generation_or_keep
 
 
 def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
+    # (the trainer test above covers a small cache; this one the limit itself, without allocating it)
     from grpo import trainer
     from grpo.rollout.native import NativeEngine
 

@@ -31,6 +31,7 @@ parallelism.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -38,6 +39,11 @@ import torch
 
 _CHUNK_BUDGET = 512 * 2**20  # bytes of per-chunk temporaries to aim for
 _TRITON_KERNEL = None
+
+
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None  # a sys.path walk: once, not per call
 
 
 def token_logprobs_ref(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
@@ -219,7 +225,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
         raise ValueError("token_logprobs: lm_head_weight requires grad, but the LM head is treated as frozen; "
                          "pass lm_head_weight.detach() or freeze it")
     if impl == "auto":
-        impl = "triton" if hidden.is_cuda and importlib.util.find_spec("triton") is not None else "torch"
+        impl = "triton" if hidden.is_cuda and _have_triton() else "torch"
     if impl not in ("torch", "triton"):
         raise ValueError(f"token_logprobs: impl {impl!r} must be auto, torch or triton")
     if impl == "triton" and not hidden.is_cuda:

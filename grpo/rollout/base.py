@@ -86,8 +86,9 @@ class Rollout:
 class Engine(Protocol):
     """Anything that turns prompt ids into a `Rollout`.
 
-    `release_memory()` is called by the trainer after each generation: an engine that holds large
-    buffers (a KV cache) frees or lends them there so training can reuse the memory.
+    `release_memory()` is called by the trainer after each generation unless `--engine-standby` keeps
+    the engine as it is: an engine that holds large buffers (a KV cache) frees or lends them there so
+    training can reuse the memory (vLLM sleeps).
     """
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout: ...

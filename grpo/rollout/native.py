@@ -399,9 +399,9 @@ class NativeEngine:
             if stop_seqs:
                 tail = st.tails[window][:rows]  # (B, W) the last W tokens, oldest first, -1 before the start
                 tail.copy_(torch.cat([tail[:, 1:], token[:, None]], dim=1))
-                for seq in stop_seqs:
-                    want = st.consts[("seq", seq)]  # (len,)
-                    stop = stop | (tail[:, window - len(seq):] == want[None, :]).all(-1)
+                for length in sorted({len(seq) for seq in stop_seqs}):  # one compare per length, not per sequence
+                    want = st.consts[("seqs", stop_seqs, length)]  # (S, length)
+                    stop = stop | (tail[:, None, window - length:] == want[None]).all(-1).any(-1)
             stop = stop & alive
             st.finished[:rows] |= stop
             st.alive[:rows] &= ~stop
@@ -528,9 +528,10 @@ class NativeEngine:
         stop_key = (stop_ids, stop_seqs, window)
         if stop_ids and ("ids", stop_ids) not in st.consts:
             st.consts[("ids", stop_ids)] = torch.tensor(stop_ids, device=self.device, dtype=torch.long)
-        for seq in stop_seqs:
-            if ("seq", seq) not in st.consts:
-                st.consts[("seq", seq)] = torch.tensor(seq, device=self.device, dtype=torch.long)
+        for length in {len(seq) for seq in stop_seqs}:
+            if ("seqs", stop_seqs, length) not in st.consts:
+                st.consts[("seqs", stop_seqs, length)] = torch.tensor(
+                    [seq for seq in stop_seqs if len(seq) == length], device=self.device, dtype=torch.long)
         if window and window not in st.tails:
             st.tails[window] = torch.full((self.max_batch, window), -1, device=self.device, dtype=torch.long)
 
