@@ -45,12 +45,13 @@ def load_runs(directory: str | Path) -> list[dict]:
     return runs
 
 
-IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step", "ours-mb4": "ours, micro-batches of 4"}
+IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step", "ours-mb4": "ours, micro-batches of 4",
+              "ours-lora-bf16": "ours, --lora-compute base"}
 
 
 def _rows(run: dict) -> list[dict]:
     order = {"bench": 0, "long": 1}
-    impl = {"ours": 0, "ours-release": 1, "ours-mb4": 2, "trl": 3}
+    impl = {"ours": 0, "ours-release": 1, "ours-lora-bf16": 2, "ours-mb4": 3, "trl": 4}
     return sorted(bs.step_rows(run["records"]), key=lambda r: (order.get(r["config"], 9), impl.get(r["impl"], 9),
                                                                r["dtype"] != "bf16", not r["measured"]))
 

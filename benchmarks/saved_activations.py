@@ -3,7 +3,8 @@
 Under gradient checkpointing a training pass holds each layer's input and, during the backward of one
 layer, that layer's recomputed activations: this script measures the second part exactly (the tensors
 autograd saves, counted once per storage, parameters excluded), which does not depend on the device.
-It compares peft's default float32 adapters (its input is cast to float32 and saved) with bf16 ones.
+It compares peft's default float32 adapters (its input is cast to float32 and saved), the trainer's
+`--lora-compute base` (float32 adapters multiplied in bf16) and adapters stored in bf16.
 
     python benchmarks/saved_activations.py [--tokens 2048]
 
@@ -20,7 +21,11 @@ from torch import nn
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def saved_bytes(tokens: int, adapters_fp32: bool) -> dict[str, int]:
+VARIANTS = {"float32": "float32 adapters (peft's default)", "base": "float32 adapters, bf16 matmuls "
+            "(--lora-compute base)", "bf16": "bf16 adapters"}
+
+
+def saved_bytes(tokens: int, variant: str) -> dict[str, int]:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -41,7 +46,11 @@ def saved_bytes(tokens: int, adapters_fp32: bool) -> dict[str, int]:
 
     torch.manual_seed(0)
     lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    model = get_peft_model(OneLayer(), lora, autocast_adapter_dtype=adapters_fp32)
+    model = get_peft_model(OneLayer(), lora, autocast_adapter_dtype=variant != "bf16")
+    if variant == "base":
+        from grpo.model import compute_adapters_in_base_dtype
+
+        compute_adapters_in_base_dtype(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randn(1, tokens, 2048, dtype=torch.bfloat16, requires_grad=True)
     params.add(x.untyped_storage().data_ptr())  # the layer input: the checkpoint holds it anyway
@@ -66,11 +75,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="Tokens in the layer's input.")
     args = parser.parse_args()
     mib = 2**20
-    for fp32 in (True, False):
-        got = saved_bytes(args.tokens, fp32)
+    for variant, name in VARIANTS.items():
+        got = saved_bytes(args.tokens, variant)
         parts = ", ".join(f"{k} {v / mib:.0f}" for k, v in got.items() if k != "total")
-        print(f"adapters {'float32' if fp32 else 'bf16'}: {got['total'] / mib:.0f} MiB saved for backward over "
-              f"{args.tokens} tokens ({parts} MiB by dtype)")
+        print(f"{name}: {got['total'] / mib:.0f} MiB saved for backward over {args.tokens} tokens "
+              f"({parts} MiB by dtype)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import bench_setup as bs
 
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
-              micro_batch: int | None = None, impl: str = "ours") -> dict:
+              micro_batch: int | None = None, lora_compute: str = "float32", impl: str = "ours") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -29,7 +29,8 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     warmup = min(2, steps - 1) if config_name == "bench" else 1
     out = tmp_path / "run"
     cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=dtype == "fp8", steps=steps,
-                         output_dir=out, cuda=bench_env.cuda, engine_standby=standby, micro_batch_size=micro_batch)
+                         output_dir=out, cuda=bench_env.cuda, engine_standby=standby, micro_batch_size=micro_batch,
+                         lora_compute=lora_compute)
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
@@ -64,6 +65,14 @@ def test_grpo_step_releasing_the_engine_each_step(benchmark, bench_env, results,
     """bf16 at the bench config with --engine-standby release: the KV cache and CUDA graphs are dropped
     after each generation (lowest peak) and re-captured in the next (the time that costs)."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", standby="release", impl="ours-release")
+
+
+@pytest.mark.bench_order(32)
+@pytest.mark.bench_cost(15)
+def test_grpo_step_with_adapters_multiplying_in_bf16(benchmark, bench_env, results, tmp_path):
+    """bf16 at the bench config with --lora-compute base: float32 adapters that multiply in bf16, so no
+    float32 copy of each projection's input is made or saved (in training and in decode)."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", lora_compute="base", impl="ours-lora-bf16")
 
 
 @pytest.mark.bench_order(50)

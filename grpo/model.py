@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from grpo.config import LORA_TARGETS, Config
 
@@ -125,6 +127,31 @@ def load_base_model(cfg: Config, device: torch.device):
     return model, model_dir
 
 
+class _MatmulInInputDtype(nn.Linear):
+    """An adapter matrix that stays float32, the precision the optimizer updates, but multiplies in its
+    input's dtype: a bf16 activation is neither copied to float32 nor saved a second time for backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+def compute_adapters_in_base_dtype(policy) -> int:
+    """--lora-compute base: peft's LoRA layers stop casting their input to the adapters' float32 and
+    their A and B matrices multiply in the activations' dtype. Parameters, state_dict keys and saved
+    adapters are unchanged. Returns how many adapter matrices were switched."""
+    from peft.tuners.lora import LoraLayer
+
+    switched = 0
+    for module in policy.modules():
+        if isinstance(module, LoraLayer):
+            module.cast_input_dtype_enabled = False
+            for linear in (*module.lora_A.values(), *module.lora_B.values()):
+                if type(linear) is nn.Linear:
+                    linear.__class__ = _MatmulInInputDtype  # same parameters, another forward
+                    switched += 1
+    return switched
+
+
 def add_lora(model, cfg: Config):
     """rsLoRA adapters on `cfg.lora_targets`; everything else stays frozen."""
     from peft import LoraConfig, get_peft_model
@@ -135,6 +162,8 @@ def add_lora(model, cfg: Config):
         task_type="CAUSAL_LM",
     )
     policy = get_peft_model(model, lora)
+    if cfg.lora_compute == "base":
+        compute_adapters_in_base_dtype(policy)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
