@@ -396,9 +396,14 @@ class Results:
         env = environment()
         self.meta = {
             "date": date or datetime.date.today().isoformat(), **env, "command": command, "smoke": smoke,
+            "started": datetime.datetime.now().isoformat(timespec="seconds"),  # orders runs of one day
         }
-        name = f"{self.meta['date']}-{gpu_slug(env['gpu'])}{'-smoke' if smoke else ''}.json"
-        self.path = Path(directory) / name
+        stem = f"{self.meta['date']}-{gpu_slug(env['gpu'])}{'-smoke' if smoke else ''}"
+        self.path = Path(directory) / f"{stem}.json"
+        run = 2
+        while self.path.exists():  # a second run the same day gets its own file, never the first one's
+            self.path = Path(directory) / f"{stem}-run{run}.json"
+            run += 1
         self.records: list[dict] = []
 
     def add(self, benchmark, *, group: str, config: str | None = None, impl: str | None = None,

@@ -33,7 +33,7 @@ BENCH_MAX_S, BENCH_MIN_SPEEDUP, LONG_MAX_S, LONG_MAX_GIB = 1.0, 14.0, 4.0, 6.0
 # reading
 # --------------------------------------------------------------------------------------------------
 def load_runs(directory: str | Path) -> list[dict]:
-    """Every non-smoke results file, oldest first (by date, then file name)."""
+    """Every non-smoke results file, oldest first (by date, start time where recorded, then file name)."""
     runs = []
     for path in sorted(Path(directory).glob("*.json")):
         data = json.loads(path.read_text())
@@ -41,7 +41,7 @@ def load_runs(directory: str | Path) -> list[dict]:
             continue
         data["_file"] = path.name
         runs.append(data)
-    runs.sort(key=lambda r: (r.get("date", ""), r["_file"]))
+    runs.sort(key=lambda r: (r.get("date", ""), r.get("started", ""), r["_file"]))
     return runs
 
 

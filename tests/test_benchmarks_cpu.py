@@ -265,3 +265,15 @@ def test_saved_activations_counts_the_float32_lora_inputs(monkeypatch):
     assert fp32["total"] > 1.3 * bf16["total"]
     assert fp32["float32"] > bf16["float32"] and bf16["bfloat16"] > 0
     assert base["total"] < 0.8 * fp32["total"]  # --lora-compute base saves no float32 input copies
+
+
+def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_latest(bench_modules, tmp_path):
+    bs, render = bench_modules
+    first = bs.Results(tmp_path, "first")
+    first.meta["started"] = "2026-11-29T10:00:00"
+    first.write()
+    second = bs.Results(tmp_path, "second")
+    second.meta["started"] = "2026-11-29T12:00:00"
+    second.write()
+    assert first.path != second.path and first.path.exists() and second.path.exists()
+    assert [r["command"] for r in render.load_runs(tmp_path)] == ["first", "second"]
