@@ -1,0 +1,295 @@
+"""Decode GEMMs: a few rows (M <= 16) times whole weights, at memory speed, LoRA and FP8 fused in.
+
+Measured on the H200 (benchmarks/RESULTS.md, native engine section): a bf16 Llama-3.2-1B layer's
+projections in 45 us against 67 us through cuBLAS, and the decode step 1.32 ms against 1.62 ms.
+
+A decode step multiplies 16 rows by every weight of the model once, so its GEMMs are memory-bound:
+the time is the bytes of the weights over the bandwidth. cuBLAS reaches only part of it at M = 16
+(0.4-3.1 TB/s of the 4.3 measured on the H200 for the Llama-3.2-1B projections), and with LoRA a
+projection becomes five launches (base GEMM, A, B, scale, add). These kernels stream each weight once
+in tiles of BLOCK_N output features, with the rows padded to 16 for the tensor cores, and fuse what a
+decode layer does around its projections:
+
+- FP8 block weights (float8_e4m3fn codes with 128x128 float32 scales) are read as codes, half the bytes
+  of bf16, and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
+  activations stay bf16 (weight-only FP8: no activation quantization in decode).
+- A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
+  over K into partial sums that the consumer adds, so no atomics and the result is deterministic).
+- up to three projections that read the same input (q/k/v) in one launch;
+- the gated MLP, `silu(x Wg^T) * (x Wu^T)`, in one launch;
+- a residual add (`o_proj`, `down_proj`);
+- and, beside the GEMMs, `rope_store_kv`: K's rotary embedding and the K/V cache write of a decode
+  step, one launch per layer (two scatters and the rotary kernels before).
+
+Everything accumulates in float32 and rounds once into the output's dtype. `project_ref` and
+`project_gated_ref` are the plain-PyTorch definitions the tests compare with (the Triton kernels run
+on CPU under TRITON_INTERPRET=1 in the tests, with float32 activations: the interpreter mishandles
+bf16 loads).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8_BLOCK = 128
+MAX_ROWS = 16  # rows per launch; callers with more rows use their modules (cuBLAS is fine there)
+
+
+@dataclass(frozen=True)
+class DecodeProj:
+    """One projection as the decode kernels read it: references to the model's tensors, never copies.
+
+    weight: (N, K) in the activations' dtype, or float8_e4m3fn codes with `scale_inv`
+        (ceil(N/128), ceil(K/128)) float32 block scales.
+    lora_a (R, K), lora_b (N, R), lora_scale: an active LoRA adapter, y += lora_scale * x A^T B^T.
+    """
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_scale: float = 1.0
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.lora_a is None else self.lora_a.shape[0]
+
+
+# --- the reference ---------------------------------------------------------------------------------
+
+
+def _dense_ref(proj: DecodeProj) -> torch.Tensor:
+    w = proj.weight.float()
+    if proj.scale_inv is not None:
+        n, k = w.shape
+        s = proj.scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+        w = w * s
+    return w
+
+
+def _proj_ref(x2: torch.Tensor, proj: DecodeProj) -> torch.Tensor:
+    """float32 x W^T (+ scale * x A^T B^T)."""
+    y = x2.float() @ _dense_ref(proj).t()
+    if proj.lora_a is not None:
+        y = y + (x2.float() @ proj.lora_a.float().t()) @ proj.lora_b.float().t() * proj.lora_scale
+    return y
+
+
+def project_ref(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
+    """[x W_i^T (+ LoRA_i) (+ residual)] for each projection, in float32, rounded once to x's dtype."""
+    outs = [_proj_ref(x2, p) for p in projs]
+    if residual is not None:
+        outs = [y + residual.float() for y in outs]
+    return [y.to(x2.dtype) for y in outs]
+
+
+def project_gated_ref(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T), LoRA included, in float32, rounded once."""
+    return (F.silu(_proj_ref(x2, gate)) * _proj_ref(x2, up)).to(x2.dtype)
+
+
+# --- the kernels -----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def can_run(device: torch.device) -> bool:
+    """Triton is installed and runs on `device`: CUDA, or the CPU under TRITON_INTERPRET=1 (tests)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return have_triton() and (device.type == "cuda" or (device.type == "cpu" and interpreted))
+
+
+def _triton_kernels():
+    """The kernels module, imported on first use (importing triton costs a second)."""
+    from grpo.kernels import _decode_gemm_triton
+
+    return _decode_gemm_triton
+
+
+# --- launch configuration --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int = 32  # output features per program
+    block_k: int = 256  # reduction step (FP8 weights: in 128-wide sub-blocks, one scale each)
+    num_warps: int = 4
+    stages: int = 3  # software-pipelined loads in flight
+    fp16_dot: bool = False  # FP8 weights only: multiply as fp16 (one exact conversion) instead of bf16
+
+
+# Picked on the H200 by benchmarks/decode_gemm_gpu_check.py (16 rows, Llama-3.2-1B shapes; RESULTS.md):
+# (kind, output features in all, K, fp8) -> config. Other shapes get the default below.
+_TUNED = {
+    ("gated", 16384, 2048, False): TileConfig(16, 256, 4, 3),
+    ("gated", 16384, 2048, True): TileConfig(16, 256, 4, 4),
+    ("proj", 2048, 8192, False): TileConfig(16, 512, 4, 4),
+    ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4),
+    ("proj", 3072, 2048, False): TileConfig(32, 256, 4, 4),
+    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 4),
+    ("proj", 2048, 2048, False): TileConfig(16, 512, 4, 4),
+    ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 4),
+}
+
+
+CONFIG_OVERRIDE: dict[tuple, TileConfig] = {}  # (kind, N, K, fp8) -> config; benchmarks sweep through it
+
+
+def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
+    """The tiles for one launch. `kind` is "proj" or "gated"; n the group's output features in all."""
+    key = (kind, n, k, fp8)
+    cfg = CONFIG_OVERRIDE.get(key) or _TUNED.get(key) or TileConfig(32 if n >= 2048 else 16, 256, 4, 4)
+    if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
+        raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
+    return cfg
+
+
+def lora_split(k: int) -> int:
+    """K slices of the LoRA down-projection, one program each (per adapter): 256 columns a slice, so
+    the (16, r) product of a 1 MB float32 A is read by 32 programs instead of a few."""
+    return max(1, min(32, k // 256))
+
+
+def _lora_group(projs: Sequence[DecodeProj]) -> int:
+    """The shared LoRA rank of a group (0: no adapters); mixed groups are the caller's error."""
+    ranks = {p.rank for p in projs}
+    if len(ranks) != 1:
+        raise ValueError(f"decode_gemm: projections of one launch need one LoRA rank (or none), got {sorted(ranks)}")
+    return ranks.pop()
+
+
+def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
+    if x2.dim() != 2 or x2.shape[0] > MAX_ROWS:
+        raise ValueError(f"decode_gemm: x must be (M <= {MAX_ROWS}, K), got {tuple(x2.shape)}")
+    fp8 = {p.scale_inv is not None for p in projs}
+    if len(fp8) != 1:
+        raise ValueError("decode_gemm: projections of one launch must all be FP8 or all dense")
+    for p in projs:
+        if p.in_features != x2.shape[1]:
+            raise ValueError(f"decode_gemm: x has {x2.shape[1]} features, a weight expects {p.in_features}")
+        if p.weight.stride(1) != 1 or p.weight.stride(0) != p.in_features:
+            raise ValueError("decode_gemm: weights must be contiguous (N, K)")
+
+
+def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> torch.Tensor:
+    """Partial sums of x A_i^T: (len(lora_as), lora_split(K), 16, block_r) float32; the consumer adds them."""
+    kernels = _triton_kernels()
+    m, k = x2.shape
+    r = lora_as[0].shape[0]
+    split = lora_split(k)
+    out = torch.empty((len(lora_as), split, MAX_ROWS, block_r), dtype=torch.float32, device=x2.device)
+    a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
+    kernels.lora_down_kernel[(len(lora_as), split)](
+        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, r, BLOCK_M=MAX_ROWS, BLOCK_R=block_r, BLOCK_K=64,
+        SPLIT=split, num_warps=4)
+    return out
+
+
+def _block_r(rank: int) -> int:
+    return max(16, 1 << (rank - 1).bit_length()) if rank else 16
+
+
+def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
+            ) -> list[torch.Tensor]:
+    """[x W_i^T + LoRA_i (+ residual)] for 1-3 projections of the same input, one launch (plus one for
+    the LoRA down-projections). x2 (M <= 16, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
+    if not 1 <= len(projs) <= 3:
+        raise ValueError(f"decode_gemm.project takes 1 to 3 projections, got {len(projs)}")
+    _check_group(x2, projs)
+    kernels = _triton_kernels()
+    m, k = x2.shape
+    rank = _lora_group(projs)
+    block_r = _block_r(rank)
+    fp8 = projs[0].scale_inv is not None
+    if residual is not None and (len(projs) != 1 or tuple(residual.shape) != (m, projs[0].out_features)
+                                 or not residual.is_contiguous()):
+        raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
+    xa = lora_down(x2, [p.lora_a for p in projs], block_r) if rank else x2
+    outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
+    cfg = tile_config("proj", sum(p.out_features for p in projs), k, fp8)
+    args = []
+    for i in range(3):
+        p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
+        args += [p.weight, p.scale_inv if fp8 else p.weight, y, p.lora_b if rank else p.weight, p.out_features,
+                 float(p.lora_scale)]
+    tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
+    kernels.proj_kernel[(tiles,)](
+        x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2,
+        NUM=len(projs), BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
+        BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot, STAGES=cfg.stages,
+        num_warps=cfg.num_warps)
+    return outs
+
+
+def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
+    """silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u), one launch (plus one for the LoRA down-projections)."""
+    _check_group(x2, [gate, up])
+    if gate.out_features != up.out_features:
+        raise ValueError(f"decode_gemm.project_gated: gate has {gate.out_features} outputs, up {up.out_features}")
+    kernels = _triton_kernels()
+    m, k = x2.shape
+    n = gate.out_features
+    rank = _lora_group([gate, up])
+    block_r = _block_r(rank)
+    fp8 = gate.scale_inv is not None
+    xa = lora_down(x2, [gate.lora_a, up.lora_a], block_r) if rank else x2
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = tile_config("gated", n, k, fp8)
+    kernels.gated_kernel[(-(-n // cfg.block_n),)](
+        x2, x2.stride(0), m, k,
+        gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight, float(gate.lora_scale),
+        up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight, float(up.lora_scale),
+        y, n, xa, rank,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
+        HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot,
+        STAGES=cfg.stages, num_warps=cfg.num_warps)
+    return y
+
+
+# --- the KV write ----------------------------------------------------------------------------------
+
+
+def rope_store_kv_ref(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Rotate K (rotate_half convention, float32, rounded once) and write K and V at each row's position.
+    k, v (B, n_kv * D); cos, sin (B, D); pos (B,); caches (B, n_kv, S, D), written in place."""
+    rows, n_kv, _, dim = k_cache.shape
+    kf = k.float().view(rows, n_kv, dim)
+    rotated = torch.cat((-kf[..., dim // 2:], kf[..., : dim // 2]), dim=-1)
+    k_rot = kf * cos.float()[:, None] + rotated * sin.float()[:, None]
+    at = torch.arange(rows, device=k.device)
+    k_cache[at, :, pos] = k_rot.to(k_cache.dtype)
+    v_cache[at, :, pos] = v.view(rows, n_kv, dim).to(v_cache.dtype)
+
+
+def rope_store_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """`rope_store_kv_ref` in one launch (a program per row); replaces the rotary kernels and two scatters
+    per layer of a decode step. The caches may be views (strided in batch, head and position)."""
+    rows, n_kv, _, dim = k_cache.shape
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or dim & (dim - 1):
+        raise ValueError("decode_gemm.rope_store_kv: caches need one layout, contiguous head_dim, a power of 2")
+    kernels = _triton_kernels()
+    kernels.rope_store_kernel[(rows,)](
+        k.contiguous(), v.contiguous(), cos.contiguous(), sin.contiguous(), pos, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv, D=dim,
+        BLOCK_H=max(1, 1 << (n_kv - 1).bit_length()), num_warps=1)

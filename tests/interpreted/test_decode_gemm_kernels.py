@@ -1,0 +1,109 @@
+"""The decode GEMM Triton kernels, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1).
+
+Collected only when that variable is set: tests/test_decode_gemm.py runs this file in a subprocess
+with the interpreter's own triton on the path (./dev setup installs it in .venv/triton-interpreter).
+float32 activations: the interpreter mishandles bf16 loads; the weights are bf16 or FP8 as on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.kernels import decode_gemm as dg
+from grpo.kernels.fp8 import quantize_fp8_block
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_native_engine's helpers
+
+
+def proj(n: int, k: int, fp8: bool, rank: int, seed: int, scale: float = 2.0) -> dg.DecodeProj:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    weight, s = quantize_fp8_block(w) if fp8 else (w.to(torch.bfloat16), None)
+    a = b = None
+    if rank:
+        a = torch.randn(rank, k, generator=g) / k**0.5
+        b = torch.randn(n, rank, generator=g) / rank**0.5
+    return dg.DecodeProj(weight, s, a, b, scale)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rank", [0, 4, 32])
+@pytest.mark.parametrize("m,k,widths", [(16, 384, [256, 64, 64]), (5, 300, [70]), (1, 256, [130, 200])])
+def test_project_matches_reference(fp8, rank, m, k, widths):
+    # widths not multiples of the tile, K not a multiple of 128 (partial FP8 blocks), one row
+    projs = [proj(n, k, fp8, rank, seed=i) for i, n in enumerate(widths)]
+    x = torch.randn(m, k)
+    for got, want in zip(dg.project(x, projs), dg.project_ref(x, projs)):
+        close(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rank", [0, 8])
+def test_residual_and_gated_match_reference(fp8, rank):
+    x = torch.randn(7, 384)
+    p = proj(200, 384, fp8, rank, seed=3)
+    res = torch.randn(7, 200)
+    close(dg.project(x, [p], residual=res)[0], dg.project_ref(x, [p], residual=res)[0])
+    gate, up = proj(96, 384, fp8, rank, seed=4), proj(96, 384, fp8, rank, seed=5)
+    close(dg.project_gated(x, gate, up), dg.project_gated_ref(x, gate, up))
+
+
+def test_every_tile_config_gives_the_same_result():
+    projs = [proj(n, 512, True, 16, seed=i) for i, n in enumerate([160, 32])]
+    x = torch.randn(9, 512)
+    want = dg.project_ref(x, projs)
+    key = ("proj", 192, 512, True)
+    try:
+        for cfg in (dg.TileConfig(16, 128, 4, 2), dg.TileConfig(64, 256, 4, 3), dg.TileConfig(32, 512, 8, 4)):
+            dg.CONFIG_OVERRIDE[key] = cfg
+            for got, ref in zip(dg.project(x, projs), want):
+                close(got, ref)
+        # fp16 products: x rounds to fp16 (11 bits), so agreement to fp16's precision, not float32's
+        dg.CONFIG_OVERRIDE[key] = dg.TileConfig(64, 256, 4, 3, fp16_dot=True)
+        for got, ref in zip(dg.project(x, projs), want):
+            torch.testing.assert_close(got, ref, atol=3e-3, rtol=3e-3)
+            assert not torch.allclose(got, ref, atol=2e-5, rtol=2e-5)  # the fp16 path did run
+    finally:
+        dg.CONFIG_OVERRIDE.pop(key, None)
+
+
+def test_native_engine_with_kernels_equals_engine_with_modules():
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          init_lora_weights=False))
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
+    ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
+    engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
+    out = engine.generate(PROMPTS, 2, sampling)
+    assert all(plan is not None and plan.q.rank == 4 for plan in engine._plans)  # the kernels did run, with LoRA
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
+
+
+def test_rope_store_kv_matches_reference_on_cache_views():
+    rows, n_kv, seq, dim = 5, 3, 12, 16
+    k, v = torch.randn(rows, n_kv * dim), torch.randn(rows, n_kv * dim)
+    cos, sin = torch.randn(rows, dim), torch.randn(rows, dim)
+    pos = torch.tensor([0, 4, 11, 7, 4])
+    k_init, v_init = torch.randn(2, rows + 2, n_kv, seq + 4, dim)  # bigger than the views the step passes
+    caches = [k_init.clone(), v_init.clone(), k_init.clone(), v_init.clone()]
+    views = [c[:rows, :, :seq] for c in caches]
+    dg.rope_store_kv(k, v, cos, sin, pos, views[0], views[1])
+    dg.rope_store_kv_ref(k, v, cos, sin, pos, views[2], views[3])
+    assert not torch.equal(caches[0], k_init) and not torch.equal(caches[1], v_init)
+    close(caches[0], caches[2])
+    close(caches[1], caches[3])

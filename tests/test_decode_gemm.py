@@ -1,0 +1,132 @@
+"""grpo.kernels.decode_gemm: the reference against float64, the Triton kernels under Triton's CPU
+interpreter (a subprocess), and on CUDA the kernels at the Llama-3.2-1B decode shapes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo.kernels import decode_gemm as dg
+from grpo.kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
+
+ROOT = Path(__file__).resolve().parents[1]
+# Triton for the interpreter, kept out of the environment's site-packages (./dev setup puts it there):
+# a CPU torch must not see a triton it was not built with.
+INTERPRETER_TRITON = Path(os.environ.get("GRPO_TRITON_INTERPRETER", ROOT / ".venv" / "triton-interpreter"))
+
+
+def test_reference_dequantizes_like_the_fp8_module_and_adds_lora():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 260, generator=g)
+    codes, scale = quantize_fp8_block(w)
+    a, b = torch.randn(8, 260, generator=g), torch.randn(300, 8, generator=g)
+    p = dg.DecodeProj(codes, scale, a, b, 0.5)
+    x = torch.randn(3, 260, generator=g, dtype=torch.float64)
+    dense = dequantize_fp8_block(codes, scale, torch.float64)
+    want = x @ dense.t() + 0.5 * (x @ a.double().t()) @ b.double().t()
+    torch.testing.assert_close(dg.project_ref(x.float(), [p])[0].double(), want, rtol=1e-4, atol=1e-3)
+    gate = dg.DecodeProj(w.to(torch.bfloat16))
+    torch.testing.assert_close(dg.project_gated_ref(x.float(), gate, p).double(),
+                               F.silu(x @ w.bfloat16().double().t()) * want, rtol=1e-4, atol=1e-3)
+
+
+def test_bad_groups_are_refused_with_a_clear_error():
+    x = torch.randn(4, 128)
+    dense = dg.DecodeProj(torch.randn(64, 128, dtype=torch.bfloat16))
+    codes, scale = quantize_fp8_block(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="all be FP8 or all dense"):
+        dg.project(x, [dense, dg.DecodeProj(codes, scale)])
+    with pytest.raises(ValueError, match="M <= 16"):
+        dg.project(torch.randn(17, 128), [dense])
+    with pytest.raises(ValueError, match="expects 128"):
+        dg.project(torch.randn(4, 64), [dense])
+    with pytest.raises(ValueError, match="1 to 3"):
+        dg.project(x, [dense] * 4)
+
+
+@pytest.mark.slow
+def test_triton_kernels_under_the_interpreter():
+    if not (INTERPRETER_TRITON / "triton").is_dir():
+        pytest.skip(f"no interpreter triton in {INTERPRETER_TRITON}; run ./dev setup")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(INTERPRETER_TRITON), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "interpreted")], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SHAPES = [("proj", 2048, [2048, 512, 512]), ("proj", 2048, [2048]), ("gated", 2048, [8192, 8192]),
+          ("proj", 8192, [2048])]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rank", [0, 32])
+@pytest.mark.parametrize("kind,k,widths", SHAPES)
+def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    projs = []
+    for n in widths:
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        weight, s = quantize_fp8_block(w) if fp8 else (w.bfloat16(), None)
+        a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
+        b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
+        projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
+    for m in (16, 3, 1):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if kind == "gated":
+            got, want = [dg.project_gated(x, *projs)], [dg.project_gated_ref(x.float(), *projs)]
+        else:
+            res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
+            got = dg.project(x, projs, residual=res)
+            want = dg.project_ref(x.float(), projs, residual=None if res is None else res.float())
+        for y, ref in zip(got, want):
+            assert y.dtype == torch.bfloat16
+            rel = ((y.float() - ref).norm() / ref.norm()).item()
+            assert rel < 8e-3, (m, rel)  # bf16 output rounding is ~2e-3
+
+
+def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.rollout.native import _layer_plan
+    from test_native_engine import coarsen, small_llama
+
+    plain = small_llama(seed=0)
+    plan = _layer_plan(plain.model.layers[0], torch.float32)
+    assert plan is not None and plan.q.weight is plain.model.layers[0].self_attn.q_proj.weight  # no copy
+    assert plan.q.rank == 0
+    assert _layer_plan(plain.model.layers[0], torch.bfloat16) is None  # weights not in the activations' dtype
+    assert _layer_plan(coarsen(small_llama(seed=0)).model.layers[0], torch.float32) is None  # forward overridden
+    lora = get_peft_model(small_llama(seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj",
+                                                                                              "v_proj"]))
+    plan = _layer_plan(lora.base_model.model.model.layers[0], torch.float32)
+    assert plan.q.rank == 4 and plan.q.lora_scale == 2.0 and plan.o.rank == 0
+    with lora.disable_adapter():
+        assert _layer_plan(lora.base_model.model.model.layers[0], torch.float32) is None  # peft's switch: modules
+    dora = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    assert _layer_plan(dora.base_model.model.model.layers[0], torch.float32) is None
+    partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert _layer_plan(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
+
+
+def test_engine_gemm_choice_on_cpu():
+    from grpo.rollout import build_engine
+    from test_native_engine import PAD, small_llama
+
+    model = small_llama(seed=0)
+    assert build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2).gemm == "modules"  # auto on CPU
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="gemm='kernels' needs triton and a CUDA model"):
+            build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="kernels")
+    with pytest.raises(ValueError, match="gemm='fast'"):
+        build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="fast")
