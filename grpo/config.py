@@ -100,6 +100,10 @@ class Config:
                              "KV cache; vLLM stays awake), or auto (keep only a native engine whose KV cache is "
                              "at most 2 GiB).", "sampling",
                              choices=["auto", "keep", "release"])
+    engine_gemm: str = _f("auto", "How the native engine's decode steps (at most 16 rows) run the projections: "
+                          "kernels (grpo.kernels.decode_gemm: LoRA, FP8, q/k/v and gate/up fused; needs triton), "
+                          "modules (each projection module called, cuBLAS), or auto (kernels on CUDA with triton).",
+                          "sampling", choices=["auto", "kernels", "modules"])
     temperature: float = _f(1.0, "Sampling temperature; the trainer's log-probs use the same.", "sampling")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this mass.", "sampling")
     top_k: int = _f(0, "Keep the k most likely tokens; 0 is off.", "sampling")

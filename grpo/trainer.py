@@ -385,7 +385,7 @@ def run(cfg: Config, world: World) -> Path:
     pad_id = tokenizer.pad_token_id
     if engine is None:
         engine = build_engine(engine_name, policy, pad_id=pad_id, max_seq_len=longest_prompt + max_completion,
-                              max_batch=max(cfg.batch_size, cfg.eval_samples),
+                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
                               **({"model_path": str(model_dir), "lora_rank": cfg.lora_rank, "dtype": cfg.dtype,
                                   "seed": cfg.seed, "work_dir": str(vllm_dir)} if engine_name == "vllm" else {}))
     keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)

@@ -15,8 +15,10 @@ def resolve_engine_name(name: str) -> str:
     return name
 
 
-def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, **vllm_kwargs) -> Engine:
-    """The engine `name` over `policy` (the PeftModel being trained; no weights are copied)."""
+def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
+                 **vllm_kwargs) -> Engine:
+    """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
+    `gemm`: the native engine's decode projections (NativeEngine's `gemm`)."""
     name = resolve_engine_name(name)
     if name == "hf":
         from grpo.rollout.hf import HFEngine
@@ -25,7 +27,7 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
     if name == "native":
         from grpo.rollout.native import NativeEngine
 
-        return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id)
+        return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm)
     if name == "vllm":
         from grpo.rollout.vllm import VLLMEngine
 

@@ -14,7 +14,10 @@ One `generate(prompt_ids, n, sampling)`:
 2. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens;
    the attention reads only the bucket, not the whole cache). By default on CUDA the step is
    `torch.compile`d per layer (one compiled layer serves all layers: seconds of compile, not a
-   minute) and the projections that share an input run on parallel streams inside the graph;
+   minute). With at most 16 rows the projections run as the decode GEMM kernels of
+   `grpo.kernels.decode_gemm` (q/k/v in one launch, LoRA and FP8 fused, the K/V write with K's
+   rotary in one kernel), reading the modules' own tensors; otherwise the modules are called, and the
+   projections that share an input run on parallel streams inside the graph;
 3. prefills each of the P prompts once (right-padded, causal), writing its KV straight into its n rows;
 4. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
    drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
@@ -44,6 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo.kernels import decode_gemm
+from grpo.kernels.decode_gemm import DecodeProj
+from grpo.kernels.fp8 import FP8Linear
 from grpo.rollout.base import Rollout, Sampling
 from grpo.rollout.sampling import sample_with_noise
 
@@ -193,6 +199,95 @@ def _decode_layer_streams(layer: nn.Module, x, cos, sin, valid, pos, k_cache, v_
     return fns["mlp_out"](mlp, x, gate, up)
 
 
+# The same layer with the decode GEMM kernels (`grpo.kernels.decode_gemm`, M <= 16 rows): q/k/v in one
+# launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU product fused; LoRA
+# and FP8 inside the kernels; K's rotary and the K/V write in one kernel. Norms, q's rotary and the
+# attention stay compiled pieces.
+@dataclass(frozen=True)
+class _LayerPlan:
+    q: DecodeProj
+    k: DecodeProj
+    v: DecodeProj
+    o: DecodeProj
+    gate: DecodeProj
+    up: DecodeProj
+    down: DecodeProj
+
+
+def _decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
+    """The tensors a decode kernel needs to act as `module`, or None when the kernels cannot (then the
+    module is called). Handles nn.Linear, FP8Linear, and peft's LoRA Linear around either (one active
+    plain adapter: no DoRA or other variants, not merged, no bias)."""
+    lora_a = lora_b = None
+    scale = 1.0
+    base = module
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a peft LoRA layer
+        if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+            return None
+        active = [a for a in getattr(module, "active_adapters", ()) if a in module.lora_A]
+        if len(active) > 1:
+            return None
+        if active:
+            name = active[0]
+            if (getattr(module, "use_dora", {}).get(name) or name in getattr(module, "lora_variant", {})
+                    or getattr(module, "lora_bias", {}).get(name)):
+                return None
+            lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
+            scale = float(module.scaling[name])
+            if not (lora_a.is_contiguous() and lora_b.is_contiguous()):
+                return None
+        base = module.base_layer
+    if not (type(base) is nn.Linear or isinstance(base, FP8Linear)) or base.bias is not None:
+        return None  # a subclass may override forward: call it instead
+    weight = base.weight
+    scale_inv = getattr(base, "weight_scale_inv", None)
+    if scale_inv is None and weight.dtype != dtype:
+        return None
+    if scale_inv is not None and weight.dtype != torch.float8_e4m3fn:
+        return None
+    if not weight.is_contiguous():
+        return None
+    return DecodeProj(weight, scale_inv, lora_a, lora_b, scale)
+
+
+def _layer_plan(layer: nn.Module, dtype: torch.dtype) -> _LayerPlan | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    act = getattr(mlp, "act_fn", None)
+    if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):  # transformers' own SiLU
+        return None
+    mods = dict(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=getattr(mlp, "gate_proj", None),
+                up=getattr(mlp, "up_proj", None), down=getattr(mlp, "down_proj", None))
+    projs = {name: None if m is None else _decode_proj(m, dtype) for name, m in mods.items()}
+    if any(p is None for p in projs.values()):
+        return None
+    groups = ([projs["q"], projs["k"], projs["v"]], [projs["gate"], projs["up"]])
+    for group in groups:  # one launch per group: one LoRA rank and one weight format
+        if len({p.rank for p in group}) != 1 or len({p.scale_inv is None for p in group}) != 1:
+            return None
+    return _LayerPlan(**projs)
+
+
+def _piece_attend(q, cos, sin, valid, k_cache, v_cache, n_heads: int, n_kv: int, head_dim: int,
+                  attention: str) -> torch.Tensor:
+    """Rotary on q, then attention over the cache (this token's K/V already written)."""
+    rows = q.shape[0]
+    q = _rope(q.view(rows, n_heads, 1, head_dim), cos, sin)
+    return _attend(q, k_cache, v_cache, valid, n_kv, head_dim, attention).view(rows, n_heads * head_dim)
+
+
+def _decode_layer_kernels(layer: nn.Module, plan: _LayerPlan, x, cos, sin, valid, pos, k_cache, v_cache,
+                          n_heads: int, n_kv: int, head_dim: int, attention: str, fns: dict) -> torch.Tensor:
+    rows, hidden = x.shape[0], x.shape[-1]
+    h = fns["norm"](layer.input_layernorm, x).view(rows, hidden)
+    q, k, v = decode_gemm.project(h, [plan.q, plan.k, plan.v])
+    decode_gemm.rope_store_kv(k, v, cos.view(rows, head_dim), sin.view(rows, head_dim), pos, k_cache, v_cache)
+    out = fns["attend"](q, cos, sin, valid, k_cache, v_cache, n_heads, n_kv, head_dim, attention)
+    x = decode_gemm.project(out, [plan.o], residual=x.view(rows, hidden))[0].view(rows, 1, hidden)
+    h = fns["norm"](layer.post_attention_layernorm, x).view(rows, hidden)
+    m = decode_gemm.project_gated(h, plan.gate, plan.up)
+    return decode_gemm.project(m, [plan.down], residual=x.view(rows, hidden))[0].view(rows, 1, hidden)
+
+
 def _decode_head(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return lm_head(norm(x))[:, 0].float()  # (B, V)
 
@@ -200,17 +295,22 @@ def _decode_head(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor) -> torch.
 def _decode_forward(lm: nn.Module, tok: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
                     v_caches: list[torch.Tensor], cos_table: torch.Tensor, sin_table: torch.Tensor,
                     kv_range: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, fns: dict,
-                    attention: str = "matmul", streams: list | None = None) -> torch.Tensor:
+                    attention: str = "matmul", streams: list | None = None,
+                    plans: list[_LayerPlan | None] | None = None) -> torch.Tensor:
     """One token per row through the decoder; returns logits (B, V) float32. What a CUDA graph captures.
 
     tok, pos: (B,); k_caches[l], v_caches[l]: (B, n_kv, S, D) cache views; kv_range: arange(S).
     `fns` holds the parts, compiled or not: one compiled layer serves every layer (the layers'
     parameters are inputs of the compiled graph, not constants), which keeps compile time short.
+    `plans[i]`, where given, runs layer i with the decode GEMM kernels instead of its modules.
     """
     decoder = lm.model
     x, cos, sin, valid = fns["prelude"](decoder.embed_tokens, tok, pos, cos_table, sin_table, kv_range)
     for i, layer in enumerate(decoder.layers):
-        if streams:
+        if plans is not None and plans[i] is not None:
+            x = _decode_layer_kernels(layer, plans[i], x, cos, sin, valid, pos, k_caches[i], v_caches[i], n_heads,
+                                      n_kv, head_dim, attention, fns)
+        elif streams:
             x = _decode_layer_streams(layer, x, cos, sin, valid, pos, k_caches[i], v_caches[i], n_heads, n_kv,
                                       head_dim, attention, fns, streams)
         else:
@@ -264,11 +364,17 @@ class NativeEngine:
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph; the layer then runs as compiled pieces around the projections (on CPU: in sequence).
         None is "on CUDA, when every layer's MLP is a Llama MLP".
+    gemm: how a step with at most 16 rows runs the projections. "kernels": the decode GEMM kernels
+        (`grpo.kernels.decode_gemm`: q/k/v in one launch, LoRA, FP8 and the residual or SiLU product
+        fused), for every layer whose projections they support (the others call their modules);
+        "modules": call each projection module; "auto": kernels on CUDA when triton is installed.
+        Steps with more rows always call the modules.
     """
 
     def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int,
                  use_cuda_graph: bool | None = None, compile: str | None = "auto", kv_bucket: int = 256,
-                 check_every: int = 16, attention: str = "matmul", streams: bool | None = None) -> None:
+                 check_every: int = 16, attention: str = "matmul", streams: bool | None = None,
+                 gemm: str = "auto") -> None:
         self.model = model
         self.lm = _causal_lm(model)
         cfg = self.lm.config
@@ -317,9 +423,17 @@ class NativeEngine:
         if streams:  # on CPU the pieces run one after another (what the CPU tests check)
             self._streams = [torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
                              for _ in range(3)]
+        if gemm not in ("auto", "kernels", "modules"):
+            raise ValueError(f"gemm={gemm!r}: use 'auto', 'kernels' or 'modules'")
+        if gemm == "auto":
+            gemm = "kernels" if self.device.type == "cuda" and decode_gemm.have_triton() else "modules"
+        if gemm == "kernels" and not decode_gemm.can_run(self.device):
+            raise ValueError(f"gemm='kernels' needs triton and a CUDA model (or TRITON_INTERPRET=1 on CPU); "
+                             f"the model is on {self.device}: pass gemm='modules'")
+        self.gemm = gemm
         self._fns = {"prelude": _decode_prelude, "layer": _decode_layer, "head": _decode_head, "norm": _piece_norm,
                      "attention": _piece_attention, "mlp_out": _piece_mlp_out,
-                     "proj": _piece_proj}
+                     "proj": _piece_proj, "attend": _piece_attend}
         self._sample = sample_with_noise
         if compile is not None:
             self._fns = {name: torch.compile(fn, mode=compile) for name, fn in self._fns.items()}
@@ -328,6 +442,7 @@ class NativeEngine:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._fingerprint: tuple | None = None
+        self._plans: list[_LayerPlan | None] | None = None  # per layer, rebuilt by each generate
 
     # ----------------------------------------------------------------------------------------------
     # memory
@@ -369,10 +484,11 @@ class NativeEngine:
         )
 
     def _model_fingerprint(self) -> tuple:
-        """What a captured graph depends on: parameter addresses and the adapters' switches."""
+        """What a captured graph depends on: parameter addresses and the adapters' switches and scales."""
         ptrs = tuple(p.data_ptr() for p in self.model.parameters())
         switches = tuple(  # peft tuner layers carry a bool `disable_adapters` (HF models a method of that name)
-            (id(m), m.disable_adapters, bool(getattr(m, "merged", False)), tuple(getattr(m, "active_adapters", ())))
+            (id(m), m.disable_adapters, bool(getattr(m, "merged", False)), tuple(getattr(m, "active_adapters", ())),
+             tuple(sorted(getattr(m, "scaling", {}).items())))
             for m in self.model.modules() if isinstance(getattr(m, "disable_adapters", None), bool)
         )
         return ptrs, switches
@@ -415,7 +531,7 @@ class NativeEngine:
             torch._dynamo.maybe_mark_dynamic(kv_range, 0)
         logits = _decode_forward(self.lm, st.tok[:rows], st.pos[:rows], k_views, v_views, st.cos, st.sin,
                                  kv_range, self.n_heads, self.n_kv, self.head_dim, self._fns, self.attention,
-                                 self._streams)
+                                 self._streams, self._plans if rows <= decode_gemm.MAX_ROWS else None)
         st.logits[:rows].copy_(logits)
         st.pos[:rows] += 1
         st.step += 1
@@ -539,6 +655,9 @@ class NativeEngine:
             need = max_prompt + i + 1
             return min(-(-need // self.kv_bucket) * self.kv_bucket, self.max_seq_len)
 
+        self._plans = None
+        if self.gemm == "kernels":
+            self._plans = [_layer_plan(layer, self.dtype) for layer in self.lm.model.layers]
         graphs = {}
         if self.use_cuda_graph:
             fingerprint = self._model_fingerprint()
