@@ -65,6 +65,13 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return apply_top_k_top_p(logits, 0, top_p)
 
 
+@torch.compiler.disable
+def _cumulative_probs(sorted_logits: torch.Tensor) -> torch.Tensor:
+    """softmax then cumsum along the vocabulary, eagerly: inductor (torch 2.11) fails to generate code
+    for its split scan over a 128k vocabulary ("Error in codegen ... SplitScan") on the H200."""
+    return sorted_logits.softmax(-1).cumsum(-1)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """vLLM's joint top-k/top-p: one ascending sort, top-k, then top-p on the renormalized rest."""
     vocab = logits.shape[-1]
@@ -76,7 +83,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     if use_k:
         kth = sorted_logits[..., vocab - top_k : vocab - top_k + 1]  # (B, 1) the k-th largest
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    cum = sorted_logits.softmax(-1).cumsum(-1)  # (B, V) mass of this token and every smaller one
+    cum = _cumulative_probs(sorted_logits)  # (B, V) mass of this token and every smaller one
     drop_sorted = cum <= 1.0 - top_p
     drop_sorted[..., -1] = False  # the most likely token always stays
     if use_k:
