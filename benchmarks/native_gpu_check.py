@@ -24,7 +24,7 @@ import torch
 import torch._dynamo
 
 ROWS, P, G, PROMPT, NEW = 16, 4, 4, 128, 512
-PLAIN = dict(compile=None, streams=False)  # the engine's CUDA defaults compile and use streams; variants opt in
+PLAIN = dict(compile=None, streams=False, gemm="modules")  # the engine's CUDA defaults; variants opt in
 T0 = time.perf_counter()
 RESULTS: list[dict] = []
 
@@ -301,12 +301,13 @@ def standby(model) -> None:
         (torch.cuda.max_memory_allocated() - m0) / 2**30, 3))
 
 
-def correctness(model) -> None:
+def correctness(model, engine_kw=None) -> None:
     """Greedy tokens against transformers generate; prefill logits against a forward; graph vs eager."""
     from grpo.rollout.native import NativeEngine
 
+    kw = {**PLAIN, **(engine_kw or {})}
     ps = prompts()[:2]
-    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, **PLAIN)
+    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, **kw)
     r = engine.generate(ps, 1, sampling(max_new_tokens=32, temperature=0.0, min_p=0.0))
     same = []
     for i, p in enumerate(ps):
@@ -321,11 +322,11 @@ def correctness(model) -> None:
         logits = model(full).logits.float()[:, PROMPT - 1 : PROMPT + 7]  # predicts completion tokens 0..7
     ref = torch.log_softmax(logits, -1).gather(-1, r.completion_ids[:, :8, None])[..., 0]
     logp_err = (ref - r.sampler_logp[:, :8]).abs().max().item()
-    eager = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False,
-                         **PLAIN)
+    eager = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004,
+                         **{**kw, "use_cuda_graph": False})
     s = sampling(max_new_tokens=48, top_p=0.95, top_k=100)
     a, b = engine.generate(prompts(), G, s), eager.generate(prompts(), G, s)
-    log(kind="correctness", greedy_tokens_equal_to_hf_of_32=same, greedy_logp_max_abs_err_vs_forward=round(logp_err, 4),
+    log(kind="correctness", engine_kw=engine_kw, greedy_tokens_equal_to_hf_of_32=same, greedy_logp_max_abs_err_vs_forward=round(logp_err, 4),
         graph_equals_eager=bool(torch.equal(a.completion_ids, b.completion_ids)),
         graph_vs_eager_logp_max_err=float((a.sampler_logp - b.sampler_logp).abs().max()))
     engine.release_memory()
@@ -337,6 +338,9 @@ PLANS = {
     "first": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
               "standby", "compile"],
     # the last: compiled variants of every model kind, and where the time goes in the compiled step
+    # the decode GEMM kernels against the module path, every model kind (third session)
+    "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
+             "lora_compiled", "lora_gemm", "kernels_lora_gemm", "fp8_lora_compiled", "fp8_lora_gemm"],
     "final": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
               "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
 }
@@ -377,6 +381,8 @@ def main() -> None:
     wb = weight_bytes(model)
     log(kind="model", variant="bf16", params=sum(p.numel() for p in model.parameters()), weight_gib=round(wb / 2**30, 3))
     step("check", lambda: correctness(model))
+    gemm = dict(compile=mode, gemm="kernels")
+    step("check_gemm", lambda: correctness(model, gemm))
     step("hf", lambda: log(kind="hf_generate", ms_per_step=round(hf_generate_ms(model), 2)))
     step("eager", lambda: run_engine("bf16 eager (no graph)", model, wb, graph=False, new=32, repeats=1))
     step("graph", lambda: run_engine("bf16 graph", model, wb))
@@ -402,6 +408,8 @@ def main() -> None:
         best = kw
     log(kind="best", engine_kw=best)
     step("kernels_compiled", lambda: kernel_breakdown(f"bf16 {best}", model, engine_kw=best))
+    step("gemm", lambda: run_engine(f"bf16 {gemm}", model, wb, engine_kw=gemm))
+    step("kernels_gemm", lambda: kernel_breakdown(f"bf16 {gemm}", model, engine_kw=gemm))
 
     fp8 = None
     if any("fp8" in v for v in variants):
@@ -417,6 +425,7 @@ def main() -> None:
             step("fp8", lambda: run_engine("fp8 graph", fp8, wf))
             step("kernels_fp8", lambda: kernel_breakdown("fp8", fp8))
             step("fp8_compiled", lambda: run_engine(f"fp8 {best}", fp8, wf, engine_kw=best))
+            step("fp8_gemm", lambda: run_engine(f"fp8 {gemm}", fp8, wf, engine_kw=gemm))
 
     lora = add_lora(model)  # wraps model's projections in place
     wl = weight_bytes(lora)
@@ -424,6 +433,8 @@ def main() -> None:
     step("kernels_lora", lambda: kernel_breakdown("bf16+LoRA", lora))
     step("standby", lambda: standby(lora))
     step("lora_compiled", lambda: run_engine(f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
+    step("lora_gemm", lambda: run_engine(f"bf16+LoRA r32 {gemm}", lora, wl, engine_kw=gemm))
+    step("kernels_lora_gemm", lambda: kernel_breakdown(f"bf16+LoRA {gemm}", lora, engine_kw=gemm))
     nostreams = dict(best, streams=False)
     if best.get("streams"):
         step("lora_compiled_nostreams", lambda: run_engine(f"bf16+LoRA r32 {nostreams}", lora, wl,
@@ -432,6 +443,7 @@ def main() -> None:
         fp8_lora = add_lora(fp8)
         wfl = weight_bytes(fp8_lora)
         step("fp8_lora_compiled", lambda: run_engine(f"fp8+LoRA r32 {best}", fp8_lora, wfl, engine_kw=best))
+        step("fp8_lora_gemm", lambda: run_engine(f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
         step("fp8_lora", lambda: run_engine("fp8+LoRA r32 graph", fp8_lora, wfl))
         with fp8_lora.disable_adapter():
             step("fp8_graph", lambda: run_engine("fp8 graph (same run)", fp8_lora, wf))
