@@ -135,7 +135,8 @@ def check_group(name: str, fp8: bool, rank: int) -> None:
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
-    log(kind="check", group=name, fp8=fp8, rank=rank, rel_err=round(rel, 6), ok=rel < 1e-2)
+    cfg = dg.tile_config(kind, sum(widths), k, fp8)
+    log(kind="check", group=name, fp8=fp8, rank=rank, cfg=cfg.__dict__, rel_err=round(rel, 6), ok=rel < 1e-2)
 
 
 def sweep(name: str, fp8: bool, budget_s: float, full: bool) -> dg.TileConfig | None:
@@ -198,6 +199,10 @@ def main() -> None:
     for name in args.groups:
         for fmt in args.formats:
             sweep(name, fmt == "fp8", args.budget_s, args.full)
+    for name in args.groups:  # the picked configs, checked against the reference too
+        for fmt in args.formats:
+            for rank in (0, 32):
+                check_group(name, fmt == "fp8", rank)
     print("\nCONFIG =", {k: v.__dict__ for k, v in dg.CONFIG_OVERRIDE.items()})
     if args.engine:  # the whole decode step with the configs just picked (same process)
         import native_gpu_check as ngc
