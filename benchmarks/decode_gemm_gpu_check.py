@@ -139,6 +139,26 @@ def check_group(name: str, fp8: bool, rank: int) -> None:
     log(kind="check", group=name, fp8=fp8, rank=rank, cfg=cfg.__dict__, rel_err=round(rel, 6), ok=rel < 1e-2)
 
 
+def compare_rows(name: str, fp8: bool, rows: int) -> None:
+    """At `rows` rows: the tuned tiles against cuBLAS (bf16), and both paths with rsLoRA r32, checked."""
+    kind, k, widths, residual = GROUPS[name]
+    one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
+    n_copies = max(2, -(-(256 << 20) // one))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
+    row = dict(kind="rows", group=name, fp8=fp8, rows=rows)
+    for rank in (0, 32):
+        copies = [make_projs(k, widths, fp8, rank, seed=i) for i in range(n_copies)]
+        got = run_kernels(kind, x, copies[0], res).float()
+        ref = (dg.project_gated_ref(x.float(), *copies[0][:2]) if kind == "gated"
+               else dg.project_ref(x.float(), copies[0], None if res is None else res.float())[0])
+        row[f"rel_err_r{rank}"] = round(((got - ref).norm() / ref.norm()).item(), 5)
+        row[f"kernels_us_r{rank}"] = round(time_graph(lambda c: run_kernels(kind, x, c, res), copies), 2)
+        if not fp8:
+            row[f"modules_us_r{rank}"] = round(time_graph(lambda c: run_modules(kind, x, c, res), copies), 2)
+    log(**row)
+
+
 def sweep(name: str, fp8: bool, budget_s: float, full: bool) -> dg.TileConfig | None:
     kind, k, widths, residual = GROUPS[name]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
@@ -188,10 +208,18 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won before")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
+    ap.add_argument("--rows", type=int, nargs="+", default=None,
+                    help="instead of the sweep: the tuned tiles at these row counts against cuBLAS")
     args = ap.parse_args()
     import triton
 
     log(kind="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
+    if args.rows:
+        for rows in args.rows:
+            for name in args.groups:
+                for fmt in args.formats:
+                    compare_rows(name, fmt == "fp8", rows)
+        return
     for name in args.groups:
         for fp8 in (False, True):
             for rank in (0, 32):

@@ -39,7 +39,11 @@ import torch
 import torch.nn.functional as F
 
 FP8_BLOCK = 128
-MAX_ROWS = 16  # rows per launch; callers with more rows use their modules (cuBLAS is fine there)
+# The kernels take up to KERNEL_ROWS rows (row tiles of 16, 32 or 64; checked on CPU under Triton's
+# interpreter). The engine uses them up to MAX_ROWS, the row count measured on the H200; timing 32 and 64
+# rows there is `benchmarks/decode_gemm_gpu_check.py --rows 16 32 64`, not yet run.
+MAX_ROWS = 16
+KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,8 @@ def _lora_group(projs: Sequence[DecodeProj]) -> int:
 
 
 def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
-    if x2.dim() != 2 or x2.shape[0] > MAX_ROWS:
-        raise ValueError(f"decode_gemm: x must be (M <= {MAX_ROWS}, K), got {tuple(x2.shape)}")
+    if x2.dim() != 2 or x2.shape[0] > KERNEL_ROWS:
+        raise ValueError(f"decode_gemm: x must be (M <= {KERNEL_ROWS}, K), got {tuple(x2.shape)}")
     fp8 = {p.scale_inv is not None for p in projs}
     if len(fp8) != 1:
         raise ValueError("decode_gemm: projections of one launch must all be FP8 or all dense")
@@ -190,17 +194,23 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
 
 
 def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> torch.Tensor:
-    """Partial sums of x A_i^T: (len(lora_as), lora_split(K), 16, block_r) float32; the consumer adds them."""
+    """Partial sums of x A_i^T: (len(lora_as), lora_split(K), rows padded, block_r) float32; the consumer
+    adds them."""
     kernels = _triton_kernels()
     m, k = x2.shape
     r = lora_as[0].shape[0]
     split = lora_split(k)
-    out = torch.empty((len(lora_as), split, MAX_ROWS, block_r), dtype=torch.float32, device=x2.device)
+    out = torch.empty((len(lora_as), split, _block_m(m), block_r), dtype=torch.float32, device=x2.device)
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
     kernels.lora_down_kernel[(len(lora_as), split)](
-        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, r, BLOCK_M=MAX_ROWS, BLOCK_R=block_r, BLOCK_K=64,
+        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, r, BLOCK_M=_block_m(m), BLOCK_R=block_r, BLOCK_K=64,
         SPLIT=split, num_warps=4)
     return out
+
+
+def _block_m(m: int) -> int:
+    """Rows padded for the tensor cores: 16, 32 or 64 (the weights are read once whatever the rows)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def _block_r(rank: int) -> int:
@@ -233,7 +243,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
     kernels.proj_kernel[(tiles,)](
         x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2,
-        NUM=len(projs), BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
         BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot, STAGES=cfg.stages,
         num_warps=cfg.num_warps)
@@ -259,7 +269,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
         gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight, float(gate.lora_scale),
         up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight, float(up.lora_scale),
         y, n, xa, rank,
-        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
+        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
         HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot,
         STAGES=cfg.stages, num_warps=cfg.num_warps)
     return y

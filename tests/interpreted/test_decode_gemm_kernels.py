@@ -36,7 +36,8 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rank", [0, 4, 32])
-@pytest.mark.parametrize("m,k,widths", [(16, 384, [256, 64, 64]), (5, 300, [70]), (1, 256, [130, 200])])
+@pytest.mark.parametrize("m,k,widths", [(16, 384, [256, 64, 64]), (5, 300, [70]), (1, 256, [130, 200]),
+                                        (20, 256, [48]), (64, 128, [32, 16])])  # row tiles of 32 and 64
 def test_project_matches_reference(fp8, rank, m, k, widths):
     # widths not multiples of the tile, K not a multiple of 128 (partial FP8 blocks), one row
     projs = [proj(n, k, fp8, rank, seed=i) for i, n in enumerate(widths)]
@@ -47,10 +48,11 @@ def test_project_matches_reference(fp8, rank, m, k, widths):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rank", [0, 8])
-def test_residual_and_gated_match_reference(fp8, rank):
-    x = torch.randn(7, 384)
+@pytest.mark.parametrize("m", [7, 40])
+def test_residual_and_gated_match_reference(fp8, rank, m):
+    x = torch.randn(m, 384)
     p = proj(200, 384, fp8, rank, seed=3)
-    res = torch.randn(7, 200)
+    res = torch.randn(m, 200)
     close(dg.project(x, [p], residual=res)[0], dg.project_ref(x, [p], residual=res)[0])
     gate, up = proj(96, 384, fp8, rank, seed=4), proj(96, 384, fp8, rank, seed=5)
     close(dg.project_gated(x, gate, up), dg.project_gated_ref(x, gate, up))
