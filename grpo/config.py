@@ -102,7 +102,9 @@ class Config:
                              choices=["auto", "keep", "release"])
     engine_gemm: str = _f("auto", "How the native engine's decode steps (at most 16 rows) run the projections: "
                           "kernels (grpo.kernels.decode_gemm: LoRA, FP8, q/k/v and gate/up fused; needs triton), "
-                          "modules (each projection module called, cuBLAS), or auto (kernels on CUDA with triton).",
+                          "modules (each projection module called, cuBLAS), or auto (kernels on CUDA with triton). "
+                          "With FP8 weights the kernels are weight-only FP8 (bf16 activations), where FP8Linear also "
+                          "quantizes activations; the importance weights correct for the sampler's difference.",
                           "sampling", choices=["auto", "kernels", "modules"])
     temperature: float = _f(1.0, "Sampling temperature; the trainer's log-probs use the same.", "sampling")
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest set of tokens with this mass.", "sampling")

@@ -117,6 +117,38 @@ def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
     assert _layer_plan(dora.base_model.model.model.layers[0], torch.float32) is None
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
     assert _layer_plan(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
+    from grpo.model import _MatmulInInputDtype
+
+    layer = lora.base_model.model.model.layers[0]
+    layer.self_attn.q_proj.lora_A["default"].__class__ = _MatmulInInputDtype  # --lora-compute base: same product
+    assert _layer_plan(layer, torch.float32) is not None
+
+    class ScaledA(torch.nn.Linear):  # an adapter layer with its own forward: the kernels cannot stand in
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer.self_attn.q_proj.lora_A["default"].__class__ = ScaledA
+    assert _layer_plan(layer, torch.float32) is None
+
+
+def test_engine_warns_once_when_layers_fall_back_to_their_modules(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel runs with gemm="kernels" here
+    monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
+    partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))  # q/k/v ranks differ
+    engine = NativeEngine(partial, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels")
+    with pytest.warns(UserWarning, match="cover 0 of 2 layers"):
+        engine.generate(PROMPTS, 1, Sampling(max_new_tokens=2, temperature=0.0))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.generate(PROMPTS, 1, Sampling(max_new_tokens=2, temperature=0.0))  # said once
 
 
 def test_engine_gemm_choice_on_cpu():

@@ -6,13 +6,21 @@ Module level on purpose: Triton resolves the helpers a kernel calls through the 
 import triton
 import triton.language as tl
 
-# The LoRA products run on TF32 tensor cores: their result is a small correction to the base output,
-# which is rounded to bf16 anyway (float32 "ieee" dots were 3x slower end to end on the H200).
-PRECISION: tl.constexpr = tl.constexpr("tf32")
+# Products of float32 operands: "tf32" on the tensor cores, or "ieee" (exact float32 FMAs) where the
+# model itself is float32 (EXACT). The LoRA products of a bf16 model run in TF32: their result is a small
+# correction to the base output, which is rounded to bf16 anyway ("ieee" there was 3x slower on the H200).
+
+
+@triton.jit
+def _dot32(a, b, EXACT: tl.constexpr):
+    if EXACT:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision="tf32")
 
 @triton.jit
 def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr):
+               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr,
+               EXACT: tl.constexpr):
     # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K); FP8 codes scaled per 128 block
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
@@ -29,15 +37,16 @@ def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexp
                 x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
                 part = tl.dot(x16, tl.trans(w.to(tl.float16)))
             else:
-                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+                part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
-                part = part * tl.load(s_ptr + row_block * kb + (k0 + j * SUB_K) // 128)
+                k_sub = k0 + j * SUB_K  # past K (a partial last step) there is no scale to read
+                part = part * tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
             acc += part
     return acc
 
 @triton.jit
 def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-             SPLIT: tl.constexpr):
+             SPLIT: tl.constexpr, EXACT: tl.constexpr):
     # acc += scale * (x A^T) B^T; x A^T arrives as SPLIT float32 partial sums (SPLIT, BLOCK_M, BLOCK_R)
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
@@ -45,19 +54,19 @@ def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R
     for s in tl.static_range(SPLIT):
         xa += tl.load(xa_ptr + (s * BLOCK_M + rm[:, None]) * BLOCK_R + rr[None, :])
     b = tl.load(b_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
-    return acc + tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
+    return acc + _dot32(xa, tl.trans(b.to(tl.float32)), EXACT) * scale
 
 @triton.jit
 def _one_proj(tile, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-              SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr):
+              SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT,
-                     STAGES)
+                     STAGES, EXACT)
     if HAS_LORA:
-        acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT)
+        acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_RES:  # residual (M, N), contiguous
         acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -69,47 +78,51 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 xa_ptr, R, res_ptr,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-                BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr):
+                BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr,
+                EXACT: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = SPLIT * BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, FP16_DOT, STAGES)
+                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, FP16_DOT, STAGES, EXACT)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
                           res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R,
-                          SPLIT, FP16_DOT, STAGES)
+                          SPLIT, FP16_DOT, STAGES, EXACT)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2, xa_ptr + 2 * xa_stride,
                               R, c2, res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES,
-                              BLOCK_R, SPLIT, FP16_DOT, STAGES)
+                              BLOCK_R, SPLIT, FP16_DOT, STAGES, EXACT)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                 FP16_DOT: tl.constexpr, STAGES: tl.constexpr):
+                 FP16_DOT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
     # y = silu(x Wg^T) * (x Wu^T) for one tile of N
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT, STAGES)
-    u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT, STAGES)
+    g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT, STAGES,
+                   EXACT)
+    u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT, STAGES,
+                   EXACT)
     if HAS_LORA:
-        g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT)
-        u = _lora_up(u, xa_ptr + SPLIT * BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, SPLIT)
+        g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)
+        u = _lora_up(u, xa_ptr + SPLIT * BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, SPLIT,
+                     EXACT)
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 @triton.jit
 def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -119,12 +132,12 @@ def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constex
                     other=0.0)
         a = tl.load(a_ptr + rr[:, None] * K + rk[None, :], mask=(rr[:, None] < R) & (rk[None, :] < k_hi),
                     other=0.0)
-        acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision=PRECISION)
+        acc += _dot32(x.to(tl.float32), tl.trans(a.to(tl.float32)), EXACT)
     return acc
 
 @triton.jit
 def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, R, BLOCK_M: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
     # out[i, s] = x[:, slice s] A_i[:, slice s]^T: partial sums over SPLIT slices of K
     i = tl.program_id(0)
     s = tl.program_id(1)
@@ -132,11 +145,11 @@ def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, R, BLOCK_M: tl
     k_lo = s * per
     k_hi = tl.minimum(K, k_lo + per)
     if i == 0:
-        acc = _down_part(x_ptr, stride_xm, M, K, a0, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K)
+        acc = _down_part(x_ptr, stride_xm, M, K, a0, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     elif i == 1:
-        acc = _down_part(x_ptr, stride_xm, M, K, a1, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K)
+        acc = _down_part(x_ptr, stride_xm, M, K, a1, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     else:
-        acc = _down_part(x_ptr, stride_xm, M, K, a2, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K)
+        acc = _down_part(x_ptr, stride_xm, M, K, a2, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     tl.store(out_ptr + ((i * SPLIT + s) * BLOCK_M + rm[:, None]) * BLOCK_R + rr[None, :], acc)

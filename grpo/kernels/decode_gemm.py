@@ -117,8 +117,16 @@ def have_triton() -> bool:
 
 def can_run(device: torch.device) -> bool:
     """Triton is installed and runs on `device`: CUDA, or the CPU under TRITON_INTERPRET=1 (tests)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return have_triton() and (device.type == "cuda" or (device.type == "cpu" and interpreted))
+    if not have_triton():
+        return False
+    if device.type == "cuda":  # bf16 tensor-core dots: Ampere or newer
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def can_run_fp8(device: torch.device) -> bool:
+    """float8_e4m3fn operands: Ada/Hopper or newer on CUDA (Triton refuses them before sm_89)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _triton_kernels():
@@ -186,11 +194,22 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
     fp8 = {p.scale_inv is not None for p in projs}
     if len(fp8) != 1:
         raise ValueError("decode_gemm: projections of one launch must all be FP8 or all dense")
+    if x2.stride(1) != 1:
+        raise ValueError("decode_gemm: x must have contiguous rows (x.stride(1) == 1); pass x.contiguous()")
     for p in projs:
         if p.in_features != x2.shape[1]:
             raise ValueError(f"decode_gemm: x has {x2.shape[1]} features, a weight expects {p.in_features}")
-        if p.weight.stride(1) != 1 or p.weight.stride(0) != p.in_features:
+        if not p.weight.is_contiguous():
             raise ValueError("decode_gemm: weights must be contiguous (N, K)")
+        if p.scale_inv is not None and (not p.scale_inv.is_contiguous() or tuple(p.scale_inv.shape) != (
+                -(-p.out_features // FP8_BLOCK), -(-p.in_features // FP8_BLOCK))):
+            raise ValueError(f"decode_gemm: FP8 scales must be contiguous (ceil(N/128), ceil(K/128)), got "
+                             f"{tuple(p.scale_inv.shape)} for a weight of {tuple(p.weight.shape)}")
+        if p.lora_a is not None and (
+                p.lora_b is None or tuple(p.lora_a.shape) != (p.rank, p.in_features)
+                or tuple(p.lora_b.shape) != (p.out_features, p.rank)
+                or not (p.lora_a.is_contiguous() and p.lora_b.is_contiguous())):
+            raise ValueError("decode_gemm: LoRA needs contiguous lora_a (r, K) and lora_b (N, r)")
 
 
 def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> torch.Tensor:
@@ -204,7 +223,7 @@ def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
     kernels.lora_down_kernel[(len(lora_as), split)](
         x2, x2.stride(0), m, k, a[0], a[1], a[2], out, r, BLOCK_M=_block_m(m), BLOCK_R=block_r, BLOCK_K=64,
-        SPLIT=split, num_warps=4)
+        SPLIT=split, EXACT=x2.dtype == torch.float32, num_warps=4)
     return out
 
 
@@ -246,7 +265,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
         BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot, STAGES=cfg.stages,
-        num_warps=cfg.num_warps)
+        EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
     return outs
 
 
@@ -271,7 +290,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
         y, n, xa, rank,
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
         HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot,
-        STAGES=cfg.stages, num_warps=cfg.num_warps)
+        STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
     return y
 
 

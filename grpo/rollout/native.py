@@ -41,6 +41,7 @@ its module layout), with or without peft adapters.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ from torch import nn
 from grpo.kernels import decode_gemm
 from grpo.kernels.decode_gemm import DecodeProj
 from grpo.kernels.fp8 import FP8Linear
+from grpo.model import _MatmulInInputDtype
 from grpo.rollout.base import Rollout, Sampling
 from grpo.rollout.sampling import sample_with_noise
 
@@ -214,6 +216,11 @@ class _LayerPlan:
     down: DecodeProj
 
 
+# LoRA A/B layers whose forward is a plain x @ W^T: peft's nn.Linear, and the class `--lora-compute base`
+# swaps in (the same product in the input's dtype; the kernels compute it in float32/TF32 either way).
+_PLAIN_LORA_LINEARS = (nn.Linear, _MatmulInInputDtype)
+
+
 def _decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
     """The tensors a decode kernel needs to act as `module`, or None when the kernels cannot (then the
     module is called). Handles nn.Linear, FP8Linear, and peft's LoRA Linear around either (one active
@@ -232,18 +239,20 @@ def _decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
             if (getattr(module, "use_dora", {}).get(name) or name in getattr(module, "lora_variant", {})
                     or getattr(module, "lora_bias", {}).get(name)):
                 return None
+            if not all(type(m[name]) in _PLAIN_LORA_LINEARS for m in (module.lora_A, module.lora_B)):
+                return None  # adapter layers with their own forward
             lora_a, lora_b = module.lora_A[name].weight, module.lora_B[name].weight
             scale = float(module.scaling[name])
             if not (lora_a.is_contiguous() and lora_b.is_contiguous()):
                 return None
         base = module.base_layer
-    if not (type(base) is nn.Linear or isinstance(base, FP8Linear)) or base.bias is not None:
+    if type(base) not in (nn.Linear, FP8Linear) or base.bias is not None:
         return None  # a subclass may override forward: call it instead
     weight = base.weight
     scale_inv = getattr(base, "weight_scale_inv", None)
     if scale_inv is None and weight.dtype != dtype:
         return None
-    if scale_inv is not None and weight.dtype != torch.float8_e4m3fn:
+    if scale_inv is not None and (weight.dtype != torch.float8_e4m3fn or not decode_gemm.can_run_fp8(weight.device)):
         return None
     if not weight.is_contiguous():
         return None
@@ -443,6 +452,7 @@ class NativeEngine:
         self._graph_pool = None
         self._fingerprint: tuple | None = None
         self._plans: list[_LayerPlan | None] | None = None  # per layer, rebuilt by each generate
+        self._warned_fallback = False
 
     # ----------------------------------------------------------------------------------------------
     # memory
@@ -658,6 +668,13 @@ class NativeEngine:
         self._plans = None
         if self.gemm == "kernels":
             self._plans = [_layer_plan(layer, self.dtype) for layer in self.lm.model.layers]
+            covered = sum(plan is not None for plan in self._plans)
+            if covered < len(self._plans) and not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn(f"NativeEngine: the decode GEMM kernels cover {covered} of {len(self._plans)} layers; "
+                              "the others call their modules (slower). The kernels need nn.Linear or FP8Linear "
+                              "projections without bias, LoRA with one rank on q/k/v and one on gate/up (or none), "
+                              "no DoRA, and weights in the activations' dtype", stacklevel=3)
         graphs = {}
         if self.use_cuda_graph:
             fingerprint = self._model_fingerprint()

@@ -109,3 +109,16 @@ def test_rope_store_kv_matches_reference_on_cache_views():
     assert not torch.equal(caches[0], k_init) and not torch.equal(caches[1], v_init)
     close(caches[0], caches[2])
     close(caches[1], caches[3])
+
+
+def test_fp8_partial_last_k_step_reads_no_scale_past_the_tensor():
+    # K = 300 with block_k 256: the last step's second 128-slice starts past K and has no scale. The
+    # scales live in a bigger buffer whose next element is NaN: reading it would poison the output.
+    p = proj(64, 300, True, 0, seed=7)
+    buffer = torch.full((p.scale_inv.numel() + 4,), float("nan"))
+    buffer[: p.scale_inv.numel()] = p.scale_inv.flatten()
+    guarded = dg.DecodeProj(p.weight, buffer[: p.scale_inv.numel()].view_as(p.scale_inv))
+    x = torch.randn(3, 300)
+    got = dg.project(x, [guarded])[0]
+    assert torch.isfinite(got).all()
+    close(got, dg.project_ref(x, [p])[0])
