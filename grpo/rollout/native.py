@@ -666,7 +666,7 @@ class NativeEngine:
             return min(-(-need // self.kv_bucket) * self.kv_bucket, self.max_seq_len)
 
         self._plans = None
-        if self.gemm == "kernels":
+        if self.gemm == "kernels" and rows <= decode_gemm.MAX_ROWS:
             self._plans = [_layer_plan(layer, self.dtype) for layer in self.lm.model.layers]
             covered = sum(plan is not None for plan in self._plans)
             if covered < len(self._plans) and not self._warned_fallback:
