@@ -29,14 +29,14 @@ bf16 loads).
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from grpo.kernels._triton import have_triton
 
 FP8_BLOCK = 128
 # The kernels take up to KERNEL_ROWS rows (row tiles of 16, 32 or 64; checked on CPU under Triton's
@@ -109,11 +109,6 @@ def project_gated_ref(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> tor
 
 
 # --- the kernels -----------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
 
 def can_run(device: torch.device) -> bool:
     """Triton is installed and runs on `device`: CUDA, or the CPU under TRITON_INTERPRET=1 (tests)."""

@@ -40,7 +40,6 @@ no use of transformers' FineGrainedFP8 integration (it fetches a kernel from a h
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 from collections.abc import Iterable
@@ -49,6 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from grpo.kernels._triton import have_triton
 
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -156,13 +157,8 @@ def _triton_kernels():
     return _TRITON
 
 
-@functools.lru_cache(maxsize=None)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None  # a sys.path walk: once, not per GEMM
-
-
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and _have_triton()
+    return x.is_cuda and have_triton()
 
 
 def quantize_fp8_rows(x: torch.Tensor, impl="auto", pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

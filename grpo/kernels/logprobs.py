@@ -31,19 +31,14 @@ parallelism.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 
 import torch
 
+from grpo.kernels._triton import have_triton
+
 _CHUNK_BUDGET = 512 * 2**20  # bytes of per-chunk temporaries to aim for
 _TRITON_KERNEL = None
-
-
-@functools.lru_cache(maxsize=None)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None  # a sys.path walk: once, not per call
 
 
 def token_logprobs_ref(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
@@ -225,7 +220,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
         raise ValueError("token_logprobs: lm_head_weight requires grad, but the LM head is treated as frozen; "
                          "pass lm_head_weight.detach() or freeze it")
     if impl == "auto":
-        impl = "triton" if hidden.is_cuda and _have_triton() else "torch"
+        impl = "triton" if hidden.is_cuda and have_triton() else "torch"
     if impl not in ("torch", "triton"):
         raise ValueError(f"token_logprobs: impl {impl!r} must be auto, torch or triton")
     if impl == "triton" and not hidden.is_cuda:
