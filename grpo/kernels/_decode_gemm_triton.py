@@ -19,7 +19,7 @@ def _dot32(a, b, EXACT: tl.constexpr):
 
 @triton.jit
 def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr,
+               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
                EXACT: tl.constexpr):
     # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K); FP8 codes scaled per 128 block
     rm = tl.arange(0, BLOCK_M)
@@ -33,11 +33,7 @@ def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexp
                         other=0.0)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
-            if FP16_DOT:  # E4M3 -> fp16 is one exact conversion; x clamped to fp16's range first
-                x16 = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-                part = tl.dot(x16, tl.trans(w.to(tl.float16)))
-            else:
-                part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
+            part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
                 k_sub = k0 + j * SUB_K  # past K (a partial last step) there is no scale to read
                 part = part * tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
@@ -60,10 +56,10 @@ def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R
 def _one_proj(tile, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-              SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
+              SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    acc = _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT,
+    acc = _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
                      STAGES, EXACT)
     if HAS_LORA:
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
@@ -78,7 +74,7 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 xa_ptr, R, res_ptr,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-                BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, FP16_DOT: tl.constexpr, STAGES: tl.constexpr,
+                BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
                 EXACT: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's
     pid = tl.program_id(0)
@@ -86,31 +82,31 @@ def proj_kernel(x_ptr, stride_xm, M, K,
     xa_stride = SPLIT * BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, FP16_DOT, STAGES, EXACT)
+                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
                           res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R,
-                          SPLIT, FP16_DOT, STAGES, EXACT)
+                          SPLIT, STAGES, EXACT)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2, xa_ptr + 2 * xa_stride,
                               R, c2, res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES,
-                              BLOCK_R, SPLIT, FP16_DOT, STAGES, EXACT)
+                              BLOCK_R, SPLIT, STAGES, EXACT)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                 FP16_DOT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr):
     # y = silu(x Wg^T) * (x Wu^T) for one tile of N
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT, STAGES,
+    g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT)
-    u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, FP16_DOT, STAGES,
+    u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT)
     if HAS_LORA:
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)

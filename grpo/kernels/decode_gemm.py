@@ -140,7 +140,6 @@ class TileConfig:
     block_k: int = 256  # reduction step (FP8 weights: in 128-wide sub-blocks, one scale each)
     num_warps: int = 4
     stages: int = 3  # software-pipelined loads in flight
-    fp16_dot: bool = False  # FP8 weights only: multiply as fp16 (one exact conversion) instead of bf16
 
 
 # Picked on the H200 by benchmarks/decode_gemm_gpu_check.py (16 rows, Llama-3.2-1B shapes; RESULTS.md):
@@ -259,7 +258,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2,
         NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
-        BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot, STAGES=cfg.stages,
+        BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
         EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
     return outs
 
@@ -284,7 +283,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
         up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight, float(up.lora_scale),
         y, n, xa, rank,
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
-        HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k), FP16_DOT=fp8 and cfg.fp16_dot,
+        HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k),
         STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
     return y
 

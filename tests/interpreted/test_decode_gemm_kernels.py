@@ -68,11 +68,6 @@ def test_every_tile_config_gives_the_same_result():
             dg.CONFIG_OVERRIDE[key] = cfg
             for got, ref in zip(dg.project(x, projs), want):
                 close(got, ref)
-        # fp16 products: x rounds to fp16 (11 bits), so agreement to fp16's precision, not float32's
-        dg.CONFIG_OVERRIDE[key] = dg.TileConfig(64, 256, 4, 3, fp16_dot=True)
-        for got, ref in zip(dg.project(x, projs), want):
-            torch.testing.assert_close(got, ref, atol=3e-3, rtol=3e-3)
-            assert not torch.allclose(got, ref, atol=2e-5, rtol=2e-5)  # the fp16 path did run
     finally:
         dg.CONFIG_OVERRIDE.pop(key, None)
 
