@@ -523,6 +523,8 @@ def overhead(args):
             t_host = (time.perf_counter() - t0) / 50 * 1e3  # host time per call, queue not drained
             sync()
             row[f"{name}_host_ms"] = t_host
+        if d == "cuda":
+            row.update(backward_pieces(x, g, fp8))
         rows.append(row)
         say("  " + "  ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
         if d == "cuda" and n == 512:
@@ -534,6 +536,67 @@ def overhead(args):
                 sync()
             say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
     RESULTS["overhead"] = rows
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    """Host wall time per call with the GPU queue not drained (the GPU may lag: only the enqueueing counts)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e3
+    sync()
+    return t
+
+
+def backward_pieces(x, g, fp8: FP8Linear) -> dict:
+    """Host time of each piece of the FP8 backward, called from the main thread and from inside an
+    autograd backward (the engine's own thread, where the module's backward runs)."""
+    w, s = fp8.weight, fp8.weight_scale_inv
+    g_fp8, sg = quantize_fp8_rows(g, pad_rows_to=16)
+    w_cm = transpose_fp8(w).t()
+    s_bwd = s.t().contiguous().t()
+    pieces = {
+        "nothing": lambda: None,
+        "quant": lambda: quantize_fp8_rows(g, pad_rows_to=16),
+        "transpose": lambda: transpose_fp8(w),
+        "scale_copy": lambda: s.t().contiguous().t(),
+        "scaled_mm": lambda: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype),
+        "fp8_mm_bwd": lambda: fp8_mm_bwd(g, w, s),
+        "bf16_mm": lambda: g @ fp8.dequantized_weight(),
+    }
+    out = {}
+    from grpo.kernels.fp8 import _FP8LinearFn
+
+    xd = x.detach()
+    forward = {  # where the module's forward spends host time: autograd, the input that requires grad
+        "module": lambda: fp8(x),
+        "module_no_grad": lambda: torch.no_grad()(fp8)(x),
+        "function_apply": lambda: _FP8LinearFn.apply(x, w, s, "scaled_mm", "fp8"),
+        "fp8_mm_fwd": lambda: fp8_mm_fwd(xd, w, s),
+        "fp8_mm_fwd_grad_input": lambda: fp8_mm_fwd(x, w, s),
+        "quant_grad_input": lambda: quantize_fp8_rows(x, pad_rows_to=16),
+        "quant_detached": lambda: quantize_fp8_rows(xd, pad_rows_to=16),
+    }
+    for name, fn in forward.items():
+        out[f"fwd_{name}_host_ms"] = host_ms(fn)
+    for name, body in pieces.items():
+        class InBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, gt, body=body):
+                body()
+                return gt
+
+        xs = x[:16]
+        gs = torch.ones_like(xs)
+        out[f"piece_{name}_main_host_ms"] = host_ms(body)
+        out[f"piece_{name}_in_backward_host_ms"] = host_ms(lambda: torch.autograd.grad(InBackward.apply(xs), xs, gs))
+    return out
 
 
 @section
