@@ -2,8 +2,7 @@
 
 Llama-3.2-1B decode shapes at 16 rows: q/k/v in one launch (2048 -> 2048 + 512 + 512), o_proj with
 the residual (2048 -> 2048), gate/up with the SiLU product (2048 -> 2 x 8192), down_proj with the
-residual (8192 -> 2048); bf16 and FP8 block weights (weight-only, "fp8", or with the activations
-quantized as FP8Linear does and FP8 x FP8 products, "fp8_act"); without and with rsLoRA r=32 (float32 adapters,
+residual (8192 -> 2048); bf16 and FP8 block weights; without and with rsLoRA r=32 (float32 adapters,
 as peft keeps them). Each timing is a CUDA graph of 16 calls that rotate over copies of the weights
 (more bytes than the 60 MB L2), replayed 20 times: the median per call, so launch gaps between
 kernels count as they do inside the engine's graph.
@@ -16,7 +15,6 @@ Prints the best config per shape and its bandwidth; JSON lines to $OUT/decode_ge
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -47,11 +45,7 @@ def log(**kw) -> None:
             f.write(json.dumps(kw) + "\n")
 
 
-FORMATS = {"bf16": "dense", "fp8": "fp8", "fp8_act": "fp8_act"}  # this script's names -> decode_gemm's
-
-
-def make_projs(k: int, widths: list[int], fmt: str, rank: int, seed: int) -> list[dg.DecodeProj]:
-    fp8 = fmt != "bf16"
+def make_projs(k: int, widths: list[int], fp8: bool, rank: int, seed: int) -> list[dg.DecodeProj]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for n in widths:
@@ -65,7 +59,7 @@ def make_projs(k: int, widths: list[int], fmt: str, rank: int, seed: int) -> lis
         if rank:
             a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5
             b = torch.randn(n, rank, device="cuda", generator=g) * 0.01
-        out.append(dg.DecodeProj(weight, scale, a, b, 64 / rank**0.5 if rank else 1.0, fp8_activations=fmt == "fp8_act"))
+        out.append(dg.DecodeProj(weight, scale, a, b, 64 / rank**0.5 if rank else 1.0))
     return out
 
 
@@ -119,13 +113,8 @@ def time_graph(fn, copies) -> float:
     return statistics.median(times)
 
 
-def configs(fmt: str, full: bool) -> list[dg.TileConfig]:
+def configs(fp8: bool, full: bool) -> list[dg.TileConfig]:
     """The sweep: every tile shape (`full`), or the few that won on the H200."""
-    fp8 = fmt != "bf16"
-    if fmt == "fp8_act" and not full:  # new: FP8 x FP8 dots; narrow and wide tiles, fewer warps for 16 x 16
-        return [dg.TileConfig(bn, bk, w, st) for bn, bk, w, st in (
-            (16, 128, 4, 4), (16, 256, 4, 4), (16, 256, 2, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4),
-            (32, 256, 2, 4), (32, 512, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3))]
     if full:
         out = [dg.TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
                if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
@@ -135,30 +124,29 @@ def configs(fmt: str, full: bool) -> list[dg.TileConfig]:
     return out
 
 
-def check_group(name: str, fmt: str, rank: int) -> None:
+def check_group(name: str, fp8: bool, rank: int) -> None:
     kind, k, widths, residual = GROUPS[name]
-    projs = make_projs(k, widths, fmt, rank, seed=1)
+    projs = make_projs(k, widths, fp8, rank, seed=1)
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     got = run_kernels(kind, x, projs, res).float()
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
-    cfg = dg.tile_config(kind, sum(widths), k, FORMATS[fmt])
-    log(kind="check", group=name, fmt=fmt, rank=rank, cfg=cfg.__dict__, rel_err=round(rel, 6), ok=rel < 1e-2)
+    cfg = dg.tile_config(kind, sum(widths), k, fp8)
+    log(kind="check", group=name, fp8=fp8, rank=rank, cfg=cfg.__dict__, rel_err=round(rel, 6), ok=rel < 1e-2)
 
 
-def compare_rows(name: str, fmt: str, rows: int) -> None:
+def compare_rows(name: str, fp8: bool, rows: int) -> None:
     """At `rows` rows: the tuned tiles against cuBLAS (bf16), and both paths with rsLoRA r32, checked."""
     kind, k, widths, residual = GROUPS[name]
-    fp8 = fmt != "bf16"
-    one = group_bytes(make_projs(k, widths, fmt, 0, seed=0))
+    one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
-    row = dict(kind="rows", group=name, fmt=fmt, rows=rows)
+    row = dict(kind="rows", group=name, fp8=fp8, rows=rows)
     for rank in (0, 32):
-        copies = [make_projs(k, widths, fmt, rank, seed=i) for i in range(n_copies)]
+        copies = [make_projs(k, widths, fp8, rank, seed=i) for i in range(n_copies)]
         got = run_kernels(kind, x, copies[0], res).float()
         ref = (dg.project_gated_ref(x.float(), *copies[0][:2]) if kind == "gated"
                else dg.project_ref(x.float(), copies[0], None if res is None else res.float())[0])
@@ -169,27 +157,26 @@ def compare_rows(name: str, fmt: str, rows: int) -> None:
     log(**row)
 
 
-def sweep(name: str, fmt: str, budget_s: float, full: bool) -> dg.TileConfig | None:
+def sweep(name: str, fp8: bool, budget_s: float, full: bool) -> dg.TileConfig | None:
     kind, k, widths, residual = GROUPS[name]
-    fp8 = fmt != "bf16"
-    one = group_bytes(make_projs(k, widths, fmt, 0, seed=0))
+    one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
-    copies = [make_projs(k, widths, fmt, 0, seed=i) for i in range(n_copies)]
+    copies = [make_projs(k, widths, fp8, 0, seed=i) for i in range(n_copies)]
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
-    key = (kind, sum(widths), k, FORMATS[fmt])
+    key = (kind, sum(widths), k, fp8)
     best = None
-    for cfg in configs(fmt, full):
+    for cfg in configs(fp8, full):
         if time.perf_counter() - T0 > budget_s:
-            log(kind="skipped", group=name, fmt=fmt, reason="budget")
+            log(kind="skipped", group=name, fp8=fp8, reason="budget")
             break
         dg.CONFIG_OVERRIDE[key] = cfg
         try:
             us = time_graph(lambda c: run_kernels(kind, x, c, res), copies)
         except Exception as exc:  # a config the compiler refuses (shared memory) is skipped, not fatal
-            log(kind="config_error", group=name, fmt=fmt, cfg=cfg.__dict__, error=repr(exc)[:200])
+            log(kind="config_error", group=name, fp8=fp8, cfg=cfg.__dict__, error=repr(exc)[:200])
             continue
-        log(kind="config", group=name, fmt=fmt, cfg=cfg.__dict__, us=round(us, 2), tbps=round(one / us / 1e6, 2))
+        log(kind="config", group=name, fp8=fp8, cfg=cfg.__dict__, us=round(us, 2), tbps=round(one / us / 1e6, 2))
         if best is None or us < best[0]:
             best = (us, cfg)
     dg.CONFIG_OVERRIDE.pop(key, None)
@@ -197,16 +184,18 @@ def sweep(name: str, fmt: str, budget_s: float, full: bool) -> dg.TileConfig | N
         return None
     dg.CONFIG_OVERRIDE[key] = best[1]
     cublas = time_graph(lambda c: run_modules(kind, x, c, res), copies) if not fp8 else None
-    log(kind="best", group=name, fmt=fmt, cfg=best[1].__dict__, us=round(best[0], 2),
+    log(kind="best", group=name, fp8=fp8, cfg=best[1].__dict__, us=round(best[0], 2),
         tbps=round(one / best[0] / 1e6, 2), cublas_us=None if cublas is None else round(cublas, 2), bytes=one)
     # with LoRA r32, kernels (best config) against the module path
-    lcopies = [make_projs(k, widths, fmt, 32, seed=i) for i in range(n_copies)]
+    lcopies = [make_projs(k, widths, fp8, 32, seed=i) for i in range(n_copies)]
     lk = time_graph(lambda c: run_kernels(kind, x, c, res), lcopies)
     lm = time_graph(lambda c: run_modules(kind, x, c, res), lcopies)
-    log(kind="lora", group=name, fmt=fmt, kernels_us=round(lk, 2), modules_us=round(lm, 2))
-    if fmt == "fp8_act":  # the same codes, weight-only (its tuned tiles), side by side
-        wo = [[dataclasses.replace(p, fp8_activations=False) for p in c] for c in copies]
-        log(kind="fp8_weight_only", group=name, us=round(time_graph(lambda c: run_kernels(kind, x, c, res), wo), 2))
+    log(kind="lora", group=name, fp8=fp8, kernels_us=round(lk, 2), modules_us=round(lm, 2))
+    if fp8:  # diagnostic: the same codes read without their scales (what the scale multiply costs)
+        bare = [[dg.DecodeProj(p.weight) for p in c] for c in copies]
+        dg.CONFIG_OVERRIDE[(kind, sum(widths), k, False)] = best[1]
+        log(kind="fp8_without_scales", group=name, us=round(time_graph(lambda c: run_kernels(kind, x, c, res), bare), 2))
+        dg.CONFIG_OVERRIDE.pop((kind, sum(widths), k, False))
     return best[1]
 
 
@@ -214,7 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     ap.add_argument("--groups", nargs="+", default=list(GROUPS))
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won before")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
@@ -227,19 +216,19 @@ def main() -> None:
         for rows in args.rows:
             for name in args.groups:
                 for fmt in args.formats:
-                    compare_rows(name, fmt, rows)
+                    compare_rows(name, fmt == "fp8", rows)
         return
     for name in args.groups:
-        for fmt in FORMATS:
+        for fp8 in (False, True):
             for rank in (0, 32):
-                check_group(name, fmt, rank)
+                check_group(name, fp8, rank)
     for name in args.groups:
         for fmt in args.formats:
-            sweep(name, fmt, args.budget_s, args.full)
+            sweep(name, fmt == "fp8", args.budget_s, args.full)
     for name in args.groups:  # the picked configs, checked against the reference too
         for fmt in args.formats:
             for rank in (0, 32):
-                check_group(name, fmt, rank)
+                check_group(name, fmt == "fp8", rank)
     print("\nCONFIG =", {k: v.__dict__ for k, v in dg.CONFIG_OVERRIDE.items()})
     if args.engine:  # the whole decode step with the configs just picked (same process)
         import native_gpu_check as ngc
@@ -251,14 +240,9 @@ def main() -> None:
         fp8 = ngc.build_model()
         quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         ngc.run_engine("fp8 kernels (sweep configs)", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
-        with ngc.fp8_weight_only(fp8):
-            ngc.run_engine("fp8 weight-only kernels", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
         for label, m in (("bf16+LoRA", model), ("fp8+LoRA", fp8)):
             lora = ngc.add_lora(m)
             ngc.run_engine(f"{label} kernels (sweep configs)", lora, ngc.weight_bytes(lora), engine_kw=gemm)
-            if label.startswith("fp8"):
-                with ngc.fp8_weight_only(lora):
-                    ngc.run_engine("fp8+LoRA weight-only kernels", lora, ngc.weight_bytes(lora), engine_kw=gemm)
 
 
 if __name__ == "__main__":

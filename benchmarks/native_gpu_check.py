@@ -14,7 +14,6 @@ and each variant is skipped, not failed, when the time budget runs out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -302,23 +301,6 @@ def standby(model) -> None:
         (torch.cuda.max_memory_allocated() - m0) / 2**30, 3))
 
 
-@contextlib.contextmanager
-def fp8_weight_only(model):
-    """FP8Linear layers multiply by the dequantized weight instead of quantizing activations; the decode
-    kernels follow them (weight-only FP8: codes times bf16 activations)."""
-    from grpo.kernels.fp8 import FP8Linear
-
-    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    before = [m.gemm for m in layers]
-    for m in layers:
-        m.gemm = "dequant"
-    try:
-        yield
-    finally:
-        for m, g in zip(layers, before):
-            m.gemm = g
-
-
 def correctness(model, engine_kw=None) -> None:
     """Greedy tokens against transformers generate; prefill logits against a forward; graph vs eager."""
     from grpo.rollout.native import NativeEngine
@@ -359,9 +341,6 @@ PLANS = {
     # the decode GEMM kernels against the module path, every model kind (third session)
     "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
              "lora_compiled", "lora_gemm", "kernels_lora_gemm", "fp8_lora_compiled", "fp8_lora_gemm"],
-    # FP8 decode with activations quantized as FP8Linear does (FP8 x FP8 dots) against weight-only (fourth)
-    "fp8": ["check", "gemm", "check_fp8_gemm", "fp8_gemm", "fp8_gemm_weight_only", "lora_gemm", "fp8_lora_gemm",
-            "fp8_lora_gemm_weight_only"],
     "final": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
               "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
 }
@@ -446,10 +425,7 @@ def main() -> None:
             step("fp8", lambda: run_engine("fp8 graph", fp8, wf))
             step("kernels_fp8", lambda: kernel_breakdown("fp8", fp8))
             step("fp8_compiled", lambda: run_engine(f"fp8 {best}", fp8, wf, engine_kw=best))
-            step("check_fp8_gemm", lambda: correctness(fp8, gemm))
             step("fp8_gemm", lambda: run_engine(f"fp8 {gemm}", fp8, wf, engine_kw=gemm))
-            with fp8_weight_only(fp8):
-                step("fp8_gemm_weight_only", lambda: run_engine(f"fp8 weight-only {gemm}", fp8, wf, engine_kw=gemm))
 
     lora = add_lora(model)  # wraps model's projections in place
     wl = weight_bytes(lora)
@@ -468,9 +444,6 @@ def main() -> None:
         wfl = weight_bytes(fp8_lora)
         step("fp8_lora_compiled", lambda: run_engine(f"fp8+LoRA r32 {best}", fp8_lora, wfl, engine_kw=best))
         step("fp8_lora_gemm", lambda: run_engine(f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
-        with fp8_weight_only(fp8_lora):
-            step("fp8_lora_gemm_weight_only", lambda: run_engine(f"fp8+LoRA r32 weight-only {gemm}", fp8_lora, wfl,
-                                                                  engine_kw=gemm))
         step("fp8_lora", lambda: run_engine("fp8+LoRA r32 graph", fp8_lora, wfl))
         with fp8_lora.disable_adapter():
             step("fp8_graph", lambda: run_engine("fp8 graph (same run)", fp8_lora, wf))

@@ -48,24 +48,6 @@ def test_bad_groups_are_refused_with_a_clear_error():
         dg.project(torch.randn(4, 64), [dense])
     with pytest.raises(ValueError, match="1 to 3"):
         dg.project(x, [dense] * 4)
-    with pytest.raises(ValueError, match="needs FP8 weights"):
-        dg.project(x, [dg.DecodeProj(dense.weight, fp8_activations=True)])
-    with pytest.raises(ValueError, match="agree on fp8_activations"):
-        dg.project(x, [dg.DecodeProj(codes, scale), dg.DecodeProj(codes, scale, fp8_activations=True)])
-
-
-def test_reference_quantizes_activations_as_the_fp8_module_does():
-    # the decode reference's 1x128 activation quantization is FP8Linear's own (its _scaled_mm path)
-    from grpo.kernels.fp8 import quantize_fp8_rows_ref
-
-    x = torch.randn(5, 384) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
-    codes, scale = quantize_fp8_rows_ref(x)
-    want = (codes.float().view(5, 3, 128) * scale[..., None]).view(5, 384)
-    assert torch.equal(dg.quantize_rows_ref(x), want)
-    w = torch.randn(64, 384)
-    p = dg.DecodeProj(*quantize_fp8_block(w), fp8_activations=True)
-    torch.testing.assert_close(dg.project_ref(x, [p])[0], want @ dg._dense_ref(p).t(), rtol=1e-6, atol=1e-6)
-    assert dg.quantize_rows_ref(torch.randn(2, 300)).shape == (2, 300)  # a partial last group
 
 
 @pytest.mark.slow
@@ -87,7 +69,7 @@ SHAPES = [("proj", 2048, [2048, 512, 512]), ("proj", 2048, [2048]), ("gated", 20
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("fp8", [False, True, "activations"])
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rank", [0, 32])
 @pytest.mark.parametrize("kind,k,widths", SHAPES)
 def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
@@ -98,7 +80,7 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
         weight, s = quantize_fp8_block(w) if fp8 else (w.bfloat16(), None)
         a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
         b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
-        projs.append(dg.DecodeProj(weight, s, a, b, 11.3, fp8_activations=fp8 == "activations"))
+        projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
     for m in (16, 3, 1):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         if kind == "gated":
@@ -146,27 +128,6 @@ def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
             return 2 * super().forward(x)
 
     layer.self_attn.q_proj.lora_A["default"].__class__ = ScaledA
-    assert _layer_plan(layer, torch.float32) is None
-
-
-def test_engine_plans_follow_the_fp8_modules_arithmetic():
-    # FP8 layers: the kernels quantize activations exactly where FP8Linear's forward does (its _scaled_mm
-    # path), so sampler and trainer compute the same thing; on the CPU that path is off
-    from grpo.kernels.fp8 import FP8Linear, quantize_linears_
-    from grpo.rollout.native import _layer_plan
-    from test_native_engine import small_llama
-
-    model = small_llama(seed=0)
-    quantize_linears_(model)
-    layer = model.model.layers[0]
-    plan = _layer_plan(layer, torch.float32)
-    assert plan.q.scale_inv is layer.self_attn.q_proj.weight_scale_inv and not plan.q.fp8_activations
-    for m in layer.modules():
-        if isinstance(m, FP8Linear):
-            m.gemm = "scaled_mm"
-    plan = _layer_plan(layer, torch.float32)
-    assert all(getattr(plan, name).fp8_activations for name in ("q", "k", "v", "o", "gate", "up", "down"))
-    layer.self_attn.k_proj.gemm = "dequant"  # q/k/v disagree: one launch cannot do both
     assert _layer_plan(layer, torch.float32) is None
 
 

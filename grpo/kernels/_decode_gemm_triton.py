@@ -18,64 +18,27 @@ def _dot32(a, b, EXACT: tl.constexpr):
     return tl.dot(a, b, input_precision="tf32")
 
 @triton.jit
-def _to_e4m3(v):
-    # v in [-448, 448] rounded to nearest-even on E4M3's grid in float32 (3 mantissa bits, subnormal step
-    # 2^-9), so the cast itself is exact. The hardware cast alone rounds the same way; Triton's interpreter
-    # does not (it drops carries and ties), and the CPU tests run there.
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step_e = tl.maximum(e, -6) - 3
-    step = ((step_e + 127) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((127 - step_e) << 23).to(tl.float32, bitcast=True)
-    t = v * inv_step  # |t| < 16: adding 1.5 * 2^23 rounds it to an integer, ties to even
-    return (((t + 12582912.0) - 12582912.0) * step).to(tl.float8e4nv)
-
-@triton.jit
-def _quant_rows(x):
-    # FP8Linear's activation quantization of one 128-wide group per row: scale = amax / 448
-    sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-    return _to_e4m3(tl.clamp(x / sx[:, None], -448.0, 448.0)), sx
-
-@triton.jit
-def _weight_part(x, xq, sx, w_ptr, s_ptr, N, K, rn, rk, scale_at, k_sub, HAS_SCALE: tl.constexpr,
-                 QUANT_X: tl.constexpr, EXACT: tl.constexpr):
-    # one sub-step's float32 (BLOCK_M, BLOCK_N) product with rows rn of W, block scale applied
-    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-    if QUANT_X:  # FP8 x FP8 on the tensor cores: the codes go in as read, no conversion
-        part = tl.dot(xq, tl.trans(w)) * sx[:, None]
-    else:
-        part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
-    if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
-        part = part * tl.load(s_ptr + scale_at, mask=k_sub < K, other=0.0)  # none past K
-    return part
-
-@triton.jit
-def _base_tiles(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w2_ptr, s2_ptr, N, rn, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr, QUANT_X: tl.constexpr, PAIR: tl.constexpr):
-    # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K), and of W2 when PAIR (both read x
-    # once: with QUANT_X the quantization is shared); FP8 codes scaled per 128 block
+def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
+               EXACT: tl.constexpr):
+    # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K); FP8 codes scaled per 128 block
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
     kb = tl.cdiv(K, 128)
     row_block = tl.min(rn, axis=0) // 128  # the tile's rows lie in one 128-row block of scales
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(BLOCK_K // SUB_K):
-            k_sub = k0 + j * SUB_K
-            rk = k_sub + tl.arange(0, SUB_K)
+            rk = k0 + j * SUB_K + tl.arange(0, SUB_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                         other=0.0)
-            xq = x
-            sx = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            if QUANT_X:  # SUB_K is 128: one group per row
-                xq, sx = _quant_rows(x.to(tl.float32))
-            scale_at = row_block * kb + k_sub // 128
-            acc += _weight_part(x, xq, sx, w_ptr, s_ptr, N, K, rn, rk, scale_at, k_sub, HAS_SCALE, QUANT_X,
-                                EXACT)
-            if PAIR:
-                acc2 += _weight_part(x, xq, sx, w2_ptr, s2_ptr, N, K, rn, rk, scale_at, k_sub, HAS_SCALE,
-                                     QUANT_X, EXACT)
-    return acc, acc2
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+                        other=0.0)
+            part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
+            if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
+                k_sub = k0 + j * SUB_K  # past K (a partial last step) there is no scale to read
+                part = part * tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
+            acc += part
+    return acc
 
 @triton.jit
 def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -93,11 +56,11 @@ def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R
 def _one_proj(tile, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-              SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, QUANT_X: tl.constexpr):
+              SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    acc, _ = _base_tiles(x_ptr, stride_xm, M, K, w_ptr, s_ptr, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K,
-                         HAS_SCALE, STAGES, EXACT, QUANT_X, False)
+    acc = _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
+                     STAGES, EXACT)
     if HAS_LORA:
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -112,43 +75,39 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr, QUANT_X: tl.constexpr):
+                EXACT: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = SPLIT * BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, QUANT_X)
+                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
                           res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R,
-                          SPLIT, STAGES, EXACT, QUANT_X)
+                          SPLIT, STAGES, EXACT)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2, xa_ptr + 2 * xa_stride,
                               R, c2, res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES,
-                              BLOCK_R, SPLIT, STAGES, EXACT, QUANT_X)
+                              BLOCK_R, SPLIT, STAGES, EXACT)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr, QUANT_X: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr):
     # y = silu(x Wg^T) * (x Wu^T) for one tile of N
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    if QUANT_X:  # one K loop for both weights: x is quantized once
-        g, u = _base_tiles(x_ptr, stride_xm, M, K, wg, sg, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                           STAGES, EXACT, QUANT_X, True)
-    else:  # two loops: measured as fast as one for bf16 activations
-        g, _ = _base_tiles(x_ptr, stride_xm, M, K, wg, sg, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                           STAGES, EXACT, QUANT_X, False)
-        u, _ = _base_tiles(x_ptr, stride_xm, M, K, wu, su, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                           STAGES, EXACT, QUANT_X, False)
+    g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
+                   EXACT)
+    u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
+                   EXACT)
     if HAS_LORA:
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)
         u = _lora_up(u, xa_ptr + SPLIT * BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, SPLIT,

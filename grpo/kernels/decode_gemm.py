@@ -11,10 +11,8 @@ in tiles of BLOCK_N output features, with the rows padded to 16 for the tensor c
 decode layer does around its projections:
 
 - FP8 block weights (float8_e4m3fn codes with 128x128 float32 scales) are read as codes, half the bytes
-  of bf16, with the block scale applied to each 128-wide partial product. Two ways to multiply them:
-  weight-only (the codes converted to the activations' dtype), or `DecodeProj.fp8_activations`, FP8Linear's
-  own arithmetic on the tensor cores: each row's activations quantized in 1x128 groups (scale = amax /
-  448) inside the kernel and the codes multiplied as FP8, so the sampler computes what training computes.
+  of bf16, and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
+  activations stay bf16 (weight-only FP8: no activation quantization in decode).
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
   over K into partial sums that the consumer adds, so no atomics and the result is deterministic).
 - up to three projections that read the same input (q/k/v) in one launch;
@@ -55,8 +53,6 @@ class DecodeProj:
     weight: (N, K) in the activations' dtype, or float8_e4m3fn codes with `scale_inv`
         (ceil(N/128), ceil(K/128)) float32 block scales.
     lora_a (R, K), lora_b (N, R), lora_scale: an active LoRA adapter, y += lora_scale * x A^T B^T.
-    fp8_activations: with FP8 weights, quantize x per row in 1x128 groups and multiply FP8 x FP8, as
-        FP8Linear's `_scaled_mm` path does (otherwise weight-only: the codes times x in x's dtype).
     """
 
     weight: torch.Tensor
@@ -64,7 +60,6 @@ class DecodeProj:
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
     lora_scale: float = 1.0
-    fp8_activations: bool = False
 
     @property
     def out_features(self) -> int:
@@ -91,20 +86,9 @@ def _dense_ref(proj: DecodeProj) -> torch.Tensor:
     return w
 
 
-def quantize_rows_ref(x2: torch.Tensor) -> torch.Tensor:
-    """x (M, K) through FP8Linear's activation quantization, dequantized again (float32): each row in
-    groups of 128 columns (the last may be shorter), scale = max(amax, 1e-12) / 448, codes in E4M3."""
-    m, k = x2.shape
-    groups = F.pad(x2.float(), (0, -k % FP8_BLOCK)).view(m, -1, FP8_BLOCK)
-    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
-    codes = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return (codes.float() * scale).view(m, -1)[:, :k]
-
-
 def _proj_ref(x2: torch.Tensor, proj: DecodeProj) -> torch.Tensor:
-    """float32 x W^T (+ scale * x A^T B^T); x quantized for the base product with `fp8_activations`."""
-    xb = quantize_rows_ref(x2) if proj.fp8_activations else x2.float()
-    y = xb @ _dense_ref(proj).t()
+    """float32 x W^T (+ scale * x A^T B^T)."""
+    y = x2.float() @ _dense_ref(proj).t()
     if proj.lora_a is not None:
         y = y + (x2.float() @ proj.lora_a.float().t()) @ proj.lora_b.float().t() * proj.lora_scale
     return y
@@ -159,37 +143,27 @@ class TileConfig:
 
 
 # Picked on the H200 by benchmarks/decode_gemm_gpu_check.py (16 rows, Llama-3.2-1B shapes; RESULTS.md):
-# (kind, output features in all, K, format) -> config. Other shapes get the default below.
+# (kind, output features in all, K, fp8) -> config. Other shapes get the default below.
 _TUNED = {
-    ("gated", 16384, 2048, "dense"): TileConfig(16, 256, 4, 3),
-    ("gated", 16384, 2048, "fp8"): TileConfig(16, 256, 4, 4),
-    ("proj", 2048, 8192, "dense"): TileConfig(16, 512, 4, 4),
-    ("proj", 2048, 8192, "fp8"): TileConfig(32, 256, 4, 4),
-    ("proj", 3072, 2048, "dense"): TileConfig(32, 256, 4, 4),
-    ("proj", 3072, 2048, "fp8"): TileConfig(32, 256, 4, 4),
-    ("proj", 2048, 2048, "dense"): TileConfig(16, 512, 4, 4),
-    ("proj", 2048, 2048, "fp8"): TileConfig(32, 256, 4, 4),
+    ("gated", 16384, 2048, False): TileConfig(16, 256, 4, 3),
+    ("gated", 16384, 2048, True): TileConfig(16, 256, 4, 4),
+    ("proj", 2048, 8192, False): TileConfig(16, 512, 4, 4),
+    ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4),
+    ("proj", 3072, 2048, False): TileConfig(32, 256, 4, 4),
+    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 4),
+    ("proj", 2048, 2048, False): TileConfig(16, 512, 4, 4),
+    ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 4),
 }
 
-FORMATS = ("dense", "fp8", "fp8_act")  # weights in the activations' dtype; FP8 weight-only; FP8 x FP8
-CONFIG_OVERRIDE: dict[tuple, TileConfig] = {}  # (kind, N, K, format) -> config; benchmarks sweep through it
+
+CONFIG_OVERRIDE: dict[tuple, TileConfig] = {}  # (kind, N, K, fp8) -> config; benchmarks sweep through it
 
 
-def weight_format(projs: Sequence[DecodeProj]) -> str:
-    """The format key of a launch (see FORMATS); `_check_group` makes it one per launch."""
-    if projs[0].scale_inv is None:
-        return "dense"
-    return "fp8_act" if projs[0].fp8_activations else "fp8"
-
-
-def tile_config(kind: str, n: int, k: int, fmt: str) -> TileConfig:
-    """The tiles for one launch. `kind` is "proj" or "gated"; n the group's output features in all;
-    `fmt` one of FORMATS."""
-    if fmt not in FORMATS:
-        raise ValueError(f"decode_gemm.tile_config: format {fmt!r} is not one of {FORMATS}")
-    key = (kind, n, k, fmt)
+def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
+    """The tiles for one launch. `kind` is "proj" or "gated"; n the group's output features in all."""
+    key = (kind, n, k, fp8)
     cfg = CONFIG_OVERRIDE.get(key) or _TUNED.get(key) or TileConfig(32 if n >= 2048 else 16, 256, 4, 4)
-    if fmt != "dense" and (128 % cfg.block_n or cfg.block_k % 128):
+    if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
         raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
     return cfg
 
@@ -214,11 +188,6 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
     fp8 = {p.scale_inv is not None for p in projs}
     if len(fp8) != 1:
         raise ValueError("decode_gemm: projections of one launch must all be FP8 or all dense")
-    if len({p.fp8_activations for p in projs}) != 1:
-        raise ValueError("decode_gemm: projections of one launch must agree on fp8_activations")
-    if projs[0].fp8_activations and projs[0].scale_inv is None:
-        raise ValueError("decode_gemm: fp8_activations=True needs FP8 weights (scale_inv); dense weights multiply "
-                         "in the activations' dtype")
     if x2.stride(1) != 1:
         raise ValueError("decode_gemm: x must have contiguous rows (x.stride(1) == 1); pass x.contiguous()")
     for p in projs:
@@ -278,7 +247,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
     xa = lora_down(x2, [p.lora_a for p in projs], block_r) if rank else x2
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
-    cfg = tile_config("proj", sum(p.out_features for p in projs), k, weight_format(projs))
+    cfg = tile_config("proj", sum(p.out_features for p in projs), k, fp8)
     args = []
     for i in range(3):
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
@@ -290,7 +259,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
         BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
-        EXACT=x2.dtype == torch.float32, QUANT_X=projs[0].fp8_activations, num_warps=cfg.num_warps)
+        EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
     return outs
 
 
@@ -307,7 +276,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     fp8 = gate.scale_inv is not None
     xa = lora_down(x2, [gate.lora_a, up.lora_a], block_r) if rank else x2
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = tile_config("gated", n, k, weight_format([gate]))
+    cfg = tile_config("gated", n, k, fp8)
     kernels.gated_kernel[(-(-n // cfg.block_n),)](
         x2, x2.stride(0), m, k,
         gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight, float(gate.lora_scale),
@@ -315,7 +284,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
         y, n, xa, rank,
         BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
         HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k),
-        STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, QUANT_X=gate.fp8_activations, num_warps=cfg.num_warps)
+        STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
     return y
 
 

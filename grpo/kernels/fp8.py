@@ -206,12 +206,8 @@ def _is_hopper(device_index: int) -> bool:
 def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
     """Blockwise `_scaled_mm` checked on Hopper (sm_90) only; K and N multiples of 512 keep every
     scale tensor's outer dimension a multiple of 4, as cuBLAS's blockwise layouts require."""
-    return _scaled_mm_ok_for(x.device, x.dtype, n, k)
-
-
-def _scaled_mm_ok_for(device: torch.device, dtype: torch.dtype, n: int, k: int) -> bool:
-    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and k % 512 == 0 and n % 512 == 0
-            and _is_hopper(device.index if device.index is not None else torch.cuda.current_device()))
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k % 512 == 0 and n % 512 == 0
+            and _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
 _PAD_M = 16  # cuBLAS refuses blockwise scaling for some M (seen: M=1 and M=333 on the H200); pad rows
@@ -300,13 +296,6 @@ class FP8Linear(nn.Linear):
         w_fp8, scale_inv = quantize_fp8_block(linear.weight.detach())
         return cls(w_fp8, scale_inv, None if linear.bias is None else linear.bias.detach(),
                    compute_dtype=linear.weight.dtype)
-
-    def quantizes_activations(self, dtype: torch.dtype) -> bool:
-        """Whether forward quantizes inputs of `dtype` to FP8 (the `_scaled_mm` path) on this layer's
-        device, rather than multiplying by the dequantized weight. The decode kernels follow it."""
-        if self.gemm != "auto":
-            return self.gemm == "scaled_mm"
-        return _scaled_mm_ok_for(self.weight.device, dtype, self.out_features, self.in_features)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, dtype or self.compute_dtype)

@@ -256,10 +256,7 @@ def _decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
         return None
     if not weight.is_contiguous():
         return None
-    # FP8: the kernels do the module's own arithmetic, activations quantized where its forward quantizes
-    # them (the `_scaled_mm` path), so the sampler's log-probs are the trainer's
-    fp8_activations = scale_inv is not None and base.quantizes_activations(dtype)
-    return DecodeProj(weight, scale_inv, lora_a, lora_b, scale, fp8_activations)
+    return DecodeProj(weight, scale_inv, lora_a, lora_b, scale)
 
 
 def _layer_plan(layer: nn.Module, dtype: torch.dtype) -> _LayerPlan | None:
@@ -274,7 +271,7 @@ def _layer_plan(layer: nn.Module, dtype: torch.dtype) -> _LayerPlan | None:
         return None
     groups = ([projs["q"], projs["k"], projs["v"]], [projs["gate"], projs["up"]])
     for group in groups:  # one launch per group: one LoRA rank and one weight format
-        if len({(p.rank, p.scale_inv is None, p.fp8_activations) for p in group}) != 1:
+        if len({p.rank for p in group}) != 1 or len({p.scale_inv is None for p in group}) != 1:
             return None
     return _LayerPlan(**projs)
 
