@@ -118,7 +118,9 @@ def configs(fp8: bool, full: bool) -> list[dg.TileConfig]:
     if full:
         out = [dg.TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
                if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
-        out += [dg.TileConfig(64, 256, 8, 3), dg.TileConfig(128, 128, 8, 3)]
+        out += [dg.TileConfig(64, 256, 8, 3), dg.TileConfig(128, 128, 8, 3), dg.TileConfig(32, 256, 8, 4),
+                dg.TileConfig(16, 256, 4, 6), dg.TileConfig(32, 128, 4, 6), dg.TileConfig(16, 512, 4, 5),
+                dg.TileConfig(32, 512, 8, 3)]
     else:
         out = [dg.TileConfig(bn, bk, 4, 4) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512))]
     return out
@@ -204,6 +206,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     ap.add_argument("--groups", nargs="+", default=list(GROUPS))
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--pairs", nargs="+", default=None, metavar="GROUP:FORMAT",
+                    help="sweep only these, e.g. gate_up:bf16 down:fp8 (default: every group x format)")
     ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won before")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
@@ -222,13 +226,13 @@ def main() -> None:
         for fp8 in (False, True):
             for rank in (0, 32):
                 check_group(name, fp8, rank)
-    for name in args.groups:
-        for fmt in args.formats:
-            sweep(name, fmt == "fp8", args.budget_s, args.full)
-    for name in args.groups:  # the picked configs, checked against the reference too
-        for fmt in args.formats:
-            for rank in (0, 32):
-                check_group(name, fmt == "fp8", rank)
+    pairs = [p.split(":") for p in args.pairs] if args.pairs else [
+        (name, fmt) for name in args.groups for fmt in args.formats]
+    for name, fmt in pairs:
+        sweep(name, fmt == "fp8", args.budget_s, args.full)
+    for name, fmt in pairs:  # the picked configs, checked against the reference too
+        for rank in (0, 32):
+            check_group(name, fmt == "fp8", rank)
     print("\nCONFIG =", {k: v.__dict__ for k, v in dg.CONFIG_OVERRIDE.items()})
     if args.engine:  # the whole decode step with the configs just picked (same process)
         import native_gpu_check as ngc

@@ -12,7 +12,8 @@ decode layer does around its projections:
 
 - FP8 block weights (float8_e4m3fn codes with 128x128 float32 scales) are read as codes, half the bytes
   of bf16, and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
-  activations stay bf16 (weight-only FP8: no activation quantization in decode).
+  activations stay bf16 (weight-only FP8: no activation quantization in decode; quantizing them inside
+  the kernels, as FP8Linear's `_scaled_mm` path does, measured slower: RESULTS.md).
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
   over K into partial sums that the consumer adds, so no atomics and the result is deterministic).
 - up to three projections that read the same input (q/k/v) in one launch;
@@ -145,8 +146,8 @@ class TileConfig:
 # Picked on the H200 by benchmarks/decode_gemm_gpu_check.py (16 rows, Llama-3.2-1B shapes; RESULTS.md):
 # (kind, output features in all, K, fp8) -> config. Other shapes get the default below.
 _TUNED = {
-    ("gated", 16384, 2048, False): TileConfig(16, 256, 4, 3),
-    ("gated", 16384, 2048, True): TileConfig(16, 256, 4, 4),
+    ("gated", 16384, 2048, False): TileConfig(32, 256, 4, 4),
+    ("gated", 16384, 2048, True): TileConfig(32, 128, 4, 6),
     ("proj", 2048, 8192, False): TileConfig(16, 512, 4, 4),
     ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4),
     ("proj", 3072, 2048, False): TileConfig(32, 256, 4, 4),
@@ -276,7 +277,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     fp8 = gate.scale_inv is not None
     xa = lora_down(x2, [gate.lora_a, up.lora_a], block_r) if rank else x2
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = tile_config("gated", n, k, fp8)
+    cfg = tile_config("gated", 2 * n, k, fp8)  # keyed by the group's outputs in all, gate and up
     kernels.gated_kernel[(-(-n // cfg.block_n),)](
         x2, x2.stride(0), m, k,
         gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight, float(gate.lora_scale),

@@ -72,6 +72,21 @@ def test_every_tile_config_gives_the_same_result():
         dg.CONFIG_OVERRIDE.pop(key, None)
 
 
+@pytest.mark.parametrize("kind", ["proj", "gated"])
+def test_launches_read_the_config_under_the_key_the_sweeps_write(kind):
+    # tile_config keys a launch by its outputs in all (gate + up for the gated MLP): an FP8 config that
+    # tile_config refuses, put under that key, must be what the launch reads
+    x = torch.randn(3, 256)
+    projs = [proj(96, 256, True, 0, seed=i) for i in range(2)]
+    key = (kind, 192, 256, True)
+    dg.CONFIG_OVERRIDE[key] = dg.TileConfig(48, 128, 4, 2)
+    try:
+        with pytest.raises(ValueError, match="block_n must divide 128"):
+            dg.project_gated(x, *projs) if kind == "gated" else dg.project(x, projs)
+    finally:
+        dg.CONFIG_OVERRIDE.pop(key)
+
+
 def test_native_engine_with_kernels_equals_engine_with_modules():
     from peft import LoraConfig, get_peft_model
 
