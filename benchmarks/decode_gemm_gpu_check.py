@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.kernels import decode_gemm as dg
-from grpo.kernels.fp8 import quantize_fp8_block
+from grpo.kernels.fp8 import fp8_linear, quantize_fp8_block
 
 ROWS = 16
 T0 = time.perf_counter()
@@ -73,12 +73,16 @@ def run_kernels(kind: str, x, projs, res):
     return dg.project(x, projs, residual=res)[0]
 
 
-def run_modules(kind: str, x, projs, res):
+def run_modules(kind: str, x, projs, res, fp8_module: bool = False):
     """What the engine does without the kernels: cuBLAS per projection, the LoRA chain as peft runs it."""
     outs = []
     for p in projs:
-        w = p.weight if p.scale_inv is None else dg._dense_ref(p).to(torch.bfloat16)  # cuBLAS needs bf16
-        y = F.linear(x, w)
+        if p.scale_inv is None:
+            y = F.linear(x, p.weight)
+        elif fp8_module:  # FP8Linear's own forward: activations quantized, blockwise _scaled_mm
+            y = fp8_linear(x, p.weight, p.scale_inv)
+        else:  # cuBLAS on the dequantized weight (a bf16 stand-in)
+            y = F.linear(x, dg._dense_ref(p).to(torch.bfloat16))
         if p.lora_a is not None:
             y = (y + F.linear(F.linear(x.float(), p.lora_a), p.lora_b) * p.lora_scale).to(x.dtype)
         outs.append(y)
@@ -140,7 +144,8 @@ def check_group(name: str, fp8: bool, rank: int) -> None:
 
 
 def compare_rows(name: str, fp8: bool, rows: int) -> None:
-    """At `rows` rows: the tuned tiles against cuBLAS (bf16), and both paths with rsLoRA r32, checked."""
+    """At `rows` rows: the tuned tiles (fitted to the rows) against the module path (cuBLAS for bf16,
+    FP8Linear's blockwise _scaled_mm for FP8), and both with rsLoRA r32, checked."""
     kind, k, widths, residual = GROUPS[name]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
@@ -154,8 +159,8 @@ def compare_rows(name: str, fp8: bool, rows: int) -> None:
                else dg.project_ref(x.float(), copies[0], None if res is None else res.float())[0])
         row[f"rel_err_r{rank}"] = round(((got - ref).norm() / ref.norm()).item(), 5)
         row[f"kernels_us_r{rank}"] = round(time_graph(lambda c: run_kernels(kind, x, c, res), copies), 2)
-        if not fp8:
-            row[f"modules_us_r{rank}"] = round(time_graph(lambda c: run_modules(kind, x, c, res), copies), 2)
+        row[f"modules_us_r{rank}"] = round(time_graph(lambda c: run_modules(kind, x, c, res, fp8_module=fp8),
+                                                      copies), 2)
     log(**row)
 
 

@@ -154,12 +154,14 @@ def sampling(**kw):
     return Sampling(**base)
 
 
-def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=2, engine_kw=None, **sample_kw):
+def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=2, engine_kw=None, rows=ROWS,
+               **sample_kw):
     """Generate `repeats` times, releasing memory in between as the trainer does (so every run after
-    the first pays the re-capture, not the compile); ms/step is the median over runs of decode / steps."""
+    the first pays the re-capture, not the compile); ms/step is the median over runs of decode / steps.
+    `rows`: P prompts x rows / P completions each."""
     from grpo.rollout.native import NativeEngine
 
-    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004,
+    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=rows, pad_id=128004,
                           use_cuda_graph=graph, **{**PLAIN, **(engine_kw or {})})
     s = sampling(max_new_tokens=new or NEW, **sample_kw)
     first = None
@@ -169,7 +171,7 @@ def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
         t = time.perf_counter()
-        r = engine.generate(prompts(), G, s)
+        r = engine.generate(prompts(), rows // P, s)
         wall = time.perf_counter() - t
         peak = torch.cuda.max_memory_allocated() - base_mem
         first = first or dict(first_wall_s=round(wall, 2), first_capture_s=round(r.timings["capture"], 3))
@@ -177,7 +179,7 @@ def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=
         per_step.append(r.timings["decode"] / steps)
         engine.release_memory()
     ms = statistics.median(per_step[1:] if len(per_step) > 1 else per_step) * 1e3
-    row = dict(kind="engine", variant=label, ms_per_step=round(ms, 3), tok_per_s=round(ROWS / ms * 1e3),
+    row = dict(kind="engine", variant=label, rows=rows, ms_per_step=round(ms, 3), tok_per_s=round(rows / ms * 1e3),
                gbps=round(wbytes / (ms / 1e3) / 1e9), prefill_ms=round(r.timings["prefill"] * 1e3, 1),
                capture_ms=round(r.timings["capture"] * 1e3, 1), wall_s=round(wall, 2),
                peak_extra_gib=round(peak / 2**30, 3), kv_gib=round(engine.kv_cache_bytes() / 2**30, 3),
@@ -333,6 +335,28 @@ def correctness(model, engine_kw=None) -> None:
     eager.release_memory()
 
 
+def rows_check(model, rows: int, engine_kw: dict) -> None:
+    """At `rows` rows, greedy: the engine with the decode kernels against the engine with the modules
+    (steps before the tokens first differ in any row, of 32; largest log-prob difference before it)."""
+    from grpo.kernels import decode_gemm
+    from grpo.rollout.native import NativeEngine
+
+    for fp8 in (False, True):  # let the engine use the kernels at these rows, whatever the format
+        decode_gemm.MAX_ROWS[fp8] = max(decode_gemm.MAX_ROWS[fp8], rows)
+    out = {}
+    for gemm in ("kernels", "modules"):
+        engine = NativeEngine(model, max_seq_len=PROMPT + 32, max_batch=rows, pad_id=128004,
+                              **{**PLAIN, **engine_kw, "gemm": gemm})
+        out[gemm] = engine.generate(prompts(), rows // P, sampling(max_new_tokens=32, temperature=0.0, min_p=0.0))
+        engine.release_memory()
+    a, b = out["kernels"], out["modules"]
+    agree = (a.completion_ids == b.completion_ids).long().cumprod(1).sum(1)  # per row: steps before they differ
+    first = int(agree.min())
+    err = float((a.sampler_logp[:, :first] - b.sampler_logp[:, :first]).abs().max()) if first else None
+    log(kind="rows_check", rows=rows, engine_kw=engine_kw, greedy_steps_equal_of_32_min=first,
+        median=float(agree.float().median()), rows_all_32=int((agree == 32).sum()), logp_max_abs_err_before=err)
+
+
 PLANS = {
     # the first GPU call: correctness, transformers, graph variants, memory, one whole-model compile
     "first": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
@@ -341,6 +365,8 @@ PLANS = {
     # the decode GEMM kernels against the module path, every model kind (third session)
     "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
              "lora_compiled", "lora_gemm", "kernels_lora_gemm", "fp8_lora_compiled", "fp8_lora_gemm"],
+    # the decode kernels beyond 16 rows (fourth session): kernels against modules at 32 and 64 rows
+    "rows": ["rows", "fp8_rows"],
     "final": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
               "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
 }
@@ -411,6 +437,15 @@ def main() -> None:
     step("gemm", lambda: run_engine(f"bf16 {gemm}", model, wb, engine_kw=gemm))
     step("kernels_gemm", lambda: kernel_breakdown(f"bf16 {gemm}", model, engine_kw=gemm))
 
+    def at_rows(label, m, wbytes):
+        rows_check(m, 16, dict(compile=mode))  # the kernels' own row count: the baseline for agreement
+        for rows in (32, 64):
+            rows_check(m, rows, dict(compile=mode))
+            for g in ("kernels", "modules"):
+                run_engine(f"{label} {rows} rows {g}", m, wbytes, engine_kw=dict(compile=mode, gemm=g), rows=rows)
+
+    step("rows", lambda: at_rows("bf16", model, wb))
+
     fp8 = None
     if any("fp8" in v for v in variants):
         try:
@@ -426,6 +461,7 @@ def main() -> None:
             step("kernels_fp8", lambda: kernel_breakdown("fp8", fp8))
             step("fp8_compiled", lambda: run_engine(f"fp8 {best}", fp8, wf, engine_kw=best))
             step("fp8_gemm", lambda: run_engine(f"fp8 {gemm}", fp8, wf, engine_kw=gemm))
+            step("fp8_rows", lambda: at_rows("fp8", fp8, wf))
 
     lora = add_lora(model)  # wraps model's projections in place
     wl = weight_bytes(lora)
@@ -458,7 +494,7 @@ def main() -> None:
             print(f"{r['variant']:<48} {r['ms_per_step']:>7.3f} ms/step {r['tok_per_s']:>7} tok/s {r['gbps']:>6} GB/s "
                   f"prefill {r['prefill_ms']} ms capture {r['capture_ms']} ms first {r['first_wall_s']} s "
                   f"peak+{r['peak_extra_gib']} GiB")
-        if r["kind"] in ("standby", "correctness", "error", "skipped", "kernels", "best"):
+        if r["kind"] in ("standby", "correctness", "error", "skipped", "kernels", "best", "rows_check"):
             print({k: v for k, v in r.items() if k not in ("tb",)})
 
 

@@ -81,7 +81,7 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
         a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
         b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
         projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
-    for m in (16, 3, 1):
+    for m in (64, 32, 16, 3, 1):  # every row tile; the tiles tuned at 16 rows shrink to fit at 64
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         if kind == "gated":
             got, want = [dg.project_gated(x, *projs)], [dg.project_gated_ref(x.float(), *projs)]
@@ -162,3 +162,34 @@ def test_engine_gemm_choice_on_cpu():
             build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="kernels")
     with pytest.raises(ValueError, match="gemm='fast'"):
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="fast")
+
+
+
+def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block():
+    cfg, seen = dg.TileConfig(16, 512, 4, 4), []
+    while cfg is not None:
+        seen.append((cfg.block_k, cfg.stages))
+        assert cfg.block_n == 16 and cfg.num_warps == 4
+        cfg = dg.smaller_tiles(cfg)
+    assert seen == [(512, 4), (512, 3), (512, 2), (256, 2), (128, 2)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_engine_calls_the_modules_past_the_formats_row_limit(monkeypatch, fp8):
+    from grpo.kernels.fp8 import quantize_linears_
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import NativeEngine, _layer_plan
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel may run here...
+    monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
+    monkeypatch.setitem(dg.MAX_ROWS, fp8, 2)  # this format's limit below the rows generated
+    monkeypatch.setitem(dg.MAX_ROWS, not fp8, 8)  # the other format's above them
+    model = small_llama(seed=0)
+    if fp8:
+        quantize_linears_(model)
+    assert all(_layer_plan(layer, torch.float32) is not None for layer in model.model.layers)
+    engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels")
+    out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
+    assert out.completion_ids.shape[0] == 3
+    assert engine._plans == [None] * len(model.model.layers)

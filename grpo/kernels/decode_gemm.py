@@ -40,10 +40,11 @@ import torch.nn.functional as F
 from grpo.kernels._triton import have_triton
 
 FP8_BLOCK = 128
-# The kernels take up to KERNEL_ROWS rows (row tiles of 16, 32 or 64; checked on CPU under Triton's
-# interpreter). The engine uses them up to MAX_ROWS, the row count measured on the H200; timing 32 and 64
-# rows there is `benchmarks/decode_gemm_gpu_check.py --rows 16 32 64`, not yet run.
-MAX_ROWS = 16
+# The kernels take up to KERNEL_ROWS rows (row tiles of 16, 32 or 64). The engine uses them up to
+# MAX_ROWS[fp8] rows, where they beat the module path on the H200 (RESULTS.md): bf16 up to 32 rows (a
+# decode step 1.56 against 1.94 ms at 32 rows; at 64 both 2.26), FP8 up to 16 (at 32 rows FP8Linear's
+# own blockwise _scaled_mm is faster: 2.51 against 2.80 ms a step).
+MAX_ROWS = {False: 32, True: 16}
 KERNEL_ROWS = 64
 
 
@@ -169,6 +170,40 @@ def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
     return cfg
 
 
+def smaller_tiles(cfg: TileConfig) -> TileConfig | None:
+    """The next config to try when `cfg` does not fit in shared memory: fewer stages, then a shorter
+    K step (never under 128: FP8 scale blocks); None when nothing smaller is left."""
+    if cfg.stages > 2:
+        return TileConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.stages - 1)
+    if cfg.block_k > 128:
+        return TileConfig(cfg.block_n, cfg.block_k // 2, cfg.num_warps, cfg.stages)
+    return None
+
+
+_FITTED: dict[tuple, TileConfig] = {}  # (launch shape, config asked for) -> the config that fitted
+
+
+def _launch_fitting(shape: tuple, cfg: TileConfig, launch) -> None:
+    """launch(cfg), shrinking the tiles while Triton reports too little shared memory. The configs are
+    tuned at 16 rows; more rows need more (at 64 rows the tuned down_proj tiles asked for 320 KB, the
+    q/k/v launch 288 KB, of 227). Triton raises before anything runs, so retrying is safe; the fit is
+    remembered per shape and config asked for."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (*shape, cfg)
+    fitted = _FITTED.get(key, cfg)
+    while True:
+        try:
+            launch(fitted)
+        except OutOfResources:
+            fitted = smaller_tiles(fitted)
+            if fitted is None:
+                raise
+            continue
+        _FITTED[key] = fitted
+        return
+
+
 def lora_split(k: int) -> int:
     """K slices of the LoRA down-projection, one program each (per adapter): 256 columns a slice, so
     the (16, r) product of a 1 MB float32 A is read by 32 programs instead of a few."""
@@ -248,19 +283,24 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
     xa = lora_down(x2, [p.lora_a for p in projs], block_r) if rank else x2
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
-    cfg = tile_config("proj", sum(p.out_features for p in projs), k, fp8)
+    n_all = sum(p.out_features for p in projs)
+    cfg = tile_config("proj", n_all, k, fp8)
     args = []
     for i in range(3):
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
         args += [p.weight, p.scale_inv if fp8 else p.weight, y, p.lora_b if rank else p.weight, p.out_features,
                  float(p.lora_scale)]
     tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
-    kernels.proj_kernel[(tiles,)](
-        x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2,
-        NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
-        BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
-        EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+
+    def launch(cfg: TileConfig) -> None:
+        kernels.proj_kernel[(tiles,)](
+            x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2,
+            NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
+            BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
+            EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+
+    _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, _block_m(m), x2.dtype), cfg, launch)
     return outs
 
 
@@ -278,14 +318,18 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     xa = lora_down(x2, [gate.lora_a, up.lora_a], block_r) if rank else x2
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = tile_config("gated", 2 * n, k, fp8)  # keyed by the group's outputs in all, gate and up
-    kernels.gated_kernel[(-(-n // cfg.block_n),)](
-        x2, x2.stride(0), m, k,
-        gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight, float(gate.lora_scale),
-        up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight, float(up.lora_scale),
-        y, n, xa, rank,
-        BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
-        HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k),
-        STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+
+    def launch(cfg: TileConfig) -> None:
+        kernels.gated_kernel[(-(-n // cfg.block_n),)](
+            x2, x2.stride(0), m, k,
+            gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight,
+            float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
+            float(up.lora_scale), y, n, xa, rank,
+            BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
+            HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k),
+            STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, _block_m(m), x2.dtype), cfg, launch)
     return y
 
 

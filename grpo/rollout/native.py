@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -274,6 +274,10 @@ def _layer_plan(layer: nn.Module, dtype: torch.dtype) -> _LayerPlan | None:
         if len({p.rank for p in group}) != 1 or len({p.scale_inv is None for p in group}) != 1:
             return None
     return _LayerPlan(**projs)
+
+
+def _plan_has_fp8(plan: _LayerPlan) -> bool:
+    return any(getattr(plan, f.name).scale_inv is not None for f in fields(plan))
 
 
 def _piece_attend(q, cos, sin, valid, k_cache, v_cache, n_heads: int, n_kv: int, head_dim: int,
@@ -541,7 +545,7 @@ class NativeEngine:
             torch._dynamo.maybe_mark_dynamic(kv_range, 0)
         logits = _decode_forward(self.lm, st.tok[:rows], st.pos[:rows], k_views, v_views, st.cos, st.sin,
                                  kv_range, self.n_heads, self.n_kv, self.head_dim, self._fns, self.attention,
-                                 self._streams, self._plans if rows <= decode_gemm.MAX_ROWS else None)
+                                 self._streams, self._plans)
         st.logits[:rows].copy_(logits)
         st.pos[:rows] += 1
         st.step += 1
@@ -666,15 +670,18 @@ class NativeEngine:
             return min(-(-need // self.kv_bucket) * self.kv_bucket, self.max_seq_len)
 
         self._plans = None
-        if self.gemm == "kernels" and rows <= decode_gemm.MAX_ROWS:
-            self._plans = [_layer_plan(layer, self.dtype) for layer in self.lm.model.layers]
-            covered = sum(plan is not None for plan in self._plans)
-            if covered < len(self._plans) and not self._warned_fallback:
+        if self.gemm == "kernels" and rows <= max(decode_gemm.MAX_ROWS.values()):
+            plans = [_layer_plan(layer, self.dtype) for layer in self.lm.model.layers]
+            covered = sum(plan is not None for plan in plans)
+            if covered < len(plans) and not self._warned_fallback:
                 self._warned_fallback = True
-                warnings.warn(f"NativeEngine: the decode GEMM kernels cover {covered} of {len(self._plans)} layers; "
+                warnings.warn(f"NativeEngine: the decode GEMM kernels cover {covered} of {len(plans)} layers; "
                               "the others call their modules (slower). The kernels need nn.Linear or FP8Linear "
                               "projections without bias, LoRA with one rank on q/k/v and one on gate/up (or none), "
                               "no DoRA, and weights in the activations' dtype", stacklevel=3)
+            # past its format's row limit a layer calls its modules: there they were measured faster
+            self._plans = [plan if plan is not None and rows <= decode_gemm.MAX_ROWS[_plan_has_fp8(plan)]
+                           else None for plan in plans]
         graphs = {}
         if self.use_cuda_graph:
             fingerprint = self._model_fingerprint()

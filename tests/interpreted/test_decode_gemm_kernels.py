@@ -87,6 +87,31 @@ def test_launches_read_the_config_under_the_key_the_sweeps_write(kind):
         dg.CONFIG_OVERRIDE.pop(key)
 
 
+def test_launches_shrink_tiles_that_do_not_fit_shared_memory(monkeypatch):
+    # the GPU refuses configs that need too much shared memory (Triton raises before running anything):
+    # the launch retries with smaller tiles, remembers the fit, and a sweep's other configs are not shadowed
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg.stages * cfg.block_k > 600:
+            raise OutOfResources(cfg.stages * cfg.block_k, 600, "shared memory")
+
+    monkeypatch.setattr(dg, "_FITTED", {})
+    dg._launch_fitting(("proj", 1), dg.TileConfig(16, 512, 4, 4), launch)
+    assert [(c.block_k, c.stages) for c in tried] == [(512, 4), (512, 3), (512, 2), (256, 2)]
+    tried.clear()
+    dg._launch_fitting(("proj", 1), dg.TileConfig(16, 512, 4, 4), launch)
+    assert tried == [dg.TileConfig(16, 256, 4, 2)]  # remembered: one launch
+    tried.clear()
+    dg._launch_fitting(("proj", 1), dg.TileConfig(32, 128, 4, 4), launch)
+    assert tried == [dg.TileConfig(32, 128, 4, 4)]  # another config asked for is launched as asked
+    with pytest.raises(OutOfResources):
+        dg._launch_fitting(("proj", 2), dg.TileConfig(16, 128, 4, 2), lambda cfg: launch(dg.TileConfig(16, 1024, 4, 4)))
+
+
 def test_native_engine_with_kernels_equals_engine_with_modules():
     from peft import LoraConfig, get_peft_model
 
