@@ -18,13 +18,6 @@ def _dot32(a, b, EXACT: tl.constexpr):
     return tl.dot(a, b, input_precision="tf32")
 
 @triton.jit
-def _e4m3_as_fp16(w):
-    # An E4M3 code's sign, exponent and mantissa bits moved into fp16's fields give code * 2^-8 exactly
-    # (the exponent biases differ by 8; E4M3 subnormals land on fp16 subnormals): integer ops only.
-    b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
-
-@triton.jit
 def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
                EXACT: tl.constexpr):
@@ -40,10 +33,7 @@ def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexp
                         other=0.0)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
-            if HAS_SCALE and not EXACT:  # E4M3 codes to fp16 by bit moves, no conversion instructions
-                part = tl.dot(x.to(tl.float16), tl.trans(_e4m3_as_fp16(w))) * 256.0
-            else:
-                part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
+            part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
                 k_sub = k0 + j * SUB_K  # past K (a partial last step) there is no scale to read
                 part = part * tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
