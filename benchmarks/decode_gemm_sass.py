@@ -1,0 +1,141 @@
+"""The decode GEMM kernels compiled for the H200 (sm_90) on any machine, GPU or not: what the inner loop
+executes, per K step, as SASS instruction counts.
+
+Triton compiles without a GPU when given a target, and its wheel carries ptxas and nvdisasm. This is how
+the fourth session found that the FP8 kernels are bound by instructions issued per weight element, not
+by bytes: see RESULTS.md ("Decode GEMM kernels (fourth session)"). Integer arguments are compiled as
+multiples of 16, as Triton specializes them at launch for the Llama shapes (without that the loads are
+scalar and the code is not what the GPU runs).
+
+    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel gated --fp8 --tile 32 128 4 6
+    TRITON_DIR=/path/to/site-packages python benchmarks/decode_gemm_sass.py ...   # another triton
+
+The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
+environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled); the H200 runs triton 3.6 (`pip install --target DIR triton==3.6.0` for the same
+code as there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+POINTERS = re.compile(r"(_ptr|^[wsyb][0-2gu]$)")  # x_ptr, w0, s1, y2, b0, wg, su, ...
+FLOATS = {"c0", "c1", "c2", "cg", "cu"}  # LoRA scales
+
+
+def _import_triton():
+    path = os.environ.get("TRITON_DIR") or str(ROOT / ".venv" / "triton-interpreter")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, path)
+    sys.path.insert(0, str(ROOT))
+    import triton
+
+    return triton
+
+
+def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False):
+    """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
+    compiled kernel (asm: ttgir, ptx, cubin)."""
+    triton = _import_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from grpo.kernels import _decode_gemm_triton as kernels
+
+    fn = kernels.proj_kernel if kind == "proj" else kernels.gated_kernel
+    block_n, block_k, warps, stages = tile
+    const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
+                 HAS_LORA=lora, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False)
+    if kind == "proj":
+        const.update(NUM=1, HAS_RES=True)
+    names = fn.arg_names
+    missing = set(const) - set(names)
+    if missing:
+        raise ValueError(f"{fn.__name__} has no parameters {sorted(missing)}: update this script's constants")
+    weight = "*fp8e4nv" if fp8 else "*bf16"
+    sig = {}
+    for name in names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif POINTERS.search(name):
+            sig[name] = "*fp32" if name[0] == "s" and name != "stride_xm" else weight if name[0] in "wb" else "*bf16"
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    for p in ("xa_ptr",):
+        sig[p] = "*fp32"
+    divisible = [n for n in names if sig[n].startswith("*") or n in ("stride_xm", "K", "N", "N0", "N1", "N2")]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def sass_loops(cubin: bytes) -> list[dict]:
+    """Each loop of the kernel (a backward branch) with its instruction count and opcode histogram."""
+    triton = _import_triton()
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    labels, instrs = {}, []
+    for line in text.splitlines():
+        label = re.match(r"^\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instrs)
+            continue
+        ins = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if ins:
+            instrs.append(ins.group(1).strip())
+    loops = []
+    for end, ins in enumerate(instrs):
+        target = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", ins)
+        if target and labels.get(target.group(1), end + 1) < end:
+            body = instrs[labels[target.group(1)]: end + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body)
+            loops.append(dict(instructions=len(body), ops=dict(ops.most_common())))
+    return loops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=["proj", "gated"], default="gated")
+    ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
+    ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4], metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"))
+    ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64])
+    ap.add_argument("--dump", type=Path, default=None, help="also write .ttgir/.ptx/.cubin here")
+    ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
+    args = ap.parse_args()
+    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows)
+    if args.json:
+        print(json.dumps(sass_loops(compiled.asm["cubin"])))
+        return
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            (args.dump / f"{args.kernel}.{ext}").write_text(compiled.asm[ext])
+        (args.dump / f"{args.kernel}.cubin").write_bytes(compiled.asm["cubin"])
+    block_n, block_k = args.tile[:2]
+    print(f"{args.kernel} {'fp8' if args.fp8 else 'bf16'} tile {args.tile}, {args.rows} rows: "
+          f"shared memory {compiled.metadata.shared} bytes")
+    for loop in sass_loops(compiled.asm["cubin"]):
+        if loop["instructions"] < 8:
+            continue
+        per_element = loop["instructions"] * args.tile[2] / (block_n * block_k)
+        print(f"  loop: {loop['instructions']} instructions a warp per K step "
+              f"({per_element:.3f} issue slots per weight element)")
+        print("   ", " ".join(f"{op}:{n}" for op, n in list(loop["ops"].items())[:16]))
+
+
+if __name__ == "__main__":
+    main()
