@@ -112,21 +112,27 @@ def test_launches_shrink_tiles_that_do_not_fit_shared_memory(monkeypatch):
         dg._launch_fitting(("proj", 2), dg.TileConfig(16, 128, 4, 2), lambda cfg: launch(dg.TileConfig(16, 1024, 4, 4)))
 
 
-def test_native_engine_with_kernels_equals_engine_with_modules():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     from peft import LoraConfig, get_peft_model
 
+    from grpo.kernels.fp8 import quantize_linears_
     from grpo.rollout.base import Sampling
     from grpo.rollout.native import NativeEngine
     from test_native_engine import PAD, PROMPTS, small_llama
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                          init_lora_weights=False))
+    base = small_llama(seed=1)
+    if fp8:  # FP8Linear bases (on the CPU their forward multiplies by the dequantized weight, as the kernels do)
+        quantize_linears_(base, targets)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
     sampling = Sampling(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
     out = engine.generate(PROMPTS, 2, sampling)
-    assert all(plan is not None and plan.q.rank == 4 for plan in engine._plans)  # the kernels did run, with LoRA
+    # the kernels did run, with LoRA (and FP8 codes)
+    assert all(plan is not None and plan.q.rank == 4 and (plan.q.scale_inv is not None) == fp8
+               for plan in engine._plans)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
