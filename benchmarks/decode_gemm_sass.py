@@ -11,8 +11,8 @@ scalar and the code is not what the GPU runs).
     TRITON_DIR=/path/to/site-packages python benchmarks/decode_gemm_sass.py ...   # another triton
 
 The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
-environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled); the H200 runs triton 3.6 (`pip install --target DIR triton==3.6.0` for the same
-code as there).
+environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled). The H200
+runs triton 3.6: `pip install --target DIR triton==3.6.0` and TRITON_DIR=DIR give the code it runs.
 """
 
 from __future__ import annotations
@@ -33,11 +33,14 @@ FLOATS = {"c0", "c1", "c2", "cg", "cu"}  # LoRA scales
 
 
 def _import_triton():
-    path = os.environ.get("TRITON_DIR") or str(ROOT / ".venv" / "triton-interpreter")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, path)
+    """TRITON_DIR's triton if set, else the environment's, else the interpreter's (./dev setup)."""
+    if os.environ.get("TRITON_DIR"):
+        sys.path.insert(0, os.environ["TRITON_DIR"])
+    else:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            sys.path.insert(0, str(ROOT / ".venv" / "triton-interpreter"))
     sys.path.insert(0, str(ROOT))
     import triton
 
@@ -68,12 +71,12 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     for name in names:
         if name in const:
             sig[name] = "constexpr"
-        elif POINTERS.search(name):
-            sig[name] = "*fp32" if name[0] == "s" and name != "stride_xm" else weight if name[0] in "wb" else "*bf16"
+        elif name == "xa_ptr":  # LoRA's x A^T partial sums
+            sig[name] = "*fp32"
+        elif POINTERS.search(name):  # scales, weights and LoRA B, or activations
+            sig[name] = "*fp32" if name[0] == "s" else weight if name[0] in "wb" else "*bf16"
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
-    for p in ("xa_ptr",):
-        sig[p] = "*fp32"
     divisible = [n for n in names if sig[n].startswith("*") or n in ("stride_xm", "K", "N", "N0", "N1", "N2")]
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
@@ -108,11 +111,13 @@ def sass_loops(cubin: bytes) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=["proj", "gated"], default="gated")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", choices=["proj", "gated"], default="gated",
+                    help="proj: one projection with the residual; gated: gate/up with the SiLU product")
     ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
-    ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4], metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"))
-    ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64])
+    ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
+                    metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")
+    ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64], help="the row tile (BLOCK_M)")
     ap.add_argument("--dump", type=Path, default=None, help="also write .ttgir/.ptx/.cubin here")
     ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
     args = ap.parse_args()
