@@ -164,7 +164,6 @@ def test_engine_gemm_choice_on_cpu():
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="fast")
 
 
-
 def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block():
     cfg, seen = dg.TileConfig(16, 512, 4, 4), []
     while cfg is not None:
