@@ -515,14 +515,7 @@ def overhead(args):
         row = {"k": k, "n": n}
         for name, fn in fns.items():
             row[f"{name}_gpu_ms"] = bench(fn)
-            fn()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                fn()
-            t_host = (time.perf_counter() - t0) / 50 * 1e3  # host time per call, queue not drained
-            sync()
-            row[f"{name}_host_ms"] = t_host
+            row[f"{name}_host_ms"] = host_ms(fn)
         if d == "cuda":
             row.update(backward_pieces(x, g, fp8))
         rows.append(row)
