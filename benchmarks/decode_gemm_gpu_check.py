@@ -124,7 +124,8 @@ def configs(fp8: bool, full: bool) -> list[dg.TileConfig]:
                if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
         out += [dg.TileConfig(64, 256, 8, 3), dg.TileConfig(128, 128, 8, 3), dg.TileConfig(32, 256, 8, 4),
                 dg.TileConfig(16, 256, 4, 6), dg.TileConfig(32, 128, 4, 6), dg.TileConfig(16, 512, 4, 5),
-                dg.TileConfig(32, 512, 8, 3)]
+                dg.TileConfig(32, 512, 8, 3), dg.TileConfig(16, 256, 2, 4), dg.TileConfig(16, 512, 2, 4),
+                dg.TileConfig(16, 256, 2, 6), dg.TileConfig(16, 1024, 2, 3), dg.TileConfig(32, 256, 2, 4)]
     else:
         out = [dg.TileConfig(bn, bk, 4, 4) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512))]
     return out
@@ -161,6 +162,31 @@ def compare_rows(name: str, fp8: bool, rows: int) -> None:
         row[f"kernels_us_r{rank}"] = round(time_graph(lambda c: run_kernels(kind, x, c, res), copies), 2)
         row[f"modules_us_r{rank}"] = round(time_graph(lambda c: run_modules(kind, x, c, res, fp8_module=fp8),
                                                       copies), 2)
+    log(**row)
+
+
+def compare_unpack(name: str, modes: list[str]) -> None:
+    """One group at its tuned tiles: bf16 beside FP8 with each way of unpacking the codes (FP8_UNPACK),
+    each FP8 way checked against the reference, also with activations 2^-12 as large (tiny products)."""
+    kind, k, widths, residual = GROUPS[name]
+    row = dict(kind="unpack", group=name)
+    x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
+    for fp8 in (False, True):
+        one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
+        copies = [make_projs(k, widths, fp8, 0, seed=i) for i in range(max(2, -(-(256 << 20) // one)))]
+        for mode in modes if fp8 else ["bf16"]:
+            if fp8:
+                dg.FP8_UNPACK = mode
+                for tag, xs in (("", x), ("_small", x * 2.0**-12)):
+                    got = run_kernels(kind, xs, copies[0], None).float()
+                    ref = (dg.project_gated_ref(xs.float(), *copies[0][:2]) if kind == "gated"
+                           else dg.project_ref(xs.float(), copies[0])[0])
+                    row[f"{mode}_rel_err{tag}"] = round(((got - ref).norm() / ref.norm()).item(), 5)
+            us = time_graph(lambda c: run_kernels(kind, x, c, res), copies)
+            row[f"{mode}_us"] = round(us, 2)
+            row[f"{mode}_tbps"] = round(one / us / 1e6, 2)
+    dg.FP8_UNPACK = "bits"
     log(**row)
 
 
@@ -215,12 +241,24 @@ def main() -> None:
                     help="sweep only these, e.g. gate_up:bf16 down:fp8 (default: every group x format)")
     ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won before")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
+    ap.add_argument("--unpack", nargs="+", default=None, choices=sorted(dg._UNPACK_MODES),
+                    help="instead of the sweep: each group in bf16 and in FP8 unpacked each of these ways "
+                         "(decode_gemm.FP8_UNPACK); with --engine, the decode step per way too")
+    ap.add_argument("--fp8-unpack", default=dg.FP8_UNPACK, choices=sorted(dg._UNPACK_MODES),
+                    help="the FP8 unpacking the sweep and the engine runs use")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help="instead of the sweep: the tuned tiles at these row counts against cuBLAS")
     args = ap.parse_args()
     import triton
 
     log(kind="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
+    dg.FP8_UNPACK = args.fp8_unpack
+    if args.unpack:
+        for name in args.groups:
+            compare_unpack(name, args.unpack)
+        if args.engine:
+            engine_per_unpack(args.unpack)
+        return
     if args.rows:
         for rows in args.rows:
             for name in args.groups:
@@ -252,6 +290,22 @@ def main() -> None:
         for label, m in (("bf16+LoRA", model), ("fp8+LoRA", fp8)):
             lora = ngc.add_lora(m)
             ngc.run_engine(f"{label} kernels (sweep configs)", lora, ngc.weight_bytes(lora), engine_kw=gemm)
+
+
+def engine_per_unpack(modes: list[str]) -> None:
+    """The decode step (native engine, kernels, tuned tiles): bf16, then FP8 unpacked each way."""
+    import native_gpu_check as ngc
+    from grpo.kernels.fp8 import quantize_linears_
+
+    gemm = dict(compile="default", gemm="kernels")
+    model = ngc.build_model()
+    ngc.run_engine("bf16 kernels", model, ngc.weight_bytes(model), engine_kw=gemm)
+    fp8 = ngc.build_model()
+    quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    for mode in modes:
+        dg.FP8_UNPACK = mode
+        ngc.run_engine(f"fp8 kernels ({mode})", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
+    dg.FP8_UNPACK = "bits"
 
 
 if __name__ == "__main__":

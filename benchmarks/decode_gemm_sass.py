@@ -47,7 +47,8 @@ def _import_triton():
     return triton
 
 
-def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False):
+def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
+                   unpack: str = "convert"):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
     compiled kernel (asm: ttgir, ptx, cubin)."""
     triton = _import_triton()
@@ -55,11 +56,13 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     from triton.compiler import ASTSource
 
     from grpo.kernels import _decode_gemm_triton as kernels
+    from grpo.kernels.decode_gemm import _UNPACK_MODES
 
     fn = kernels.proj_kernel if kind == "proj" else kernels.gated_kernel
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
-                 HAS_LORA=lora, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False)
+                 HAS_LORA=lora, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False,
+                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True)
     names = fn.arg_names
@@ -115,13 +118,15 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["proj", "gated"], default="gated",
                     help="proj: one projection with the residual; gated: gate/up with the SiLU product")
     ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
+    ap.add_argument("--unpack", choices=["convert", "bits", "bits-mul"], default="convert",
+                    help="how FP8 codes become bf16 (decode_gemm.FP8_UNPACK)")
     ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
                     metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")
     ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64], help="the row tile (BLOCK_M)")
     ap.add_argument("--dump", type=Path, default=None, help="also write .ttgir/.ptx/.cubin here")
     ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
     args = ap.parse_args()
-    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows)
+    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, unpack=args.unpack)
     if args.json:
         print(json.dumps(sass_loops(compiled.asm["cubin"])))
         return
@@ -131,7 +136,7 @@ def main() -> None:
             (args.dump / f"{args.kernel}.{ext}").write_text(compiled.asm[ext])
         (args.dump / f"{args.kernel}.cubin").write_bytes(compiled.asm["cubin"])
     block_n, block_k = args.tile[:2]
-    print(f"{args.kernel} {'fp8' if args.fp8 else 'bf16'} tile {args.tile}, {args.rows} rows: "
+    print(f"{args.kernel} {f'fp8 ({args.unpack})' if args.fp8 else 'bf16'} tile {args.tile}, {args.rows} rows: "
           f"shared memory {compiled.metadata.shared} bytes")
     for loop in sass_loops(compiled.asm["cubin"]):
         if loop["instructions"] < 8:

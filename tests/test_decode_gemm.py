@@ -95,6 +95,30 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
             assert rel < 8e-3, (m, rel)  # bf16 output rounding is ~2e-3
 
 
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("unpack", ["convert", "bits", "bits-mul"])
+@pytest.mark.parametrize("act_scale", [1.0, 2.0**-12])
+def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_scale):
+    """Each row of W holds one E4M3 code (all 254 finite ones, subnormals and -0 included); a one-hot x
+    reads it back through the tensor cores times its block scale: exact. Small activations catch a
+    path that would flush the tiny products the bit moves make (code * 2^-120)."""
+    monkeypatch.setattr(dg, "FP8_UNPACK", unpack)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[torch.isfinite(codes.float())]
+    weight = finite.to("cuda")[:, None].expand(-1, 256).contiguous()  # (254, 256)
+    scale = torch.tensor([[2.0**-3, 2.0**5], [2.0**-7, 1.0]], device="cuda")  # (2, 2) blocks
+    x = torch.zeros(16, 256, device="cuda", dtype=torch.bfloat16)
+    x[:8, 5] = act_scale  # rows 0-7 read column 5 (first K block), rows 8-15 column 200 (second)
+    x[8:, 200] = act_scale
+    y = dg.project(x, [dg.DecodeProj(weight, scale)])[0].float()
+    value = finite.float().to("cuda")
+    rows = torch.arange(254, device="cuda") // 128
+    want_first = (value * scale[rows, 0] * act_scale).bfloat16().float()
+    want_second = (value * scale[rows, 1] * act_scale).bfloat16().float()
+    assert torch.equal(y[0], want_first) and torch.equal(y[8], want_second)
+
+
 def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
     from peft import LoraConfig, get_peft_model
 

@@ -17,10 +17,42 @@ def _dot32(a, b, EXACT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b, input_precision="tf32")
 
+_PAIRS = """
+        prmt.b32 t0, $2, 0, 0x1404;
+        prmt.b32 t1, $2, 0, 0x3424;
+        and.b32 m0, t0, 0x7F007F00;
+        and.b32 m1, t1, 0x7F007F00;
+        shr.b32 m0, m0, 4;
+        shr.b32 m1, m1, 4;
+"""
+_E4M3_BITS = tl.constexpr("{ .reg .b32 t0, t1, m0, m1;" + _PAIRS + """
+        lop3.b32 $0, m0, t0, 0x80008000, 0xF8;
+        lop3.b32 $1, m1, t1, 0x80008000, 0xF8;
+        }""")
+_E4M3_BITS_MUL = tl.constexpr("{ .reg .b32 t0, t1, m0, m1, c;" + _PAIRS + """
+        lop3.b32 m0, m0, t0, 0x80008000, 0xF8;
+        lop3.b32 m1, m1, t1, 0x80008000, 0xF8;
+        mov.b32 c, 0x7B807B80;
+        mul.rn.bf16x2 $0, m0, c;
+        mul.rn.bf16x2 $1, m1, c;
+        }""")
+
+
+@triton.jit
+def _e4m3_bits_bf16(w, MUL: tl.constexpr):
+    # E4M3 codes -> bf16 code * 2^-120 by moving bits (sign to bit 15, exponent and mantissa under bf16's
+    # low exponent bits), four codes a PTX instance: PRMT, LOP3, SHF only; MUL scales by 2^120 in bf16.
+    if MUL:
+        return tl.inline_asm_elementwise(_E4M3_BITS_MUL, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_E4M3_BITS, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+
 @triton.jit
 def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
-               EXACT: tl.constexpr):
+               EXACT: tl.constexpr, UNPACK: tl.constexpr):
     # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K); FP8 codes scaled per 128 block
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
@@ -33,10 +65,18 @@ def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexp
                         other=0.0)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
-            part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
+            if UNPACK == 1:
+                part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w, False)))
+            elif UNPACK == 2:
+                part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w, True)))
+            else:
+                part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
                 k_sub = k0 + j * SUB_K  # past K (a partial last step) there is no scale to read
-                part = part * tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
+                scale = tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
+                if UNPACK == 1:
+                    scale = scale * 1.329227995784916e36  # 2^120
+                part = part * scale
             acc += part
     return acc
 
@@ -56,11 +96,11 @@ def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R
 def _one_proj(tile, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
               HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-              SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr):
+              SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                     STAGES, EXACT)
+                     STAGES, EXACT, UNPACK)
     if HAS_LORA:
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -75,39 +115,39 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr):
+                EXACT: tl.constexpr, UNPACK: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = SPLIT * BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT)
+                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
                           res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R,
-                          SPLIT, STAGES, EXACT)
+                          SPLIT, STAGES, EXACT, UNPACK)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2, xa_ptr + 2 * xa_stride,
                               R, c2, res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES,
-                              BLOCK_R, SPLIT, STAGES, EXACT)
+                              BLOCK_R, SPLIT, STAGES, EXACT, UNPACK)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
     # y = silu(x Wg^T) * (x Wu^T) for one tile of N
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
-                   EXACT)
+                   EXACT, UNPACK)
     u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
-                   EXACT)
+                   EXACT, UNPACK)
     if HAS_LORA:
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)
         u = _lora_up(u, xa_ptr + SPLIT * BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, SPLIT,

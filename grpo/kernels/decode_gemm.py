@@ -47,6 +47,13 @@ FP8_BLOCK = 128
 MAX_ROWS = {False: 32, True: 16}
 KERNEL_ROWS = 64
 
+# How FP8 codes become bf16 operands on CUDA: "convert" (the hardware's E4M3 conversions: two per code,
+# on the conversion unit), "bits" (inline PTX moves each code's bits into bf16's fields, four codes per
+# PRMT/LOP3/SHF group, giving code * 2^-120 exactly; 2^120 joins the block scale) or "bits-mul" (the same,
+# then a bf16 multiply by 2^120). Under Triton's interpreter (no PTX) it is always "convert".
+FP8_UNPACK = "bits"
+_UNPACK_MODES = {"convert": 0, "bits": 1, "bits-mul": 2}
+
 
 @dataclass(frozen=True)
 class DecodeProj:
@@ -262,6 +269,15 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+def _unpack(x2: torch.Tensor, fp8: bool) -> int:
+    """The UNPACK constant of a launch (FP8_UNPACK; bit moves make bf16, so only for bf16 activations)."""
+    if not fp8 or x2.device.type != "cuda" or x2.dtype != torch.bfloat16:
+        return 0
+    if FP8_UNPACK not in _UNPACK_MODES:
+        raise ValueError(f"decode_gemm.FP8_UNPACK is {FP8_UNPACK!r}; use one of {sorted(_UNPACK_MODES)}")
+    return _UNPACK_MODES[FP8_UNPACK]
+
+
 def _block_r(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length()) if rank else 16
 
@@ -298,9 +314,11 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
             BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
 
-    _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, _block_m(m), x2.dtype), cfg, launch)
+    unpack = _unpack(x2, fp8)
+    _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, _block_m(m), x2.dtype, unpack),
+                    cfg, launch)
     return outs
 
 
@@ -327,9 +345,10 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             float(up.lora_scale), y, n, xa, rank,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
             HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k),
-            STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+            STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
 
-    _launch_fitting(("gated", 2 * n, k, fp8, rank, _block_m(m), x2.dtype), cfg, launch)
+    unpack = _unpack(x2, fp8)
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, _block_m(m), x2.dtype, unpack), cfg, launch)
     return y
 
 
