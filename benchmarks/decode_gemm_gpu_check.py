@@ -117,8 +117,9 @@ def time_graph(fn, copies) -> float:
     return statistics.median(times)
 
 
-def configs(fp8: bool, full: bool) -> list[dg.TileConfig]:
-    """The sweep: every tile shape (`full`), or the few that won on the H200."""
+def configs(kind: str, fp8: bool, full: bool) -> list[dg.TileConfig]:
+    """The sweep: every tile shape (`full`), or the few that won on the H200; projections also split
+    over K in 2 and 4 slices (their few tiles leave SMs idle otherwise)."""
     if full:
         out = [dg.TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
                if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
@@ -128,6 +129,9 @@ def configs(fp8: bool, full: bool) -> list[dg.TileConfig]:
                 dg.TileConfig(16, 256, 2, 6), dg.TileConfig(16, 1024, 2, 3), dg.TileConfig(32, 256, 2, 4)]
     else:
         out = [dg.TileConfig(bn, bk, 4, 4) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512))]
+    if kind == "proj":
+        out += [dg.TileConfig(bn, bk, 4, st, split) for split in (2, 4)
+                for bn, bk, st in ((32, 256, 4), (32, 256, 3), (32, 512, 3), (16, 512, 4), (64, 256, 4), (32, 128, 6))]
     return out
 
 
@@ -199,7 +203,7 @@ def sweep(name: str, fp8: bool, budget_s: float, full: bool) -> dg.TileConfig | 
     res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     key = (kind, sum(widths), k, fp8)
     best = None
-    for cfg in configs(fp8, full):
+    for cfg in configs(kind, fp8, full):
         if time.perf_counter() - T0 > budget_s:
             log(kind="skipped", group=name, fp8=fp8, reason="budget")
             break

@@ -48,7 +48,7 @@ def _import_triton():
 
 
 def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
-                   unpack: str = "convert"):
+                   unpack: str = "bits", split_k: int = 1):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
     compiled kernel (asm: ttgir, ptx, cubin)."""
     triton = _import_triton()
@@ -64,7 +64,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
                  HAS_LORA=lora, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False,
                  UNPACK=_UNPACK_MODES[unpack] if fp8 else 0)
     if kind == "proj":
-        const.update(NUM=1, HAS_RES=True)
+        const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)
     names = fn.arg_names
     missing = set(const) - set(names)
     if missing:
@@ -74,8 +74,10 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     for name in names:
         if name in const:
             sig[name] = "constexpr"
-        elif name == "xa_ptr":  # LoRA's x A^T partial sums
+        elif name in ("xa_ptr", "part_ptr"):  # LoRA's x A^T partial sums, split-K's partial sums
             sig[name] = "*fp32"
+        elif name == "count_ptr":  # split-K's arrival counts
+            sig[name] = "*i32"
         elif POINTERS.search(name):  # scales, weights and LoRA B, or activations
             sig[name] = "*fp32" if name[0] == "s" else weight if name[0] in "wb" else "*bf16"
         else:
@@ -118,15 +120,17 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["proj", "gated"], default="gated",
                     help="proj: one projection with the residual; gated: gate/up with the SiLU product")
     ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
-    ap.add_argument("--unpack", choices=["convert", "bits", "bits-mul"], default="convert",
+    ap.add_argument("--unpack", choices=["convert", "bits", "bits-mul"], default="bits",
                     help="how FP8 codes become bf16 (decode_gemm.FP8_UNPACK)")
+    ap.add_argument("--split-k", type=int, default=1, help="K slices of a proj launch (TileConfig.split_k)")
     ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
                     metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")
     ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64], help="the row tile (BLOCK_M)")
     ap.add_argument("--dump", type=Path, default=None, help="also write .ttgir/.ptx/.cubin here")
     ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
     args = ap.parse_args()
-    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, unpack=args.unpack)
+    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, unpack=args.unpack,
+                              split_k=args.split_k)
     if args.json:
         print(json.dumps(sass_loops(compiled.asm["cubin"])))
         return
@@ -136,7 +140,7 @@ def main() -> None:
             (args.dump / f"{args.kernel}.{ext}").write_text(compiled.asm[ext])
         (args.dump / f"{args.kernel}.cubin").write_bytes(compiled.asm["cubin"])
     block_n, block_k = args.tile[:2]
-    print(f"{args.kernel} {f'fp8 ({args.unpack})' if args.fp8 else 'bf16'} tile {args.tile}, {args.rows} rows: "
+    print(f"{args.kernel} {f'fp8 ({args.unpack})' if args.fp8 else 'bf16'}, split_k {args.split_k}, tile {args.tile}, {args.rows} rows: "
           f"shared memory {compiled.metadata.shared} bytes")
     for loop in sass_loops(compiled.asm["cubin"]):
         if loop["instructions"] < 8:

@@ -50,20 +50,21 @@ def _e4m3_bits_bf16(w, MUL: tl.constexpr):
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
 
 @triton.jit
-def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
+def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
                EXACT: tl.constexpr, UNPACK: tl.constexpr):
-    # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K); FP8 codes scaled per 128 block
+    # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K) over columns [k_lo, k_hi) (k_lo a
+    # multiple of BLOCK_K); FP8 codes scaled per 128 block
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
     kb = tl.cdiv(K, 128)
     row_block = tl.min(rn, axis=0) // 128  # the tile's rows lie in one 128-row block of scales
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(BLOCK_K // SUB_K):
             rk = k0 + j * SUB_K + tl.arange(0, SUB_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_hi),
                         other=0.0)
             if UNPACK == 1:
                 part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w, False)))
@@ -72,8 +73,8 @@ def _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexp
             else:
                 part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
-                k_sub = k0 + j * SUB_K  # past K (a partial last step) there is no scale to read
-                scale = tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < K, other=0.0)
+                k_sub = k0 + j * SUB_K  # past the end (a partial last step) there is no scale to read
+                scale = tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < k_hi, other=0.0)
                 if UNPACK == 1:
                     scale = scale * 1.329227995784916e36  # 2^120
                 part = part * scale
@@ -93,14 +94,11 @@ def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R
     return acc + _dot32(xa, tl.trans(b.to(tl.float32)), EXACT) * scale
 
 @triton.jit
-def _one_proj(tile, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-              HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-              SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
-    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, res_ptr, BLOCK_M: tl.constexpr,
+                 HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+                 EXACT: tl.constexpr):
+    # the whole K's sums in: LoRA's up-projection, the residual, one rounding, the store
     rm = tl.arange(0, BLOCK_M)
-    acc = _base_tile(x_ptr, stride_xm, M, K, w_ptr, s_ptr, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                     STAGES, EXACT, UNPACK)
     if HAS_LORA:
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -109,32 +107,64 @@ def _one_proj(tile, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_pt
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
+def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
+              part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
+              BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
+              UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
+    # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * per
+    acc = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, BLOCK_M,
+                     BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK)
+    if SPLIT_K > 1:
+        # Each K slice leaves its partial sums; the slice that arrives last adds them in slice order (so
+        # the result does not depend on which one that is), finishes the tile and re-arms the counter.
+        rm = tl.arange(0, BLOCK_M)
+        at = part_ptr + (slot * SPLIT_K * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(at + tl.program_id(1) * BLOCK_M * BLOCK_N, acc)
+        tl.debug_barrier()  # all of this program's partial sums are written before the count says so
+        if tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            acc = tl.load(at, cache_modifier=".cg")  # .cg: from L2, where the other slices wrote
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(at + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
+            _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, res_ptr, BLOCK_M, HAS_LORA, HAS_RES,
+                         BLOCK_R, SPLIT, EXACT)
+    else:
+        _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, res_ptr, BLOCK_M, HAS_LORA, HAS_RES,
+                     BLOCK_R, SPLIT, EXACT)
+
+@triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
                 w0, s0, y0, b0, N0, c0, w1, s1, y1, b1, N1, c1, w2, s2, y2, b2, N2, c2,
-                xa_ptr, R, res_ptr,
+                xa_ptr, R, res_ptr, part_ptr, count_ptr,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr, UNPACK: tl.constexpr):
-    # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's
+                EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
+    # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = SPLIT * BLOCK_M * BLOCK_R
     if pid < t0:
-        _one_proj(pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK)
+        _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, part_ptr, count_ptr,
+                  BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT,
+                  UNPACK, SPLIT_K)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
-                _one_proj(pid - t0, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
-                          res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R,
-                          SPLIT, STAGES, EXACT, UNPACK)
+                _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
+                          res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
+                          HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK, SPLIT_K)
             else:
                 if NUM == 3:
-                    _one_proj(pid - t0 - t1, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2, xa_ptr + 2 * xa_stride,
-                              R, c2, res_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES,
-                              BLOCK_R, SPLIT, STAGES, EXACT, UNPACK)
+                    _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
+                              xa_ptr + 2 * xa_stride, R, c2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
+                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK,
+                              SPLIT_K)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
@@ -144,9 +174,9 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
     # y = silu(x Wg^T) * (x Wu^T) for one tile of N
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    g = _base_tile(x_ptr, stride_xm, M, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
+    g = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
-    u = _base_tile(x_ptr, stride_xm, M, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
+    u = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
     if HAS_LORA:
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)

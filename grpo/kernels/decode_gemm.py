@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -149,19 +149,20 @@ class TileConfig:
     block_k: int = 256  # reduction step (FP8 weights: in 128-wide sub-blocks, one scale each)
     num_warps: int = 4
     stages: int = 3  # software-pipelined loads in flight
+    split_k: int = 1  # K slices, one program each, for projections with few tiles (q/k/v, o, down)
 
 
 # Picked on the H200 by benchmarks/decode_gemm_gpu_check.py (16 rows, Llama-3.2-1B shapes; RESULTS.md):
 # (kind, output features in all, K, fp8) -> config. Other shapes get the default below.
 _TUNED = {
     ("gated", 16384, 2048, False): TileConfig(32, 256, 4, 4),
-    ("gated", 16384, 2048, True): TileConfig(32, 128, 4, 6),
+    ("gated", 16384, 2048, True): TileConfig(32, 256, 4, 3),
     ("proj", 2048, 8192, False): TileConfig(16, 512, 4, 4),
     ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4),
     ("proj", 3072, 2048, False): TileConfig(32, 256, 4, 4),
-    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 4),
+    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 3),
     ("proj", 2048, 2048, False): TileConfig(16, 512, 4, 4),
-    ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 4),
+    ("proj", 2048, 2048, True): TileConfig(32, 512, 4, 3),
 }
 
 
@@ -174,6 +175,8 @@ def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
     cfg = CONFIG_OVERRIDE.get(key) or _TUNED.get(key) or TileConfig(32 if n >= 2048 else 16, 256, 4, 4)
     if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
         raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
+    if cfg.split_k != 1 and (kind != "proj" or cfg.split_k < 1):
+        raise ValueError(f"decode_gemm: {cfg} for a {kind} launch; split_k is >= 1, and only projections take it")
     return cfg
 
 
@@ -181,9 +184,9 @@ def smaller_tiles(cfg: TileConfig) -> TileConfig | None:
     """The next config to try when `cfg` does not fit in shared memory: fewer stages, then a shorter
     K step (never under 128: FP8 scale blocks); None when nothing smaller is left."""
     if cfg.stages > 2:
-        return TileConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.stages - 1)
+        return replace(cfg, stages=cfg.stages - 1)
     if cfg.block_k > 128:
-        return TileConfig(cfg.block_n, cfg.block_k // 2, cfg.num_warps, cfg.stages)
+        return replace(cfg, block_k=cfg.block_k // 2)
     return None
 
 
@@ -209,6 +212,19 @@ def _launch_fitting(shape: tuple, cfg: TileConfig, launch) -> None:
             continue
         _FITTED[key] = fitted
         return
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counts of split-K launches: zeros, and every launch leaves them zero again (the
+    last K slice of a tile re-arms its counter), so one buffer per device serves every launch in stream
+    order, CUDA graph replays included. Launches on concurrent streams would need their own."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
+    return counters
 
 
 def lora_split(k: int) -> int:
@@ -306,15 +322,20 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
         args += [p.weight, p.scale_inv if fp8 else p.weight, y, p.lora_b if rank else p.weight, p.out_features,
                  float(p.lora_scale)]
-    tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
 
     def launch(cfg: TileConfig) -> None:
-        kernels.proj_kernel[(tiles,)](
-            x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2,
+        tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
+        if cfg.split_k > 1:  # float32 partial sums of each K slice, and the tiles' arrival counts
+            parts = torch.empty(tiles * cfg.split_k * _block_m(m) * cfg.block_n, dtype=torch.float32, device=x2.device)
+            counters = _tile_counters(x2.device, tiles)
+        else:
+            parts = counters = x2
+        kernels.proj_kernel[(tiles, cfg.split_k)](
+            x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
             BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, _block_m(m), x2.dtype, unpack),

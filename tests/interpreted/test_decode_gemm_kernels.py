@@ -72,6 +72,29 @@ def test_every_tile_config_gives_the_same_result():
         dg.CONFIG_OVERRIDE.pop(key, None)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_split_k_sums_every_slice_once_and_rearms_its_counters(fp8, split_k):
+    # K = 640 over slices of whole K steps: 3 slices of 256 leave the last one partial, 5 leave empty
+    # slices; a residual and LoRA, which only the last slice to arrive adds; three projections whose
+    # tiles share one counter buffer; run twice, so counters left set would show on the second run
+    projs = [proj(n, 640, fp8, 8, seed=i) for i, n in enumerate([160, 64, 40])]
+    x = torch.randn(11, 640)
+    key = ("proj", 264, 640, fp8)
+    try:
+        dg.CONFIG_OVERRIDE[key] = dg.TileConfig(32, 256, 4, 2, split_k)
+        for _ in range(2):
+            for got, want in zip(dg.project(x, projs), dg.project_ref(x, projs)):
+                close(got, want)
+            assert not dg._COUNTERS[x.device].any()
+        res = torch.randn(11, 160)
+        dg.CONFIG_OVERRIDE[("proj", 160, 640, fp8)] = dg.TileConfig(16, 128, 4, 2, split_k)
+        close(dg.project(x, projs[:1], residual=res)[0], dg.project_ref(x, projs[:1], residual=res)[0])
+    finally:
+        dg.CONFIG_OVERRIDE.pop(key, None)
+        dg.CONFIG_OVERRIDE.pop(("proj", 160, 640, fp8), None)
+
+
 @pytest.mark.parametrize("kind", ["proj", "gated"])
 def test_launches_read_the_config_under_the_key_the_sweeps_write(kind):
     # tile_config keys a launch by its outputs in all (gate + up for the gated MLP): an FP8 config that
