@@ -250,6 +250,8 @@ def main() -> None:
                          "(decode_gemm.FP8_UNPACK); with --engine, the decode step per way too")
     ap.add_argument("--fp8-unpack", default=dg.FP8_UNPACK, choices=sorted(dg._UNPACK_MODES),
                     help="the FP8 unpacking the sweep and the engine runs use")
+    ap.add_argument("--engine-rows", type=int, nargs="+", default=None,
+                    help="instead of the sweep: the decode step at these row counts, kernels against modules")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help="instead of the sweep: the tuned tiles at these row counts against cuBLAS")
     args = ap.parse_args()
@@ -257,6 +259,9 @@ def main() -> None:
 
     log(kind="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
     dg.FP8_UNPACK = args.fp8_unpack
+    if args.engine_rows:
+        engine_rows(args.engine_rows)
+        return
     if args.unpack:
         for name in args.groups:
             compare_unpack(name, args.unpack)
@@ -296,20 +301,47 @@ def main() -> None:
             ngc.run_engine(f"{label} kernels (sweep configs)", lora, ngc.weight_bytes(lora), engine_kw=gemm)
 
 
-def engine_per_unpack(modes: list[str]) -> None:
-    """The decode step (native engine, kernels, tuned tiles): bf16, then FP8 unpacked each way."""
+def _models():
     import native_gpu_check as ngc
     from grpo.kernels.fp8 import quantize_linears_
 
-    gemm = dict(compile="default", gemm="kernels")
-    model = ngc.build_model()
-    ngc.run_engine("bf16 kernels", model, ngc.weight_bytes(model), engine_kw=gemm)
     fp8 = ngc.build_model()
     quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return ngc.build_model(), fp8
+
+
+def engine_per_unpack(modes: list[str]) -> None:
+    """The decode step (native engine, kernels, tuned tiles): bf16, then FP8 unpacked each way, then
+    both with rsLoRA r32."""
+    import native_gpu_check as ngc
+
+    gemm = dict(compile="default", gemm="kernels")
+    model, fp8 = _models()
+    ngc.run_engine("bf16 kernels", model, ngc.weight_bytes(model), engine_kw=gemm)
     for mode in modes:
         dg.FP8_UNPACK = mode
         ngc.run_engine(f"fp8 kernels ({mode})", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
     dg.FP8_UNPACK = "bits"
+    for label, m in (("bf16+LoRA", model), ("fp8+LoRA", fp8)):
+        lora = ngc.add_lora(m)
+        ngc.run_engine(f"{label} kernels", lora, ngc.weight_bytes(lora), engine_kw=gemm)
+
+
+def engine_rows(rows_list: list[int]) -> None:
+    """The decode step at more rows than 16, kernels (MAX_ROWS lifted) against the module path, bf16 and
+    FP8: what decode_gemm.MAX_ROWS is set from."""
+    import native_gpu_check as ngc
+
+    saved = dict(dg.MAX_ROWS)
+    dg.MAX_ROWS.update({False: dg.KERNEL_ROWS, True: dg.KERNEL_ROWS})
+    try:
+        for label, m in zip(("bf16", "fp8"), _models()):
+            for rows in rows_list:
+                for gemm in ("kernels", "modules"):
+                    ngc.run_engine(f"{label} {rows} rows {gemm}", m, ngc.weight_bytes(m),
+                                   engine_kw=dict(compile="default", gemm=gemm), rows=rows)
+    finally:
+        dg.MAX_ROWS.update(saved)
 
 
 if __name__ == "__main__":

@@ -157,12 +157,12 @@ class TileConfig:
 _TUNED = {
     ("gated", 16384, 2048, False): TileConfig(32, 256, 4, 4),
     ("gated", 16384, 2048, True): TileConfig(32, 256, 4, 3),
-    ("proj", 2048, 8192, False): TileConfig(16, 512, 4, 4),
-    ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4),
+    ("proj", 2048, 8192, False): TileConfig(32, 256, 4, 3, split_k=4),
+    ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4, split_k=4),
     ("proj", 3072, 2048, False): TileConfig(32, 256, 4, 4),
-    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 3),
-    ("proj", 2048, 2048, False): TileConfig(16, 512, 4, 4),
-    ("proj", 2048, 2048, True): TileConfig(32, 512, 4, 3),
+    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 3, split_k=4),
+    ("proj", 2048, 2048, False): TileConfig(32, 128, 4, 6, split_k=4),
+    ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 3, split_k=4),
 }
 
 
