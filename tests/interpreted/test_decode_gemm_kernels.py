@@ -189,10 +189,11 @@ def test_fp8_partial_last_k_step_reads_no_scale_past_the_tensor():
     close(got, dg.project_ref(x, [p])[0])
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(fp8):
+@pytest.mark.parametrize("unpack", [None, "convert", "bits"])  # None: bf16 weights
+def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unpack):
     # benchmarks/decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the
     # pipelined 16-byte async copies the H200 runs (scalar loads would mean it compiled something else).
+    # FP8 codes become bf16 through the conversion unit ("convert") or by bit moves alone ("bits").
     # Its own process: kernels cannot be compiled while TRITON_INTERPRET=1.
     import json
     import os
@@ -200,13 +201,15 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(fp8
 
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tile = ["32", "128" if fp8 else "256", "4", "4"]
+    tile = ["32", "128" if unpack else "256", "4", "4"]
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_gemm_sass.py"), "--kernel", "gated",
-                           "--tile", *tile, "--json"] + (["--fp8"] if fp8 else []),
+                           "--tile", *tile, "--json"] + (["--fp8", "--unpack", unpack] if unpack else []),
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loops = [loop for loop in json.loads(proc.stdout.splitlines()[-1]) if loop["instructions"] > 8]
     assert len(loops) == 2  # gate's K loop and up's
     ops = loops[0]["ops"]
     assert any(op.startswith("HMMA") for op in ops) and "LDGSTS.E.BYPASS.128" in ops
-    assert any("E4M3" in op for op in ops) == fp8
+    conversions = any(op.startswith(("F2F", "F2FP")) for op in ops)
+    assert conversions == (unpack == "convert")
+    assert ("PRMT" in ops and "SHF.R.U32.HI" in ops) == (unpack == "bits")
