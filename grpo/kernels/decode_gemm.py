@@ -41,10 +41,10 @@ from grpo.kernels._triton import have_triton
 
 FP8_BLOCK = 128
 # The kernels take up to KERNEL_ROWS rows (row tiles of 16, 32 or 64). The engine uses them up to
-# MAX_ROWS[fp8] rows, where they beat the module path on the H200 (RESULTS.md): bf16 up to 32 rows (a
-# decode step 1.56 against 1.94 ms at 32 rows; at 64 both 2.26), FP8 up to 16 (at 32 rows FP8Linear's
-# own blockwise _scaled_mm is faster: 2.51 against 2.80 ms a step).
-MAX_ROWS = {False: 32, True: 16}
+# MAX_ROWS[fp8] rows, where they beat the module path on the H200 (RESULTS.md, fifth session): a decode
+# step at 32 / 64 rows took 1.57 / 2.15 ms with the kernels against 1.96 / 2.27 through the modules in
+# bf16, and 2.04 / 2.47 against 2.52 / 3.02 with FP8 weights (FP8Linear's blockwise _scaled_mm).
+MAX_ROWS = {False: 64, True: 64}
 KERNEL_ROWS = 64
 
 # How FP8 codes become bf16 operands on CUDA: "convert" (the hardware's E4M3 conversions: two per code,
