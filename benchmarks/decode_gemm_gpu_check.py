@@ -174,6 +174,7 @@ def compare_unpack(name: str, modes: list[str]) -> None:
     each FP8 way checked against the reference, also with activations 2^-12 as large (tiny products)."""
     kind, k, widths, residual = GROUPS[name]
     row = dict(kind="unpack", group=name)
+    chosen = dg.FP8_UNPACK
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     for fp8 in (False, True):
@@ -190,7 +191,7 @@ def compare_unpack(name: str, modes: list[str]) -> None:
             us = time_graph(lambda c: run_kernels(kind, x, c, res), copies)
             row[f"{mode}_us"] = round(us, 2)
             row[f"{mode}_tbps"] = round(one / us / 1e6, 2)
-    dg.FP8_UNPACK = "bits"
+    dg.FP8_UNPACK = chosen
     log(**row)
 
 
@@ -318,10 +319,11 @@ def engine_per_unpack(modes: list[str]) -> None:
     gemm = dict(compile="default", gemm="kernels")
     model, fp8 = _models()
     ngc.run_engine("bf16 kernels", model, ngc.weight_bytes(model), engine_kw=gemm)
+    chosen = dg.FP8_UNPACK
     for mode in modes:
         dg.FP8_UNPACK = mode
         ngc.run_engine(f"fp8 kernels ({mode})", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
-    dg.FP8_UNPACK = "bits"
+    dg.FP8_UNPACK = chosen
     for label, m in (("bf16+LoRA", model), ("fp8+LoRA", fp8)):
         lora = ngc.add_lora(m)
         ngc.run_engine(f"{label} kernels", lora, ngc.weight_bytes(lora), engine_kw=gemm)

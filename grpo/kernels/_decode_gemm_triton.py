@@ -17,37 +17,29 @@ def _dot32(a, b, EXACT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b, input_precision="tf32")
 
-_PAIRS = """
+# E4M3 codes to bf16 by moving bits, four codes (one 32-bit register) per instance: PRMT spreads the bytes
+# into the high halves of two registers' 16-bit lanes, AND drops each sign, SHF moves exponent and mantissa
+# under bf16's low exponent bits, LOP3 puts the sign back at bit 15. The result is code * 2^-120 exactly
+# (the exponent biases differ by 120; E4M3 subnormals land on bf16 subnormals), all on the integer pipes;
+# the hardware's conversion (E4M3 -> f16 -> bf16, two instructions per code) was the FP8 kernels' limit.
+_E4M3_BITS = tl.constexpr("""{
+        .reg .b32 t0, t1, m0, m1;
         prmt.b32 t0, $2, 0, 0x1404;
         prmt.b32 t1, $2, 0, 0x3424;
         and.b32 m0, t0, 0x7F007F00;
         and.b32 m1, t1, 0x7F007F00;
         shr.b32 m0, m0, 4;
         shr.b32 m1, m1, 4;
-"""
-_E4M3_BITS = tl.constexpr("{ .reg .b32 t0, t1, m0, m1;" + _PAIRS + """
         lop3.b32 $0, m0, t0, 0x80008000, 0xF8;
         lop3.b32 $1, m1, t1, 0x80008000, 0xF8;
-        }""")
-_E4M3_BITS_MUL = tl.constexpr("{ .reg .b32 t0, t1, m0, m1, c;" + _PAIRS + """
-        lop3.b32 m0, m0, t0, 0x80008000, 0xF8;
-        lop3.b32 m1, m1, t1, 0x80008000, 0xF8;
-        mov.b32 c, 0x7B807B80;
-        mul.rn.bf16x2 $0, m0, c;
-        mul.rn.bf16x2 $1, m1, c;
         }""")
 
 
 @triton.jit
-def _e4m3_bits_bf16(w, MUL: tl.constexpr):
-    # E4M3 codes -> bf16 code * 2^-120 by moving bits (sign to bit 15, exponent and mantissa under bf16's
-    # low exponent bits), four codes a PTX instance: PRMT, LOP3, SHF only; MUL scales by 2^120 in bf16.
-    if MUL:
-        return tl.inline_asm_elementwise(_E4M3_BITS_MUL, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.bfloat16, is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(_E4M3_BITS, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+def _e4m3_bits_bf16(w):
+    # float8_e4m3fn codes -> bf16 code * 2^-120 (_E4M3_BITS); CUDA only (the interpreter runs no PTX)
+    return tl.inline_asm_elementwise(_E4M3_BITS, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
 
 @triton.jit
 def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr,
@@ -66,17 +58,15 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
                         mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_hi),
                         other=0.0)
-            if UNPACK == 1:
-                part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w, False)))
-            elif UNPACK == 2:
-                part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w, True)))
+            if UNPACK:
+                part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w)))
             else:
                 part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
                 k_sub = k0 + j * SUB_K  # past the end (a partial last step) there is no scale to read
                 scale = tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < k_hi, other=0.0)
-                if UNPACK == 1:
-                    scale = scale * 1.329227995784916e36  # 2^120
+                if UNPACK:
+                    scale = scale * 1.329227995784916e36  # 2^120: the bit moves left it out
                 part = part * scale
             acc += part
     return acc

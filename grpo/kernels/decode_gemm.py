@@ -1,7 +1,8 @@
 """Decode GEMMs: a few rows (M <= 16) times whole weights, at memory speed, LoRA and FP8 fused in.
 
-Measured on the H200 (benchmarks/RESULTS.md, native engine section): a bf16 Llama-3.2-1B layer's
-projections in 45 us against 67 us through cuBLAS, and the decode step 1.32 ms against 1.62 ms.
+Measured on the H200 (benchmarks/RESULTS.md, native engine sections): a bf16 Llama-3.2-1B layer's
+projections in 44 us against 67 us through cuBLAS, the decode step 1.33 ms against 1.62 ms, and 1.23 ms
+with FP8 weights.
 
 A decode step multiplies 16 rows by every weight of the model once, so its GEMMs are memory-bound:
 the time is the bytes of the weights over the bandwidth. cuBLAS reaches only part of it at M = 16
@@ -11,9 +12,12 @@ in tiles of BLOCK_N output features, with the rows padded to 16 for the tensor c
 decode layer does around its projections:
 
 - FP8 block weights (float8_e4m3fn codes with 128x128 float32 scales) are read as codes, half the bytes
-  of bf16, and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
+  of bf16, turned into bf16 by moving their bits (FP8_UNPACK: the conversion unit was the bottleneck)
+  and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
   activations stay bf16 (weight-only FP8: no activation quantization in decode; quantizing them inside
   the kernels, as FP8Linear's `_scaled_mm` path does, measured slower: RESULTS.md).
+- Split-K for projections with few output tiles (down, o): K slices in separate programs, the last one
+  to finish adding the partial sums in a fixed order (deterministic) and finishing the tile.
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
   over K into partial sums that the consumer adds, so no atomics and the result is deterministic).
 - up to three projections that read the same input (q/k/v) in one launch;
@@ -47,12 +51,12 @@ FP8_BLOCK = 128
 MAX_ROWS = {False: 64, True: 64}
 KERNEL_ROWS = 64
 
-# How FP8 codes become bf16 operands on CUDA: "convert" (the hardware's E4M3 conversions: two per code,
-# on the conversion unit), "bits" (inline PTX moves each code's bits into bf16's fields, four codes per
-# PRMT/LOP3/SHF group, giving code * 2^-120 exactly; 2^120 joins the block scale) or "bits-mul" (the same,
-# then a bf16 multiply by 2^120). Under Triton's interpreter (no PTX) it is always "convert".
+# How FP8 codes become bf16 operands on CUDA: "bits" (inline PTX moves each code's bits into bf16's fields,
+# four codes per PRMT/AND/SHF/LOP3 group, giving code * 2^-120 exactly; 2^120 joins the block scale) or
+# "convert" (the hardware's E4M3 -> f16 -> bf16 conversions, two per code on the conversion unit: the FP8
+# step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter (no PTX) it is always "convert".
 FP8_UNPACK = "bits"
-_UNPACK_MODES = {"convert": 0, "bits": 1, "bits-mul": 2}
+_UNPACK_MODES = {"convert": 0, "bits": 1}
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,55 @@ def test_fp8_partial_last_k_step_reads_no_scale_past_the_tensor():
     close(got, dg.project_ref(x, [p])[0])
 
 
+def _run_ptx(asm: str, word: int) -> tuple[int, int]:
+    """The PTX of _E4M3_BITS run on one 32-bit input by a model of its four instructions (prmt's default
+    mode, logical shr, lop3's truth table)."""
+    regs = {"$2": word}
+
+    def val(token: str) -> int:
+        return regs[token] if token in regs else int(token, 0)
+
+    for statement in asm.replace("{", "").replace("}", "").split(";"):
+        statement = statement.strip()
+        if not statement or statement.startswith(".reg"):
+            continue
+        op, rest = statement.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        if op == "prmt.b32":  # bytes of {src1:src0} picked by the selector's nibbles
+            pool, sel, out = val(src[0]) | val(src[1]) << 32, val(src[2]), 0
+            for i in range(4):
+                nibble = sel >> 4 * i & 0xF
+                byte = pool >> 8 * (nibble & 7) & 0xFF
+                out |= (0xFF * (byte >> 7) if nibble & 8 else byte) << 8 * i
+        elif op == "and.b32":
+            out = val(src[0]) & val(src[1])
+        elif op == "shr.b32":
+            out = val(src[0]) >> val(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(t) for t in src)
+            out = sum((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1)) & 1) << i for i in range(32))
+        else:
+            raise AssertionError(f"no model for {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+def test_e4m3_bit_moves_give_every_code_times_2_to_the_minus_120():
+    # the CPU side of the CUDA test that reads every code back through the tensor cores
+    from grpo.kernels._decode_gemm_triton import _E4M3_BITS
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    halves = []
+    for i in range(0, 256, 4):  # element j of a pack is byte j of the register, and half j of the outputs
+        lo, hi = _run_ptx(_E4M3_BITS.value, int.from_bytes(bytes(codes[i:i + 4].tolist()), "little"))
+        halves += [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
+    got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double() * 2.0**120
+    want = codes.view(torch.float8_e4m3fn).double()
+    finite = torch.isfinite(want)
+    assert finite.sum() == 254 and torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))  # -0 stays -0
+
+
 @pytest.mark.parametrize("unpack", [None, "convert", "bits"])  # None: bf16 weights
 def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unpack):
     # benchmarks/decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the
