@@ -100,8 +100,8 @@ class Config:
                              "KV cache; vLLM stays awake), or auto (keep only a native engine whose KV cache is "
                              "at most 2 GiB).", "sampling",
                              choices=["auto", "keep", "release"])
-    engine_gemm: str = _f("auto", "How the native engine's decode steps run the projections (up to 32 rows for "
-                          "bf16 layers, 16 for FP8; bigger steps always call the modules): "
+    engine_gemm: str = _f("auto", "How the native engine's decode steps run the projections (up to 64 rows; "
+                          "bigger steps always call the modules): "
                           "kernels (grpo.kernels.decode_gemm: LoRA, FP8, q/k/v and gate/up fused; needs triton), "
                           "modules (each projection module called, cuBLAS), or auto (kernels on CUDA with triton). "
                           "With FP8 weights the kernels are weight-only FP8 (bf16 activations), where FP8Linear also "

@@ -14,7 +14,7 @@ One `generate(prompt_ids, n, sampling)`:
 2. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens;
    the attention reads only the bucket, not the whole cache). By default on CUDA the step is
    `torch.compile`d per layer (one compiled layer serves all layers: seconds of compile, not a
-   minute). With at most 16 rows the projections run as the decode GEMM kernels of
+   minute). With at most 64 rows the projections run as the decode GEMM kernels of
    `grpo.kernels.decode_gemm` (q/k/v in one launch, LoRA and FP8 fused, the K/V write with K's
    rotary in one kernel), reading the modules' own tensors; otherwise the modules are called, and the
    projections that share an input run on parallel streams inside the graph;
@@ -201,7 +201,7 @@ def _decode_layer_streams(layer: nn.Module, x, cos, sin, valid, pos, k_cache, v_
     return fns["mlp_out"](mlp, x, gate, up)
 
 
-# The same layer with the decode GEMM kernels (`grpo.kernels.decode_gemm`, M <= 16 rows): q/k/v in one
+# The same layer with the decode GEMM kernels (`grpo.kernels.decode_gemm`, M <= 64 rows): q/k/v in one
 # launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU product fused; LoRA
 # and FP8 inside the kernels; K's rotary and the K/V write in one kernel. Norms, q's rotary and the
 # attention stay compiled pieces.
@@ -377,7 +377,7 @@ class NativeEngine:
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph; the layer then runs as compiled pieces around the projections (on CPU: in sequence).
         None is "on CUDA, when every layer's MLP is a Llama MLP".
-    gemm: how a step with at most 16 rows runs the projections. "kernels": the decode GEMM kernels
+    gemm: how a step with at most 64 rows (decode_gemm.MAX_ROWS) runs the projections. "kernels": the decode GEMM kernels
         (`grpo.kernels.decode_gemm`: q/k/v in one launch, LoRA, FP8 and the residual or SiLU product
         fused), for every layer whose projections they support (the others call their modules);
         "modules": call each projection module; "auto": kernels on CUDA when triton is installed.
