@@ -2,12 +2,14 @@
 executes, per K step, as SASS instruction counts.
 
 Triton compiles without a GPU when given a target, and its wheel carries ptxas and nvdisasm. This is how
-the fourth session found that the FP8 kernels are bound by instructions issued per weight element, not
-by bytes: see RESULTS.md ("Decode GEMM kernels (fourth session)"). Integer arguments are compiled as
+the fourth session saw each FP8 code converted twice on the conversion unit, and the fifth checked that
+the bit-move unpacking (--unpack bits) leaves only integer instructions there before timing it: see
+RESULTS.md ("Decode GEMM kernels", fourth and fifth sessions). Integer arguments are compiled as
 multiples of 16, as Triton specializes them at launch for the Llama shapes (without that the loads are
 scalar and the code is not what the GPU runs).
 
-    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel gated --fp8 --tile 32 128 4 6
+    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel gated --fp8 --tile 32 256 4 3
+    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel proj --fp8 --unpack convert --split-k 4
     TRITON_DIR=/path/to/site-packages python benchmarks/decode_gemm_sass.py ...   # another triton
 
 The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
