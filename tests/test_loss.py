@@ -29,12 +29,14 @@ LN = math.log
 # ----------------------------------------------------------------------------------------------
 def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_low=0.2, eps_high=None,
                    delta=None, ratio_level="token", norm="sequence", max_len=None, is_weights=None,
-                   kl="k3"):
+                   kl="k3", policy_loss="clip", cispo_eps_low=1.0, cispo_eps_high=4.0, sapo_tau_pos=1.0,
+                   sapo_tau_neg=1.05):
     B, T = logp.shape
     eps_high = eps_low if eps_high is None else eps_high
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    cispo_lo, cispo_hi = 1.0 - cispo_eps_low, 1.0 + cispo_eps_high
     rows, policy_rows, counts = [], [], []
-    kl_sum, n_low, n_high, n_delta, ratios = 0.0, 0, 0, 0, []
+    kl_sum, n_low, n_high, n_delta, ratios, grad_weights = 0.0, 0, 0, 0, [], []
     for i in range(B):
         idx = [t for t in range(T) if bool(mask[i, t])]
         a = float(adv[i])
@@ -47,19 +49,36 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
             w = torch.exp(x)
             wv = float(w.detach())
             ratios.append(wv)
-            # unclipped branch, capped at delta (a constant once capped: no gradient)
-            u = w if (delta is None or wv <= delta) else torch.tensor(float(delta), dtype=F64)
-            # clipped branch
-            if wv < lo:
-                c = torch.tensor(lo, dtype=F64)
-            elif wv > hi:
-                c = torch.tensor(hi, dtype=F64)
-            else:
-                c = w
-            term = -(u * a if float(u.detach()) * a <= float(c.detach()) * a else c * a)  # -min(u*A, c*A)
-            n_low += wv < lo and a < 0
-            n_high += wv > hi and a > 0
-            n_delta += delta is not None and wv > delta and a < 0
+            if policy_loss == "clip":
+                # unclipped branch, capped at delta (a constant once capped: no gradient)
+                u = w if (delta is None or wv <= delta) else torch.tensor(float(delta), dtype=F64)
+                # clipped branch
+                if wv < lo:
+                    c = torch.tensor(lo, dtype=F64)
+                elif wv > hi:
+                    c = torch.tensor(hi, dtype=F64)
+                else:
+                    c = w
+                picks_u = float(u.detach()) * a <= float(c.detach()) * a
+                term = -(u * a if picks_u else c * a)  # -min(u*A, c*A)
+                n_low += wv < lo and a < 0
+                n_high += wv > hi and a > 0
+                n_delta += delta is not None and wv > delta and a < 0
+                # the picked branch passes d w / d logp = w unless it is a constant
+                passes = (delta is None or wv <= delta) if picks_u else lo <= wv <= hi
+                grad_weights.append(wv if passes else 0.0)
+            elif policy_loss == "cispo":
+                c = min(max(wv, cispo_lo), cispo_hi)  # a Python float: no gradient through the weight
+                term = -(c * a) * logp[i, t]
+                n_low += wv < cispo_lo
+                n_high += wv > cispo_hi
+                grad_weights.append(c)
+            else:  # sapo
+                tau = sapo_tau_pos if a > 0 else sapo_tau_neg
+                s = 1.0 / (1.0 + torch.exp(-tau * (w - 1.0)))  # sigmoid, written out
+                term = -(4.0 / tau) * s * a
+                sv = float(s.detach())
+                grad_weights.append(4.0 * sv * (1.0 - sv) * wv)
             if is_weights is not None:
                 term = term * float(is_weights[i] if is_weights.dim() == 1 else is_weights[i, t])
             policy_row = policy_row + term
@@ -92,6 +111,7 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
         "ratio_mean": sum(ratios) / n,
         "ratio_min": min(ratios) if ratios else 0.0,
         "ratio_max": max(ratios) if ratios else 0.0,
+        "grad_weight_mean": sum(grad_weights) / n,
     }
     return normalize(rows), stats
 
@@ -171,9 +191,10 @@ def test_hand_derived_token_ratio_all_three_norms_and_stats():
 
     # stats: clipped low: (0.5, A<0) once; clipped high: (1.5, A>0) once; of 5 tokens.
     # ratio mean (1.5 + 0.5 + 1.0 + 0.5 + 1.5) / 5 = 1.0, min 0.5, max 1.5 (the padding's 1.0 is not read).
+    # gradient weights: the two clipped tokens 0, the others their w: (0.5 + 1.0 + 1.5) / 5 = 0.6.
     _, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token")
     expected_stats = dict(policy_loss=-0.08, kl=0.0, clip_frac_low=0.2, clip_frac_high=0.2, clip_frac=0.4,
-                          clip_frac_delta=0.0, ratio_mean=1.0, ratio_min=0.5, ratio_max=1.5)
+                          clip_frac_delta=0.0, ratio_mean=1.0, ratio_min=0.5, ratio_max=1.5, grad_weight_mean=0.6)
     assert_stats_close(stats, expected_stats, 1e-12)
 
 
