@@ -4,8 +4,9 @@
 dict of detached statistics. It covers GRPO (DeepSeekMath), DAPO's clip-higher and token-mean,
 Dr. GRPO's constant normalizer, GSPO's sequence-level ratio, INTELLECT-2's two-sided clipping, two
 replacements for PPO's clipped min (MiniMax-M1's CISPO and Qwen's SAPO), a KL penalty to a
-reference (k1/k2/k3), and importance weights for a sampler whose numerics differ from the trainer's. It deliberately is not a trainer: no model, no config object, no I/O, no host sync;
-log-probabilities come from `grpo.kernels.logprobs`, advantages from `group_advantages`.
+reference (k1/k2/k3), and importance weights for a sampler whose numerics differ from the trainer's.
+It deliberately is not a trainer: no model, no config object, no I/O, no host sync; log-probabilities
+come from `grpo.kernels.logprobs`, advantages from `group_advantages`.
 
 Notation: B rows (completions), T token positions, mask[i, t] True where token t of completion i
 counts, n_i = sum_t mask[i, t], N = sum_i n_i, A_i the advantage of completion i.
