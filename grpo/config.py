@@ -76,6 +76,20 @@ class Config:
     epsilon_high: float | None = _f(None, "Upper clip range eps_high (DAPO uses 0.28). Default: epsilon.",
                                     "grpo")
     delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping). Default: off.", "grpo")
+    loss_type: str = _f("clip", "Per-token policy loss: clip (PPO's clipped ratio, as GRPO, DAPO and GSPO use it; "
+                        "--epsilon, --epsilon-high and --delta apply to it only), cispo (MiniMax-M1: the importance "
+                        "weight clipped to [1 - cispo-eps-low, 1 + cispo-eps-high] and detached, times the log-prob, "
+                        "so every token keeps a gradient) or sapo (Qwen: a smooth sigmoid gate on the ratio in place "
+                        "of the hard clip, temperatures sapo-tau-pos/neg).", "grpo",
+                        choices=["clip", "cispo", "sapo"])
+    cispo_eps_low: float = _f(1.0, "CISPO: the weight's floor is 1 minus this; 1 (a floor of 0) is no lower bound, "
+                              "as in MiniMax-M1.", "grpo")
+    cispo_eps_high: float = _f(4.0, "CISPO: the weight's cap is 1 plus this (MiniMax-M1 tunes only this and does not "
+                               "publish it; peers cap at 4 to 6).", "grpo")
+    sapo_tau_pos: float = _f(1.0, "SAPO: gate temperature for positive advantages (the paper's 1.0); larger closes "
+                             "the gate sooner as the ratio leaves 1.", "grpo")
+    sapo_tau_neg: float = _f(1.05, "SAPO: gate temperature for negative advantages (the paper's 1.05, above "
+                             "sapo-tau-pos so that negative updates are damped sooner).", "grpo")
     loss_norm: str = _f("sequence", "sequence (GRPO), token (DAPO) or constant (Dr. GRPO).", "grpo",
                         choices=["sequence", "token", "constant"])
     ratio_level: str = _f("token", "Importance ratio per token (GRPO) or per sequence (GSPO).", "grpo",
@@ -165,6 +179,15 @@ class Config:
         if self.delta is not None and self.delta <= 1.0 + (self.epsilon_high or self.epsilon):
             raise ValueError(f"--delta {self.delta}: must exceed 1 + the upper clip range "
                              f"({1.0 + (self.epsilon_high or self.epsilon):g}); try 3")
+        if self.delta is not None and self.loss_type != "clip":
+            raise ValueError(f"--delta {self.delta} caps the ratio of --loss-type clip; --loss-type {self.loss_type} "
+                             "has no unclipped ratio to cap: drop --delta")
+        if self.cispo_eps_low < 0 or self.cispo_eps_high < 0:
+            raise ValueError(f"--cispo-eps-low {self.cispo_eps_low} / --cispo-eps-high {self.cispo_eps_high}: "
+                             "must be 0 or more")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError(f"--sapo-tau-pos {self.sapo_tau_pos} / --sapo-tau-neg {self.sapo_tau_neg}: must be "
+                             "above 0 (the paper's are 1.0 and 1.05)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]; 1 switches it off")
         if not 0.0 <= self.min_p < 1.0:

@@ -12,6 +12,7 @@ import torch
 from grpo.loss import (
     KL_KINDS,
     NORMS,
+    POLICY_LOSSES,
     RATIO_LEVELS,
     STAT_KEYS,
     clipped_surrogate,
@@ -29,12 +30,14 @@ LN = math.log
 # ----------------------------------------------------------------------------------------------
 def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_low=0.2, eps_high=None,
                    delta=None, ratio_level="token", norm="sequence", max_len=None, is_weights=None,
-                   kl="k3"):
+                   kl="k3", policy_loss="clip", cispo_eps_low=1.0, cispo_eps_high=4.0, sapo_tau_pos=1.0,
+                   sapo_tau_neg=1.05):
     B, T = logp.shape
     eps_high = eps_low if eps_high is None else eps_high
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    cispo_lo, cispo_hi = 1.0 - cispo_eps_low, 1.0 + cispo_eps_high
     rows, policy_rows, counts = [], [], []
-    kl_sum, n_low, n_high, n_delta, ratios = 0.0, 0, 0, 0, []
+    kl_sum, n_low, n_high, n_delta, ratios, grad_weights = 0.0, 0, 0, 0, [], []
     for i in range(B):
         idx = [t for t in range(T) if bool(mask[i, t])]
         a = float(adv[i])
@@ -47,19 +50,36 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
             w = torch.exp(x)
             wv = float(w.detach())
             ratios.append(wv)
-            # unclipped branch, capped at delta (a constant once capped: no gradient)
-            u = w if (delta is None or wv <= delta) else torch.tensor(float(delta), dtype=F64)
-            # clipped branch
-            if wv < lo:
-                c = torch.tensor(lo, dtype=F64)
-            elif wv > hi:
-                c = torch.tensor(hi, dtype=F64)
-            else:
-                c = w
-            term = -(u * a if float(u.detach()) * a <= float(c.detach()) * a else c * a)  # -min(u*A, c*A)
-            n_low += wv < lo and a < 0
-            n_high += wv > hi and a > 0
-            n_delta += delta is not None and wv > delta and a < 0
+            if policy_loss == "clip":
+                # unclipped branch, capped at delta (a constant once capped: no gradient)
+                u = w if (delta is None or wv <= delta) else torch.tensor(float(delta), dtype=F64)
+                # clipped branch
+                if wv < lo:
+                    c = torch.tensor(lo, dtype=F64)
+                elif wv > hi:
+                    c = torch.tensor(hi, dtype=F64)
+                else:
+                    c = w
+                picks_u = float(u.detach()) * a <= float(c.detach()) * a
+                term = -(u * a if picks_u else c * a)  # -min(u*A, c*A)
+                n_low += wv < lo and a < 0
+                n_high += wv > hi and a > 0
+                n_delta += delta is not None and wv > delta and a < 0
+                # the picked branch passes d w / d logp = w unless it is a constant
+                passes = (delta is None or wv <= delta) if picks_u else lo <= wv <= hi
+                grad_weights.append(wv if passes else 0.0)
+            elif policy_loss == "cispo":
+                c = min(max(wv, cispo_lo), cispo_hi)  # a Python float: no gradient through the weight
+                term = -(c * a) * logp[i, t]
+                n_low += wv < cispo_lo
+                n_high += wv > cispo_hi
+                grad_weights.append(c)
+            else:  # sapo
+                tau = sapo_tau_pos if a > 0 else sapo_tau_neg
+                s = 1.0 / (1.0 + torch.exp(-tau * (w - 1.0)))  # sigmoid, written out
+                term = -(4.0 / tau) * s * a
+                sv = float(s.detach())
+                grad_weights.append(4.0 * sv * (1.0 - sv) * wv)
             if is_weights is not None:
                 term = term * float(is_weights[i] if is_weights.dim() == 1 else is_weights[i, t])
             policy_row = policy_row + term
@@ -92,6 +112,7 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
         "ratio_mean": sum(ratios) / n,
         "ratio_min": min(ratios) if ratios else 0.0,
         "ratio_max": max(ratios) if ratios else 0.0,
+        "grad_weight_mean": sum(grad_weights) / n,
     }
     return normalize(rows), stats
 
@@ -171,9 +192,10 @@ def test_hand_derived_token_ratio_all_three_norms_and_stats():
 
     # stats: clipped low: (0.5, A<0) once; clipped high: (1.5, A>0) once; of 5 tokens.
     # ratio mean (1.5 + 0.5 + 1.0 + 0.5 + 1.5) / 5 = 1.0, min 0.5, max 1.5 (the padding's 1.0 is not read).
+    # gradient weights: the two clipped tokens 0, the others their w: (0.5 + 1.0 + 1.5) / 5 = 0.6.
     _, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token")
     expected_stats = dict(policy_loss=-0.08, kl=0.0, clip_frac_low=0.2, clip_frac_high=0.2, clip_frac=0.4,
-                          clip_frac_delta=0.0, ratio_mean=1.0, ratio_min=0.5, ratio_max=1.5)
+                          clip_frac_delta=0.0, ratio_mean=1.0, ratio_min=0.5, ratio_max=1.5, grad_weight_mean=0.6)
     assert_stats_close(stats, expected_stats, 1e-12)
 
 
@@ -257,6 +279,103 @@ def test_hand_derived_kl_term_is_added_per_token_and_normalized_with_the_policy_
     assert float(stats["policy_loss"]) == 0.0
 
 
+def test_hand_derived_cispo_clips_the_weight_but_every_token_keeps_its_gradient():
+    # CISPO with the weight range [0.8, 1.2] on hand_batch: the weights c = clip(w) are
+    #   row 0 (A=+1): w [1.5, 0.5, 1.0] -> c [1.2, 0.8, 1.0];  row 1 (A=-1): w [0.5, 1.5] -> c [0.8, 1.2]
+    # token norm, N = 5: d loss / d logp_it = -A_i c_it / N, nonzero on the clipped tokens too:
+    #   row 0: [-0.24, -0.16, -0.2];  row 1: [+0.16, +0.24, 0 (padding)]
+    # PPO's clip zeroes the two clipped tokens instead: [0, -0.1, -0.2], [0, 0.3, 0] (test above).
+    # value: -(1/N) sum c A logp with logp = -1 + log w; the pairs (1.5, 0.5) of the two rows cancel,
+    # leaving -(1.0 * 1 * -1) / 5 = 0.2.
+    logp, old_logp, adv, mask = hand_batch()
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss="cispo",
+                                    cispo_eps_low=0.2, cispo_eps_high=0.2)
+    loss.backward()
+    cispo_grad = logp.grad.clone()
+    torch.testing.assert_close(cispo_grad, torch.tensor([[-0.24, -0.16, -0.2], [0.16, 0.24, 0.0]], dtype=F64),
+                               rtol=0, atol=1e-12)
+    assert float(loss.detach()) == pytest.approx(0.2, abs=1e-12)
+    # clipped: below (w = 0.5, whatever A) twice, above (w = 1.5) twice; mean weight (1.2+0.8+1+0.8+1.2)/5
+    expected_stats = dict(policy_loss=0.2, kl=0.0, clip_frac_low=0.4, clip_frac_high=0.4, clip_frac=0.8,
+                          clip_frac_delta=0.0, ratio_mean=1.0, ratio_min=0.5, ratio_max=1.5, grad_weight_mean=1.0)
+    assert_stats_close(stats, expected_stats, 1e-12)
+
+    logp.grad = None
+    clip_loss, _ = clipped_surrogate(logp, old_logp, adv, mask, norm="token")
+    clip_loss.backward()
+    clipped = torch.tensor([[True, False, False], [True, False, False]])
+    assert (logp.grad[clipped] == 0).all() and (cispo_grad[clipped] != 0).all()
+
+    # The defaults (no lower bound, cap 5) clip nothing here: the weight is w itself, -A w / N.
+    logp.grad = None
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss="cispo")
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.3, -0.1, -0.2], [0.1, 0.3, 0.0]], dtype=F64),
+                               rtol=0, atol=1e-12)
+    assert float(stats["clip_frac"]) == 0.0
+
+
+def test_hand_derived_cispo_caps_a_runaway_weight_at_one_plus_eps_high():
+    # w = 10 with A = +1: PPO's clip gives no gradient; CISPO's default cap 1 + 4 = 5 gives -5 (one token).
+    old_logp = torch.zeros(1, 1, dtype=F64)
+    logp = torch.full((1, 1), LN(10.0), dtype=F64, requires_grad=True)
+    adv, mask = torch.ones(1, dtype=F64), torch.ones(1, 1, dtype=torch.bool)
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, policy_loss="cispo")
+    loss.backward()
+    assert float(logp.grad) == pytest.approx(-5.0, abs=1e-12)
+    assert float(stats["clip_frac_high"]) == 1.0 and float(stats["grad_weight_mean"]) == pytest.approx(5.0)
+
+
+def sapo_weight(w, tau):
+    """d f(w) / d logp for SAPO's f(w) = sigmoid(tau (w - 1)) 4 / tau: 4 s (1 - s) w."""
+    s = 1.0 / (1.0 + math.exp(-tau * (w - 1.0)))
+    return 4.0 * s * (1.0 - s) * w
+
+
+def test_hand_derived_sapo_gate_is_smooth_where_the_hard_clip_gives_zero_gradient():
+    # Just outside the clip range [0.8, 1.2], on the side where PPO clips: w = 1.25 with A = +1 and
+    # w = 0.75 with A = -1. Hard clip: gradient exactly 0. SAPO (tau_pos 1, tau_neg 1.05), token norm
+    # over N = 2: -A * 4 s (1 - s) w / 2, close to the unclipped -A w / 2 (the gate is nearly flat at 1).
+    old_logp = torch.zeros(2, 1, dtype=F64)
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    grads = {}
+    for policy_loss in ("clip", "sapo"):
+        logp = torch.tensor([[LN(1.25)], [LN(0.75)]], dtype=F64, requires_grad=True)
+        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss=policy_loss)
+        loss.backward()
+        grads[policy_loss] = logp.grad
+    assert (grads["clip"] == 0).all()
+    expected = torch.tensor([[-sapo_weight(1.25, 1.0) / 2], [sapo_weight(0.75, 1.05) / 2]], dtype=F64)
+    torch.testing.assert_close(grads["sapo"], expected, rtol=1e-12, atol=0)
+    assert float(expected[0]) == pytest.approx(-1.25 / 2, rel=0.02)  # the gate has barely closed
+    assert float(stats["clip_frac"]) == 0.0  # SAPO clips nothing
+    # value: -A f(w) / N with f(w) = sigmoid(tau (w - 1)) * 4 / tau
+    f = lambda w, tau: 4.0 / tau / (1.0 + math.exp(-tau * (w - 1.0)))  # noqa: E731
+    assert float(loss.detach()) == pytest.approx((-f(1.25, 1.0) + f(0.75, 1.05)) / 2, abs=1e-12)
+
+
+def test_sapo_gate_decays_away_from_ratio_one_and_faster_for_negative_advantages():
+    # The factor on the ratio's gradient, 4 s (1 - s), is 1 at w = 1 and falls monotonically on both
+    # sides; with tau_neg > tau_pos it falls faster for A < 0 than for A > 0 at the same w.
+    ws = [0.3, 0.6, 0.8, 0.95, 1.0, 1.05, 1.2, 1.5, 2.0, 3.0]
+    old_logp = torch.zeros(2, len(ws), dtype=F64)
+    logp = torch.tensor([ws, ws], dtype=F64).log().requires_grad_()
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    mask = torch.ones(2, len(ws), dtype=torch.bool)
+    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss="sapo",
+                                sapo_tau_pos=1.0, sapo_tau_neg=3.0)
+    loss.backward()
+    n = 2 * len(ws)
+    gate = -logp.grad * n / adv[:, None] / torch.tensor(ws, dtype=F64)  # 4 s (1 - s), (2, len(ws))
+    one = ws.index(1.0)
+    torch.testing.assert_close(gate[:, one], torch.ones(2, dtype=F64), rtol=1e-12, atol=0)
+    for row in gate:
+        assert (row[:one].diff() > 0).all() and (row[one:].diff() < 0).all(), row
+    others = [k for k in range(len(ws)) if k != one]
+    assert (gate[1, others] < gate[0, others]).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Against the loop reference, every option
 # ----------------------------------------------------------------------------------------------
@@ -289,12 +408,80 @@ def test_the_reference_cases_actually_exercise_clipping_and_delta():
     assert all(v > 0 for v in seen.values()), seen
 
 
+# Each with its defaults and with a setting that clips (CISPO) or gates (SAPO) much harder.
+VARIANT_PARAMS = {
+    "cispo": (dict(), dict(cispo_eps_low=0.1, cispo_eps_high=0.15)),
+    "sapo": (dict(), dict(sapo_tau_pos=3.0, sapo_tau_neg=6.0)),
+}
+
+
+@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("ratio_level,norm,kl", list(itertools.product(RATIO_LEVELS, NORMS, KL_KINDS)))
+def test_cispo_and_sapo_match_float64_loop_reference_values_stats_and_gradients(policy_loss, ratio_level, norm,
+                                                                                kl):
+    for variant, (beta, weights, params) in enumerate(
+        itertools.product((0.0, 0.05), (None, "row", "token"), VARIANT_PARAMS[policy_loss])
+    ):
+        logp, old_logp, ref_logp, adv, mask, is_tok, is_row = random_batch(seed=variant)
+        is_weights = {None: None, "row": is_row, "token": is_tok}[weights]
+        max_len = 9 if variant % 2 else None
+        kw = dict(ref_logp=ref_logp, beta=beta, ratio_level=ratio_level, norm=norm, max_len=max_len,
+                  is_weights=is_weights, kl=kl, policy_loss=policy_loss, **params)
+        (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
+        where = f"variant {variant}: beta={beta} is_weights={weights} {params}"
+        assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12), where
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12, msg=where)
+        assert_stats_close(stats, ref_stats, 1e-12)
+
+
+def test_the_reference_cases_exercise_cispo_clipping_and_sapo_gating():
+    # Guards the test above against vacuity: CISPO's harder setting clips on both sides, and SAPO's
+    # gate moves the gradient weight visibly away from w (4 s (1 - s) < 1 off w = 1).
+    seen = dict(low=0.0, high=0.0, gate=0.0)
+    for seed in range(12):
+        logp, old_logp, _, adv, mask, _, _ = random_batch(seed)
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, policy_loss="cispo",
+                                     **VARIANT_PARAMS["cispo"][1])
+        seen["low"] += float(stats["clip_frac_low"])
+        seen["high"] += float(stats["clip_frac_high"])
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, policy_loss="sapo", **VARIANT_PARAMS["sapo"][1])
+        seen["gate"] += float(stats["ratio_mean"] - stats["grad_weight_mean"])
+    assert all(v > 0.05 for v in seen.values()), seen
+
+
+@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(policy_loss, ratio_level):
+    # w = 1: CISPO's weight is 1 and SAPO's gate slope 4 s (1 - s) w is 1 whatever tau (the 4 / tau
+    # is what makes it so: non-default taus here), so both give -(1/N) sum_it mask_it A_i logp_it's gradient.
+    logp, _, _, adv, mask, _, _ = random_batch(seed=5)
+    logp = torch.where(mask, logp, -1.0)
+    x = logp.clone().requires_grad_()
+    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, norm="token", ratio_level=ratio_level,
+                                    policy_loss=policy_loss, sapo_tau_pos=2.0, sapo_tau_neg=3.0)
+    loss.backward()
+    y = logp.clone().requires_grad_()
+    pg_loss = -(adv[:, None] * y * mask).sum() / mask.sum()
+    pg_loss.backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-15)
+    assert float(stats["grad_weight_mean"]) == pytest.approx(1.0, abs=1e-12)
+    assert float(stats["clip_frac"]) == 0.0
+    if policy_loss == "cispo":  # the value is the policy-gradient loss itself
+        assert float(loss.detach()) == pytest.approx(float(pg_loss.detach()), abs=1e-12)
+    else:  # -A f(1) = -A * (1/2) * 4 / tau = -2 A / tau per token
+        tau = torch.where(adv > 0, 2.0, 3.0).to(F64)
+        expected = -((2 * adv / tau)[:, None] * mask).sum() / mask.sum()
+        assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-12)
+
+
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-6)])
-def test_low_precision_inputs_are_computed_in_float32(dtype, tol):
+def test_low_precision_inputs_are_computed_in_float32(dtype, tol, policy_loss):
     # bf16 inputs are upcast, so the result equals the float64 reference on the same (rounded) values
     # to float32 precision, not to bf16 precision.
     logp, old_logp, ref_logp, adv, mask, is_tok, _ = random_batch(seed=3)
-    kw = dict(beta=0.05, delta=1.5, ratio_level="token", norm="token", is_weights=is_tok)
+    kw = dict(beta=0.05, delta=1.5 if policy_loss == "clip" else None, ratio_level="token", norm="token",
+              is_weights=is_tok, policy_loss=policy_loss)
     lo = [t.to(dtype) for t in (logp, old_logp, ref_logp)]
     x = lo[0].clone().requires_grad_()
     loss, stats = clipped_surrogate(x, lo[1], adv.to(dtype), mask, ref_logp=lo[2], **kw)
@@ -312,14 +499,16 @@ def test_low_precision_inputs_are_computed_in_float32(dtype, tol):
 # ----------------------------------------------------------------------------------------------
 # Edge cases
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("norm", NORMS)
-def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, norm):
+def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, norm, policy_loss):
     logp, old_logp, ref_logp, adv, mask, is_tok, _ = random_batch(seed=7)
     assert not mask[1].any()  # row 1 is empty and holds garbage (inf log-ratio, nan ref, nan weights)
     x = logp.clone().requires_grad_()
-    loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1, delta=2.0,
-                                    ratio_level=ratio_level, norm=norm, is_weights=is_tok)
+    loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1,
+                                    delta=2.0 if policy_loss == "clip" else None, ratio_level=ratio_level,
+                                    norm=norm, is_weights=is_tok, policy_loss=policy_loss)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(v) for v in stats.values())
@@ -327,14 +516,15 @@ def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, norm):
     assert (x.grad[0] != 0).any()  # the full row does get a gradient
 
 
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("norm", NORMS)
-def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(ratio_level, norm):
+def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(ratio_level, norm, policy_loss):
     logp, old_logp, ref_logp, adv, _, is_tok, _ = random_batch(seed=1)
     mask = torch.zeros_like(logp, dtype=torch.bool)
     x = logp.clone().requires_grad_()
     loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1,
-                                    ratio_level=ratio_level, norm=norm, is_weights=is_tok)
+                                    ratio_level=ratio_level, norm=norm, is_weights=is_tok, policy_loss=policy_loss)
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert (x.grad == 0).all()
@@ -361,8 +551,9 @@ def test_sequence_norm_averages_over_all_rows_counting_empty_ones():
     assert float(tok_wider.detach()) == pytest.approx(float(tok.detach()), abs=1e-12)
 
 
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_level):
+def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_level, policy_loss):
     # End to end at the smallest shapes: 3 prompts x G=2, one token each.
     rewards = torch.tensor([1.0, 0.0, 2.0, 2.0, -1.0, 3.0], dtype=F64)
     adv, adv_stats = group_advantages(rewards, group_size=2)
@@ -373,7 +564,7 @@ def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_le
     ref_logp = logp + 0.2 * torch.randn(6, 1, generator=g, dtype=F64)
     mask = torch.tensor([[True], [True], [True], [False], [True], [True]])
     for norm in NORMS:
-        kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, norm=norm)
+        kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, norm=norm, policy_loss=policy_loss)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -505,7 +696,8 @@ def test_kl_penalty_and_logp_shape_checks():
         clipped_surrogate(torch.zeros(6), torch.zeros(6), torch.zeros(6), torch.ones(6, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("option,choices", [("norm", NORMS), ("ratio_level", RATIO_LEVELS), ("kl", KL_KINDS)])
+@pytest.mark.parametrize("option,choices", [("norm", NORMS), ("ratio_level", RATIO_LEVELS), ("kl", KL_KINDS),
+                                            ("policy_loss", POLICY_LOSSES)])
 def test_unknown_option_raises_valueerror_listing_the_choices(option, choices):
     kw = _ok_inputs()
     with pytest.raises(ValueError) as err:
@@ -532,3 +724,19 @@ def test_bad_numbers_and_dtypes_raise_valueerror():
     with pytest.raises(ValueError, match="floating dtype"):
         clipped_surrogate(**{**kw, "logp": torch.zeros(2, 3, dtype=torch.long)})
     clipped_surrogate(**kw, delta=1.2)  # the boundary 1 + eps_high is allowed
+
+
+def test_cispo_and_sapo_reject_delta_and_out_of_range_parameters():
+    kw = _ok_inputs()
+    for policy_loss in ("cispo", "sapo"):
+        with pytest.raises(ValueError, match="delta=3.0 caps the unclipped ratio of policy_loss='clip'"):
+            clipped_surrogate(**kw, policy_loss=policy_loss, delta=3.0)
+    with pytest.raises(ValueError, match="cispo_eps_low=-0.1"):
+        clipped_surrogate(**kw, policy_loss="cispo", cispo_eps_low=-0.1)
+    with pytest.raises(ValueError, match="cispo_eps_high=-1"):
+        clipped_surrogate(**kw, policy_loss="cispo", cispo_eps_high=-1)
+    with pytest.raises(ValueError, match="sapo_tau_pos=0"):
+        clipped_surrogate(**kw, policy_loss="sapo", sapo_tau_pos=0)
+    with pytest.raises(ValueError, match="sapo_tau_neg=-1"):
+        clipped_surrogate(**kw, policy_loss="sapo", sapo_tau_neg=-1)
+    clipped_surrogate(**kw, policy_loss="cispo", cispo_eps_low=0.0, cispo_eps_high=0.0)  # a weight of 1: allowed

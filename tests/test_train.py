@@ -117,7 +117,7 @@ def test_help_lists_every_flag_with_text():
 def test_the_loss_flags_offer_exactly_what_grpo_loss_accepts():
     # config.py stays free of torch (fast --help), so it spells the choices out; this keeps them in step.
     from grpo.config import build_parser
-    from grpo.loss import KL_KINDS, NORMS, RATIO_LEVELS, SCALES
+    from grpo.loss import KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES
     from grpo.loss.importance import LEVELS, MODES
 
     choices = {a.dest: tuple(a.choices) for a in build_parser()._actions if a.choices}
@@ -127,6 +127,29 @@ def test_the_loss_flags_offer_exactly_what_grpo_loss_accepts():
     assert set(choices["kl_estimator"]) == set(KL_KINDS)
     assert set(choices["is_correction"]) == set(MODES)
     assert set(choices["is_level"]) == set(LEVELS)
+    assert set(choices["loss_type"]) == set(POLICY_LOSSES)
+
+
+def test_loss_type_flags_reach_the_config_and_delta_is_refused_without_the_clip():
+    import inspect
+
+    from grpo.config import Config, parse_args
+    from grpo.loss import clipped_surrogate
+
+    cfg = parse_args(["--loss-type", "sapo", "--sapo-tau-pos", "0.5", "--sapo-tau-neg", "2"])
+    assert (cfg.loss_type, cfg.sapo_tau_pos, cfg.sapo_tau_neg) == ("sapo", 0.5, 2.0)
+    cfg = parse_args(["--loss-type", "cispo", "--cispo-eps-high", "0.28"])
+    assert (cfg.loss_type, cfg.cispo_eps_low, cfg.cispo_eps_high) == ("cispo", 1.0, 0.28)
+    # One source for every default: the config's match the loss function's.
+    defaults = inspect.signature(clipped_surrogate).parameters
+    plain = Config()
+    assert plain.loss_type == defaults["policy_loss"].default == "clip"
+    for name in ("cispo_eps_low", "cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
+        assert getattr(plain, name) == defaults[name].default, name
+    with pytest.raises(SystemExit):
+        parse_args(["--loss-type", "cispo", "--delta", "3"])
+    with pytest.raises(SystemExit):
+        parse_args(["--loss-type", "sapo", "--sapo-tau-neg", "0"])
 
 
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):

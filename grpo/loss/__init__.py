@@ -8,7 +8,8 @@
     loss.backward()
 
 - `clipped_surrogate` (surrogate.py): GRPO's clipped ratio objective with DAPO, Dr. GRPO, GSPO and
-  two-sided-clipping options, a KL penalty, sampler importance weights; returns (loss, stats).
+  two-sided-clipping options, CISPO and SAPO in place of the clip (`policy_loss=`), a KL penalty,
+  sampler importance weights; returns (loss, stats).
 - `group_advantages` (advantages.py): (r - group mean) / (std + eps), or Dr. GRPO's unscaled version;
   returns (adv, stats) with the fraction of groups that carry no signal.
 - `kl_penalty` (kl.py): the k1/k2/k3 per-token KL estimators.
@@ -22,9 +23,9 @@ The trainer uses nothing else for its loss. Gradients flow only to `logp`.
 from .advantages import SCALES, group_advantages
 from .importance import importance_weights
 from .kl import KL_KINDS, kl_penalty
-from .surrogate import NORMS, RATIO_LEVELS, STAT_KEYS, clipped_surrogate
+from .surrogate import NORMS, POLICY_LOSSES, RATIO_LEVELS, STAT_KEYS, clipped_surrogate
 
 __all__ = [
     "clipped_surrogate", "group_advantages", "kl_penalty", "importance_weights",
-    "NORMS", "RATIO_LEVELS", "KL_KINDS", "SCALES", "STAT_KEYS",
+    "NORMS", "POLICY_LOSSES", "RATIO_LEVELS", "KL_KINDS", "SCALES", "STAT_KEYS",
 ]

@@ -2,10 +2,11 @@
 
 `clipped_surrogate` turns per-token log-probabilities, advantages and a mask into a scalar loss and a
 dict of detached statistics. It covers GRPO (DeepSeekMath), DAPO's clip-higher and token-mean,
-Dr. GRPO's constant normalizer, GSPO's sequence-level ratio, INTELLECT-2's two-sided clipping, a KL
-penalty to a reference (k1/k2/k3), and importance weights for a sampler whose numerics differ from
-the trainer's. It deliberately is not a trainer: no model, no config object, no I/O, no host sync;
-log-probabilities come from `grpo.kernels.logprobs`, advantages from `group_advantages`.
+Dr. GRPO's constant normalizer, GSPO's sequence-level ratio, INTELLECT-2's two-sided clipping, two
+replacements for PPO's clipped min (MiniMax-M1's CISPO and Qwen's SAPO), a KL penalty to a
+reference (k1/k2/k3), and importance weights for a sampler whose numerics differ from the trainer's.
+It deliberately is not a trainer: no model, no config object, no I/O, no host sync; log-probabilities
+come from `grpo.kernels.logprobs`, advantages from `group_advantages`.
 
 Notation: B rows (completions), T token positions, mask[i, t] True where token t of completion i
 counts, n_i = sum_t mask[i, t], N = sum_i n_i, A_i the advantage of completion i.
@@ -26,10 +27,11 @@ from ._checks import (
 )
 from .kl import KL_KINDS, kl_from_log_ratio
 
+POLICY_LOSSES = ("clip", "cispo", "sapo")
 RATIO_LEVELS = ("token", "sequence")
 NORMS = ("sequence", "token", "constant")
 STAT_KEYS = ("policy_loss", "kl", "clip_frac_low", "clip_frac_high", "clip_frac", "clip_frac_delta",
-             "ratio_mean", "ratio_min", "ratio_max")
+             "ratio_mean", "ratio_min", "ratio_max", "grad_weight_mean")
 
 
 def clipped_surrogate(
@@ -48,6 +50,11 @@ def clipped_surrogate(
     max_len: int | None = None,
     is_weights: torch.Tensor | None = None,
     kl: str = "k3",
+    policy_loss: str = "clip",
+    cispo_eps_low: float = 1.0,
+    cispo_eps_high: float = 4.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""The GRPO loss: clipped importance-ratio surrogate plus an optional KL penalty, normalized.
 
@@ -63,8 +70,10 @@ def clipped_surrogate(
         ref_logp: (B, T) log-probabilities under the reference policy, or None. Needed when beta > 0;
             with beta == 0 it is used only for the "kl" statistic.
         beta: KL coefficient (>= 0).
-        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high]; eps_high defaults to eps_low.
+        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] of policy_loss="clip";
+            eps_high defaults to eps_low.
         delta: cap on the unclipped ratio (two-sided clipping), >= 1 + eps_high, or None for off.
+            Only with policy_loss="clip".
         ratio_level: "token" (GRPO, DAPO) or "sequence" (GSPO).
         norm: "sequence" (GRPO), "token" (DAPO) or "constant" (Dr. GRPO).
         max_len: the constant of norm="constant" (the generation budget); None means T. Ignored by
@@ -72,6 +81,13 @@ def clipped_surrogate(
         is_weights: (B, T) or (B,) importance weights pi_old / pi_sampler for a sampler that differs
             from the trainer (see `grpo.loss.importance`), or None.
         kl: KL estimator: "k1", "k2" or "k3" (see `grpo.loss.kl`).
+        policy_loss: the per-token policy term: "clip" (PPO's clipped min, GRPO), "cispo" (a clipped,
+            detached importance weight times the log-probability, MiniMax-M1) or "sapo" (a sigmoid
+            gate on the ratio in place of the clip, Qwen). Formulas below.
+        cispo_eps_low, cispo_eps_high: CISPO's weight range [1 - cispo_eps_low, 1 + cispo_eps_high]
+            (>= 0 each). Defaults 1.0 and 4.0: no lower bound (the ratio is > 0) and a cap of 5.
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0) for A > 0 and A <= 0. Defaults
+            1.0 and 1.05, the paper's.
 
     Returns:
         loss: 0-dim tensor, float32 (float64 if a log-probability input is float64): bf16 inputs are
@@ -80,12 +96,20 @@ def clipped_surrogate(
             "policy_loss": the policy term alone, normalized by `norm` (loss minus the KL term);
             "kl": masked token mean of the per-token KL (0 without ref_logp), whatever `norm` is;
             "clip_frac_low": fraction of masked tokens with w < 1 - eps_low and A < 0 (clipped below);
+                with "cispo", with w < 1 - cispo_eps_low whatever A (the weight is raised to the
+                floor); 0 with "sapo" (nothing is clipped);
             "clip_frac_high": fraction of masked tokens with w > 1 + eps_high and A > 0 (clipped above);
+                with "cispo", with w > 1 + cispo_eps_high whatever A (the weight is capped); 0 with "sapo";
             "clip_frac": their sum (the two cannot overlap);
             "clip_frac_delta": fraction of masked tokens with w > delta and A < 0 (0 without delta);
             "ratio_mean", "ratio_min", "ratio_max": of w over masked tokens (with ratio_level
-            "sequence" each sequence's ratio counts once per token). Every stat is 0 when no token
-            counts. Call float() on a stat to log it (that is the only sync).
+            "sequence" each sequence's ratio counts once per token);
+            "grad_weight_mean": masked token mean of g_it, the factor each policy loss puts on the
+                plain policy gradient: d policy_it / d logp_it = -A_i g_it for the token ratio
+                (before is_weights). "clip": w, or 0 where the active branch is clipped or capped;
+                "cispo": clip(w); "sapo": 4 s (1 - s) w. It is 1 on-policy (w = 1) for all three.
+            Every stat is 0 when no token counts. Call float() on a stat to log it (that is the only
+            sync).
 
     The ratio. Token level (DeepSeekMath, Shao et al. 2024, eq. 3)::
 
@@ -114,6 +138,36 @@ def clipped_surrogate(
     delta * |A| (and zeroes its gradient past delta) while leaving A > 0 unchanged, since there
     clip() already caps at 1 + eps_high <= delta. This is how TRL applies its `delta` argument.
     is_it are the sampler importance weights (1 when is_weights is None), constants here (detached).
+
+    policy_loss="cispo" (MiniMax-M1, arXiv 2506.13585, eq. 4-5: Clipped IS-weight Policy Optimization)
+    clips the importance weight instead of the update and stops its gradient::
+
+        policy_it = -sg(clip(w_it, 1 - cispo_eps_low, 1 + cispo_eps_high)) * A_i * logp_it * is_it
+
+    so d policy_it / d logp_it = -clip(w_it) * A_i: every token keeps a gradient, even one whose ratio
+    is far outside the range (PPO's clip zeroes it; MiniMax's point is that rare "fork" tokens such as
+    "Wait" or "Recheck" are exactly the ones clipped away). Its value is not the clip loss's: it
+    carries logp. MiniMax imposes no lower bound ("setting eps_low^IS to a large value") and tunes
+    only eps_high^IS without publishing it; peers default to caps of 4 to 6 (Tinker: w <= 4; slime:
+    eps_high 4; SkyRL: 5), hence cispo_eps_low = 1 (a floor of 0, below every ratio) and
+    cispo_eps_high = 4 (a cap of 5). TRL's loss_type="cispo" caps w at epsilon_high itself, not at
+    1 + epsilon_high. MiniMax normalizes over all tokens of the group (norm="token").
+
+    policy_loss="sapo" (Soft Adaptive Policy Optimization, Gao et al., Qwen, arXiv 2511.20347) replaces
+    the clipped min with a smooth gate of the ratio, with a steeper one for negative advantages::
+
+        policy_it = -f(w_it) * A_i * is_it,   f(w) = sigmoid(tau_i (w - 1)) * 4 / tau_i,
+        tau_i     = sapo_tau_pos if A_i > 0 else sapo_tau_neg
+
+    d f(w) / d logp = 4 s (1 - s) w with s = sigmoid(tau (w - 1)): at w = 1 it is exactly 1 (the plain
+    policy gradient, whatever tau: that is what the 4 / tau is for), and it falls smoothly to 0 as w
+    leaves 1, faster for larger tau, where the hard clip drops it to 0 at 1 +- eps. The value is
+    -2 A / tau at w = 1, not -A. The paper sets tau_pos = 1.0, tau_neg = 1.05 (tau_neg > tau_pos: a
+    negative update raises the logits of the whole unsampled vocabulary, so it is damped sooner), as
+    do TRL (sapo_temperature_pos/neg), verl and Trinity-RFT; it averages like GRPO (norm="sequence").
+
+    Both take the ratio of `ratio_level` (a GSPO sequence ratio gives a sequence-level weight or gate)
+    and the KL term, norms and importance weights below unchanged.
 
     The KL penalty, added per token (DeepSeekMath eq. 3 subtracts beta * D_KL inside the objective)::
 
@@ -157,6 +211,7 @@ def clipped_surrogate(
     check_choice("ratio_level", ratio_level, RATIO_LEVELS)
     check_choice("norm", norm, NORMS)
     check_choice("kl", kl, KL_KINDS)
+    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
     if beta < 0:
         raise ValueError(f"beta={beta}: the KL coefficient must be >= 0")
     if beta > 0 and ref_logp is None:
@@ -167,6 +222,15 @@ def clipped_surrogate(
         raise ValueError(f"eps_low={eps_low}: must be in [0, 1] (the ratio is clipped below at 1 - eps_low)")
     if eps_high < 0:
         raise ValueError(f"eps_high={eps_high}: must be >= 0 (the ratio is clipped above at 1 + eps_high)")
+    if delta is not None and policy_loss != "clip":
+        raise ValueError(f"delta={delta} caps the unclipped ratio of policy_loss='clip'; "
+                         f"policy_loss={policy_loss!r} has none: pass delta=None")
+    if cispo_eps_low < 0 or cispo_eps_high < 0:
+        raise ValueError(f"cispo_eps_low={cispo_eps_low}, cispo_eps_high={cispo_eps_high}: both must be >= 0 "
+                         "(CISPO's weight is clipped to [1 - cispo_eps_low, 1 + cispo_eps_high])")
+    if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"sapo_tau_pos={sapo_tau_pos}, sapo_tau_neg={sapo_tau_neg}: SAPO's gate temperatures "
+                         "must be > 0 (the paper's are 1.0 and 1.05)")
     if delta is not None and delta < 1.0 + eps_high:
         raise ValueError(f"delta={delta} must be >= 1 + eps_high = {1.0 + eps_high}: a smaller cap would "
                          "zero the gradient of positive-advantage tokens inside the clip range")
@@ -195,9 +259,13 @@ def clipped_surrogate(
         log_ratio = seq_log_ratio.unsqueeze(1).expand(B, T)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T) w
 
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    unclipped = ratio if delta is None else ratio.clamp(max=delta)
-    policy = -torch.minimum(unclipped * adv, clipped * adv)  # (B, T)
+    if policy_loss == "clip":
+        policy, clip_low, clip_high, grad_weight = _ppo_clip(ratio, adv, eps_low, eps_high, delta)
+    elif policy_loss == "cispo":
+        policy, clip_low, clip_high, grad_weight = _cispo(ratio, torch.where(mask, logp, 0.0), adv,
+                                                          cispo_eps_low, cispo_eps_high)
+    else:
+        policy, clip_low, clip_high, grad_weight = _sapo(ratio, adv, sapo_tau_pos, sapo_tau_neg)
     if is_weights is not None:
         is_w = is_weights.detach().to(dtype)
         is_w = is_w.unsqueeze(1) if is_w.dim() == 1 else is_w  # (B, 1) or (B, T)
@@ -217,8 +285,8 @@ def clipped_surrogate(
         count = n_all.clamp(min=1).to(dtype)
         any_tok = n_all > 0
         zero = logp.new_zeros(())
-        low = mask & (ratio < 1.0 - eps_low) & (adv < 0)
-        high = mask & (ratio > 1.0 + eps_high) & (adv > 0)
+        low = mask & clip_low
+        high = mask & clip_high
         capped = mask & (ratio > delta) & (adv < 0) if delta is not None else None
         stats = {
             "policy_loss": _normalize(policy, n_tok, n_all, norm, max_len).detach(),
@@ -230,6 +298,7 @@ def clipped_surrogate(
             "ratio_mean": torch.where(mask, ratio, 0.0).sum() / count,
             "ratio_min": torch.where(any_tok, torch.where(mask, ratio, torch.inf).amin(), zero),
             "ratio_max": torch.where(any_tok, torch.where(mask, ratio, -torch.inf).amax(), zero),
+            "grad_weight_mean": torch.where(mask, grad_weight, 0.0).sum() / count,
         }
     return loss, stats
 
@@ -242,3 +311,47 @@ def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor
     if norm == "token":
         return per_token.sum() / n_all.clamp(min=1)
     return per_token.sum() / (per_token.shape[0] * max_len)
+
+
+# The three per-token policy terms. Each returns (policy, clip_low, clip_high, grad_weight), all (B, T):
+# the term with its gradient, then detached diagnostics for the statistics: where the ratio was clipped
+# below / above, and g with d policy / d logp = -A g (see `clipped_surrogate`).
+
+def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+              delta: float | None) -> tuple[torch.Tensor, ...]:
+    """-min(u * A, clip(w, 1 - eps_low, 1 + eps_high) * A), u = w or min(w, delta)."""
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    policy = -torch.minimum(unclipped * adv, clipped * adv)  # (B, T)
+    with torch.no_grad():
+        w = ratio.detach()
+        # The gradient follows the branch the min picked, and that branch passes it only while it is
+        # not a constant (clipped, or capped at delta).
+        unclipped_passes = w <= delta if delta is not None else torch.ones_like(w, dtype=torch.bool)
+        clipped_passes = (w >= 1.0 - eps_low) & (w <= 1.0 + eps_high)
+        picks_unclipped = unclipped * adv <= clipped * adv
+        grad_weight = w * torch.where(picks_unclipped, unclipped_passes, clipped_passes)
+        clip_low = (w < 1.0 - eps_low) & (adv < 0)
+        clip_high = (w > 1.0 + eps_high) & (adv > 0)
+    return policy, clip_low, clip_high, grad_weight
+
+
+def _cispo(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, eps_low: float,
+           eps_high: float) -> tuple[torch.Tensor, ...]:
+    """-sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * logp; logp already 0 where the mask is False."""
+    w = ratio.detach()
+    weight = w.clamp(1.0 - eps_low, 1.0 + eps_high)  # (B, T), a constant: the gradient flows via logp only
+    policy = -weight * adv * logp
+    return policy, w < 1.0 - eps_low, w > 1.0 + eps_high, weight
+
+
+def _sapo(ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float) -> tuple[torch.Tensor, ...]:
+    """-sigmoid(tau (w - 1)) * (4 / tau) * A, tau = tau_pos where A > 0 else tau_neg."""
+    tau = adv.new_full(adv.shape, tau_neg).masked_fill(adv > 0, tau_pos)  # (B, 1), in the compute dtype
+    gate = torch.sigmoid(tau * (ratio - 1.0))  # (B, T) s
+    policy = -gate * (4.0 / tau) * adv
+    with torch.no_grad():
+        s = gate.detach()
+        grad_weight = 4.0 * s * (1.0 - s) * ratio.detach()
+        nothing = torch.zeros_like(s, dtype=torch.bool)
+    return policy, nothing, nothing, grad_weight
