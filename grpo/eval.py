@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.config import Config
     from grpo.model import default_device, load_base_model, load_tokenizer
     from grpo.rollout import build_engine
-    from grpo.rollout.stops import stop_string_sequences
-    from grpo.trainer import stop_token_ids
+    from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 
     parser = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Base model: local folder, hub id or smollm2-135m-instruct.")

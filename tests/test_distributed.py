@@ -33,11 +33,16 @@ class PromptHashEngine:
     """Completion k of a prompt: random characters and a random length (1..max_new_tokens) drawn from a
     hash of (prompt ids, k); the same on every rank, in every step, whatever else is in the batch."""
 
+    needs_importance_correction = False  # its log-probs are zeros: no ratio to correct
+
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def release_memory(self) -> None:
         pass
+
+    def standby_bytes(self) -> None:
+        return None
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
         T = sampling.max_new_tokens

@@ -80,7 +80,7 @@ def test_tokenizer_has_its_chat_template_and_prompts_end_in_start_working_out(sm
 
 def test_greedy_generation_runs_and_agrees_with_the_forward_pass_and_the_native_engine(smollm2):
     from grpo.rollout import Sampling, build_engine
-    from grpo.trainer import stop_token_ids
+    from grpo.rollout.stops import stop_token_ids
 
     policy, tokenizer = smollm2
     prompts = build_prompts(tokenizer, load_examples("arithmetic", split="test")[:2], 512)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo.config import parse_args
-from grpo.rollout.stops import first_stop_index, stop_string_sequences
+from grpo.rollout.stops import first_stop_index, stop_string_sequences, stop_token_ids
 
 
 @pytest.mark.parametrize("text", ["<SOLUTION>4</SOLUTION>", "<SOLUTION> 42 </SOLUTION>", "x\n</SOLUTION>",
@@ -54,3 +54,13 @@ def test_the_stop_flag_sets_clears_and_refuses_empty_strings(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--stop", ""])
     assert "--stop ''" in capsys.readouterr().err
+
+
+def test_stop_token_ids_join_the_tokenizers_eos_and_every_eos_of_the_generation_config():
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(eos_token_id=128009)
+    assert stop_token_ids(tokenizer, SimpleNamespace(eos_token_id=[128008, 128001, 128009])) == (128001, 128008, 128009)
+    assert stop_token_ids(tokenizer, SimpleNamespace(eos_token_id=128001)) == (128001, 128009)
+    assert stop_token_ids(tokenizer, SimpleNamespace()) == (128009,)
+    assert stop_token_ids(SimpleNamespace(eos_token_id=None), SimpleNamespace(eos_token_id=None)) == ()

@@ -209,9 +209,9 @@ def test_grpo_raises_a_trivial_reward_within_a_few_dozen_steps(char_llama_dir, t
 
 
 def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama_dir, tmp_path, monkeypatch):
-    import grpo.trainer as trainer_module
+    import grpo.step as step_module
 
-    real = trainer_module.clipped_surrogate
+    real = step_module.clipped_surrogate
     calls = {"n": 0}
 
     def nan_after_first_step(logp, *args, **kwargs):  # a fault injected into the loss from step 2 on
@@ -219,7 +219,7 @@ def test_non_finite_losses_stop_the_run_with_the_last_good_checkpoint(tiny_llama
         loss, stats = real(logp, *args, **kwargs)
         return (loss * float("nan") if calls["n"] > 1 else loss), stats
 
-    monkeypatch.setattr(trainer_module, "clipped_surrogate", nan_after_first_step)
+    monkeypatch.setattr(step_module, "clipped_surrogate", nan_after_first_step)
     cfg = tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=6, reward=("test_train:text_signal",),
                    max_nonfinite_steps=2)
     with pytest.raises(NonFiniteLoss, match="2 non-finite steps in a row"):
@@ -316,7 +316,9 @@ def test_engine_standby_releases_the_native_engine_after_each_generation_or_keep
 def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
     # (the trainer test above covers a small cache; this one the limit itself, without allocating it)
     from grpo import trainer
+    from grpo.rollout.hf import HFEngine
     from grpo.rollout.native import NativeEngine
+    from grpo.rollout.vllm import UnslothEngine, VLLMEngine
 
     engine = NativeEngine.__new__(NativeEngine)  # only kv_cache_bytes is asked
     monkeypatch.setattr(NativeEngine, "kv_cache_bytes", lambda self: trainer.KEEP_KV_BYTES)
@@ -324,4 +326,51 @@ def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
     monkeypatch.setattr(NativeEngine, "kv_cache_bytes", lambda self: trainer.KEEP_KV_BYTES + 1)
     assert not trainer.keeps_memory_between_steps("auto", engine)
     assert trainer.keeps_memory_between_steps("keep", engine)
-    assert not trainer.keeps_memory_between_steps("auto", object())  # hf, vllm: release (vLLM sleeps)
+    for other in (HFEngine, VLLMEngine, UnslothEngine):  # hf, vllm: release (vLLM sleeps)
+        assert not trainer.keeps_memory_between_steps("auto", other.__new__(other))
+        assert trainer.keeps_memory_between_steps("keep", other.__new__(other))
+
+
+def test_only_engines_with_other_numerics_ask_for_the_importance_correction():
+    from grpo.rollout.hf import HFEngine
+    from grpo.rollout.vllm import UnslothEngine, VLLMEngine
+
+    assert not HFEngine.needs_importance_correction
+    assert VLLMEngine.needs_importance_correction and UnslothEngine.needs_importance_correction
+
+
+class _SamplerWithOtherNumerics:
+    """The hf engine, claiming its log-probs come from other kernels (as vLLM's do)."""
+
+    needs_importance_correction = True
+
+    def __init__(self, policy, pad_id):
+        from grpo.rollout.hf import HFEngine
+
+        self.hf = HFEngine(policy, pad_id=pad_id)
+
+    def generate(self, prompt_ids, n, sampling):
+        return self.hf.generate(prompt_ids, n, sampling)
+
+    def release_memory(self):
+        self.hf.release_memory()
+
+    def standby_bytes(self):
+        return None
+
+
+@pytest.mark.parametrize("other_numerics, is_correction, weighted", [(True, "truncate", True), (True, "none", False),
+                                                                      (False, "truncate", False)])
+def test_the_loss_weights_tokens_by_the_sampler_ratio_only_when_the_engine_asks_for_it(
+        tiny_llama_dir, tmp_path, monkeypatch, other_numerics, is_correction, weighted):
+    import grpo.step as step_module
+    from grpo import trainer
+
+    if other_numerics:
+        monkeypatch.setattr(trainer, "build_engine",
+                            lambda name, policy, *, pad_id, **kw: _SamplerWithOtherNumerics(policy, pad_id))
+    real, calls = step_module.importance_weights, []
+    monkeypatch.setattr(step_module, "importance_weights", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, is_correction=is_correction,
+                   log_completions_steps=0))
+    assert bool(calls) == weighted

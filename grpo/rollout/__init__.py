@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from grpo.rollout.base import Engine, Rollout, Sampling
 
-__all__ = ["Engine", "Rollout", "Sampling", "build_engine", "resolve_engine_name"]
+__all__ = ["Engine", "Rollout", "Sampling", "build_engine", "resolve_engine_name", "unsloth_loads_the_model"]
 
 
 def resolve_engine_name(name: str) -> str:
@@ -15,10 +17,18 @@ def resolve_engine_name(name: str) -> str:
     return name
 
 
+def unsloth_loads_the_model(name: str, device: torch.device) -> bool:
+    """--engine vllm on CUDA with Unsloth installed: Unsloth loads the model and its vLLM engine together
+    (`grpo.rollout.vllm.load_unsloth_policy`), so that sampling and training share the base weights."""
+    return (resolve_engine_name(name) == "vllm" and device.type == "cuda"
+            and importlib.util.find_spec("unsloth") is not None)
+
+
 def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
                  **vllm_kwargs) -> Engine:
     """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
-    `gemm`: the native engine's decode projections (NativeEngine's `gemm`)."""
+    `gemm`: the native engine's decode projections (NativeEngine's `gemm`). `vllm_kwargs` go to
+    VLLMEngine (model_path, lora_rank, dtype, seed, work_dir) and are not used by the other engines."""
     name = resolve_engine_name(name)
     if name == "hf":
         from grpo.rollout.hf import HFEngine

@@ -84,13 +84,26 @@ class Rollout:
 
 @runtime_checkable
 class Engine(Protocol):
-    """Anything that turns prompt ids into a `Rollout`.
+    """Anything that turns prompt ids into a `Rollout`, and says what the trainer must know of it, so
+    the loop never branches on which engine it holds.
 
     `release_memory()` is called by the trainer after each generation unless `--engine-standby` keeps
     the engine as it is: an engine that holds large buffers (a KV cache) frees or lends them there so
     training can reuse the memory (vLLM sleeps).
+
+    `needs_importance_correction`: True when `Rollout.sampler_logp` comes from other numerics than the
+    trainer's forward (vLLM's kernels), so the loss weights tokens by pi_trainer/pi_sampler
+    (`--is-correction`); False when the engine runs the policy's own modules (native, hf).
+
+    `standby_bytes()`: the bytes the engine would keep held between steps if `release_memory()` were
+    not called (`--engine-standby auto` keeps an engine that holds little); None when it must release
+    every time (vLLM sleeps to give its memory pool back).
     """
+
+    needs_importance_correction: bool
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout: ...
 
     def release_memory(self) -> None: ...
+
+    def standby_bytes(self) -> int | None: ...

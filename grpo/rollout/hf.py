@@ -15,12 +15,19 @@ from grpo.rollout.stops import first_stop_index
 
 
 class HFEngine:
+    # Sampled by the policy's own modules: its log-probs are the trainer's numerics.
+    needs_importance_correction = False
+
     def __init__(self, model, *, pad_id: int):
         self.model = model
         self.pad_id = pad_id
 
     def release_memory(self) -> None:
         """transformers allocates its cache per call: nothing is held between generations."""
+
+    def standby_bytes(self) -> None:
+        """None: `--engine-standby auto` releases it, as it does every engine but a small native one."""
+        return None
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:

@@ -1,7 +1,18 @@
-"""Where a completion stops: the first stop token or the end of the first stop sequence (token ids),
-and the token-id sequences that spell a text stop string."""
+"""Where a completion stops: the model's EOS ids, the first stop token or the end of the first stop
+sequence (token ids), and the token-id sequences that spell a text stop string.
+
+What it deliberately is not: sampling. Engines call `first_stop_index` on ids; the tokenizer is used
+here only to turn text and configs into ids, never inside an engine."""
 
 from __future__ import annotations
+
+
+def stop_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
+    """EOS ids of the tokenizer and of the model's generation config (Llama 3 instruct has three)."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def first_stop_index(row: list[int], stop_token_ids, stop_sequences) -> int | None:

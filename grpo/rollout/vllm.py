@@ -67,6 +67,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32",
            "float32": "float32", "fp16": "float16", "float16": "float16"}
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+# The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
+# (the policy, its activations and the optimizer need the rest).
+GPU_MEMORY_UTILIZATION = 0.35
 
 
 # --- availability and checks -----------------------------------------------------------------
@@ -283,6 +286,8 @@ class _VLLMRollout:
     sleep_mode: bool
     # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs.
     logprob_semantics: str
+    # vLLM's kernels are not the trainer's: its log-probs differ a little, token by token.
+    needs_importance_correction = True
 
     def __init__(self) -> None:
         self._calls = 0
@@ -336,6 +341,10 @@ class _VLLMRollout:
             self.llm.sleep(level=1)
             self._asleep = True
 
+    def standby_bytes(self) -> None:
+        """None: always released, so that vLLM sleeps and gives its memory pool back to training."""
+        return None
+
 
 class VLLMEngine(_VLLMRollout):
     """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
@@ -350,7 +359,7 @@ class VLLMEngine(_VLLMRollout):
     """
 
     def __init__(self, policy: Any, model_path: str, *, lora_rank: int, max_model_len: int, dtype: str,
-                 seed: int, work_dir: str, gpu_memory_utilization: float = 0.35, llm: Any = None,
+                 seed: int, work_dir: str, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, llm: Any = None,
                  pad_id: int = 0, sleep_mode: bool | None = None, **llm_kwargs: Any) -> None:
         super().__init__()
         if dtype not in _DTYPES:
@@ -396,7 +405,8 @@ class VLLMEngine(_VLLMRollout):
 
 
 def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtype: str, seed: int,
-                    gpu_memory_utilization: float = 0.35, sleep_mode: bool = False) -> dict[str, Any]:
+                    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                    sleep_mode: bool = False) -> dict[str, Any]:
     """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests)."""
     on_cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -451,7 +461,8 @@ class UnslothEngine(_VLLMRollout):
 
 def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
                         lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
-                        gpu_memory_utilization: float, seed: int, work_dir: str = "outputs/unsloth",
+                        seed: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                        work_dir: str = "outputs/unsloth",
                         lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
     """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
 

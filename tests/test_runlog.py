@@ -1,0 +1,84 @@
+"""What a run records and shows: metrics.jsonl on resume, the step record, the progress bar, Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from grpo.config import Config
+from grpo.runlog import MetricsLog, ProgressBar, StopOnCtrlC, step_line, step_record
+from grpo.step import Scores, StepResult
+
+
+def test_metrics_log_starts_afresh_or_drops_the_records_past_the_resumed_step(tmp_path):
+    lines = [{"step": 0, "eval/pass@1": 0.1}, {"step": 1, "reward": 1.0}, {"step": 2, "reward": 2.0},
+             {"step": 3, "reward": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    log = MetricsLog(tmp_path, Config(), resumed_step=2)
+    log.write({"step": 3, "reward": 4.0})
+    log.close()
+    log.close()  # a second close does nothing
+    got = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert got == lines[:3] + [{"step": 3, "reward": 4.0}]
+    MetricsLog(tmp_path, Config(), resumed_step=0)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _result(skipped: bool) -> StepResult:
+    rewards = torch.tensor([[1.0, float("nan")], [3.0, 1.0], [0.0, 0.0], [2.0, 2.0]])  # (N*P*G, R)
+    column = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
+    scores = Scores(rewards, ["a", "b"], correct=column, formatted=1 - column, lengths=4 * column, finished=column)
+    return StepResult(scores=scores, texts=["x"] * 4, answers=["1"] * 4, group_size=2, frac_zero_std=0.5,
+                      loss_stats={} if skipped else {"loss": 0.25, "kl": 0.125}, grad_norm=None if skipped else 2.0,
+                      skipped=skipped, timings={"generate": 1.0, "train": 0.5})
+
+
+def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out_of_sums():
+    record = step_record(5, _result(skipped=False), lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    assert list(record) == ["step", "reward", "reward_std", "rewards/a", "rewards/b", "accuracy", "format",
+                            "completion_length", "frac_finished", "frac_zero_std", "lr", "grad_norm", "skipped",
+                            "loss", "kl", "step_time", "time/generate", "time/train", "peak_mem_gib"]
+    assert record["reward"] == pytest.approx((1 + 4 + 0 + 4) / 4)  # a None reward (NaN) adds nothing
+    assert record["rewards/b"] == pytest.approx(1.0) and record["accuracy"] == 0.75 and record["format"] == 0.25
+    assert record["completion_length"] == 3.0 and record["grad_norm"] == 2.0 and record["skipped"] is False
+    assert "kl 0.1250" in step_line(record) and "2.50 s" in step_line(record)
+    skipped = step_record(6, _result(skipped=True), lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    assert skipped["grad_norm"] is None and skipped["skipped"] is True and "loss" not in skipped
+    assert "kl 0.0000" in step_line(skipped) and math.isfinite(skipped["reward"])
+
+
+def test_the_progress_bar_stops_once_however_often_it_is_told():
+    from rich.console import Console
+
+    text = io.StringIO()
+    bar = ProgressBar(Console(file=text, force_terminal=False), total=3, completed=1)
+    bar.stop()  # never shown: nothing to end
+    assert text.getvalue() == ""
+    bar.start()
+    bar.update(2, "line")
+    bar.stop()
+    ended = text.getvalue()
+    bar.stop()
+    assert ended and text.getvalue() == ended
+
+
+def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts_the_old_handler_back():
+    from rich.console import Console
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopOnCtrlC(Console(file=io.StringIO()))
+    try:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before
