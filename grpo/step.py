@@ -308,7 +308,9 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
                 logp, mb_old, adv[sl], mb.mask, ref_logp=None if ref_logp is None else ref_logp[sl],
                 beta=cfg.beta, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, delta=cfg.delta,
                 ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=s.sampling.max_new_tokens,
-                is_weights=is_w, kl=cfg.kl_estimator)
+                is_weights=is_w, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
+                cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high,
+                sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg)
             # Each micro-batch's loss is normalised within itself; weight it by its share of the
             # whole step's batch so that the gradient, accumulated and summed over ranks, equals
             # one pass over all N*P*G rows.
