@@ -460,6 +460,12 @@ class NativeEngine:
 
     # ----------------------------------------------------------------------------------------------
     # memory
+    needs_importance_correction = False  # log-probs come from the trainer's own modules
+
+    def standby_bytes(self) -> int | None:
+        """Bytes kept between steps when `release_memory()` is not called: the KV cache."""
+        return self.kv_cache_bytes()
+
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache this engine allocates (whether allocated now or not)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
