@@ -479,7 +479,7 @@ def _load(tmp_path, **kw):
                 target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407,
                 work_dir=str(tmp_path / "u"))
     args.update(kw)
-    return rv.load_unsloth_policy("unsloth/Llama-3.2-1B-Instruct", **args)
+    return rv.load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
 
 
 def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, tmp_path):
@@ -494,6 +494,16 @@ def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, 
     assert peft["target_modules"] == ["q_proj", "v_proj"] and peft["random_state"] == 3407
     assert got_model is model and tokenizer == "tokenizer" and isinstance(engine, rv.UnslothEngine)
     assert isinstance(engine, Engine)
+
+
+@pytest.mark.parametrize("load_in_fp8", [True, False])
+def test_unsloth_leaves_a_prequantized_fp8_block_checkpoint_to_its_own_quantization_config(
+        fake_unsloth, tmp_path, load_in_fp8):
+    # vLLM refuses load_in_fp8 (fp8_per_channel) on top of a checkpoint whose config says fp8 blocks
+    seen, _, _ = fake_unsloth
+    _load(tmp_path, model_name="unsloth/Llama-3.2-1B-Instruct-FP8-Block", load_in_fp8=load_in_fp8)
+    assert seen["from_pretrained"]["load_in_fp8"] is False
+    assert seen["from_pretrained"]["model_name"] == "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 
 
 def test_unsloth_engine_sends_the_live_lora_tensors_with_a_fresh_request_each_call(fake_unsloth, tmp_path):

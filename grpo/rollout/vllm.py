@@ -466,14 +466,18 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
                         lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
     """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
 
-    Loads with `fast_inference=True` (vLLM inside, standby on) and `max_lora_rank`, FP8 when asked
-    or when the checkpoint is FP8, then adds the same rsLoRA adapter as grpo/model.py through
+    Loads with `fast_inference=True` (vLLM inside, standby on) and `max_lora_rank`; FP8 as the
+    checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
+    bf16 checkpoint; then adds the same rsLoRA adapter as grpo/model.py through
     `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
     """
     if not torch.cuda.is_available():
         raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
-    fp8 = bool(load_in_fp8) or is_fp8_checkpoint(model_name)
-    check_fp8_supported(fp8)
+    # A pre-quantized FP8-Block checkpoint brings its own quantization_config, which decides; Unsloth's
+    # load_in_fp8 asks vLLM for per-channel FP8 on top of it, which vLLM refuses. So load_in_fp8 only
+    # ever quantizes a bf16 checkpoint.
+    prequantized = is_fp8_checkpoint(model_name)
+    check_fp8_supported(bool(load_in_fp8) or prequantized)
     # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
     # our trainer needs the forward pass to return logits.
     os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
@@ -488,7 +492,7 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         model_name=model_name,
         max_seq_length=max_seq_length,
         load_in_4bit=False,
-        load_in_fp8=fp8,
+        load_in_fp8=bool(load_in_fp8) and not prequantized,
         fast_inference=True,
         max_lora_rank=vllm_lora_rank(lora_rank),
         gpu_memory_utilization=gpu_memory_utilization,
