@@ -352,6 +352,18 @@ def memory_info() -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB}
 
 
+def weight_bytes(model) -> int:
+    """Bytes of parameters a decode step reads: every unique parameter storage once (the tied
+    embedding is read as the lm_head; its embedding lookup of one token per row is negligible)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
 def environment() -> dict:
     """The GPU and the versions that matter to the numbers."""
     import importlib.metadata

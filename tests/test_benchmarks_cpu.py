@@ -259,7 +259,7 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
 def test_saved_activations_counts_the_float32_lora_inputs(monkeypatch):
     # float32 adapters make peft cast each projection's input to float32 and save that copy: at the
     # long config this is most of one recomputed layer's memory, so the script must see it.
-    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(BENCH / "probes"))
     saved = importlib.import_module("saved_activations")
     fp32, base, bf16 = (saved.saved_bytes(512, v) for v in ("float32", "base", "bf16"))
     assert fp32["total"] > 1.3 * bf16["total"]

@@ -7,7 +7,7 @@ as peft keeps them). Each timing is a CUDA graph of 16 calls that rotate over co
 (more bytes than the 60 MB L2), replayed 20 times: the median per call, so launch gaps between
 kernels count as they do inside the engine's graph.
 
-    PYTHONPATH=$PWD python3 benchmarks/decode_gemm_gpu_check.py [--budget-s 300]
+    PYTHONPATH=$PWD python3 benchmarks/probes/decode_gemm_tiles.py [--budget-s 300]
 
 Prints the best config per shape and its bandwidth; JSON lines to $OUT/decode_gemm.jsonl.
 """
@@ -288,7 +288,7 @@ def main() -> None:
             check_group(name, fmt == "fp8", rank)
     print("\nCONFIG =", {k: v.__dict__ for k, v in dg.CONFIG_OVERRIDE.items()})
     if args.engine:  # the whole decode step with the configs just picked (same process)
-        import native_gpu_check as ngc
+        import native_engine as ngc
         from grpo.kernels.fp8 import quantize_linears_
 
         gemm = dict(compile="default", gemm="kernels")
@@ -303,7 +303,7 @@ def main() -> None:
 
 
 def _models():
-    import native_gpu_check as ngc
+    import native_engine as ngc
     from grpo.kernels.fp8 import quantize_linears_
 
     fp8 = ngc.build_model()
@@ -314,7 +314,7 @@ def _models():
 def engine_per_unpack(modes: list[str]) -> None:
     """The decode step (native engine, kernels, tuned tiles): bf16, then FP8 unpacked each way, then
     both with rsLoRA r32."""
-    import native_gpu_check as ngc
+    import native_engine as ngc
 
     gemm = dict(compile="default", gemm="kernels")
     model, fp8 = _models()
@@ -332,7 +332,7 @@ def engine_per_unpack(modes: list[str]) -> None:
 def engine_rows(rows_list: list[int]) -> None:
     """The decode step at more rows than 16, kernels (MAX_ROWS lifted) against the module path, bf16 and
     FP8: what decode_gemm.MAX_ROWS is set from."""
-    import native_gpu_check as ngc
+    import native_engine as ngc
 
     saved = dict(dg.MAX_ROWS)
     dg.MAX_ROWS.update({False: dg.KERNEL_ROWS, True: dg.KERNEL_ROWS})

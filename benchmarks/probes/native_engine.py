@@ -4,7 +4,7 @@ Llama-3.2-1B shapes (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 
 tied embeddings, llama3 rope scaling), random weights in bf16; 4 prompts x G=4 = 16 rows, 128-token
 prompts, 512 new tokens with ignore_eos; temperature 1, min_p 0.1 (the recipe's sampling).
 
-    PYTHONPATH=$PWD python3 benchmarks/native_gpu_check.py [--plan first|final] [--budget-s 150]
+    PYTHONPATH=$PWD python3 benchmarks/probes/native_engine.py [--plan first|final] [--budget-s 150]
 
 Prints one table at the end; writes every number as JSON lines to $OUT/native_gpu.jsonl when $OUT is
 set. Standalone on purpose (no pytest): the device lease is short, so everything runs in one process

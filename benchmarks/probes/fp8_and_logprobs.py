@@ -1,6 +1,6 @@
 """GPU checks and timings of grpo/kernels (issue 9): FP8Linear and token_logprobs on one GPU.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/kernels_gpu_check.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/probes/fp8_and_logprobs.py --out $OUT
 
 Sections (each one is independent; a failure prints its traceback and the rest go on):
   rates     the two ceilings: device copy bandwidth and a large bf16 matmul

@@ -8,9 +8,9 @@ RESULTS.md ("Decode GEMM kernels", fourth and fifth sessions). Integer arguments
 multiples of 16, as Triton specializes them at launch for the Llama shapes (without that the loads are
 scalar and the code is not what the GPU runs).
 
-    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel gated --fp8 --tile 32 256 4 3
-    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel proj --fp8 --unpack convert --split-k 4
-    TRITON_DIR=/path/to/site-packages python benchmarks/decode_gemm_sass.py ...   # another triton
+    .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel gated --fp8 --tile 32 256 4 3
+    .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel proj --fp8 --unpack convert --split-k 4
+    TRITON_DIR=/path/to/site-packages python benchmarks/probes/decode_gemm_sass.py ...   # another triton
 
 The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
 environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled). The H200
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POINTERS = re.compile(r"(_ptr|^[wsyb][0-2gu]$)")  # x_ptr, w0, s1, y2, b0, wg, su, ...
 FLOATS = {"c0", "c1", "c2", "cg", "cu"}  # LoRA scales
 
