@@ -164,8 +164,8 @@ def _fake_run(date="2026-11-29"):
     }
 
 
-OTHERS = ("# Benchmark results\n\n## Kernels (issue 9)\n\nFP8Linear | 1.23 ms\n\n"
-          "## Native engine (issue 4)\n\ndecode 3.1 ms/step\n")
+OTHERS = ("# Benchmark results\n\n## Kernels\n\nFP8Linear | 1.23 ms\n\n"
+          "## Native engine\n\ndecode 3.1 ms/step\n")
 
 
 def test_render_writes_only_its_own_section_and_the_chart(bench_modules, tmp_path):
