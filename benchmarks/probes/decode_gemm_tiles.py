@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--pairs", nargs="+", default=None, metavar="GROUP:FORMAT",
                     help="sweep only these, e.g. gate_up:bf16 down:fp8 (default: every group x format)")
-    ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won before")
+    ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won on the H200")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
     ap.add_argument("--unpack", nargs="+", default=None, choices=sorted(dg._UNPACK_MODES),
                     help="instead of the sweep: each group in bf16 and in FP8 unpacked each of these ways "
