@@ -53,20 +53,20 @@ class Shape:
         return self.prompt_len + self.completion_len
 
 
-# The issue's bench config, and the seed's long config (recipe B: 288 + 1760 = 2048 tokens).
+# The bench config (16 rows of 128 + 512 tokens), and the seed's long config (recipe B: 288 + 1760 = 2048 tokens).
 BENCH = Shape("bench", 4, 4, 128, 512)
 LONG = Shape("long", 4, 4, 288, 1760)
 # Plumbing check on a CPU (--bench-smoke): the same code paths on a tiny model.
 SMOKE_BENCH = Shape("bench", 2, 2, 96, 6)
 SMOKE_LONG = Shape("long", 2, 2, 112, 10)
 
-# Measured earlier on this project's H200 (issue 5): TRL 1.16 GRPOTrainer, same random-init model,
+# Measured on this project's H200 (benchmarks/RESULTS.md): TRL 1.16 GRPOTrainer, same random-init model,
 # forced lengths. The long config is too slow to rerun in every lease, so it is quoted, marked as such.
 TRL_QUOTED = {
     "bench": {"step_time_s": 14.6, "peak_alloc_gib": 4.54, "peak_reserved_gib": None},
     "long": {"step_time_s": 67.6, "peak_alloc_gib": 9.55, "peak_reserved_gib": 14.1},
 }
-QUOTE_NOTE = "quoted: TRL 1.16 on this project's H200, same random-init model, forced lengths (issue 5)"
+QUOTE_NOTE = "quoted: TRL 1.16 on this project's H200, same random-init model, forced lengths"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -350,6 +350,18 @@ def memory_info() -> dict:
         return {"peak_alloc_gib": 0.0, "peak_reserved_gib": 0.0}
     return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters a decode step reads: every unique parameter storage once (the tied
+    embedding is read as the lm_head; its embedding lookup of one token per row is negligible)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
 
 
 def environment() -> dict:

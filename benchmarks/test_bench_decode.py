@@ -16,7 +16,7 @@ import statistics
 import pytest
 
 import bench_setup as bs
-from native_gpu_check import weight_bytes as param_bytes
+from bench_setup import weight_bytes as param_bytes
 
 
 @pytest.mark.bench_order(20)

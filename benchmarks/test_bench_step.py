@@ -89,7 +89,7 @@ def test_grpo_step_at_long_config(benchmark, bench_env, results, tmp_path, dtype
 def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, results, tmp_path):
     """bf16 at the long config with --micro-batch-size 4 (the seed recipe's gradient accumulation of 4):
     the same gradient in four passes, so one recomputed layer holds a quarter of the activations.
-    benchmarks/saved_activations.py measures those on CPU: 311 MiB per layer per 2048 tokens."""
+    benchmarks/probes/saved_activations.py measures those on CPU: 311 MiB per layer per 2048 tokens."""
     _run_ours(benchmark, bench_env, results, tmp_path, "long", "bf16", micro_batch=4, impl="ours-mb4")
 
 

@@ -1,9 +1,12 @@
-"""The benchmark suite on a CPU: it skips cleanly, its inputs are what it claims, render.py renders.
+"""The benchmark suite and its probes on a CPU: the suite skips cleanly, its inputs are what it claims,
+render.py renders, and the probes start and record.
 
 The suite itself needs a CUDA GPU; here it must skip with a reason (without --benchmark, and without
 CUDA), its fixed-length prompts must really be fixed-length, its steady-state summary and ours/TRL
 ratios must be right, and render.py must turn a hand-written results file into RESULTS.md's section
-and a PNG without touching anything outside its markers.
+and a PNG without touching anything outside its markers. The probes (benchmarks/probes/) are GPU
+studies: here each must parse its command line, their shared timer must take a median and their
+writer must keep every row on disk as it comes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+PROBES = BENCH / "probes"
 
 
 @pytest.fixture
@@ -160,8 +164,8 @@ def _fake_run(date="2026-11-29"):
     }
 
 
-OTHERS = ("# Benchmark results\n\n## Kernels (issue 9)\n\nFP8Linear | 1.23 ms\n\n"
-          "## Native engine (issue 4)\n\ndecode 3.1 ms/step\n")
+OTHERS = ("# Benchmark results\n\n## Kernels\n\nFP8Linear | 1.23 ms\n\n"
+          "## Native engine\n\ndecode 3.1 ms/step\n")
 
 
 def test_render_writes_only_its_own_section_and_the_chart(bench_modules, tmp_path):
@@ -259,7 +263,7 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
 def test_saved_activations_counts_the_float32_lora_inputs(monkeypatch):
     # float32 adapters make peft cast each projection's input to float32 and save that copy: at the
     # long config this is most of one recomputed layer's memory, so the script must see it.
-    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(PROBES))
     saved = importlib.import_module("saved_activations")
     fp32, base, bf16 = (saved.saved_bytes(512, v) for v in ("float32", "base", "bf16"))
     assert fp32["total"] > 1.3 * bf16["total"]
@@ -277,3 +281,36 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
     second.write()
     assert first.path != second.path and first.path.exists() and second.path.exists()
     assert [r["command"] for r in render.load_runs(tmp_path)] == ["first", "second"]
+
+
+@pytest.mark.parametrize("probe", ["fp8_and_logprobs", "native_engine", "decode_gemm_tiles", "decode_gemm_sass",
+                                   "saved_activations"])
+def test_every_probe_parses_its_command_line_as_a_script(probe):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: {probe}.py")
+
+
+def test_probe_timer_takes_the_median_and_the_recorder_keeps_rows_on_disk_as_they_come(monkeypatch, tmp_path):
+    import time
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    timing = importlib.import_module("timing")
+    sleeps = iter([0.0, 0.6, 0.001, 0.001, 0.001, 0.001])  # one warm-up, then one slow run among five
+
+    assert timing.median_ms(lambda: time.sleep(next(sleeps)), warmup=1, iters=5) < 50  # the mean is 120
+
+    rec = timing.Recorder("probe", tmp_path / "out")
+    rec.record("engine", variant="bf16", ms=torch.tensor(1.25))
+    first = json.loads(rec.path.read_text())  # on disk before the run ends, tensors as numbers
+    assert first["kind"] == "engine" and first["ms"] == 1.25 and first["t"] >= 0
+    rec.record("error", variant="fp8", error="boom")
+    rec.say("a table")
+    assert [r["variant"] for r in rec.of_kind("engine")] == ["bf16"]
+    assert [json.loads(line)["kind"] for line in rec.path.read_text().splitlines()] == ["engine", "error"]
+    assert rec.log_path.read_text() == "a table\n" and rec.path.parent == tmp_path / "out"
+    assert rec.path.name.startswith("probe-") and rec.path.suffix == ".jsonl"

@@ -240,7 +240,7 @@ def test_e4m3_bit_moves_give_every_code_times_2_to_the_minus_120():
 
 @pytest.mark.parametrize("unpack", [None, "convert", "bits"])  # None: bf16 weights
 def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unpack):
-    # benchmarks/decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the
+    # benchmarks/probes/decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the
     # pipelined 16-byte async copies the H200 runs (scalar loads would mean it compiled something else).
     # FP8 codes become bf16 through the conversion unit ("convert") or by bit moves alone ("bits").
     # Its own process: kernels cannot be compiled while TRITON_INTERPRET=1.
@@ -251,7 +251,8 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unp
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tile = ["32", "128" if unpack else "256", "4", "4"]
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_gemm_sass.py"), "--kernel", "gated",
+    sass = root / "benchmarks" / "probes" / "decode_gemm_sass.py"
+    proc = subprocess.run([sys.executable, str(sass), "--kernel", "gated",
                            "--tile", *tile, "--json"] + (["--fp8", "--unpack", unpack] if unpack else []),
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,7 +6,7 @@ autograd saves, counted once per storage, parameters excluded), which does not d
 It compares peft's default float32 adapters (its input is cast to float32 and saved), the trainer's
 `--lora-compute base` (float32 adapters multiplied in bf16) and adapters stored in bf16.
 
-    python benchmarks/saved_activations.py [--tokens 2048]
+    python benchmarks/probes/saved_activations.py [--tokens 2048]
 
 Scale by the tokens of one micro-batch: the long config trains 16 x 2048 tokens in one pass.
 """

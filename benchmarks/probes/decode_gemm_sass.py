@@ -1,16 +1,16 @@
 """The decode GEMM kernels compiled for the H200 (sm_90) on any machine, GPU or not: what the inner loop
 executes, per K step, as SASS instruction counts.
 
-Triton compiles without a GPU when given a target, and its wheel carries ptxas and nvdisasm. This is how
-the fourth session saw each FP8 code converted twice on the conversion unit, and the fifth checked that
-the bit-move unpacking (--unpack bits) leaves only integer instructions there before timing it: see
-RESULTS.md ("Decode GEMM kernels", fourth and fifth sessions). Integer arguments are compiled as
-multiples of 16, as Triton specializes them at launch for the Llama shapes (without that the loads are
-scalar and the code is not what the GPU runs).
+Triton compiles without a GPU when given a target, and its wheel carries ptxas and nvdisasm. It shows,
+for instance, whether each FP8 code goes through the conversion unit (`--unpack convert`: F2FP then F2F
+per element) or only through integer instructions (`--unpack bits`), and how many instructions a warp
+issues per weight element for a tile shape, without spending device time (readings: RESULTS.md).
+Integer arguments are compiled as multiples of 16, as Triton specializes them at launch for the Llama
+shapes (without that the loads are scalar and the code is not what the GPU runs).
 
-    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel gated --fp8 --tile 32 256 4 3
-    .venv/bin/python benchmarks/decode_gemm_sass.py --kernel proj --fp8 --unpack convert --split-k 4
-    TRITON_DIR=/path/to/site-packages python benchmarks/decode_gemm_sass.py ...   # another triton
+    .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel gated --fp8 --tile 32 256 4 3
+    .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel proj --fp8 --unpack convert --split-k 4
+    TRITON_DIR=/path/to/site-packages python benchmarks/probes/decode_gemm_sass.py ...   # another triton
 
 The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
 environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled). The H200
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POINTERS = re.compile(r"(_ptr|^[wsyb][0-2gu]$)")  # x_ptr, w0, s1, y2, b0, wg, su, ...
 FLOATS = {"c0", "c1", "c2", "cg", "cu"}  # LoRA scales
 
@@ -142,7 +142,8 @@ def main() -> None:
             (args.dump / f"{args.kernel}.{ext}").write_text(compiled.asm[ext])
         (args.dump / f"{args.kernel}.cubin").write_bytes(compiled.asm["cubin"])
     block_n, block_k = args.tile[:2]
-    print(f"{args.kernel} {f'fp8 ({args.unpack})' if args.fp8 else 'bf16'}, split_k {args.split_k}, tile {args.tile}, {args.rows} rows: "
+    weights = f"fp8 ({args.unpack})" if args.fp8 else "bf16"
+    print(f"{args.kernel} {weights}, split_k {args.split_k}, tile {args.tile}, {args.rows} rows: "
           f"shared memory {compiled.metadata.shared} bytes")
     for loop in sass_loops(compiled.asm["cubin"]):
         if loop["instructions"] < 8:

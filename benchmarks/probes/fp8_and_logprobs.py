@@ -1,30 +1,29 @@
-"""GPU checks and timings of grpo/kernels (issue 9): FP8Linear and token_logprobs on one GPU.
+"""GPU checks and timings of the training kernels in grpo/kernels: FP8Linear and token_logprobs.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/kernels_gpu_check.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/probes/fp8_and_logprobs.py [--only SECTION ...]
 
-Sections (each one is independent; a failure prints its traceback and the rest go on):
+Sections (each one is independent; a failure records its traceback and the rest go on):
+  env       GPU and versions
   rates     the two ceilings: device copy bandwidth and a large bf16 matmul
-  fp8-err   relative errors of the FP8 paths against float64 on the dequantized weight
-  fp8-time  forward+backward at M=16384 for the Llama-3.2-1B shapes, bf16 nn.Linear vs FP8 variants
+  fp8_err   relative errors of the FP8 paths against float64 on the dequantized weight
+  fp8_time  forward+backward at M=16384 for the Llama-3.2-1B shapes, bf16 nn.Linear vs FP8 variants
   logprobs  N=32768, V=128256, H=2048 forward+backward: plain, chunked plain, torch and Triton variants
   model     a Llama-3.2-1B-shaped model (random weights): base-weight memory, FP8 vs bf16 log-probs,
             and forward+backward of the whole model with rsLoRA adapters
   overhead  (only with --only overhead) host-side cost of the autograd path at small shapes
   smollm2   (only with --only smollm2; CPU) a real trained model, SmolLM2-135M, FP8 vs bf16 log-probs
-Timings are medians over CUDA events after warm-up, on random (never zero) inputs. Writes
-kernels_gpu.json to --out. `--small` shrinks every size so the script can be smoke-run on a CPU.
+Timings are medians over CUDA events after warm-up (timing.py), on random (never zero) inputs; every
+row goes to --out as JSON lines, and a summary is printed at the end. `--small` shrinks every size so
+the script can be smoke-run on a CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
-import statistics
 import time
 import traceback
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,63 +40,18 @@ from grpo.kernels.fp8 import (
 )
 from grpo.kernels import logprobs as lp_mod
 from grpo.kernels.logprobs import token_logprobs, token_logprobs_ref
+from timing import (  # beside this file
+    Recorder,
+    add_out_argument,
+    copy_tbps,
+    host_ms,
+    kernel_ms,
+    median_ms,
+    peak_extra_gib,
+    sync,
+)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-GiB = 2**30
-RESULTS: dict = {}
-LINES: list[str] = []
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, warmup: int = 2, iters: int = 7) -> float:
-    """Median milliseconds of fn() over `iters` runs, each bracketed by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def bench(fn) -> float:
-    """Median ms for short kernels: triton's do_bench (25 ms warm-up, 200 ms of repeats)."""
-    if not torch.cuda.is_available():
-        return time_ms(fn, 1, 3)
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def peak_extra_gib(fn) -> float:
-    """Peak memory allocated while fn() runs, above what was allocated before it."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    sync()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    sync()
-    return (torch.cuda.max_memory_allocated() - base) / GiB
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,30 +59,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def section(fn):
-    @functools.wraps(fn)
-    def run(args):
-        say(f"\n=== {fn.__name__} ===")
-        t0 = time.time()
-        try:
-            fn(args)
-        except Exception:  # keep going: one broken section must not hide the others
-            tb = traceback.format_exc()
-            say(tb)
-            RESULTS.setdefault("errors", {})[fn.__name__] = tb.splitlines()[-1]
-        say(f"[{fn.__name__} took {time.time() - t0:.1f} s]")
-        sync()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    return run
+def run_section(section, args, rec: Recorder) -> None:
+    """One section; a failure is recorded with its traceback and the next section goes on."""
+    rec.say(f"\n=== {section.__name__} ===")
+    t0 = time.time()
+    try:
+        section(args, rec)
+    except Exception:  # keep going: one broken section must not hide the others
+        tb = traceback.format_exc()
+        rec.say(tb)
+        rec.record("error", section=section.__name__, error=tb.splitlines()[-1])
+    rec.say(f"[{section.__name__} took {time.time() - t0:.1f} s]")
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --- sections -------------------------------------------------------------------------------------
 
 
-@section
-def env(args):
+def env(args, rec: Recorder):
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -140,34 +90,25 @@ def env(args):
     import transformers
 
     info["transformers"], info["peft"] = transformers.__version__, peft.__version__
-    RESULTS["env"] = info
-    say(json.dumps(info))
+    rec.record("env", **info)
 
 
-@section
-def rates(args):
+def rates(args, rec: Recorder):
     d = args.device
-    n = 2**30 // 2 if not args.small else 2**20
-    src = torch.randn(n, device=d, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    gbps = 2 * src.numel() * 2 / ms / 1e6
+    gbps = copy_tbps(2**29 if not args.small else 2**20) * 1e3
     s = 8192 if not args.small else 256
     a = torch.randn(s, s, device=d, dtype=torch.bfloat16)
     b = torch.randn(s, s, device=d, dtype=torch.bfloat16)
-    ms_mm = bench(lambda: a @ b)
+    ms_mm = kernel_ms(lambda: a @ b)
     tflops = 2 * s**3 / ms_mm / 1e9
-    RESULTS["rates"] = {"copy_GBps": gbps, "bf16_tflops": tflops}
-    say(f"copy {gbps:.0f} GB/s (read+write); bf16 {s}^3 matmul {tflops:.0f} TFLOP/s")
+    rec.record("rates", copy_GBps=gbps, bf16_tflops=tflops, matmul_size=s)
 
 
 SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]  # (K in, N out) of Llama-3.2-1B
 
 
-@section
-def fp8_err(args):
+def fp8_err(args, rec: Recorder):
     d = args.device
-    rows = []
     cases = [(16384, k, n) for k, n in SHAPES] + [(1000, 2048, 512), (1, 512, 512), (333, 8192, 2048)]
     if args.small:
         cases = [(64, 512, 512)]
@@ -191,13 +132,10 @@ def fp8_err(args):
             xr, sr = quantize_fp8_rows_ref(x)
             row["quant_triton_code_mismatch"] = (xq.view(torch.uint8) != xr.view(torch.uint8)).float().mean().item()
             row["quant_triton_scale_maxrel"] = ((sx - sr).abs() / sr).max().item()
-        rows.append(row)
-        say("  " + "  ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
-    RESULTS["fp8_err"] = rows
+        rec.record("fp8_err", **row)
 
 
-@section
-def fp8_time(args):
+def fp8_time(args, rec: Recorder):
     d = args.device
     m = 16384 if not args.small else 256
     compiled = None
@@ -208,7 +146,6 @@ def fp8_time(args):
             codes, scale = qc(x)
             return codes, scale.t().contiguous().t()  # insist on the layout _scaled_mm wants
 
-    rows = []
     for k, n in SHAPES:
         torch.manual_seed(k * n)
         lin = nn.Linear(k, n, bias=False, device=d, dtype=torch.bfloat16).requires_grad_(False)
@@ -220,49 +157,46 @@ def fp8_time(args):
         x = torch.randn(m, k, device=d, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(m, n, device=d, dtype=torch.bfloat16)
         row = {"k": k, "n": n, "m": m}
-        row["bf16_frozen_fb"] = bench(lambda: torch.autograd.grad(lin(x), x, g))
-        row["bf16_train_fb"] = bench(lambda: torch.autograd.grad(lin_train(x), (x, lin_train.weight), g))
-        row["bf16_fwd"] = bench(lambda: lin(x.detach()))
+        row["bf16_frozen_fb"] = kernel_ms(lambda: torch.autograd.grad(lin(x), x, g))
+        row["bf16_train_fb"] = kernel_ms(lambda: torch.autograd.grad(lin_train(x), (x, lin_train.weight), g))
+        row["bf16_fwd"] = kernel_ms(lambda: lin(x.detach()))
         if d == "cuda":
             xd = x.detach()
-            row["fp8_fb"] = bench(lambda: torch.autograd.grad(fp8(x), x, g))
-            row["fp8_fb_bwd_dequant"] = bench(lambda: torch.autograd.grad(fp8_deq(x), x, g))
-            row["fp8_fb_manual"] = bench(lambda: (fp8_mm_fwd(xd, w, s), fp8_mm_bwd(g, w, s)))
-            row["fp8_fb_quant_eager"] = bench(lambda: (fp8_mm_fwd(xd, w, s, "ref"), fp8_mm_bwd(g, w, s, "ref")))
+            row["fp8_fb"] = kernel_ms(lambda: torch.autograd.grad(fp8(x), x, g))
+            row["fp8_fb_bwd_dequant"] = kernel_ms(lambda: torch.autograd.grad(fp8_deq(x), x, g))
+            row["fp8_fb_manual"] = kernel_ms(lambda: (fp8_mm_fwd(xd, w, s), fp8_mm_bwd(g, w, s)))
+            row["fp8_fb_quant_eager"] = kernel_ms(lambda: (fp8_mm_fwd(xd, w, s, "ref"), fp8_mm_bwd(g, w, s, "ref")))
             try:
-                row["fp8_fb_quant_compiled"] = bench(lambda: (fp8_mm_fwd(xd, w, s, compiled),
-                                                              fp8_mm_bwd(g, w, s, compiled)))
+                row["fp8_fb_quant_compiled"] = kernel_ms(lambda: (fp8_mm_fwd(xd, w, s, compiled),
+                                                                  fp8_mm_bwd(g, w, s, compiled)))
             except Exception as e:  # torch.compile is optional here
-                say(f"  compiled quantize failed: {type(e).__name__}: {str(e)[:200]}")
-            row["fp8_fwd"] = bench(lambda: fp8(xd))
+                rec.say(f"  compiled quantize failed: {type(e).__name__}: {str(e)[:200]}")
+            row["fp8_fwd"] = kernel_ms(lambda: fp8(xd))
             xq, sx = quantize_fp8_rows(xd)
-            row["fp8_gemm_fwd_only"] = bench(lambda: torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=s.contiguous().t(),
-                                                                      out_dtype=torch.bfloat16))
+            row["fp8_gemm_fwd_only"] = kernel_ms(lambda: torch._scaled_mm(
+                xq, w.t(), scale_a=sx, scale_b=s.contiguous().t(), out_dtype=torch.bfloat16))
             gq, sg = quantize_fp8_rows(g)
             w_cm, s_cm = w.t().contiguous().t(), s.t().contiguous().t()
-            row["fp8_gemm_bwd_only"] = bench(lambda: torch._scaled_mm(gq, w_cm, scale_a=sg, scale_b=s_cm,
-                                                                      out_dtype=torch.bfloat16))
+            row["fp8_gemm_bwd_only"] = kernel_ms(lambda: torch._scaled_mm(
+                gq, w_cm, scale_a=sg, scale_b=s_cm, out_dtype=torch.bfloat16))
             try:  # the ceiling without block scales: one scale per row of X and per column of W
                 one_a = torch.ones(m, 1, device=d)
                 one_b = torch.ones(1, n, device=d)
-                row["fp8_gemm_rowwise_fwd"] = bench(lambda: torch._scaled_mm(
+                row["fp8_gemm_rowwise_fwd"] = kernel_ms(lambda: torch._scaled_mm(
                     xq, w.t(), scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16, use_fast_accum=True))
             except Exception as e:
-                say(f"  rowwise _scaled_mm failed: {type(e).__name__}: {str(e)[:200]}")
-            row["quant_x_triton"] = bench(lambda: quantize_fp8_rows(xd))
-            row["quant_x_eager"] = bench(lambda: quantize_fp8_rows_ref(xd))
-            row["dequant_w"] = bench(lambda: dequantize_fp8_block(w, s))
-            row["transpose_w_torch"] = bench(lambda: w.t().contiguous())
-            row["transpose_w_triton"] = bench(lambda: transpose_fp8(w))
+                rec.say(f"  rowwise _scaled_mm failed: {type(e).__name__}: {str(e)[:200]}")
+            row["quant_x_triton"] = kernel_ms(lambda: quantize_fp8_rows(xd))
+            row["quant_x_eager"] = kernel_ms(lambda: quantize_fp8_rows_ref(xd))
+            row["dequant_w"] = kernel_ms(lambda: dequantize_fp8_block(w, s))
+            row["transpose_w_torch"] = kernel_ms(lambda: w.t().contiguous())
+            row["transpose_w_triton"] = kernel_ms(lambda: transpose_fp8(w))
             assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
             row["speedup_vs_bf16_frozen"] = row["bf16_frozen_fb"] / row["fp8_fb"]
-        rows.append(row)
-        say("  " + "  ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
-    RESULTS["fp8_time"] = rows
+        rec.record("fp8_time", **row)
 
 
-@section
-def logprobs(args):
+def logprobs(args, rec: Recorder):
     d = args.device
     n, v, h = (32768, 128256, 2048) if not args.small else (512, 5000, 64)
     torch.manual_seed(0)
@@ -339,33 +273,27 @@ def logprobs(args):
     logp64 = token_logprobs_ref(h64, weight.double(), targets[rows64])
     (grad64,) = torch.autograd.grad(logp64, h64, upstream[rows64].double())
     impls = [("torch", False), ("torch", True)] + ([("triton", False), ("triton", True)] if d == "cuda" else [])
-    errs = []
-    for impl, rec in impls:
-        out = token_logprobs(hidden, weight, targets, impl=impl, recompute=rec)
+    for impl, recompute in impls:
+        out = token_logprobs(hidden, weight, targets, impl=impl, recompute=recompute)
         (grad,) = torch.autograd.grad(out, hidden, upstream)
-        e = {"impl": impl, "recompute": rec,
+        e = {"impl": impl, "recompute": recompute,
              "logp_maxabs_vs_plain": (out.detach() - ref_logp).abs().max().item(),
              "grad_rel_vs_plain": rel(grad, ref_grad),
              "logp_maxabs_vs_fp64": (out.detach()[rows64].double() - logp64.detach()).abs().max().item(),
              "grad_rel_vs_fp64": rel(grad[rows64], grad64),
              "plain_logp_maxabs_vs_fp64": (ref_logp[rows64].double() - logp64.detach()).abs().max().item(),
              "plain_grad_rel_vs_fp64": rel(ref_grad[rows64], grad64)}
-        errs.append(e)
-        say("  " + "  ".join(f"{k}={val:.3g}" if isinstance(val, float) else f"{k}={val}" for k, val in e.items()))
-    RESULTS["logprobs_err"] = errs
+        rec.record("logprobs_err", **e)
     del ref_grad
 
-    rows = []
     for name, fn in variants:
         try:
-            ms = time_ms(fn, warmup=2, iters=7)
+            ms = median_ms(fn, warmup=2, iters=7)
             mem = peak_extra_gib(fn)
         except Exception as e:
-            say(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            rec.say(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
             continue
-        rows.append({"variant": name, "ms": ms, "peak_extra_GiB": mem})
-        say(f"  {name:52s} {ms:8.2f} ms  {mem:7.2f} GiB")
-    RESULTS["logprobs_time"] = {"n": n, "v": v, "h": h, "rows": rows}
+        rec.record("logprobs_time", variant=name, ms=ms, peak_extra_GiB=mem, n=n, v=v, h=h)
 
 
 def llama_1b_config(small: bool):
@@ -390,8 +318,7 @@ def param_bytes(model: nn.Module, only=None) -> int:
     return total
 
 
-@section
-def model(args):
+def model(args, rec: Recorder):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -417,8 +344,7 @@ def model(args):
         sync()
         mem["allocated_fp8_copy_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
         del probe
-    say("  " + json.dumps({k: round(v, 4) for k, v in mem.items()}))
-    RESULTS["model_memory"] = mem
+    rec.record("model_memory", **mem)
 
     b, t = (8, 512) if not args.small else (2, 32)
     ids = torch.randint(0, cfg.vocab_size, (b, t), device=d)
@@ -448,8 +374,7 @@ def model(args):
     acc["fp8_logp_maxabs_vs_bf16"] = (lp8 - lp16).abs().max().item()
     acc["fp8_hidden_rel_vs_bf16"] = rel(h8, h16)
     acc["fp8_ratio_rel_err_mean"] = (lp8 - lp16).exp().sub(1).abs().mean().item()  # |pi_fp8/pi_bf16 - 1|
-    say("  " + json.dumps({k: float(f"{v:.4g}") for k, v in acc.items()}))
-    RESULTS["model_logp"] = acc
+    rec.record("model_logp", **acc)
     del m32, h32, h16, h8, h8w
 
     # forward+backward of the whole model with rsLoRA (r=32, alpha=64) on the 7 projections
@@ -470,18 +395,18 @@ def model(args):
             for p in pm.parameters():
                 p.grad = None
 
-        ms = time_ms(fb, warmup=2, iters=5)
+        ms = median_ms(fb, warmup=2, iters=5)
         peak = peak_extra_gib(fb)
         step[name] = {"ms": ms, "peak_extra_GiB": peak}
-        say(f"  {name}: whole-model fwd+bwd with rsLoRA, {bt[0]}x{bt[1]} tokens: {ms:.1f} ms, peak extra {peak:.2f} GiB")
+        rec.say(f"  {name}: whole-model fwd+bwd with rsLoRA, {bt[0]}x{bt[1]} tokens: {ms:.1f} ms, "
+                f"peak extra {peak:.2f} GiB")
         pm.unload() if hasattr(pm, "unload") else None
         del pm
     step["speedup"] = step["bf16"]["ms"] / step["fp8"]["ms"]
-    RESULTS["model_step"] = step
+    rec.record("model_step", **step)
 
 
-@section
-def overhead(args):
+def overhead(args, rec: Recorder):
     """Where the module path loses to the manual path at small shapes: a Python autograd.Function
     wrapping plain bf16 matmuls, host-side wall clock per call, and the profiler's top ops."""
     d = args.device
@@ -499,7 +424,6 @@ def overhead(args):
             (w,) = ctx.saved_tensors
             return gy @ w, None
 
-    rows = []
     for k, n in ((2048, 512), (2048, 2048)):
         lin = nn.Linear(k, n, bias=False, device=d, dtype=torch.bfloat16).requires_grad_(False)
         fp8 = FP8Linear.from_linear(lin)
@@ -514,12 +438,11 @@ def overhead(args):
             fns["fp8_manual"] = lambda: (fp8_mm_fwd(xd, w, s), fp8_mm_bwd(g, w, s))
         row = {"k": k, "n": n}
         for name, fn in fns.items():
-            row[f"{name}_gpu_ms"] = bench(fn)
+            row[f"{name}_gpu_ms"] = kernel_ms(fn)
             row[f"{name}_host_ms"] = host_ms(fn)
         if d == "cuda":
             row.update(backward_pieces(x, g, fp8))
-        rows.append(row)
-        say("  " + "  ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()))
+        rec.record("overhead", **row)
         if d == "cuda" and n == 512:
             from torch.profiler import ProfilerActivity, profile
 
@@ -527,20 +450,7 @@ def overhead(args):
                 for _ in range(10):
                     fns["fp8_module"]()
                 sync()
-            say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
-    RESULTS["overhead"] = rows
-
-
-def host_ms(fn, calls: int = 50) -> float:
-    """Host wall time per call with the GPU queue not drained (the GPU may lag: only the enqueueing counts)."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e3
-    sync()
-    return t
+            rec.say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
 
 
 def backward_pieces(x, g, fp8: FP8Linear) -> dict:
@@ -592,8 +502,7 @@ def backward_pieces(x, g, fp8: FP8Linear) -> dict:
     return out
 
 
-@section
-def smollm2(args):
+def smollm2(args, rec: Recorder):
     """A real trained model on the CPU: SmolLM2-135M-Instruct (the Q4_1 GGUF that grpo.assets ships,
     dequantized), FP8 block weights against bf16 and fp32, on text the model wrote itself. Activation
     quantization (1x128 groups, as the scaled_mm path does) is simulated with a pre-hook."""
@@ -647,57 +556,56 @@ def smollm2(args):
         acc[f"{name}_logp_rel_vs_bf16"] = rel(lp_, lp16) if name != "bf16" else 0.0
         acc[f"{name}_ratio_dev_vs_bf16"] = (lp_ - lp16).exp().sub(1).abs().mean().item()
         acc[f"{name}_logp_maxabs_vs_bf16"] = (lp_ - lp16).abs().max().item()
-    say("  " + json.dumps({k: float(f"{v:.4g}") for k, v in acc.items()}))
-    RESULTS["smollm2_cpu"] = acc
+    rec.record("smollm2_cpu", **acc)
 
 
-def summary():
-    say("\n=================== SUMMARY ===================")
-    env_ = RESULTS.get("env", {})
-    say(f"{env_.get('gpu', 'cpu')}  torch {env_.get('torch')}  triton {env_.get('triton')}  "
-        f"transformers {env_.get('transformers')}  peft {env_.get('peft')}")
-    if "rates" in RESULTS:
-        r = RESULTS["rates"]
-        say(f"copy {r['copy_GBps']:.0f} GB/s, bf16 matmul {r['bf16_tflops']:.0f} TFLOP/s")
-    if "fp8_time" in RESULTS:
-        say("FP8Linear fwd+bwd (dX only) at M=16384, ms (median):")
-        say(f"{'K->N':>11} {'bf16 frz':>8} {'bf16 trn':>8} {'fp8':>7} {'fp8 bdq':>7} {'eagerQ':>7} {'compQ':>7} "
-            f"{'x':>5} | {'bf16 f':>6} {'fp8 f':>6} {'gemm f':>6} {'gemm b':>6} {'rowwise':>7} {'quantX':>6}")
-        for r in RESULTS["fp8_time"]:
+def summary(rec: Recorder) -> None:
+    """The run's figures again, as tables a reader can compare with RESULTS.md."""
+    rec.say("\n=================== SUMMARY ===================")
+    env_ = next(iter(rec.of_kind("env")), {})
+    rec.say(f"{env_.get('gpu', 'cpu')}  torch {env_.get('torch')}  triton {env_.get('triton')}  "
+            f"transformers {env_.get('transformers')}  peft {env_.get('peft')}")
+    for r in rec.of_kind("rates"):
+        rec.say(f"copy {r['copy_GBps']:.0f} GB/s, bf16 matmul {r['bf16_tflops']:.0f} TFLOP/s")
+    if rec.of_kind("fp8_time"):
+        rec.say("FP8Linear fwd+bwd (dX only) at M=16384, ms (median):")
+        rec.say(f"{'K->N':>11} {'bf16 frz':>8} {'bf16 trn':>8} {'fp8':>7} {'fp8 bdq':>7} {'eagerQ':>7} {'compQ':>7} "
+                f"{'x':>5} | {'bf16 f':>6} {'fp8 f':>6} {'gemm f':>6} {'gemm b':>6} {'rowwise':>7} {'quantX':>6}")
+        for r in rec.of_kind("fp8_time"):
             f = lambda key: f"{r[key]:.3f}" if key in r else "-"  # noqa: E731
-            say(f"{r['k']:>5}->{r['n']:<5} {f('bf16_frozen_fb'):>8} {f('bf16_train_fb'):>8} {f('fp8_fb'):>7} "
-                f"{f('fp8_fb_bwd_dequant'):>7} {f('fp8_fb_quant_eager'):>7} {f('fp8_fb_quant_compiled'):>7} "
-                f"{r.get('speedup_vs_bf16_frozen', float('nan')):>5.2f} | {f('bf16_fwd'):>6} {f('fp8_fwd'):>6} "
-                f"{f('fp8_gemm_fwd_only'):>6} {f('fp8_gemm_bwd_only'):>6} {f('fp8_gemm_rowwise_fwd'):>7} "
-                f"{f('quant_x_triton'):>6}")
-    if "logprobs_time" in RESULTS:
-        lt = RESULTS["logprobs_time"]
-        say(f"token_logprobs fwd+bwd at N={lt['n']}, V={lt['v']}, H={lt['h']}:")
-        for r in lt["rows"]:
-            say(f"  {r['variant']:52s} {r['ms']:8.2f} ms  {r['peak_extra_GiB']:6.2f} GiB")
-    for key in ("model_memory", "model_logp", "model_step", "smollm2_cpu"):
-        if key in RESULTS:
-            say(f"{key}: {json.dumps(RESULTS[key], default=float)}")
-    if "errors" in RESULTS:
-        say(f"ERRORS: {json.dumps(RESULTS['errors'])}")
+            rec.say(f"{r['k']:>5}->{r['n']:<5} {f('bf16_frozen_fb'):>8} {f('bf16_train_fb'):>8} {f('fp8_fb'):>7} "
+                    f"{f('fp8_fb_bwd_dequant'):>7} {f('fp8_fb_quant_eager'):>7} {f('fp8_fb_quant_compiled'):>7} "
+                    f"{r.get('speedup_vs_bf16_frozen', float('nan')):>5.2f} | {f('bf16_fwd'):>6} {f('fp8_fwd'):>6} "
+                    f"{f('fp8_gemm_fwd_only'):>6} {f('fp8_gemm_bwd_only'):>6} {f('fp8_gemm_rowwise_fwd'):>7} "
+                    f"{f('quant_x_triton'):>6}")
+    timed = rec.of_kind("logprobs_time")
+    if timed:
+        rec.say(f"token_logprobs fwd+bwd at N={timed[0]['n']}, V={timed[0]['v']}, H={timed[0]['h']}:")
+        for r in timed:
+            rec.say(f"  {r['variant']:52s} {r['ms']:8.2f} ms  {r['peak_extra_GiB']:6.2f} GiB")
+    for kind in ("model_memory", "model_logp", "model_step", "smollm2_cpu", "error"):
+        for r in rec.of_kind(kind):
+            rec.say(f"{kind}: {json.dumps(r, default=float)}")
+
+
+SECTIONS = (env, rates, fp8_err, fp8_time, logprobs, model, overhead, smollm2)
+ON_REQUEST = (overhead, smollm2)  # a diagnosis, and a CPU run that needs the cached GGUF: only when named
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".", help="folder for kernels_gpu.json and kernels_gpu.log")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_argument(ap)
     ap.add_argument("--small", action="store_true", help="tiny sizes: a smoke run on any device")
-    ap.add_argument("--only", nargs="*", default=None, help="run only these sections")
+    ap.add_argument("--only", nargs="*", default=None, choices=[sec.__name__ for sec in SECTIONS],
+                    help="run only these sections (overhead and smollm2 run only when named here)")
     args = ap.parse_args()
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    for sec in (env, rates, fp8_err, fp8_time, logprobs, model, overhead, smollm2):
-        if (args.only and sec.__name__ not in args.only) or (not args.only and sec in (overhead, smollm2)):
-            continue  # overhead (a diagnosis) and smollm2 (CPU, needs the cached GGUF) run only when asked for
-        sec(args)
-    summary()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=float))
-    (out / "kernels_gpu.log").write_text("\n".join(LINES) + "\n")
+    rec = Recorder("fp8_and_logprobs", args.out)
+    for sec in SECTIONS:
+        if (args.only and sec.__name__ not in args.only) or (not args.only and sec in ON_REQUEST):
+            continue
+        run_section(sec, args, rec)
+    summary(rec)
 
 
 if __name__ == "__main__":

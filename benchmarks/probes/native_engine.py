@@ -4,39 +4,35 @@ Llama-3.2-1B shapes (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 
 tied embeddings, llama3 rope scaling), random weights in bf16; 4 prompts x G=4 = 16 rows, 128-token
 prompts, 512 new tokens with ignore_eos; temperature 1, min_p 0.1 (the recipe's sampling).
 
-    PYTHONPATH=$PWD python3 benchmarks/native_gpu_check.py [--plan first|final] [--budget-s 150]
+    PYTHONPATH=$PWD python3 benchmarks/probes/native_engine.py [--plan compiled|graph|gemm|rows] [--budget-s 150]
 
-Prints one table at the end; writes every number as JSON lines to $OUT/native_gpu.jsonl when $OUT is
-set. Standalone on purpose (no pytest): the device lease is short, so everything runs in one process
-and each variant is skipped, not failed, when the time budget runs out.
+Plans (`--variants` picks steps by name instead):
+  graph     the CUDA graph against eager and transformers `generate`, every model kind (bf16, FP8, LoRA),
+            correctness, kernel profiles, standby memory and one whole-model compile
+  compiled  compiled variants of every model kind (attention kernel, parallel streams) and where the
+            time goes in the compiled step (the default)
+  gemm      the decode GEMM kernels against the module path, every model kind
+  rows      the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
+Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
+Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
+each step is skipped, not failed, when the time budget runs out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch._dynamo
 
+from timing import Recorder, add_out_argument, copy_tbps, graph_us  # beside this file
+
 ROWS, P, G, PROMPT, NEW = 16, 4, 4, 128, 512
 PLAIN = dict(compile=None, streams=False, gemm="modules")  # the engine's CUDA defaults; variants opt in
-T0 = time.perf_counter()
-RESULTS: list[dict] = []
-
-
-def log(**kw) -> None:
-    kw["t"] = round(time.perf_counter() - T0, 1)
-    RESULTS.append(kw)
-    print(json.dumps(kw), flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "native_gpu.jsonl"), "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 def llama_1b_config():
@@ -93,23 +89,6 @@ def weight_bytes(model) -> int:
     return total
 
 
-def copy_bandwidth() -> float:
-    n = 1 << 28  # 512 MiB of bf16 per buffer
-    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * a.numel() * 2 / statistics.median(times) / 1e12  # read + write, TB/s
-
-
 def gemm_table() -> list[dict]:
     """cuBLAS bf16 at M=16 for each projection shape, and the swapped product W @ x^T."""
     rows = []
@@ -119,21 +98,7 @@ def gemm_table() -> list[dict]:
         x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
         out = {}
         for label, fn in (("F.linear", lambda w: torch.nn.functional.linear(x, w)), ("W@x^T", lambda w: w @ x.t())):
-            for w in ws:
-                fn(w)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(5):
-                    for w in ws:
-                        fn(w)
-            g.replay()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(10):
-                g.replay()
-            torch.cuda.synchronize()
-            per = (time.perf_counter() - t) / (10 * 5 * len(ws))
-            out[label] = per
+            out[label] = graph_us(fn, ws, calls=5 * len(ws), replays=10) / 1e6  # seconds per call
         rows.append(dict(kind="gemm_m16", shape=name, n=n, k=k, us_linear=round(out["F.linear"] * 1e6, 2),
                          tbps_linear=round(n * k * 2 / out["F.linear"] / 1e12, 2),
                          us_swapped=round(out["W@x^T"] * 1e6, 2),
@@ -154,8 +119,8 @@ def sampling(**kw):
     return Sampling(**base)
 
 
-def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=2, engine_kw=None, rows=ROWS,
-               **sample_kw):
+def run_engine(rec: Recorder, label: str, model, wbytes: int, *, graph=True, new=None, repeats=2, engine_kw=None,
+               rows=ROWS, **sample_kw):
     """Generate `repeats` times, releasing memory in between as the trainer does (so every run after
     the first pays the re-capture, not the compile); ms/step is the median over runs of decode / steps.
     `rows`: P prompts x rows / P completions each."""
@@ -184,7 +149,7 @@ def run_engine(label: str, model, wbytes: int, *, graph=True, new=None, repeats=
                capture_ms=round(r.timings["capture"] * 1e3, 1), wall_s=round(wall, 2),
                peak_extra_gib=round(peak / 2**30, 3), kv_gib=round(engine.kv_cache_bytes() / 2**30, 3),
                steps=int(steps), weight_gib=round(wbytes / 2**30, 3), **first)
-    log(**row)
+    rec.record(**row)
     return row
 
 
@@ -203,7 +168,7 @@ def hf_generate_ms(model) -> float:
     return (times[40] - times[8]) / 32 * 1e3
 
 
-def kernel_breakdown(label: str, model, engine_kw=None) -> None:
+def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None) -> None:
     """GPU time per kernel family in one eager (ungraphed) decode step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -249,14 +214,14 @@ def kernel_breakdown(label: str, model, engine_kw=None) -> None:
         fams[fam] = fams.get(fam, 0.0) + us / steps
         count[fam] = count.get(fam, 0) + e.count // steps
         top.append((us / steps, e.count // steps, e.key[:90]))
-    log(kind="kernels", variant=label, per_step_us={k: round(v) for k, v in fams.items()},
+    rec.record("kernels", variant=label, per_step_us={k: round(v) for k, v in fams.items()},
         per_step_launches=count, sum_us=round(sum(fams.values())), sum_launches=sum(count.values()))
     for us, c, key in sorted(top, reverse=True)[:10]:
-        log(kind="kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
+        rec.record("kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
     engine.release_memory()
 
 
-def standby(model) -> None:
+def standby(rec: Recorder, model) -> None:
     """Peak memory of generate-then-train, with and without release_memory between the phases."""
     from grpo.rollout.native import NativeEngine
 
@@ -290,7 +255,7 @@ def standby(model) -> None:
         train_phase()
         torch.cuda.synchronize()
         step_peak = max(gen_peak, torch.cuda.max_memory_allocated() - m0)
-        log(kind="standby", release=release, gen_peak_gib=round(gen_peak / 2**30, 3),
+        rec.record("standby", release=release, gen_peak_gib=round(gen_peak / 2**30, 3),
             held_after_generate_gib=round(after_gen / 2**30, 3), held_after_release_gib=round(after_release / 2**30, 3),
             step_peak_over_weights_gib=round(step_peak / 2**30, 3),
             reserved_gib=round(torch.cuda.memory_reserved() / 2**30, 2))
@@ -299,11 +264,11 @@ def standby(model) -> None:
     torch.cuda.reset_peak_memory_stats()
     m0 = torch.cuda.memory_allocated()
     train_phase()
-    log(kind="standby", release="train_only", step_peak_over_weights_gib=round(
+    rec.record("standby", release="train_only", step_peak_over_weights_gib=round(
         (torch.cuda.max_memory_allocated() - m0) / 2**30, 3))
 
 
-def correctness(model, engine_kw=None) -> None:
+def correctness(rec: Recorder, model, engine_kw=None) -> None:
     """Greedy tokens against transformers generate; prefill logits against a forward; graph vs eager."""
     from grpo.rollout.native import NativeEngine
 
@@ -328,14 +293,15 @@ def correctness(model, engine_kw=None) -> None:
                          **{**kw, "use_cuda_graph": False})
     s = sampling(max_new_tokens=48, top_p=0.95, top_k=100)
     a, b = engine.generate(prompts(), G, s), eager.generate(prompts(), G, s)
-    log(kind="correctness", engine_kw=engine_kw, greedy_tokens_equal_to_hf_of_32=same, greedy_logp_max_abs_err_vs_forward=round(logp_err, 4),
+    rec.record("correctness", engine_kw=engine_kw, greedy_tokens_equal_to_hf_of_32=same,
+               greedy_logp_max_abs_err_vs_forward=round(logp_err, 4),
         graph_equals_eager=bool(torch.equal(a.completion_ids, b.completion_ids)),
         graph_vs_eager_logp_max_err=float((a.sampler_logp - b.sampler_logp).abs().max()))
     engine.release_memory()
     eager.release_memory()
 
 
-def rows_check(model, rows: int, engine_kw: dict) -> None:
+def rows_check(rec: Recorder, model, rows: int, engine_kw: dict) -> None:
     """At `rows` rows, greedy: the sampler's log-probs of its own first 8 tokens against a full forward
     over prompt + those tokens, for the engine with the decode kernels and with the modules. (Comparing
     the two engines' tokens says nothing on random weights: near-ties part them after a step or two.)"""
@@ -356,140 +322,63 @@ def rows_check(model, rows: int, engine_kw: dict) -> None:
         ref = torch.log_softmax(logits, -1).gather(-1, r.completion_ids[..., None])[..., 0]
         row[f"{gemm}_logp_max_abs_err_vs_forward"] = round(float((ref - r.sampler_logp).abs().max()), 4)
         del logits
-    log(**row)
+    rec.record(**row)
+
+
+def at_rows(rec: Recorder, label: str, model, wbytes: int, mode: str) -> None:
+    """Agreement with a full forward at 16, 32 and 64 rows, and the decode step at 32 and 64 rows,
+    kernels against modules."""
+    rows_check(rec, model, 16, dict(compile=mode))  # the kernels' own row count: the baseline for agreement
+    for rows in (32, 64):
+        rows_check(rec, model, rows, dict(compile=mode))
+        for g in ("kernels", "modules"):
+            run_engine(rec, f"{label} {rows} rows {g}", model, wbytes, engine_kw=dict(compile=mode, gemm=g), rows=rows)
 
 
 PLANS = {
-    # the first GPU call: correctness, transformers, graph variants, memory, one whole-model compile
-    "first": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
+    # the CUDA graph against eager and transformers, every model kind; profiles, standby, a whole-model compile
+    "graph": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
               "standby", "compile"],
-    # the last: compiled variants of every model kind, and where the time goes in the compiled step
-    # the decode GEMM kernels against the module path, every model kind (third session)
+    # compiled variants of every model kind, and where the time goes in the compiled step
+    "compiled": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
+                 "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
+    # the decode GEMM kernels against the module path, every model kind
     "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
              "lora_compiled", "lora_gemm", "kernels_lora_gemm", "fp8_lora_compiled", "fp8_lora_gemm"],
-    # the decode kernels beyond 16 rows (fourth session): kernels against modules at 32 and 64 rows
+    # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
-    "final": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
-              "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--budget-s", type=float, default=150.0, help="start no step after this many seconds")
-    ap.add_argument("--plan", default="final", choices=sorted(PLANS))
-    ap.add_argument("--variants", nargs="+", default=None, help="steps to run (default: the plan's)")
-    ap.add_argument("--compile-mode", default="default")
-    args = ap.parse_args()
-    variants = args.variants or PLANS[args.plan]
-    import transformers
+@dataclass
+class Steps:
+    """Runs a step of the plan: one not chosen is passed over, one that would start past the budget is
+    skipped, one that fails is recorded and the rest go on (one broken step must not cost the lease)."""
 
-    torch._dynamo.config.cache_size_limit = 32  # several model kinds in one process
-    log(kind="env", torch=torch.__version__, transformers=transformers.__version__,
-        gpu=torch.cuda.get_device_name(), copy_tbps=round(copy_bandwidth(), 2))
-    for row in gemm_table():
-        log(**row)
+    rec: Recorder
+    chosen: list[str]
+    budget_s: float
 
-    def step(name, fn):
-        if name not in variants:
+    def __call__(self, name: str, fn):
+        if name not in self.chosen:
             return None
-        if time.perf_counter() - T0 > args.budget_s:
-            log(kind="skipped", variant=name, reason="time budget")
+        if self.rec.elapsed_s() > self.budget_s:
+            self.rec.record("skipped", variant=name, reason="time budget")
             return None
         try:
             return fn()
-        except Exception as exc:  # report and go on: one broken variant must not cost the whole lease
-            log(kind="error", variant=name, error=repr(exc)[:400], tb=traceback.format_exc()[-1500:])
+        except Exception as exc:
+            self.rec.record("error", variant=name, error=repr(exc)[:400], tb=traceback.format_exc()[-1500:])
             return None
         finally:
             torch.cuda.empty_cache()
 
-    mode = args.compile_mode
-    model = build_model()
-    wb = weight_bytes(model)
-    log(kind="model", variant="bf16", params=sum(p.numel() for p in model.parameters()), weight_gib=round(wb / 2**30, 3))
-    step("check", lambda: correctness(model))
-    gemm = dict(compile=mode, gemm="kernels")
-    step("check_gemm", lambda: correctness(model, gemm))
-    step("hf", lambda: log(kind="hf_generate", ms_per_step=round(hf_generate_ms(model), 2)))
-    step("eager", lambda: run_engine("bf16 eager (no graph)", model, wb, graph=False, new=32, repeats=1))
-    step("graph", lambda: run_engine("bf16 graph", model, wb))
-    step("greedy", lambda: run_engine("bf16 graph greedy", model, wb, temperature=0.0, min_p=0.0))
-    step("kernels", lambda: kernel_breakdown("bf16", model))
-    step("compile", lambda: run_engine(f"bf16 graph+compile({mode})", model, wb, engine_kw=dict(compile=mode)))
 
-    # compiled variants: attention kernel, then parallel streams with the better attention
-    best = dict(compile=mode, attention="matmul")
-    timed = {}
-    for attention in ("matmul", "sdpa"):
-        kw = dict(compile=mode, attention=attention)
-        row = step(f"compile_{attention}", lambda kw=kw: run_engine(f"bf16 compile {kw['attention']}", model, wb,
-                                                                    engine_kw=kw))
-        if row:
-            timed[attention] = row["ms_per_step"]
-    if timed:
-        best["attention"] = min(timed, key=timed.get)
-    kw = dict(best, streams=True)
-    row = step("compile_streams", lambda: run_engine(f"bf16 compile {best['attention']} streams", model, wb,
-                                                     engine_kw=kw))
-    if row and (not timed or row["ms_per_step"] < min(timed.values())):
-        best = kw
-    log(kind="best", engine_kw=best)
-    step("kernels_compiled", lambda: kernel_breakdown(f"bf16 {best}", model, engine_kw=best))
-    step("gemm", lambda: run_engine(f"bf16 {gemm}", model, wb, engine_kw=gemm))
-    step("kernels_gemm", lambda: kernel_breakdown(f"bf16 {gemm}", model, engine_kw=gemm))
-
-    def at_rows(label, m, wbytes):
-        rows_check(m, 16, dict(compile=mode))  # the kernels' own row count: the baseline for agreement
-        for rows in (32, 64):
-            rows_check(m, rows, dict(compile=mode))
-            for g in ("kernels", "modules"):
-                run_engine(f"{label} {rows} rows {g}", m, wbytes, engine_kw=dict(compile=mode, gemm=g), rows=rows)
-
-    step("rows", lambda: at_rows("bf16", model, wb))
-
-    fp8 = None
-    if any("fp8" in v for v in variants):
-        try:
-            from grpo.kernels.fp8 import quantize_linears_
-        except ImportError as exc:
-            log(kind="skipped", variant="fp8", reason=f"grpo.kernels.fp8 not importable: {exc}")
-        else:
-            fp8 = build_model()
-            quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-            wf = weight_bytes(fp8)
-            log(kind="model", variant="fp8", weight_gib=round(wf / 2**30, 3))
-            step("fp8", lambda: run_engine("fp8 graph", fp8, wf))
-            step("kernels_fp8", lambda: kernel_breakdown("fp8", fp8))
-            step("fp8_compiled", lambda: run_engine(f"fp8 {best}", fp8, wf, engine_kw=best))
-            step("fp8_gemm", lambda: run_engine(f"fp8 {gemm}", fp8, wf, engine_kw=gemm))
-            step("fp8_rows", lambda: at_rows("fp8", fp8, wf))
-
-    lora = add_lora(model)  # wraps model's projections in place
-    wl = weight_bytes(lora)
-    step("lora", lambda: run_engine("bf16+LoRA r32 graph", lora, wl))
-    step("kernels_lora", lambda: kernel_breakdown("bf16+LoRA", lora))
-    step("standby", lambda: standby(lora))
-    step("lora_compiled", lambda: run_engine(f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
-    step("lora_gemm", lambda: run_engine(f"bf16+LoRA r32 {gemm}", lora, wl, engine_kw=gemm))
-    step("kernels_lora_gemm", lambda: kernel_breakdown(f"bf16+LoRA {gemm}", lora, engine_kw=gemm))
-    nostreams = dict(best, streams=False)
-    if best.get("streams"):
-        step("lora_compiled_nostreams", lambda: run_engine(f"bf16+LoRA r32 {nostreams}", lora, wl,
-                                                           engine_kw=nostreams))
-    if fp8 is not None:
-        fp8_lora = add_lora(fp8)
-        wfl = weight_bytes(fp8_lora)
-        step("fp8_lora_compiled", lambda: run_engine(f"fp8+LoRA r32 {best}", fp8_lora, wfl, engine_kw=best))
-        step("fp8_lora_gemm", lambda: run_engine(f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
-        step("fp8_lora", lambda: run_engine("fp8+LoRA r32 graph", fp8_lora, wfl))
-        with fp8_lora.disable_adapter():
-            step("fp8_graph", lambda: run_engine("fp8 graph (same run)", fp8_lora, wf))
-
-    print("\n=== NativeEngine, Llama-3.2-1B shapes, 16 rows, prompt 128, new 512, H200 ===")
-    env = RESULTS[0]
-    print(f"torch {env['torch']}, transformers {env['transformers']}, {env['gpu']}, copy {env['copy_tbps']} TB/s")
-    for r in RESULTS:
+def print_summary(rec: Recorder) -> None:
+    env = rec.of_kind("env")[0]
+    print(f"\n=== NativeEngine, Llama-3.2-1B shapes, {ROWS} rows, prompt {PROMPT}, new {NEW}, {env['gpu']} ===")
+    print(f"torch {env['torch']}, transformers {env['transformers']}, copy {env['copy_tbps']} TB/s")
+    for r in rec.rows:
         if r["kind"] == "hf_generate":
             print(f"HF generate: {r['ms_per_step']} ms/step")
         if r["kind"] == "engine":
@@ -498,6 +387,104 @@ def main() -> None:
                   f"peak+{r['peak_extra_gib']} GiB")
         if r["kind"] in ("standby", "correctness", "error", "skipped", "kernels", "best", "rows_check"):
             print({k: v for k, v in r.items() if k not in ("tb",)})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-s", type=float, default=150.0, help="start no step after this many seconds")
+    ap.add_argument("--plan", default="compiled", choices=list(PLANS), help="which steps to run (listed above)")
+    ap.add_argument("--variants", nargs="+", default=None, help="steps to run (default: the plan's)")
+    ap.add_argument("--compile-mode", default="default")
+    add_out_argument(ap)
+    args = ap.parse_args()
+    variants = args.variants or PLANS[args.plan]
+    import transformers
+
+    rec = Recorder("native_engine", args.out)
+    step = Steps(rec, variants, args.budget_s)
+    torch._dynamo.config.cache_size_limit = 32  # several model kinds in one process
+    rec.record("env", torch=torch.__version__, transformers=transformers.__version__,
+               gpu=torch.cuda.get_device_name(), copy_tbps=round(copy_tbps(), 2))
+    for row in gemm_table():
+        rec.record(**row)
+
+    mode = args.compile_mode
+    model = build_model()
+    wb = weight_bytes(model)
+    rec.record("model", variant="bf16", params=sum(p.numel() for p in model.parameters()),
+               weight_gib=round(wb / 2**30, 3))
+    step("check", lambda: correctness(rec, model))
+    gemm = dict(compile=mode, gemm="kernels")
+    step("check_gemm", lambda: correctness(rec, model, gemm))
+    step("hf", lambda: rec.record("hf_generate", ms_per_step=round(hf_generate_ms(model), 2)))
+    step("eager", lambda: run_engine(rec, "bf16 eager (no graph)", model, wb, graph=False, new=32, repeats=1))
+    step("graph", lambda: run_engine(rec, "bf16 graph", model, wb))
+    step("greedy", lambda: run_engine(rec, "bf16 graph greedy", model, wb, temperature=0.0, min_p=0.0))
+    step("kernels", lambda: kernel_breakdown(rec, "bf16", model))
+    step("compile", lambda: run_engine(rec, f"bf16 graph+compile({mode})", model, wb, engine_kw=dict(compile=mode)))
+
+    # compiled variants: attention kernel, then parallel streams with the better attention
+    best = dict(compile=mode, attention="matmul")
+    timed = {}
+    for attention in ("matmul", "sdpa"):
+        kw = dict(compile=mode, attention=attention)
+        row = step(f"compile_{attention}", lambda kw=kw: run_engine(rec, f"bf16 compile {kw['attention']}", model, wb,
+                                                                    engine_kw=kw))
+        if row:
+            timed[attention] = row["ms_per_step"]
+    if timed:
+        best["attention"] = min(timed, key=timed.get)
+    kw = dict(best, streams=True)
+    row = step("compile_streams", lambda: run_engine(rec, f"bf16 compile {best['attention']} streams", model, wb,
+                                                     engine_kw=kw))
+    if row and (not timed or row["ms_per_step"] < min(timed.values())):
+        best = kw
+    rec.record("best", engine_kw=best)
+    step("kernels_compiled", lambda: kernel_breakdown(rec, f"bf16 {best}", model, engine_kw=best))
+    step("gemm", lambda: run_engine(rec, f"bf16 {gemm}", model, wb, engine_kw=gemm))
+    step("kernels_gemm", lambda: kernel_breakdown(rec, f"bf16 {gemm}", model, engine_kw=gemm))
+
+    step("rows", lambda: at_rows(rec, "bf16", model, wb, mode))
+
+    fp8 = None
+    if any("fp8" in v for v in variants):
+        try:
+            from grpo.kernels.fp8 import quantize_linears_
+        except ImportError as exc:
+            rec.record("skipped", variant="fp8", reason=f"grpo.kernels.fp8 not importable: {exc}")
+        else:
+            fp8 = build_model()
+            quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+            wf = weight_bytes(fp8)
+            rec.record("model", variant="fp8", weight_gib=round(wf / 2**30, 3))
+            step("fp8", lambda: run_engine(rec, "fp8 graph", fp8, wf))
+            step("kernels_fp8", lambda: kernel_breakdown(rec, "fp8", fp8))
+            step("fp8_compiled", lambda: run_engine(rec, f"fp8 {best}", fp8, wf, engine_kw=best))
+            step("fp8_gemm", lambda: run_engine(rec, f"fp8 {gemm}", fp8, wf, engine_kw=gemm))
+            step("fp8_rows", lambda: at_rows(rec, "fp8", fp8, wf, mode))
+
+    lora = add_lora(model)  # wraps model's projections in place
+    wl = weight_bytes(lora)
+    step("lora", lambda: run_engine(rec, "bf16+LoRA r32 graph", lora, wl))
+    step("kernels_lora", lambda: kernel_breakdown(rec, "bf16+LoRA", lora))
+    step("standby", lambda: standby(rec, lora))
+    step("lora_compiled", lambda: run_engine(rec, f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
+    step("lora_gemm", lambda: run_engine(rec, f"bf16+LoRA r32 {gemm}", lora, wl, engine_kw=gemm))
+    step("kernels_lora_gemm", lambda: kernel_breakdown(rec, f"bf16+LoRA {gemm}", lora, engine_kw=gemm))
+    nostreams = dict(best, streams=False)
+    if best.get("streams"):
+        step("lora_compiled_nostreams", lambda: run_engine(rec, f"bf16+LoRA r32 {nostreams}", lora, wl,
+                                                           engine_kw=nostreams))
+    if fp8 is not None:
+        fp8_lora = add_lora(fp8)
+        wfl = weight_bytes(fp8_lora)
+        step("fp8_lora_compiled", lambda: run_engine(rec, f"fp8+LoRA r32 {best}", fp8_lora, wfl, engine_kw=best))
+        step("fp8_lora_gemm", lambda: run_engine(rec, f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
+        step("fp8_lora", lambda: run_engine(rec, "fp8+LoRA r32 graph", fp8_lora, wfl))
+        with fp8_lora.disable_adapter():
+            step("fp8_graph", lambda: run_engine(rec, "fp8 graph (same run)", fp8_lora, wf))
+
+    print_summary(rec)
 
 
 if __name__ == "__main__":
