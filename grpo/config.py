@@ -44,7 +44,7 @@ class Config:
     lora_compute: str = _f("float32", "Dtype of the adapters' matmuls: float32 (peft's way: each projection's "
                            "input is cast to float32 and that copy saved for backward) or base (the base "
                            "model's dtype, bf16 on GPUs; the adapters stay float32 for the optimizer). base "
-                           "saves 36%% of a 1B layer's activations (benchmarks/saved_activations.py).", "model",
+                           "saves 36%% of a 1B layer's activations (benchmarks/probes/saved_activations.py).", "model",
                            choices=["float32", "base"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
 
