@@ -64,8 +64,9 @@ def test_lenient_accuracy_counts_boxed_and_final_numbers_that_strict_accuracy_do
     assert result["eval/greedy_format"] == 1 / 3
     assert result["eval/pass@1"] == 0.0 and result["eval/pass@1_lenient"] == 4 / 6
     assert result["eval/sampled_format"] == 1 / 6
-    assert list(result) == ["eval/prompts", "eval/greedy_accuracy", "eval/greedy_lenient_accuracy", "eval/greedy_format",
-                            "eval/pass@1", "eval/pass@1_lenient", "eval/sampled_format", "eval/samples"]
+    assert list(result) == ["eval/prompts", "eval/greedy_accuracy", "eval/greedy_lenient_accuracy",
+                            "eval/greedy_format", "eval/pass@1", "eval/pass@1_lenient", "eval/sampled_format",
+                            "eval/samples"]
 
 
 def test_eval_cli_loads_an_adapter_with_its_own_rank_and_targets(tiny_llama_dir, tmp_path, capsys):
