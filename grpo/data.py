@@ -335,7 +335,8 @@ def _packaged_gsm8k(split: str, hub_reason: str) -> list[Example]:
     notice = (f"--dataset gsm8k: the Hugging Face hub is out of reach ({hub_reason}); using the GSM8K test split "
               f"packaged in {assets.GSM8K_PACKAGE}: {len(test)} problems held out by a fixed hash, training on the "
               f"other {len(train)}")
-    warnings.warn(notice, stacklevel=1)  # the same place and text for both splits: shown once per process
+    # The same place and text for both splits, so Python shows it once per process.
+    warnings.warn(notice, stacklevel=1)
     return test if split == "test" else train
 
 
