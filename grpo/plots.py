@@ -3,8 +3,9 @@
 Two panels sharing the step axis. Top: the mean reward of each step, with a band of one standard
 deviation when the records carry `reward_std`. Bottom: the training batch's answer accuracy and format
 compliance (faint per step, solid as a running mean: a batch of P*G completions is noisy), and the
-held-out evaluations (`eval/greedy_accuracy`, `eval/greedy_format`, `eval/pass@1`,
-`eval/sampled_format`) as markers joined by lines, step 0 being the untrained model.
+held-out evaluations (`eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`, `eval/greedy_format`,
+`eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`; the lenient ones only where the records carry
+them) as markers joined by lines, step 0 being the untrained model.
 
 Also `python -m grpo.plots METRICS_JSONL [PNG]`. What this is not: a dashboard; use --report-to
 tensorboard or wandb for live curves. matplotlib is imported inside `plot_metrics` and draws on an
@@ -21,6 +22,8 @@ from pathlib import Path
 EVAL_SERIES = (  # key, label, marker
     ("eval/greedy_accuracy", "held-out accuracy (greedy)", "o"),
     ("eval/pass@1", "held-out accuracy (pass@1)", "s"),
+    ("eval/greedy_lenient_accuracy", "held-out lenient accuracy (greedy)", "D"),
+    ("eval/pass@1_lenient", "held-out lenient accuracy (pass@1)", "d"),
     ("eval/greedy_format", "held-out format (greedy)", "^"),
     ("eval/sampled_format", "held-out format (sampled)", "v"),
 )
@@ -112,6 +115,7 @@ def plot_metrics(metrics_jsonl: str | Path, png_path: str | Path, title: str | N
         ax_f.plot(s, running_mean(v, window), color=color, lw=1.5,
                   label=label + (f" (mean of {window} steps)" if window > 1 else ""))
     colors = {"eval/greedy_accuracy": "darkgreen", "eval/pass@1": "limegreen",
+              "eval/greedy_lenient_accuracy": "purple", "eval/pass@1_lenient": "orchid",
               "eval/greedy_format": "darkorange", "eval/sampled_format": "gold"}
     for key, label, marker in EVAL_SERIES:
         s, v = _series(evals, key)

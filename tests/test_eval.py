@@ -49,6 +49,24 @@ def test_accuracy_and_format_are_reported_apart(llama_tokenizer):
                                 k=2, seed=0)
     assert result["eval/greedy_accuracy"] == 1.0 and result["eval/greedy_format"] == 0.5
     assert result["eval/pass@1"] == 0.75 and result["eval/sampled_format"] == 0.5
+    assert result["eval/greedy_lenient_accuracy"] == 1.0 and result["eval/pass@1_lenient"] == 0.75  # as strict here
+
+
+def test_lenient_accuracy_counts_boxed_and_final_numbers_that_strict_accuracy_does_not(llama_tokenizer):
+    boxed = "16 - 3 - 4 = 9, and 9 * 2 = 18. So she makes \\boxed{18} dollars."
+    last_number = "She sells 9 eggs at $2, so she makes $18"
+    formatted_wrong = "9 * 2<end_working_out><SOLUTION>17</SOLUTION>"
+    engine = ScriptedEngine(llama_tokenizer, greedy=[boxed, last_number, formatted_wrong],
+                            sampled=[boxed, formatted_wrong, "no idea", last_number, boxed, boxed])
+    result = grpo_eval.evaluate(engine, llama_tokenizer, _Prompts(["18", "18", "18"]), Sampling(max_new_tokens=8),
+                                k=2, seed=0)
+    assert result["eval/greedy_accuracy"] == 0.0 and result["eval/greedy_lenient_accuracy"] == 2 / 3
+    assert result["eval/greedy_format"] == 1 / 3
+    assert result["eval/pass@1"] == 0.0 and result["eval/pass@1_lenient"] == 4 / 6
+    assert result["eval/sampled_format"] == 1 / 6
+    assert list(result) == ["eval/prompts", "eval/greedy_accuracy", "eval/greedy_lenient_accuracy",
+                            "eval/greedy_format", "eval/pass@1", "eval/pass@1_lenient", "eval/sampled_format",
+                            "eval/samples"]
 
 
 def test_eval_cli_loads_an_adapter_with_its_own_rank_and_targets(tiny_llama_dir, tmp_path, capsys):

@@ -10,8 +10,8 @@ import torch
 
 from grpo import rewards
 from grpo.rewards import (
-    PRESETS, extract_solution, grade, has_exact_format, is_correct, load_reward, parse_number,
-    reward_functions, score,
+    PRESETS, extract_solution, grade, has_exact_format, is_correct, is_correct_lenient, last_boxed, load_reward,
+    parse_number, reward_functions, score,
 )
 
 W = "I work it out step by step.<end_working_out>"  # reasoning after the prompt's <start_working_out>
@@ -92,6 +92,7 @@ def test_reward_functions_have_distinct_names_within_a_preset():
     (".5", 0.5), ("3/4", 0.75), ("-3/4", -0.75), ("\\frac{3}{4}", 0.75), ("-\\dfrac{1}{8}", -0.125),
     ("The answer is 5.", 5.0), ("first 3 then 8", 8.0), ("2.5e3", 2500.0), ("50%", 50.0), ("1,2", 2.0),
     ("abc", None), ("", None), ("1/0", None), ("1e400", math.inf), ("-" + "9" * 400, -math.inf),
+    ("-$5", -5.0), ("-\\$1,200.", -1200.0), ("$-5", -5.0), ("costs $18.", 18.0), ("10-$3", 3.0),
 ])
 def test_parse_number_reads_the_final_number(text, expected):
     assert parse_number(text) == expected
@@ -269,3 +270,40 @@ def test_score_refuses_an_infinite_reward_and_names_the_function():
 
     with pytest.raises(rewards.RewardError, match="blows_up returned -inf for completion 0"):
         rewards.score(["a"], ["1"], [blows_up])
+
+
+# --- lenient accuracy (eval only) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("so \\boxed{18}.", "18"), ("\\boxed{1} then \\boxed{2}", "2"), ("\\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+    ("\\boxed{3} and \\boxed{4", None), ("no box", None), ("\\boxed{}", ""),
+])
+def test_last_boxed_takes_the_last_complete_box_with_nested_braces(text, expected):
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer, lenient", [
+    ("16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is $\\boxed{18}$.", "18", True),  # the untrained model's way
+    ("Janet makes \\boxed{\\$18} a day. (She keeps 3 eggs.)", "18", True),  # the box, not the last number
+    ("\\boxed{17} ... no wait, 18", "18", False),  # the box is the final answer, even before other numbers
+    ("She makes $18 every day.", "18", True),  # no tag, no box: the last number
+    ("The balance is -$1,200.", "-1200", True), ("The balance is $1,200.", "-1200", False),
+    ("It costs 1,234,567 dollars", "1234567", True), ("So 18.00", "18", True), ("So 19", "18", False),
+    ("\\boxed{\\frac{3}{4}}", "0.75", True), ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", True),
+    (W + "<SOLUTION>17</SOLUTION> but really \\boxed{18}", "18", False),  # a complete <SOLUTION> decides
+    (W + "<SOLUTION>The answer is 18.</SOLUTION>", "18", True),
+    (W + "<SOLUTION>18", "18", True),  # an unclosed block: its last number
+    ("no numbers at all", "18", False), ("", "0", False), ("18", "eighteen", False),
+])
+def test_lenient_accuracy_finds_the_final_answer_wherever_it_was_written(completion, answer, lenient):
+    assert is_correct_lenient(completion, answer) is lenient
+
+
+def test_lenient_is_never_below_strict_and_equals_it_when_a_solution_block_exists():
+    completions = [c for _, c, *_ in CASES] + ["\\boxed{4}", "4", "x<SOLUTION>4</SOLUTION>\\boxed{5}"]
+    for completion in completions:
+        for answer in ("4", "-7", "42", "1234", "0.75"):
+            strict, lenient = is_correct(completion, answer), is_correct_lenient(completion, answer)
+            assert lenient or not strict, (completion, answer)
+            if extract_solution(completion) is not None:
+                assert lenient == strict, (completion, answer)

