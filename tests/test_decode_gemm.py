@@ -163,10 +163,10 @@ def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
     assert _layer_plan(dora.base_model.model.model.layers[0], torch.float32) is None
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
     assert _layer_plan(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
-    from grpo.model import _MatmulInInputDtype
+    from grpo.model import LinearInInputDtype
 
     layer = lora.base_model.model.model.layers[0]
-    layer.self_attn.q_proj.lora_A["default"].__class__ = _MatmulInInputDtype  # --lora-compute base: same product
+    layer.self_attn.q_proj.lora_A["default"].__class__ = LinearInInputDtype  # --lora-compute base: same product
     assert _layer_plan(layer, torch.float32) is not None
 
     class ScaledA(torch.nn.Linear):  # an adapter layer with its own forward: the kernels cannot stand in

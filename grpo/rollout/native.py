@@ -51,7 +51,7 @@ from torch import nn
 from grpo.kernels import decode_gemm
 from grpo.kernels.decode_gemm import DecodeProj
 from grpo.kernels.fp8 import FP8Linear
-from grpo.model import _MatmulInInputDtype
+from grpo.model import LinearInInputDtype
 from grpo.rollout.base import Rollout, Sampling
 from grpo.rollout.sampling import sample_with_noise
 
@@ -218,7 +218,7 @@ class _LayerPlan:
 
 # LoRA A/B layers whose forward is a plain x @ W^T: peft's nn.Linear, and the class `--lora-compute base`
 # swaps in (the same product in the input's dtype; the kernels compute it in float32/TF32 either way).
-_PLAIN_LORA_LINEARS = (nn.Linear, _MatmulInInputDtype)
+_PLAIN_LORA_LINEARS = (nn.Linear, LinearInInputDtype)
 
 
 def _decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
