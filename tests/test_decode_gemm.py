@@ -99,11 +99,10 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
 @cuda
 @pytest.mark.parametrize("unpack", ["convert", "bits"])
 @pytest.mark.parametrize("act_scale", [1.0, 2.0**-12])
-def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_scale):
+def test_every_fp8_code_unpacks_to_its_value_on_cuda(unpack, act_scale):
     """Each row of W holds one E4M3 code (all 254 finite ones, subnormals and -0 included); a one-hot x
     reads it back through the tensor cores times its block scale: exact. Small activations catch a
     path that would flush the tiny products the bit moves make (code * 2^-120)."""
-    monkeypatch.setattr(dg, "FP8_UNPACK", unpack)
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[torch.isfinite(codes.float())]
     weight = finite.to("cuda")[:, None].expand(-1, 256).contiguous()  # (254, 256)
@@ -111,7 +110,8 @@ def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_sc
     x = torch.zeros(16, 256, device="cuda", dtype=torch.bfloat16)
     x[:8, 5] = act_scale  # rows 0-7 read column 5 (first K block), rows 8-15 column 200 (second)
     x[8:, 200] = act_scale
-    y = dg.project(x, [dg.DecodeProj(weight, scale)])[0].float()
+    with dg.tuning(unpack=unpack):
+        y = dg.project(x, [dg.DecodeProj(weight, scale)])[0].float()
     value = finite.float().to("cuda")
     rows = torch.arange(254, device="cuda") // 128
     want_first = (value * scale[rows, 0] * act_scale).bfloat16().float()
@@ -123,22 +123,22 @@ def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_sc
 @cuda
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_at_the_down_projection_on_cuda(monkeypatch, fp8, split_k):
+def test_split_k_at_the_down_projection_on_cuda(fp8, split_k):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(2048, 8192, device="cuda", generator=g) / 8192**0.5
     weight, s = quantize_fp8_block(w) if fp8 else (w.bfloat16(), None)
     p = dg.DecodeProj(weight, s, torch.randn(32, 8192, device="cuda", generator=g) / 90,
                       torch.randn(2048, 32, device="cuda", generator=g) * 0.05, 11.3)
-    monkeypatch.setitem(dg.CONFIG_OVERRIDE, ("proj", 2048, 8192, fp8), dg.TileConfig(32, 256, 4, 4, split_k))
-    for m in (64, 16, 3):
-        x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-        want = dg.project_ref(x.float(), [p], residual=res.float())[0]
-        first = dg.project(x, [p], residual=res)[0]
-        again = dg.project(x, [p], residual=res)[0]
-        assert torch.equal(first, again)  # the slices are added in one order, whichever finishes last
-        assert ((first.float() - want).norm() / want.norm()).item() < 8e-3
-        assert not dg._COUNTERS[x.device].any()
+    with dg.tuning(tiles={("proj", 2048, 8192, fp8): dg.TileConfig(32, 256, 4, 4, split_k)}):
+        for m in (64, 16, 3):
+            x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+            want = dg.project_ref(x.float(), [p], residual=res.float())[0]
+            first = dg.project(x, [p], residual=res)[0]
+            again = dg.project(x, [p], residual=res)[0]
+            assert torch.equal(first, again)  # the slices are added in one order, whichever finishes last
+            assert ((first.float() - want).norm() / want.norm()).item() < 8e-3
+            assert not dg._COUNTERS[x.device].any()
 
 
 def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
@@ -210,6 +210,21 @@ def test_engine_gemm_choice_on_cpu():
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="fast")
 
 
+def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():
+    key, tuned = ("proj", 2048, 8192, True), dg.tile_config("proj", 2048, 8192, True)
+    mine, inner = dg.TileConfig(16, 128, 4, 2), dg.TileConfig(32, 128, 8, 2)
+    with dg.tuning(unpack="convert", tiles={key: mine}) as outer:
+        assert outer.unpack == "convert" and dg.tile_config(*key) == mine
+        with dg.tuning(tiles={("gated", 64, 64, False): inner}) as nested:  # adds to the outer block's choices
+            assert nested.unpack == "convert" and dg.tile_config(*key) == mine
+            assert dg.tile_config("gated", 64, 64, False) == inner
+        assert dg.tile_config("gated", 64, 64, False) != inner
+    assert dg.tile_config(*key) == tuned != mine
+    with pytest.raises(ValueError, match="unpack='fast'"):
+        with dg.tuning(unpack="fast"):
+            pass
+
+
 def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block():
     cfg, seen = dg.TileConfig(16, 512, 4, 4), []
     while cfg is not None:
@@ -228,8 +243,7 @@ def test_engine_calls_the_modules_past_the_formats_row_limit(monkeypatch, fp8):
 
     monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel may run here...
     monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
-    monkeypatch.setitem(dg.MAX_ROWS, fp8, 2)  # this format's limit below the rows generated
-    monkeypatch.setitem(dg.MAX_ROWS, not fp8, 8)  # the other format's above them
+    monkeypatch.setattr(dg, "MAX_ROWS", 2)  # the limit below the rows generated
     model = small_llama(seed=0)
     if fp8:
         quantize_linears_(model)

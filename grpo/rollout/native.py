@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -274,10 +274,6 @@ def _layer_plan(layer: nn.Module, dtype: torch.dtype) -> _LayerPlan | None:
         if len({p.rank for p in group}) != 1 or len({p.scale_inv is None for p in group}) != 1:
             return None
     return _LayerPlan(**projs)
-
-
-def _plan_has_fp8(plan: _LayerPlan) -> bool:
-    return any(getattr(plan, f.name).scale_inv is not None for f in fields(plan))
 
 
 def _piece_attend(q, cos, sin, valid, k_cache, v_cache, n_heads: int, n_kv: int, head_dim: int,
@@ -670,7 +666,7 @@ class NativeEngine:
             return min(-(-need // self.kv_bucket) * self.kv_bucket, self.max_seq_len)
 
         self._plans = None
-        if self.gemm == "kernels" and rows <= max(decode_gemm.MAX_ROWS.values()):
+        if self.gemm == "kernels" and rows <= decode_gemm.MAX_ROWS:
             plans = [_layer_plan(layer, self.dtype) for layer in self.lm.model.layers]
             covered = sum(plan is not None for plan in plans)
             if covered < len(plans) and not self._warned_fallback:
@@ -679,9 +675,9 @@ class NativeEngine:
                               "the others call their modules (slower). The kernels need nn.Linear or FP8Linear "
                               "projections without bias, LoRA with one rank on q/k/v and one on gate/up (or none), "
                               "no DoRA, and weights in the activations' dtype", stacklevel=3)
-            # past its format's row limit a layer calls its modules: there they were measured faster
-            self._plans = [plan if plan is not None and rows <= decode_gemm.MAX_ROWS[_plan_has_fp8(plan)]
-                           else None for plan in plans]
+            self._plans = plans
+        elif self.gemm == "kernels":  # past the row limit every layer calls its modules: there they were measured faster
+            self._plans = [None] * len(self.lm.model.layers)
         graphs = {}
         if self.use_cuda_graph:
             fingerprint = self._model_fingerprint()
