@@ -144,37 +144,37 @@ def test_split_k_at_the_down_projection_on_cuda(fp8, split_k):
 def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
     from peft import LoraConfig, get_peft_model
 
-    from grpo.rollout.native import _layer_plan
+    from grpo.rollout.native.plan import layer_projections
     from test_native_engine import coarsen, small_llama
 
     plain = small_llama(seed=0)
-    plan = _layer_plan(plain.model.layers[0], torch.float32)
+    plan = layer_projections(plain.model.layers[0], torch.float32)
     assert plan is not None and plan.q.weight is plain.model.layers[0].self_attn.q_proj.weight  # no copy
     assert plan.q.rank == 0
-    assert _layer_plan(plain.model.layers[0], torch.bfloat16) is None  # weights not in the activations' dtype
-    assert _layer_plan(coarsen(small_llama(seed=0)).model.layers[0], torch.float32) is None  # forward overridden
+    assert layer_projections(plain.model.layers[0], torch.bfloat16) is None  # weights not in the activations' dtype
+    assert layer_projections(coarsen(small_llama(seed=0)).model.layers[0], torch.float32) is None  # forward overridden
     lora = get_peft_model(small_llama(seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj",
                                                                                               "v_proj"]))
-    plan = _layer_plan(lora.base_model.model.model.layers[0], torch.float32)
+    plan = layer_projections(lora.base_model.model.model.layers[0], torch.float32)
     assert plan.q.rank == 4 and plan.q.lora_scale == 2.0 and plan.o.rank == 0
     with lora.disable_adapter():
-        assert _layer_plan(lora.base_model.model.model.layers[0], torch.float32) is None  # peft's switch: modules
+        assert layer_projections(lora.base_model.model.model.layers[0], torch.float32) is None  # peft's switch: modules
     dora = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
-    assert _layer_plan(dora.base_model.model.model.layers[0], torch.float32) is None
+    assert layer_projections(dora.base_model.model.model.layers[0], torch.float32) is None
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
-    assert _layer_plan(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
+    assert layer_projections(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
     from grpo.model import LinearInInputDtype
 
     layer = lora.base_model.model.model.layers[0]
     layer.self_attn.q_proj.lora_A["default"].__class__ = LinearInInputDtype  # --lora-compute base: same product
-    assert _layer_plan(layer, torch.float32) is not None
+    assert layer_projections(layer, torch.float32) is not None
 
     class ScaledA(torch.nn.Linear):  # an adapter layer with its own forward: the kernels cannot stand in
         def forward(self, x):
             return 2 * super().forward(x)
 
     layer.self_attn.q_proj.lora_A["default"].__class__ = ScaledA
-    assert _layer_plan(layer, torch.float32) is None
+    assert layer_projections(layer, torch.float32) is None
 
 
 def test_engine_warns_once_when_layers_fall_back_to_their_modules(monkeypatch):
@@ -185,7 +185,7 @@ def test_engine_warns_once_when_layers_fall_back_to_their_modules(monkeypatch):
     from test_native_engine import PAD, PROMPTS, small_llama
 
     monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel runs with gemm="kernels" here
-    monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
+    monkeypatch.setattr("grpo.rollout.native.layer.KernelLayer", None)  # ...and none would be built
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))  # q/k/v ranks differ
     engine = NativeEngine(partial, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels")
     with pytest.warns(UserWarning, match="cover 0 of 2 layers"):
@@ -235,20 +235,21 @@ def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block()
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_engine_calls_the_modules_past_the_formats_row_limit(monkeypatch, fp8):
+def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8):
     from grpo.kernels.fp8 import quantize_linears_
     from grpo.rollout.base import Sampling
-    from grpo.rollout.native import NativeEngine, _layer_plan
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from grpo.rollout.native.plan import layer_projections
     from test_native_engine import PAD, PROMPTS, small_llama
 
     monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel may run here...
-    monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
-    monkeypatch.setattr(dg, "MAX_ROWS", 2)  # the limit below the rows generated
+    monkeypatch.setattr("grpo.rollout.native.layer.KernelLayer", None)  # ...and none would be built
     model = small_llama(seed=0)
     if fp8:
         quantize_linears_(model)
-    assert all(_layer_plan(layer, torch.float32) is not None for layer in model.model.layers)
-    engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels")
+    assert all(layer_projections(layer, torch.float32) is not None for layer in model.model.layers)
+    engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels",
+                          tuning=EngineTuning(kernel_rows=2))  # the limit below the rows generated
     out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
     assert out.completion_ids.shape[0] == 3
-    assert engine._plans == [None] * len(model.model.layers)
+    assert engine._projections == [None] * len(model.model.layers)

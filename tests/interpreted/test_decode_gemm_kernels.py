@@ -147,7 +147,7 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     out = engine.generate(PROMPTS, 2, sampling)
     # the kernels did run, with LoRA (and FP8 codes)
     assert all(plan is not None and plan.q.rank == 4 and (plan.q.scale_inv is not None) == fp8
-               for plan in engine._plans)
+               for plan in engine._projections)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
