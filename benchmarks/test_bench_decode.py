@@ -57,7 +57,7 @@ def test_native_generate_at_bench_config(benchmark, bench_env, results, dtype):
     weight_bytes = param_bytes(policy)
     kv_elem = 2  # bf16 cache
     kv_per_pos = 2 * cfg_m.num_hidden_layers * shape.rows * cfg_m.num_key_value_heads * cfg_m.head_dim * kv_elem
-    bucket = engine.kv_bucket
+    bucket = engine.tuning.kv_bucket
     kv_lens = [min(-(-(shape.prompt_len + i + 1) // bucket) * bucket, shape.seq_len) for i in range(int(steps))]
     kv_bytes = kv_per_pos * statistics.mean(kv_lens)
     benchmark.extra_info.update({

@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
+# The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A dtype flag's short name -> the dtype's full name (`torch.<name>`, and vLLM's `dtype`): the one map
+# behind --dtype, the export's --dtype and the vLLM engine's dtype.
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _f(default: Any, help: str, group: str, **argparse_kw: Any) -> Any:

@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from grpo.config import DTYPES as FULL_DTYPE_NAMES
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, FULL_DTYPE_NAMES[name]) for name in ("bf16", "fp16")}  # merged weights ship in 16 bits
 
 
 def find_adapter(path: str | Path) -> Path:

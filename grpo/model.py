@@ -1,6 +1,7 @@
 """Loading the policy: a local or cached checkpoint in bf16/fp32, an FP8-Block checkpoint, or a bf16
 checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing.
 
+Helpers it owns: `grpo/fp8_checkpoint.py` (telling FP8 checkpoints apart, loading FP8-Block ones).
 Not here: the FP8 format and kernels themselves (`grpo/kernels/fp8.py`), and any second copy of the
 model. The reference policy is this same model with its adapters disabled.
 """
@@ -14,14 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo.config import LORA_TARGETS, Config
+from grpo.config import DTYPES, LORA_TARGETS, Config
+from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
 from grpo.packaged_models import PACKAGED_MODELS, packaged_model_dir
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch's dtype for a dtype flag's short name (bf16, fp16, fp32: `grpo.config.DTYPES`)."""
+    return getattr(torch, DTYPES[name])
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    return torch_dtype(name)
 
 
 def default_device() -> torch.device:
@@ -72,25 +79,29 @@ def load_base_model(cfg: Config, device: torch.device):
     """The frozen base model on `device`: FP8-Block checkpoints and --load-in-fp8 give FP8 linears."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from grpo.kernels import fp8
+    from grpo.kernels.fp8 import quantize_linears_
 
     model_dir = resolve_model_dir(cfg.model)
     dtype = resolve_dtype(cfg.dtype, device)
-    if fp8.is_fp8_block_checkpoint(model_dir):
-        model = fp8.load_fp8_block_model(model_dir, dtype).to(device)
+    if is_fp8_checkpoint(model_dir):
+        model = load_fp8_block_model(model_dir, dtype).to(device)
         if (model_dir / "generation_config.json").is_file():  # built from config.json alone: add its stop ids
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         if cfg.load_in_fp8:  # the 7 projections, as FP8-Block checkpoints have them, whatever LoRA targets
-            fp8.quantize_linears_(model, LORA_TARGETS)
+            quantize_linears_(model, LORA_TARGETS)
     model.requires_grad_(False)
     return model, model_dir
 
 
-class _MatmulInInputDtype(nn.Linear):
+class LinearInInputDtype(nn.Linear):
     """An adapter matrix that stays float32, the precision the optimizer updates, but multiplies in its
-    input's dtype: a bf16 activation is neither copied to float32 nor saved a second time for backward."""
+    input's dtype: a bf16 activation is neither copied to float32 nor saved a second time for backward.
+
+    `compute_adapters_in_base_dtype` (--lora-compute base) gives peft's LoRA A and B layers this class;
+    its product is still x @ W^T, so the native engine's decode kernels take these layers as they take
+    nn.Linear (`grpo.rollout.native.plan`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -108,7 +119,7 @@ def compute_adapters_in_base_dtype(policy) -> int:
             module.cast_input_dtype_enabled = False
             for linear in (*module.lora_A.values(), *module.lora_B.values()):
                 if type(linear) is nn.Linear:
-                    linear.__class__ = _MatmulInInputDtype  # same parameters, another forward
+                    linear.__class__ = LinearInInputDtype  # same parameters, another forward
                     switched += 1
     return switched
 

@@ -99,11 +99,10 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
 @cuda
 @pytest.mark.parametrize("unpack", ["convert", "bits"])
 @pytest.mark.parametrize("act_scale", [1.0, 2.0**-12])
-def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_scale):
+def test_every_fp8_code_unpacks_to_its_value_on_cuda(unpack, act_scale):
     """Each row of W holds one E4M3 code (all 254 finite ones, subnormals and -0 included); a one-hot x
     reads it back through the tensor cores times its block scale: exact. Small activations catch a
     path that would flush the tiny products the bit moves make (code * 2^-120)."""
-    monkeypatch.setattr(dg, "FP8_UNPACK", unpack)
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[torch.isfinite(codes.float())]
     weight = finite.to("cuda")[:, None].expand(-1, 256).contiguous()  # (254, 256)
@@ -111,7 +110,8 @@ def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_sc
     x = torch.zeros(16, 256, device="cuda", dtype=torch.bfloat16)
     x[:8, 5] = act_scale  # rows 0-7 read column 5 (first K block), rows 8-15 column 200 (second)
     x[8:, 200] = act_scale
-    y = dg.project(x, [dg.DecodeProj(weight, scale)])[0].float()
+    with dg.tuning(unpack=unpack):
+        y = dg.project(x, [dg.DecodeProj(weight, scale)])[0].float()
     value = finite.float().to("cuda")
     rows = torch.arange(254, device="cuda") // 128
     want_first = (value * scale[rows, 0] * act_scale).bfloat16().float()
@@ -123,58 +123,58 @@ def test_every_fp8_code_unpacks_to_its_value_on_cuda(monkeypatch, unpack, act_sc
 @cuda
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_at_the_down_projection_on_cuda(monkeypatch, fp8, split_k):
+def test_split_k_at_the_down_projection_on_cuda(fp8, split_k):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(2048, 8192, device="cuda", generator=g) / 8192**0.5
     weight, s = quantize_fp8_block(w) if fp8 else (w.bfloat16(), None)
     p = dg.DecodeProj(weight, s, torch.randn(32, 8192, device="cuda", generator=g) / 90,
                       torch.randn(2048, 32, device="cuda", generator=g) * 0.05, 11.3)
-    monkeypatch.setitem(dg.CONFIG_OVERRIDE, ("proj", 2048, 8192, fp8), dg.TileConfig(32, 256, 4, 4, split_k))
-    for m in (64, 16, 3):
-        x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-        want = dg.project_ref(x.float(), [p], residual=res.float())[0]
-        first = dg.project(x, [p], residual=res)[0]
-        again = dg.project(x, [p], residual=res)[0]
-        assert torch.equal(first, again)  # the slices are added in one order, whichever finishes last
-        assert ((first.float() - want).norm() / want.norm()).item() < 8e-3
-        assert not dg._COUNTERS[x.device].any()
+    with dg.tuning(tiles={("proj", 2048, 8192, fp8): dg.TileConfig(32, 256, 4, 4, split_k)}):
+        for m in (64, 16, 3):
+            x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+            want = dg.project_ref(x.float(), [p], residual=res.float())[0]
+            first = dg.project(x, [p], residual=res)[0]
+            again = dg.project(x, [p], residual=res)[0]
+            assert torch.equal(first, again)  # the slices are added in one order, whichever finishes last
+            assert ((first.float() - want).norm() / want.norm()).item() < 8e-3
+            assert not dg._COUNTERS[x.device].any()
 
 
 def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
     from peft import LoraConfig, get_peft_model
 
-    from grpo.rollout.native import _layer_plan
+    from grpo.rollout.native.plan import layer_projections
     from test_native_engine import coarsen, small_llama
 
     plain = small_llama(seed=0)
-    plan = _layer_plan(plain.model.layers[0], torch.float32)
+    plan = layer_projections(plain.model.layers[0], torch.float32)
     assert plan is not None and plan.q.weight is plain.model.layers[0].self_attn.q_proj.weight  # no copy
     assert plan.q.rank == 0
-    assert _layer_plan(plain.model.layers[0], torch.bfloat16) is None  # weights not in the activations' dtype
-    assert _layer_plan(coarsen(small_llama(seed=0)).model.layers[0], torch.float32) is None  # forward overridden
+    assert layer_projections(plain.model.layers[0], torch.bfloat16) is None  # weights not in the activations' dtype
+    assert layer_projections(coarsen(small_llama(seed=0)).model.layers[0], torch.float32) is None  # forward overridden
     lora = get_peft_model(small_llama(seed=0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj",
                                                                                               "v_proj"]))
-    plan = _layer_plan(lora.base_model.model.model.layers[0], torch.float32)
+    plan = layer_projections(lora.base_model.model.model.layers[0], torch.float32)
     assert plan.q.rank == 4 and plan.q.lora_scale == 2.0 and plan.o.rank == 0
     with lora.disable_adapter():
-        assert _layer_plan(lora.base_model.model.model.layers[0], torch.float32) is None  # peft's switch: modules
+        assert layer_projections(lora.base_model.model.model.layers[0], torch.float32) is None  # peft's switch: modules
     dora = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
-    assert _layer_plan(dora.base_model.model.model.layers[0], torch.float32) is None
+    assert layer_projections(dora.base_model.model.model.layers[0], torch.float32) is None
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
-    assert _layer_plan(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
-    from grpo.model import _MatmulInInputDtype
+    assert layer_projections(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
+    from grpo.model import LinearInInputDtype
 
     layer = lora.base_model.model.model.layers[0]
-    layer.self_attn.q_proj.lora_A["default"].__class__ = _MatmulInInputDtype  # --lora-compute base: same product
-    assert _layer_plan(layer, torch.float32) is not None
+    layer.self_attn.q_proj.lora_A["default"].__class__ = LinearInInputDtype  # --lora-compute base: same product
+    assert layer_projections(layer, torch.float32) is not None
 
     class ScaledA(torch.nn.Linear):  # an adapter layer with its own forward: the kernels cannot stand in
         def forward(self, x):
             return 2 * super().forward(x)
 
     layer.self_attn.q_proj.lora_A["default"].__class__ = ScaledA
-    assert _layer_plan(layer, torch.float32) is None
+    assert layer_projections(layer, torch.float32) is None
 
 
 def test_engine_warns_once_when_layers_fall_back_to_their_modules(monkeypatch):
@@ -185,7 +185,7 @@ def test_engine_warns_once_when_layers_fall_back_to_their_modules(monkeypatch):
     from test_native_engine import PAD, PROMPTS, small_llama
 
     monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel runs with gemm="kernels" here
-    monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
+    monkeypatch.setattr("grpo.rollout.native.layer.KernelLayer", None)  # ...and none would be built
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))  # q/k/v ranks differ
     engine = NativeEngine(partial, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels")
     with pytest.warns(UserWarning, match="cover 0 of 2 layers"):
@@ -210,6 +210,21 @@ def test_engine_gemm_choice_on_cpu():
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="fast")
 
 
+def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():
+    key, tuned = ("proj", 2048, 8192, True), dg.tile_config("proj", 2048, 8192, True)
+    mine, inner = dg.TileConfig(16, 128, 4, 2), dg.TileConfig(32, 128, 8, 2)
+    with dg.tuning(unpack="convert", tiles={key: mine}) as outer:
+        assert outer.unpack == "convert" and dg.tile_config(*key) == mine
+        with dg.tuning(tiles={("gated", 64, 64, False): inner}) as nested:  # adds to the outer block's choices
+            assert nested.unpack == "convert" and dg.tile_config(*key) == mine
+            assert dg.tile_config("gated", 64, 64, False) == inner
+        assert dg.tile_config("gated", 64, 64, False) != inner
+    assert dg.tile_config(*key) == tuned != mine
+    with pytest.raises(ValueError, match="unpack='fast'"):
+        with dg.tuning(unpack="fast"):
+            pass
+
+
 def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block():
     cfg, seen = dg.TileConfig(16, 512, 4, 4), []
     while cfg is not None:
@@ -220,21 +235,21 @@ def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block()
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_engine_calls_the_modules_past_the_formats_row_limit(monkeypatch, fp8):
+def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8):
     from grpo.kernels.fp8 import quantize_linears_
     from grpo.rollout.base import Sampling
-    from grpo.rollout.native import NativeEngine, _layer_plan
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from grpo.rollout.native.plan import layer_projections
     from test_native_engine import PAD, PROMPTS, small_llama
 
     monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel may run here...
-    monkeypatch.setattr("grpo.rollout.native._decode_layer_kernels", None)  # ...and none would be reached
-    monkeypatch.setitem(dg.MAX_ROWS, fp8, 2)  # this format's limit below the rows generated
-    monkeypatch.setitem(dg.MAX_ROWS, not fp8, 8)  # the other format's above them
+    monkeypatch.setattr("grpo.rollout.native.layer.KernelLayer", None)  # ...and none would be built
     model = small_llama(seed=0)
     if fp8:
         quantize_linears_(model)
-    assert all(_layer_plan(layer, torch.float32) is not None for layer in model.model.layers)
-    engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels")
+    assert all(layer_projections(layer, torch.float32) is not None for layer in model.model.layers)
+    engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels",
+                          tuning=EngineTuning(kernel_rows=2))  # the limit below the rows generated
     out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
     assert out.completion_ids.shape[0] == 3
-    assert engine._plans == [None] * len(model.model.layers)
+    assert engine._projections == [None] * len(model.model.layers)

@@ -103,7 +103,7 @@ def quantize_and_return(model):
 
 @pytest.mark.parametrize("source", ["fp8_block_checkpoint", "load_in_fp8"])
 def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_dir, tmp_path, source):
-    from grpo.kernels.fp8 import load_fp8_block_model
+    from grpo.fp8_checkpoint import load_fp8_block_model
 
     if source == "fp8_block_checkpoint":
         model_dir = fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8")

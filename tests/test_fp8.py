@@ -1,4 +1,5 @@
-"""grpo.kernels.fp8: block quantization, FP8Linear's autograd, peft LoRA on top, FP8-Block checkpoints."""
+"""grpo.kernels.fp8: block quantization, FP8Linear's autograd, peft LoRA on top; and FP8-Block
+checkpoints (grpo.fp8_checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import torch
 from conftest import tiny_llama
 from torch import nn
 
+from grpo.config import LORA_TARGETS
+from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
 from grpo.kernels.fp8 import (
     FP8_DTYPE,
     FP8Linear,
     dequantize_fp8_block,
     fp8_linear,
-    is_fp8_block_checkpoint,
-    load_fp8_block_model,
     quantize_fp8_block,
     quantize_fp8_rows,
     quantize_fp8_rows_ref,
@@ -23,7 +24,7 @@ from grpo.kernels.fp8 import (
     transpose_fp8,
 )
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LORA_TARGETS)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -278,7 +279,7 @@ def write_fp8_block_checkpoint(model: nn.Module, path, block_size=(128, 128), sh
 def test_fp8_block_checkpoint_loads_with_the_stored_codes_and_matches_quantize_on_load(tmp_path, shards):
     source = tiny_llama(seed=7)
     codes = write_fp8_block_checkpoint(source, tmp_path, shards=shards)
-    assert is_fp8_block_checkpoint(tmp_path)
+    assert is_fp8_checkpoint(tmp_path)
     model = load_fp8_block_model(tmp_path, dtype=torch.float32)
     assert getattr(model.config, "quantization_config", None) is None
     for name, (w_fp8, scale_inv) in codes.items():
@@ -317,8 +318,8 @@ def test_fp8_block_checkpoint_with_other_block_size_is_refused_in_one_line(tmp_p
 
 def test_a_plain_checkpoint_is_not_fp8_block(tmp_path):
     tiny_llama(seed=10).save_pretrained(tmp_path)
-    assert not is_fp8_block_checkpoint(tmp_path)
-    assert not is_fp8_block_checkpoint(tmp_path / "missing")
+    assert not is_fp8_checkpoint(tmp_path)
+    assert not is_fp8_checkpoint(tmp_path / "missing")
     with pytest.raises(ValueError, match="quant_method is None"):
         load_fp8_block_model(tmp_path)
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from conftest import tiny_llama, tiny_llama_config
 from grpo.rollout.base import Engine, Sampling
-from grpo.rollout.native import NativeEngine
+from grpo.rollout.native import EngineTuning, NativeEngine
 from test_sampling import chi2_critical, chi2_statistic, reference_probs
 
 PAD = 4  # small_llama's pad id; tiny_llama's (128004) where the real vocabulary is used
@@ -52,11 +52,27 @@ def model():
 def test_engine_satisfies_the_engine_protocol(model):
     engine = NativeEngine(model, max_seq_len=32, max_batch=2, pad_id=PAD)
     assert isinstance(engine, Engine)
-    assert engine.compile_mode is None and engine._streams is None and not engine.use_cuda_graph  # CPU defaults
+    # CPU defaults
+    assert engine.tuning.compile is None and engine._streams is None and not engine.tuning.use_cuda_graph
+
+
+def test_engine_needs_no_importance_correction_and_keeps_its_kv_cache_on_standby(model):
+    engine = NativeEngine(model, max_seq_len=32, max_batch=3, pad_id=PAD)
+    assert engine.needs_importance_correction is False
+    # 2 (K and V) x 2 layers x 3 rows x 2 kv heads x 32 positions x head_dim 16 x 4 bytes (float32)
+    assert engine.standby_bytes() == engine.kv_cache_bytes() == 2 * 2 * 3 * 2 * 32 * 16 * 4
+    assert engine.held_bytes() == 0  # nothing allocated before the first generate
+
+
+def test_engine_tuning_refuses_values_it_cannot_run():
+    for bad in (dict(kv_bucket=0), dict(check_every=0), dict(attention="flash"), dict(kernel_rows=0),
+                dict(kernel_rows=65)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineTuning(**bad)
 
 
 def test_greedy_equals_transformers_generate_for_prompts_of_different_lengths(model):
-    engine = NativeEngine(model, max_seq_len=48, max_batch=8, pad_id=PAD, kv_bucket=16)
+    engine = NativeEngine(model, max_seq_len=48, max_batch=8, pad_id=PAD, tuning=EngineTuning(kv_bucket=16))
     rollout = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=20, temperature=0.0))
     assert rollout.completion_ids.shape == (6, 20)
     assert rollout.mask.all()
@@ -97,7 +113,7 @@ def test_greedy_logp_is_log_softmax_at_temperature_one(model):
 
 
 def test_sampler_logp_equals_log_softmax_of_full_forward_before_filters(model):
-    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD, kv_bucket=8)
+    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=8))
     sampling = Sampling(max_new_tokens=16, temperature=0.7, top_k=50, top_p=0.95, min_p=0.05, seed=3)
     rollout = engine.generate(PROMPTS, 2, sampling)
     for row in range(6):
@@ -121,7 +137,7 @@ def test_seed_reproduces_rollout_and_another_seed_differs(model):
 
 
 def test_stops_at_stop_token_keeps_it_and_pads_after(model):
-    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD, check_every=2)
+    engine = NativeEngine(model, max_seq_len=48, max_batch=6, pad_id=PAD, tuning=EngineTuning(check_every=2))
     free = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=12, temperature=0.0))
     eos = free.completion_ids[0, 3].item()  # row 0's fourth token plays EOS
     first = free.completion_ids[0].tolist().index(eos)
@@ -161,7 +177,7 @@ def test_stops_at_stop_sequence_only_when_the_whole_sequence_appears(model):
 
 
 def test_early_exit_when_every_row_finished(model):
-    engine = NativeEngine(model, max_seq_len=48, max_batch=2, pad_id=PAD, check_every=2)
+    engine = NativeEngine(model, max_seq_len=48, max_batch=2, pad_id=PAD, tuning=EngineTuning(check_every=2))
     free = engine.generate([PROMPTS[0]], 1, Sampling(max_new_tokens=30, temperature=0.0))
     eos = free.completion_ids[0, 1].item()
     stopped = engine.generate([PROMPTS[0]], 1, Sampling(max_new_tokens=30, temperature=0.0,
@@ -254,7 +270,7 @@ def test_no_parameter_is_duplicated_or_moved():
                                                                                 "o_proj", "gate_proj", "up_proj",
                                                                                 "down_proj"]))
     ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
-    engine = NativeEngine(model, max_seq_len=40, max_batch=6, pad_id=PAD, kv_bucket=8)
+    engine = NativeEngine(model, max_seq_len=40, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=8))
     watch = CopyWatch(model)
     with watch:
         rollout = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=9, temperature=1.0, top_k=20, seed=0))
@@ -350,11 +366,11 @@ def test_invalid_requests_raise_value_error(model):
     with pytest.raises(ValueError, match="token id"):
         engine.generate([[1, 128256]], 1, s)
     with pytest.raises(ValueError, match="use_cuda_graph"):
-        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, use_cuda_graph=True)
+        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, tuning=EngineTuning(use_cuda_graph=True))
     with pytest.raises(ValueError, match="pad_id"):
         NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=128004)
     with pytest.raises(ValueError, match="attention"):
-        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, attention="flash")
+        NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, tuning=EngineTuning(attention="flash"))
     with pytest.raises(ValueError, match="Llama-style"):
         NativeEngine(nn.Linear(2, 2), max_seq_len=16, max_batch=4, pad_id=PAD)
 
@@ -368,15 +384,15 @@ def test_cuda_graph_rollout_equals_eager_rollout():
     model = small_llama(seed=6).cuda()
     sampling = Sampling(max_new_tokens=40, temperature=1.0, top_p=0.9, min_p=0.05, seed=1,
                         stop_sequences=((17, 18),))
-    eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, use_cuda_graph=False,
-                         compile=None, streams=False)
+    eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD,
+                         tuning=EngineTuning(kv_bucket=16, use_cuda_graph=False, compile=None, streams=False))
     b = eager.generate(PROMPTS, 2, sampling)
     for kw in (dict(), dict(compile=None, streams=False), dict(compile=None, attention="sdpa", streams=True)):
-        graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16, **kw)
+        graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=16, **kw))
         a = graphed.generate(PROMPTS, 2, sampling)
         assert torch.equal(a.completion_ids, b.completion_ids), kw
         torch.testing.assert_close(a.sampler_logp, b.sampler_logp, atol=1e-4, rtol=0)
-    graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, kv_bucket=16)
+    graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=16))
     greedy = graphed.generate(PROMPTS, 1, Sampling(max_new_tokens=20, temperature=0.0))
     for i, p in enumerate(PROMPTS):
         out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=20, do_sample=False,
@@ -392,8 +408,10 @@ def test_attention_and_stream_variants_give_the_same_rollout(model, attention, s
                                                           init_lora_weights=False))
     sampling = Sampling(max_new_tokens=12, temperature=0.9, top_k=40, seed=2)
     for m in (model, lora):
-        ref = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD, kv_bucket=8).generate(PROMPTS, 2, sampling)
-        out = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD, kv_bucket=8, attention=attention,
-                           streams=streams).generate(PROMPTS, 2, sampling)
+        ref = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=8)).generate(
+            PROMPTS, 2, sampling)
+        out = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD,
+                           tuning=EngineTuning(kv_bucket=8, attention=attention, streams=streams)).generate(
+            PROMPTS, 2, sampling)
         assert torch.equal(out.completion_ids, ref.completion_ids)
         torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)

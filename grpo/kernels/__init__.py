@@ -1,15 +1,13 @@
-"""Kernels that decide memory and speed: FP8 block-quantized base weights, fused token log-probs.
+"""Kernels that decide memory and speed: FP8 block-quantized base weights, fused token log-probs,
+decode GEMMs. Kernels know no model loading (FP8-Block checkpoints: `grpo/fp8_checkpoint.py`).
 
-Importing this package imports torch only; Triton, accelerate, safetensors and transformers are
-imported inside the functions that need them.
+Importing this package imports torch only; Triton is imported inside the functions that need it.
 """
 
 from grpo.kernels.fp8 import (
     FP8Linear,
     dequantize_fp8_block,
     fp8_linear,
-    is_fp8_block_checkpoint,
-    load_fp8_block_model,
     quantize_fp8_block,
     quantize_linears_,
 )
@@ -19,8 +17,6 @@ __all__ = [
     "FP8Linear",
     "dequantize_fp8_block",
     "fp8_linear",
-    "is_fp8_block_checkpoint",
-    "load_fp8_block_model",
     "quantize_fp8_block",
     "quantize_linears_",
     "token_logprobs",

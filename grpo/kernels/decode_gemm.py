@@ -12,7 +12,7 @@ in tiles of BLOCK_N output features, with the rows padded to 16 for the tensor c
 decode layer does around its projections:
 
 - FP8 block weights (float8_e4m3fn codes with 128x128 float32 scales) are read as codes, half the bytes
-  of bf16, turned into bf16 by moving their bits (FP8_UNPACK: the conversion unit was the bottleneck)
+  of bf16, turned into bf16 by moving their bits (`Tuning.unpack`: the conversion unit was the bottleneck)
   and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
   activations stay bf16 (weight-only FP8: no activation quantization in decode; quantizing them inside
   the kernels, as FP8Linear's `_scaled_mm` path does, measured slower: RESULTS.md).
@@ -30,33 +30,34 @@ Everything accumulates in float32 and rounds once into the output's dtype. `proj
 `project_gated_ref` are the plain-PyTorch definitions the tests compare with (the Triton kernels run
 on CPU under TRITON_INTERPRET=1 in the tests, with float32 activations: the interpreter mishandles
 bf16 loads).
+
+Launch choices (tile configs, how FP8 codes are unpacked) default to what was tuned on the H200;
+benchmarks and tests change them for a block of code with `with tuning(...)`, never by rebinding
+module names.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from grpo.kernels._triton import have_triton
+from grpo.kernels.fp8 import BLOCK as FP8_BLOCK
+from grpo.kernels.fp8 import dequantize_fp8_block
 
-FP8_BLOCK = 128
-# The kernels take up to KERNEL_ROWS rows (row tiles of 16, 32 or 64). The engine uses them up to
-# MAX_ROWS[fp8] rows, where they beat the module path on the H200 (RESULTS.md, fifth session): a decode
-# step at 32 / 64 rows took 1.57 / 2.15 ms with the kernels against 1.96 / 2.27 through the modules in
-# bf16, and 2.04 / 2.47 against 2.52 / 3.02 with FP8 weights (FP8Linear's blockwise _scaled_mm).
-MAX_ROWS = {False: 64, True: 64}
-KERNEL_ROWS = 64
+# The kernels take up to MAX_ROWS rows (row tiles of 16, 32 or 64), and the engine uses them up to
+# there in either weight format: on the H200 a decode step at 32 / 64 rows took 1.57 / 2.15 ms with the
+# kernels against 1.96 / 2.27 through the modules in bf16, and 2.04 / 2.47 against 2.52 / 3.02 with FP8
+# weights (FP8Linear's blockwise _scaled_mm); benchmarks/RESULTS.md.
+MAX_ROWS = 64
 
-# How FP8 codes become bf16 operands on CUDA: "bits" (inline PTX moves each code's bits into bf16's fields,
-# four codes per PRMT/AND/SHF/LOP3 group, giving code * 2^-120 exactly; 2^120 joins the block scale) or
-# "convert" (the hardware's E4M3 -> f16 -> bf16 conversions, two per code on the conversion unit: the FP8
-# step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter (no PTX) it is always "convert".
-FP8_UNPACK = "bits"
-_UNPACK_MODES = {"convert": 0, "bits": 1}
+_UNPACK_MODES = {"convert": 0, "bits": 1}  # the kernels' UNPACK constant for each way
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,17 @@ class DecodeProj:
 
 
 def _dense_ref(proj: DecodeProj) -> torch.Tensor:
-    w = proj.weight.float()
-    if proj.scale_inv is not None:
-        n, k = w.shape
-        s = proj.scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-        w = w * s
-    return w
+    if proj.scale_inv is None:
+        return proj.weight.float()
+    return dequantize_fp8_block(proj.weight, proj.scale_inv, torch.float32)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers' Llama applies it (rotate_half convention), in x's dtype:
+    `x * cos + rotate_half(x) * sin`, cos and sin broadcast against x (..., D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def _proj_ref(x2: torch.Tensor, proj: DecodeProj) -> torch.Tensor:
@@ -170,13 +176,45 @@ _TUNED = {
 }
 
 
-CONFIG_OVERRIDE: dict[tuple, TileConfig] = {}  # (kind, N, K, fp8) -> config; benchmarks sweep through it
+@dataclass(frozen=True)
+class Tuning:
+    """The launch choices in force; `tuning(...)` sets them for a block, the defaults are the product's.
+
+    unpack: how FP8 codes become bf16 operands on CUDA. "bits": inline PTX moves each code's bits into
+        bf16's fields, four codes per PRMT/AND/SHF/LOP3 group, giving code * 2^-120 exactly (2^120 joins
+        the block scale). "convert": the hardware's E4M3 -> f16 -> bf16 conversions, two per code on the
+        conversion unit (the FP8 step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter
+        (no PTX) it is always "convert".
+    tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the tuned table.
+    """
+
+    unpack: str = "bits"
+    tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
+
+
+_TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
+
+
+@contextmanager
+def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None) -> Iterator[Tuning]:
+    """Within the block, launches unpack FP8 codes by `unpack` and take `tiles[(kind, N, K, fp8)]` over the
+    tuned configs (benchmark sweeps, tests). A nested block adds to the outer one's choices; leaving a
+    block restores what was in force before it. Graphs captured inside keep the choices they captured."""
+    outer = _TUNING.get()
+    if unpack is not None and unpack not in _UNPACK_MODES:
+        raise ValueError(f"decode_gemm.tuning: unpack={unpack!r}; use one of {sorted(_UNPACK_MODES)}")
+    inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})})
+    token = _TUNING.set(inner)
+    try:
+        yield inner
+    finally:
+        _TUNING.reset(token)
 
 
 def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
     """The tiles for one launch. `kind` is "proj" or "gated"; n the group's output features in all."""
     key = (kind, n, k, fp8)
-    cfg = CONFIG_OVERRIDE.get(key) or _TUNED.get(key) or TileConfig(32 if n >= 2048 else 16, 256, 4, 4)
+    cfg = _TUNING.get().tiles.get(key) or _TUNED.get(key) or TileConfig(32 if n >= 2048 else 16, 256, 4, 4)
     if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
         raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
     if cfg.split_k != 1 and (kind != "proj" or cfg.split_k < 1):
@@ -195,6 +233,11 @@ def smaller_tiles(cfg: TileConfig) -> TileConfig | None:
 
 
 _FITTED: dict[tuple, TileConfig] = {}  # (launch shape, config asked for) -> the config that fitted
+
+
+def forget_fitted_tiles() -> None:
+    """Forget which tiles fitted each launch shape: the next launches try their configs as asked (tests)."""
+    _FITTED.clear()
 
 
 def _launch_fitting(shape: tuple, cfg: TileConfig, launch) -> None:
@@ -249,8 +292,8 @@ def _lora_group(projs: Sequence[DecodeProj]) -> int:
 
 
 def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
-    if x2.dim() != 2 or x2.shape[0] > KERNEL_ROWS:
-        raise ValueError(f"decode_gemm: x must be (M <= {KERNEL_ROWS}, K), got {tuple(x2.shape)}")
+    if x2.dim() != 2 or x2.shape[0] > MAX_ROWS:
+        raise ValueError(f"decode_gemm: x must be (M <= {MAX_ROWS}, K), got {tuple(x2.shape)}")
     fp8 = {p.scale_inv is not None for p in projs}
     if len(fp8) != 1:
         raise ValueError("decode_gemm: projections of one launch must all be FP8 or all dense")
@@ -293,12 +336,10 @@ def _block_m(m: int) -> int:
 
 
 def _unpack(x2: torch.Tensor, fp8: bool) -> int:
-    """The UNPACK constant of a launch (FP8_UNPACK; bit moves make bf16, so only for bf16 activations)."""
+    """The UNPACK constant of a launch (`Tuning.unpack`; bit moves make bf16, so only for bf16 activations)."""
     if not fp8 or x2.device.type != "cuda" or x2.dtype != torch.bfloat16:
         return 0
-    if FP8_UNPACK not in _UNPACK_MODES:
-        raise ValueError(f"decode_gemm.FP8_UNPACK is {FP8_UNPACK!r}; use one of {sorted(_UNPACK_MODES)}")
-    return _UNPACK_MODES[FP8_UNPACK]
+    return _UNPACK_MODES[_TUNING.get().unpack]
 
 
 def _block_r(rank: int) -> int:
@@ -308,7 +349,7 @@ def _block_r(rank: int) -> int:
 def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
             ) -> list[torch.Tensor]:
     """[x W_i^T + LoRA_i (+ residual)] for 1-3 projections of the same input, one launch (plus one for
-    the LoRA down-projections). x2 (M <= KERNEL_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
+    the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
     if not 1 <= len(projs) <= 3:
         raise ValueError(f"decode_gemm.project takes 1 to 3 projections, got {len(projs)}")
     _check_group(x2, projs)
@@ -388,9 +429,7 @@ def rope_store_kv_ref(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
     """Rotate K (rotate_half convention, float32, rounded once) and write K and V at each row's position.
     k, v (B, n_kv * D); cos, sin (B, D); pos (B,); caches (B, n_kv, S, D), written in place."""
     rows, n_kv, _, dim = k_cache.shape
-    kf = k.float().view(rows, n_kv, dim)
-    rotated = torch.cat((-kf[..., dim // 2:], kf[..., : dim // 2]), dim=-1)
-    k_rot = kf * cos.float()[:, None] + rotated * sin.float()[:, None]
+    k_rot = rope(k.float().view(rows, n_kv, dim), cos.float()[:, None], sin.float()[:, None])
     at = torch.arange(rows, device=k.device)
     k_cache[at, :, pos] = k_rot.to(k_cache.dtype)
     v_cache[at, :, pos] = v.view(rows, n_kv, dim).to(v_cache.dtype)

@@ -34,16 +34,15 @@ the same autograd function dequantizes W to the input's dtype for each product: 
 respect to the stored weight, and the only path the CPU tests exercise.
 
 What this module deliberately is not: no weight gradient, no FP8 for embeddings, norms or the LM head,
-no use of transformers' FineGrainedFP8 integration (it fetches a kernel from a hub at run time).
+no use of transformers' FineGrainedFP8 integration (it fetches a kernel from a hub at run time), and no
+checkpoint reading: loading FP8-Block checkpoints is the Model room's (`grpo/fp8_checkpoint.py`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -357,89 +356,3 @@ def quantize_linears_(model: nn.Module, target_names: Iterable[str] | None = Non
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP8Linear.from_linear(getattr(parent, child)))
     return len(chosen)
-
-
-def _read_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{model_dir}: no config.json; pass a local model directory")
-    return json.loads(path.read_text())
-
-
-def is_fp8_block_checkpoint(model_dir: str | Path) -> bool:
-    """True when config.json declares `quant_method: fp8` with block-wise weights."""
-    try:
-        qc = _read_config(model_dir).get("quantization_config") or {}
-    except ValueError:
-        return False
-    return qc.get("quant_method") == "fp8" and qc.get("weight_block_size") is not None
-
-
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no .safetensors files; FP8-Block checkpoints are read from safetensors")
-    return files
-
-
-def load_fp8_block_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16):
-    """Load an FP8-Block checkpoint on the CPU: quantized linears become FP8Linear with the stored codes
-    and scales, everything else loads in `dtype`. transformers never sees the quantization_config."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_dir = Path(model_dir)
-    qc = _read_config(model_dir).get("quantization_config") or {}
-    if qc.get("quant_method") != "fp8":
-        raise ValueError(f"{model_dir}: quantization_config.quant_method is {qc.get('quant_method')!r}, not 'fp8'; "
-                         "load a bf16 checkpoint with --load-in-fp8 instead")
-    if list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
-        raise ValueError(f"{model_dir}: weight_block_size {qc.get('weight_block_size')} is not supported; "
-                         f"only [{BLOCK}, {BLOCK}] blocks are")
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"{model_dir}: activation_scheme {qc['activation_scheme']!r} is not supported; "
-                         "only 'dynamic' (activations quantized at run time)")
-
-    config = AutoConfig.from_pretrained(model_dir)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # so transformers never takes its FineGrainedFP8 path
-    with init_empty_weights(include_buffers=False):  # parameters on meta; rotary buffers computed
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-    dense: dict[str, torch.Tensor] = {}
-    fp8: dict[str, dict[str, torch.Tensor]] = {}
-    for file in _safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                prefix, _, leaf = key.rpartition(".")
-                tensor = f.get_tensor(key)
-                if leaf == "weight_scale_inv" or tensor.dtype == FP8_DTYPE:
-                    fp8.setdefault(prefix, {})[leaf] = tensor
-                else:
-                    dense[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    for prefix, pair in fp8.items():
-        if set(pair) != {"weight", "weight_scale_inv"}:
-            raise ValueError(f"{model_dir}: {prefix} has {sorted(pair)}; an FP8 layer needs weight (float8_e4m3fn) "
-                             "and weight_scale_inv")
-        if pair["weight"].dtype != FP8_DTYPE:
-            raise ValueError(f"{model_dir}: {prefix}.weight is {pair['weight'].dtype}; only float8_e4m3fn is supported")
-        linear = model.get_submodule(prefix)
-        if type(linear) is not nn.Linear or tuple(linear.weight.shape) != tuple(pair["weight"].shape):
-            raise ValueError(f"{model_dir}: {prefix} is not an nn.Linear of shape {tuple(pair['weight'].shape)}")
-        bias = dense.pop(f"{prefix}.bias", None)
-        parent_name, _, child = prefix.rpartition(".")
-        setattr(model.get_submodule(parent_name), child,
-                FP8Linear(pair["weight"], pair["weight_scale_inv"], bias, compute_dtype=dtype))
-
-    model.load_state_dict(dense, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    return model.eval()

@@ -44,7 +44,6 @@ Nothing happens at import: vllm and unsloth are imported inside the functions th
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -53,6 +52,8 @@ from typing import Any
 
 import torch
 
+from grpo.config import DTYPES
+from grpo.fp8_checkpoint import is_fp8_checkpoint
 from grpo.rollout.base import Rollout, Sampling
 from grpo.rollout.stops import first_stop_index
 
@@ -64,8 +65,8 @@ BF16_FALLBACK = "unsloth/Llama-3.2-1B-Instruct"
 LOGITS_PROCESSOR = "grpo.rollout.vllm:LogSoftmaxAtTemperature"
 # vLLM accepts only these max_lora_rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_DTYPES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32",
-           "float32": "float32", "fp16": "float16", "float16": "float16"}
+# vLLM's dtype for each name the engine takes: auto, a short name (bf16) or the full one (bfloat16)
+_DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
 # (the policy, its activations and the optimizer need the rest).
@@ -87,15 +88,6 @@ def _import_vllm():
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from None
     return vllm
-
-
-def is_fp8_checkpoint(model_path: str) -> bool:
-    """An FP8 checkpoint: its config.json says quant_method fp8, or (hub ids) its name says FP8."""
-    config = Path(model_path) / "config.json"
-    if config.is_file():
-        quant = json.loads(config.read_text()).get("quantization_config") or {}
-        return str(quant.get("quant_method", "")).lower() == "fp8"
-    return "fp8" in str(model_path).lower()
 
 
 def check_fp8_supported(fp8: bool) -> None:

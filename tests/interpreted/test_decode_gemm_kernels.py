@@ -63,13 +63,10 @@ def test_every_tile_config_gives_the_same_result():
     x = torch.randn(9, 512)
     want = dg.project_ref(x, projs)
     key = ("proj", 192, 512, True)
-    try:
-        for cfg in (dg.TileConfig(16, 128, 4, 2), dg.TileConfig(64, 256, 4, 3), dg.TileConfig(32, 512, 8, 4)):
-            dg.CONFIG_OVERRIDE[key] = cfg
+    for cfg in (dg.TileConfig(16, 128, 4, 2), dg.TileConfig(64, 256, 4, 3), dg.TileConfig(32, 512, 8, 4)):
+        with dg.tuning(tiles={key: cfg}):
             for got, ref in zip(dg.project(x, projs), want):
                 close(got, ref)
-    finally:
-        dg.CONFIG_OVERRIDE.pop(key, None)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -81,18 +78,14 @@ def test_split_k_sums_every_slice_once_and_rearms_its_counters(fp8, split_k):
     projs = [proj(n, 640, fp8, 8, seed=i) for i, n in enumerate([160, 64, 40])]
     x = torch.randn(11, 640)
     key = ("proj", 264, 640, fp8)
-    try:
-        dg.CONFIG_OVERRIDE[key] = dg.TileConfig(32, 256, 4, 2, split_k)
+    with dg.tuning(tiles={key: dg.TileConfig(32, 256, 4, 2, split_k)}):
         for _ in range(2):
             for got, want in zip(dg.project(x, projs), dg.project_ref(x, projs)):
                 close(got, want)
             assert not dg._COUNTERS[x.device].any()
         res = torch.randn(11, 160)
-        dg.CONFIG_OVERRIDE[("proj", 160, 640, fp8)] = dg.TileConfig(16, 128, 4, 2, split_k)
-        close(dg.project(x, projs[:1], residual=res)[0], dg.project_ref(x, projs[:1], residual=res)[0])
-    finally:
-        dg.CONFIG_OVERRIDE.pop(key, None)
-        dg.CONFIG_OVERRIDE.pop(("proj", 160, 640, fp8), None)
+        with dg.tuning(tiles={("proj", 160, 640, fp8): dg.TileConfig(16, 128, 4, 2, split_k)}):
+            close(dg.project(x, projs[:1], residual=res)[0], dg.project_ref(x, projs[:1], residual=res)[0])
 
 
 @pytest.mark.parametrize("kind", ["proj", "gated"])
@@ -102,15 +95,12 @@ def test_launches_read_the_config_under_the_key_the_sweeps_write(kind):
     x = torch.randn(3, 256)
     projs = [proj(96, 256, True, 0, seed=i) for i in range(2)]
     key = (kind, 192, 256, True)
-    dg.CONFIG_OVERRIDE[key] = dg.TileConfig(48, 128, 4, 2)
-    try:
+    with dg.tuning(tiles={key: dg.TileConfig(48, 128, 4, 2)}):
         with pytest.raises(ValueError, match="block_n must divide 128"):
             dg.project_gated(x, *projs) if kind == "gated" else dg.project(x, projs)
-    finally:
-        dg.CONFIG_OVERRIDE.pop(key)
 
 
-def test_launches_shrink_tiles_that_do_not_fit_shared_memory(monkeypatch):
+def test_launches_shrink_tiles_that_do_not_fit_shared_memory():
     # the GPU refuses configs that need too much shared memory (Triton raises before running anything):
     # the launch retries with smaller tiles, remembers the fit, and a sweep's other configs are not shadowed
     from triton.runtime.errors import OutOfResources
@@ -122,7 +112,7 @@ def test_launches_shrink_tiles_that_do_not_fit_shared_memory(monkeypatch):
         if cfg.stages * cfg.block_k > 600:
             raise OutOfResources(cfg.stages * cfg.block_k, 600, "shared memory")
 
-    monkeypatch.setattr(dg, "_FITTED", {})
+    dg.forget_fitted_tiles()
     dg._launch_fitting(("proj", 1), dg.TileConfig(16, 512, 4, 4), launch)
     assert [(c.block_k, c.stages) for c in tried] == [(512, 4), (512, 3), (512, 2), (256, 2)]
     tried.clear()
@@ -140,12 +130,13 @@ def test_launches_shrink_tiles_that_do_not_fit_shared_memory(monkeypatch):
 def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     from peft import LoraConfig, get_peft_model
 
+    from grpo.config import LORA_TARGETS
     from grpo.kernels.fp8 import quantize_linears_
     from grpo.rollout.base import Sampling
     from grpo.rollout.native import NativeEngine
     from test_native_engine import PAD, PROMPTS, small_llama
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = list(LORA_TARGETS)
     base = small_llama(seed=1)
     if fp8:  # FP8Linear bases (on the CPU their forward multiplies by the dequantized weight, as the kernels do)
         quantize_linears_(base, targets)
@@ -156,7 +147,7 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     out = engine.generate(PROMPTS, 2, sampling)
     # the kernels did run, with LoRA (and FP8 codes)
     assert all(plan is not None and plan.q.rank == 4 and (plan.q.scale_inv is not None) == fp8
-               for plan in engine._plans)
+               for plan in engine._projections)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 

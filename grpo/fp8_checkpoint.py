@@ -1,0 +1,110 @@
+"""FP8 checkpoints on disk: telling one apart, and loading an FP8-Block one into FP8Linear layers.
+
+Owned by `grpo/model.py` (the Model room); `grpo/rollout/vllm.py` asks the same question through
+`is_fp8_checkpoint`. The format itself (E4M3 codes in 128x128 blocks, `weight_scale_inv`) and the
+layer that computes with it are `grpo/kernels/fp8.py`; this module only reads config.json and
+safetensors files and builds the model. It deliberately does not quantize (that is
+`grpo.kernels.fp8.quantize_linears_`, for --load-in-fp8) and never lets transformers see the
+quantization_config (its FineGrainedFP8 path fetches a kernel from a hub at run time).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from grpo.kernels.fp8 import BLOCK, FP8_DTYPE, FP8Linear
+
+
+def _read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir}: no config.json; pass a local model directory")
+    return json.loads(path.read_text())
+
+
+def is_fp8_checkpoint(model: str | Path) -> bool:
+    """An FP8 checkpoint: the config.json in folder `model` declares `quantization_config.quant_method`
+    fp8. A hub id (owner/name, no such local folder) counts when its name says FP8: nothing is
+    downloaded to ask."""
+    if (Path(model) / "config.json").is_file():
+        quant = _read_config(model).get("quantization_config") or {}
+        return str(quant.get("quant_method", "")).lower() == "fp8"
+    hub_id = not Path(model).exists() and str(model).count("/") == 1
+    return hub_id and "fp8" in str(model).lower()
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no .safetensors files; FP8-Block checkpoints are read from safetensors")
+    return files
+
+
+def _check_fp8_block_config(model_dir: Path, qc: dict) -> None:
+    """One line saying what is wrong when `quantization_config` is not the FP8-Block format we read."""
+    if str(qc.get("quant_method", "")).lower() != "fp8":
+        raise ValueError(f"{model_dir}: quantization_config.quant_method is {qc.get('quant_method')!r}, not 'fp8'; "
+                         "load a bf16 checkpoint with --load-in-fp8 instead")
+    if list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise ValueError(f"{model_dir}: weight_block_size {qc.get('weight_block_size')} is not supported; "
+                         f"only [{BLOCK}, {BLOCK}] blocks are")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{model_dir}: activation_scheme {qc['activation_scheme']!r} is not supported; "
+                         "only 'dynamic' (activations quantized at run time)")
+
+
+def load_fp8_block_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16):
+    """Load an FP8-Block checkpoint on the CPU: quantized linears become FP8Linear with the stored codes
+    and scales, everything else loads in `dtype`. transformers never sees the quantization_config."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    _check_fp8_block_config(model_dir, _read_config(model_dir).get("quantization_config") or {})
+    config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # so transformers never takes its FineGrainedFP8 path
+    with init_empty_weights(include_buffers=False):  # parameters on meta; rotary buffers computed
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    dense: dict[str, torch.Tensor] = {}
+    fp8: dict[str, dict[str, torch.Tensor]] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                prefix, _, leaf = key.rpartition(".")
+                tensor = f.get_tensor(key)
+                if leaf == "weight_scale_inv" or tensor.dtype == FP8_DTYPE:
+                    fp8.setdefault(prefix, {})[leaf] = tensor
+                else:
+                    dense[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    for prefix, pair in fp8.items():
+        if set(pair) != {"weight", "weight_scale_inv"}:
+            raise ValueError(f"{model_dir}: {prefix} has {sorted(pair)}; an FP8 layer needs weight (float8_e4m3fn) "
+                             "and weight_scale_inv")
+        if pair["weight"].dtype != FP8_DTYPE:
+            raise ValueError(f"{model_dir}: {prefix}.weight is {pair['weight'].dtype}; only float8_e4m3fn is supported")
+        linear = model.get_submodule(prefix)
+        if type(linear) is not nn.Linear or tuple(linear.weight.shape) != tuple(pair["weight"].shape):
+            raise ValueError(f"{model_dir}: {prefix} is not an nn.Linear of shape {tuple(pair['weight'].shape)}")
+        bias = dense.pop(f"{prefix}.bias", None)
+        parent_name, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
+                FP8Linear(pair["weight"], pair["weight_scale_inv"], bias, compute_dtype=dtype))
+
+    model.load_state_dict(dense, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return model.eval()

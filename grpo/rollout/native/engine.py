@@ -1,0 +1,354 @@
+"""`NativeEngine`: an in-process sampler that runs on the policy model itself, gpt-fast style.
+
+It decodes with the very modules the trainer trains: the embedding, each layer's norms, the q/k/v/o
+and gate/up/down projections (whatever they are: nn.Linear, an FP8Linear subclass, a peft LoRA
+wrapper with its adapters active), the final norm and the lm_head are *called*, or their tensors read
+by the decode kernels, never copied, so the sampler always samples the current policy. What the
+package writes by hand is the rest of a Llama decoder (`layer.py`: rotary embeddings, the attention
+over its own static KV cache) and the loop here.
+
+One `generate(prompt_ids, n, sampling)`:
+
+1. allocates the KV cache once, `(max_batch, kv_heads, max_seq_len, head_dim)` per layer, and the
+   per-row state beside it (`state.py`);
+2. plans the step: each layer's one-token forward, the decode GEMM kernels where they can stand in for
+   its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows), its modules otherwise;
+3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
+   attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
+4. prefills each of the P prompts once (right-padded, causal), writing its KV straight into its n rows;
+5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
+   drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
+   the stop flags on the device, run the forward of that token into the next logits. The host looks
+   at the flags only every `check_every` steps, to stop early once every row has finished.
+
+Rows of one prompt have their own positions: prompts of different lengths need no left padding and
+get the positions and numerics of an unpadded forward.
+
+Standby: `release_memory()` drops the KV cache, the state and the graphs (whose addresses point into
+that cache), so between generations training can reuse that memory; the next `generate` allocates
+and captures again (0.1-0.5 s on the H200 for Llama-3.2-1B shapes, in `Rollout.timings['capture']`).
+Keeping them instead saves the capture but pins `standby_bytes()` plus the graph pool through the
+training phase. Measured numbers: benchmarks/RESULTS.md.
+
+What it deliberately is not: a server (no paging, no continuous batching, no prefix cache), and not
+a general transformers runner: Llama-style decoders only, with or without peft adapters.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from grpo.kernels import decode_gemm
+from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm, prefill_layer
+from grpo.rollout.native.plan import layer_projections
+from grpo.rollout.native.state import DecodeState, StopRule
+from grpo.rollout.native.tuning import EngineTuning
+from grpo.rollout.sampling import sample_with_noise
+
+
+class NativeEngine:
+    """Samples from `model` in-process, sharing its weights. See the module docstring.
+
+    model: a LlamaForCausalLM, or a peft PeftModel around one (adapters active). Its train/eval mode
+        is left as found; generation runs in eval mode under no_grad.
+    max_seq_len: prompt plus completion tokens per row at most (the KV cache's length).
+    max_batch: rows (prompts times n) per generate at most (the KV cache's batch).
+    pad_id: fills completion_ids after a row stops.
+    gemm: how a step of at most 64 rows (decode_gemm.MAX_ROWS) runs the projections. "kernels": the
+        decode GEMM kernels (`grpo.kernels.decode_gemm`: q/k/v in one launch, LoRA, FP8 and the residual
+        or SiLU product fused), for every layer whose projections they support (the others call their
+        modules); "modules": call each projection module; "auto": kernels on CUDA when triton is
+        installed. Steps with more rows always call the modules.
+    tuning: how a step runs (graphs, compile, attention, streams, ...); benchmarks and tests set it.
+    """
+
+    needs_importance_correction = False
+    """No pi_trainer/pi_sampler weight: the sampler's log-probs come from the trainer's own modules."""
+
+    def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int, gemm: str = "auto",
+                 tuning: EngineTuning = EngineTuning()) -> None:
+        self.model = model
+        self.lm = causal_lm(model)
+        self.dims = ModelDims.of(self.lm)
+        embed_weight = self.lm.model.embed_tokens.weight  # only for its device and dtype
+        self.device, self.dtype = embed_weight.device, embed_weight.dtype
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len={max_seq_len}: needs room for a prompt token and a completion token")
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: use 1 or more")
+        if not 0 <= pad_id < self.dims.vocab_size:
+            raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {self.dims.vocab_size}); finished rows "
+                             "feed it to the model, so pick an id the embedding has (e.g. the tokenizer's pad id)")
+        self.max_seq_len, self.max_batch, self.pad_id = max_seq_len, max_batch, pad_id
+        llama_mlp = all(hasattr(layer.mlp, a) for layer in self.lm.model.layers
+                        for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        self.tuning = tuning.resolved(self.device, llama_mlp)
+        if gemm not in ("auto", "kernels", "modules"):
+            raise ValueError(f"gemm={gemm!r}: use 'auto', 'kernels' or 'modules'")
+        if gemm == "auto":
+            gemm = "kernels" if self.device.type == "cuda" and decode_gemm.have_triton() else "modules"
+        if gemm == "kernels" and not decode_gemm.can_run(self.device):
+            raise ValueError(f"gemm='kernels' needs triton and a CUDA model (or TRITON_INTERPRET=1 on CPU); "
+                             f"the model is on {self.device}: pass gemm='modules'")
+        self.gemm = gemm
+        self._streams = None
+        if self.tuning.streams:  # on CPU the pieces run one after another (what the CPU tests check)
+            cuda = self.device.type == "cuda"
+            self._streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(3)]
+        mode = self.tuning.compile
+        self._fns = StepFunctions.build(mode)
+        self._sample = sample_with_noise if mode is None else torch.compile(sample_with_noise, mode=mode)
+        self._state: DecodeState | None = None
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._fingerprint: tuple | None = None
+        self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
+        self._layers: list = []  # per layer, its one-token forward; planned by each generate
+        self._warned_fallback = False
+
+    # ----------------------------------------------------------------------------------------------
+    # memory
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this engine allocates (whether allocated now or not)."""
+        d = self.dims
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * d.n_layers * self.max_batch * d.n_kv_heads * self.max_seq_len * d.head_dim * elem
+
+    def standby_bytes(self) -> int | None:
+        """Bytes kept between steps when `release_memory()` is not called: the KV cache."""
+        return self.kv_cache_bytes()
+
+    def held_bytes(self) -> int:
+        """Bytes of tensors the engine holds right now (0 after `release_memory`); graph pools not counted."""
+        if self._state is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._state.tensors())
+
+    def release_memory(self) -> None:
+        """Drop the KV cache, the state buffers and the CUDA graphs; `generate` rebuilds them."""
+        self._graphs.clear()
+        self._graph_pool = None
+        self._state = None
+        self._fingerprint = None
+
+    def _model_fingerprint(self) -> tuple:
+        """What a captured graph depends on: parameter addresses and the adapters' switches and scales."""
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        switches = tuple(  # peft tuner layers carry a bool `disable_adapters` (HF models a method of that name)
+            (id(m), m.disable_adapters, bool(getattr(m, "merged", False)), tuple(getattr(m, "active_adapters", ())),
+             tuple(sorted(getattr(m, "scaling", {}).items())))
+            for m in self.model.modules() if isinstance(getattr(m, "disable_adapters", None), bool)
+        )
+        return ptrs, switches
+
+    # ----------------------------------------------------------------------------------------------
+    # plan and step
+    def _plan(self, rows: int) -> None:
+        """Each layer's one-token forward for steps of `rows` rows: the decode kernels where they can
+        stand in for all its projections, its modules elsewhere."""
+        layers = self.lm.model.layers
+        projections = [None] * len(layers)
+        if self.gemm == "kernels" and rows <= self.tuning.kernel_rows:
+            projections = [layer_projections(layer, self.dtype) for layer in layers]
+            covered = sum(p is not None for p in projections)
+            if covered < len(layers) and not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn(f"NativeEngine: the decode GEMM kernels cover {covered} of {len(layers)} layers; "
+                              "the others call their modules (slower). The kernels need nn.Linear or FP8Linear "
+                              "projections without bias, LoRA with one rank on q/k/v and one on gate/up (or none), "
+                              "no DoRA, and weights in the activations' dtype", stacklevel=4)
+        self._projections = projections
+        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams)
+                        for layer, proj in zip(layers, projections)]
+
+    def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
+        """The tokens in state.tok through the decoder, reading the first kv_len cache positions: (B, V)."""
+        st, decoder = self._state, self.lm.model
+        pos, kv_range = st.pos[:rows], st.kv_range[:kv_len]
+        k_views = [c[:rows, :, :kv_len] for c in st.k_caches]
+        v_views = [c[:rows, :, :kv_len] for c in st.v_caches]
+        if self.tuning.compile is not None:  # one compiled step for every KV bucket, not one per bucket
+            for view in (*k_views, *v_views):
+                torch._dynamo.maybe_mark_dynamic(view, 2)
+            torch._dynamo.maybe_mark_dynamic(kv_range, 0)
+        x, cos, sin, valid = self._fns.prelude(decoder.embed_tokens, st.tok[:rows], pos, st.cos, st.sin, kv_range)
+        at = TokenRows(cos, sin, valid, pos)
+        for layer, k_cache, v_cache in zip(self._layers, k_views, v_views):
+            x = layer(x, at, k_cache, v_cache)
+        return self._fns.head(decoder.norm, self.lm.lm_head, x)
+
+    def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> None:
+        """Sample from state.logits, record, update stop flags, forward the new token: all on device."""
+        st = self._state
+        token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
+                                   sampling.min_p, st.noise[:rows] if sampling.temperature > 0 else None)
+        alive = st.alive[:rows]
+        token = torch.where(alive, token, self.pad_id)  # (B,)
+        logp = torch.where(alive, logp, 0.0)
+        st.record(rows, token, logp)
+        stop.apply(st, rows, token)
+        st.tok[:rows].copy_(token)
+        st.logits[:rows].copy_(self._forward(rows, kv_len))
+        st.pos[:rows] += 1
+        st.step += 1
+
+    def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> torch.cuda.CUDAGraph:
+        key = (rows, kv_len, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, stop)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        # warm up on a side stream (cuBLAS handles, compilation), then capture; both write garbage into
+        # the state, which generate resets before the prefill. Positions start at 0 so the warm-up
+        # writes stay inside the cache.
+        st = self._state
+        st.pos[:rows] = 0
+        st.step.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(rows, kv_len, sampling, stop)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._step(rows, kv_len, sampling, stop)
+        self._graphs[key] = graph
+        return graph
+
+    # ----------------------------------------------------------------------------------------------
+    # prefill
+    def _prefill(self, prompt_ids: list[list[int]], n: int) -> None:
+        """Run every prompt once; write its K/V into its n rows and its last logits into state.logits."""
+        st, lm = self._state, self.lm
+        decoder = lm.model
+        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+        rows = P * n
+        ids = torch.full((P, L), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)  # (P, L) right-padded: causal attention keeps padding out of real tokens
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
+        x = decoder.embed_tokens(ids)  # (P, L, H)
+        cos, sin = st.cos[:L][None, None], st.sin[:L][None, None]  # (1, 1, L, D)
+        for i, layer in enumerate(decoder.layers):
+            x, k, v = prefill_layer(layer, x, cos, sin, self.dims)
+            st.k_caches[i][:rows, :, :L] = k.repeat_interleave(n, dim=0)  # each prompt's KV into its n rows
+            st.v_caches[i][:rows, :, :L] = v.repeat_interleave(n, dim=0)
+        last = x[torch.arange(P, device=self.device), lengths - 1]  # (P, H) each prompt's last token
+        logits = lm.lm_head(decoder.norm(last[:, None]))[:, 0].float()  # (P, V)
+        if logits.shape[-1] != self.dims.vocab_size:
+            raise ValueError(f"lm_head gives {logits.shape[-1]} logits but config.vocab_size is "
+                             f"{self.dims.vocab_size}")
+        st.logits[:rows] = logits.repeat_interleave(n, dim=0)
+        st.pos[:rows] = lengths.repeat_interleave(n)
+
+    # ----------------------------------------------------------------------------------------------
+    # generate
+    def _check(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> None:
+        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty; pass a list of prompts, each a non-empty list of token ids")
+        if n < 1:
+            raise ValueError(f"n={n}: completions per prompt must be at least 1")
+        if len(prompt_ids) * n > self.max_batch:
+            raise ValueError(f"{len(prompt_ids)} prompts x n={n} = {len(prompt_ids) * n} rows exceed "
+                             f"max_batch={self.max_batch}; build the engine with a larger max_batch")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt_ids[{i}] is empty; every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= self.dims.vocab_size:
+                raise ValueError(f"prompt_ids[{i}] has a token id outside [0, {self.dims.vocab_size})")
+            if len(p) + sampling.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt_ids[{i}] has {len(p)} tokens; with max_new_tokens="
+                                 f"{sampling.max_new_tokens} that exceeds max_seq_len={self.max_seq_len}")
+        for s in sampling.stop_sequences:
+            if len(s) == 0:
+                raise ValueError("Sampling.stop_sequences holds an empty sequence; remove it")
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        """P prompts times n completions, sampled from the model as it is now. See `Rollout`."""
+        self._check(prompt_ids, n, sampling)
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self._generate(prompt_ids, n, sampling)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _kv_bucket(self, max_prompt: int, i: int) -> int:
+        """The KV length decode step i (0-based) reads: it writes at max_prompt + i, rounded up to a bucket."""
+        bucket = self.tuning.kv_bucket
+        return min(-(-(max_prompt + i + 1) // bucket) * bucket, self.max_seq_len)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        t0 = time.perf_counter()
+        if self._state is None:
+            self._state = DecodeState.allocate(self.dims, self.max_batch, self.max_seq_len, self.pad_id,
+                                               self.lm.model.rotary_emb, self.lm.model.embed_tokens.weight)
+        st = self._state
+        rows, max_new = len(prompt_ids) * n, sampling.max_new_tokens
+        max_prompt = max(len(p) for p in prompt_ids)
+        stop = StopRule.of(sampling)
+        stop.prepare(st, self.max_batch)
+        self._plan(rows)
+        graphs = {}
+        if self.tuning.use_cuda_graph:
+            fingerprint = self._model_fingerprint()
+            if fingerprint != self._fingerprint:  # parameters moved or adapters switched: recapture
+                self._graphs.clear()
+                self._fingerprint = fingerprint
+            for kv_len in sorted({self._kv_bucket(max_prompt, i) for i in range(max_new)}):
+                graphs[kv_len] = self._graph_for(rows, kv_len, sampling, stop)
+        sync()
+        t1 = time.perf_counter()
+
+        # reset the state the warm-up and capture wrote, then prefill
+        st.step.zero_()
+        st.alive[:rows] = True
+        st.finished[:rows] = False
+        st.out_ids[:rows] = self.pad_id
+        st.out_logp[:rows] = 0.0
+        st.out_mask[:rows] = False
+        if stop.window:
+            st.tails[stop.window][:rows] = -1
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._prefill(prompt_ids, n)
+        sync()
+        t2 = time.perf_counter()
+
+        steps = 0
+        for i in range(max_new):
+            if sampling.temperature > 0:
+                st.noise[:rows].exponential_(generator=generator)
+            kv_len = self._kv_bucket(max_prompt, i)
+            if self.tuning.use_cuda_graph:
+                graphs[kv_len].replay()
+            else:
+                self._step(rows, kv_len, sampling, stop)
+            steps += 1
+            if stop.active and steps % self.tuning.check_every == 0 and not bool(st.alive[:rows].any()):
+                break
+        sync()
+        t3 = time.perf_counter()
+
+        used = st.out_mask[:rows, :steps]  # (B, steps)
+        width = int(used.any(0).nonzero().max().item()) + 1 if bool(used.any()) else 1
+        return Rollout(
+            prompt_ids=[list(p) for p in prompt_ids],
+            completion_ids=st.out_ids[:rows, :width].clone(),
+            mask=st.out_mask[:rows, :width].clone(),
+            sampler_logp=st.out_logp[:rows, :width].clone(),
+            finished=st.finished[:rows].clone(),
+            n=n,
+            timings={"capture": t1 - t0, "prefill": t2 - t1, "decode": t3 - t2, "decode_steps": float(steps)},
+        )

@@ -1,0 +1,61 @@
+"""`EngineTuning`: how the native engine runs a step (graphs, compile, attention, streams, buckets).
+
+Benchmarks and tests choose these; the product runs the defaults (the trainer passes none). They are
+kept off `NativeEngine`'s constructor so that its arguments are what a user decides: the model, the
+cache's size, the pad id, and `gemm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from grpo.kernels import decode_gemm
+
+
+@dataclass(frozen=True)
+class EngineTuning:
+    """How the engine runs a step, for benchmarks and tests; the defaults are the product's.
+
+    use_cuda_graph: capture the one-token step in CUDA graphs; None is "on CUDA".
+    compile: a torch.compile mode for the step ("default", "max-autotune-no-cudagraphs"), None for
+        eager kernels, or "auto": "default" on CUDA, None elsewhere. The first generate compiles.
+    kv_bucket: attention reads the cache in multiples of this many positions.
+    check_every: steps between host checks of "have all rows stopped".
+    attention: "matmul" (two batched matmuls, float32 softmax) or "sdpa" (torch's fused attention).
+    streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
+        graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
+    kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
+        (up to decode_gemm.MAX_ROWS, where they were measured faster); more rows call the modules.
+    """
+
+    use_cuda_graph: bool | None = None
+    compile: str | None = "auto"
+    kv_bucket: int = 256
+    check_every: int = 16
+    attention: str = "matmul"
+    streams: bool | None = None
+    kernel_rows: int = decode_gemm.MAX_ROWS
+
+    def __post_init__(self) -> None:
+        if self.kv_bucket < 1 or self.check_every < 1:
+            raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}: both must be >= 1")
+        if self.attention not in ("matmul", "sdpa"):
+            raise ValueError(f"attention={self.attention!r}: use 'matmul' or 'sdpa'")
+        if not 1 <= self.kernel_rows <= decode_gemm.MAX_ROWS:
+            raise ValueError(f"kernel_rows={self.kernel_rows}: the kernels take 1 to {decode_gemm.MAX_ROWS} rows")
+
+    def resolved(self, device: torch.device, llama_mlp: bool) -> EngineTuning:
+        """The same choices with every "auto"/None made concrete for a model on `device`."""
+        cuda = device.type == "cuda"
+        tuning = replace(self, use_cuda_graph=cuda if self.use_cuda_graph is None else self.use_cuda_graph,
+                         compile=("default" if cuda else None) if self.compile == "auto" else self.compile,
+                         streams=cuda and llama_mlp if self.streams is None else self.streams)
+        if tuning.use_cuda_graph and not cuda:
+            raise ValueError(f"use_cuda_graph=True but the model is on {device}; CUDA graphs need a CUDA "
+                             "model (leave use_cuda_graph None or False)")
+        if tuning.streams and not llama_mlp:
+            raise ValueError("streams=True needs Llama MLPs (gate/up/down_proj and act_fn) in every layer; pass "
+                             "streams=False")
+        return tuning
