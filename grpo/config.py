@@ -106,10 +106,10 @@ class Config:
     is_cap: float = _f(2.0, "Cap of the sampler importance weight.", "grpo")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop the groups whose rewards all tie (they teach "
                                 "nothing) and sample the next prompts of the stream until the step holds P "
-                                "informative groups per rank, or max-sampling-rounds are spent; the step trains on "
-                                "what it holds (none: no update).", "grpo")
-    max_sampling_rounds: int = _f(3, "With --dynamic-sampling: rounds of P prompts per rank a step may sample at "
-                                  "most (1 only filters).", "grpo")
+                                "informative groups (N*P over N ranks), or max-sampling-rounds are spent; the step "
+                                "trains on what it holds (nothing: no update that step).", "grpo")
+    max_sampling_rounds: int = _f(3, "With --dynamic-sampling: sampling rounds of P prompts (per rank) a step may "
+                                  "run at most; 1 only filters.", "grpo")
     gap_warn: float = _f(0.05, "Show the sampler-trainer gap on the progress line when the mean of |log pi_train - "
                          "log pi_sampler| over the step's tokens exceeds this (it is logged every step as gap/*).",
                          "grpo")

@@ -149,7 +149,7 @@ class StepSetup:
     keep_engine: bool  # --engine-standby: the engine keeps its memory between steps (no release_memory)
     sampling: Sampling  # the run's sampling; each step seeds its own copy
     prompts: PromptSet
-    stream: PromptStream  # the global stream of N*P prompts per step; this rank takes its P
+    stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
     reward_funcs: list[Callable]
     clock: Callable[[], float]  # seconds, after the device has finished its queued work
 
@@ -199,7 +199,7 @@ class StepResult:
     texts: list[str]  # this rank's P*G completions (of every sampling round)
     answers: list[str]  # their reference answers
     group_size: int  # G: completions per prompt
-    frac_zero_std: float  # groups whose rewards are all equal (no signal)
+    frac_zero_std: float  # of the groups sampled, those whose rewards are all equal (no signal)
     loss_stats: dict[str, float]  # weighted means over the step (all ranks), true extremes of the ratio
     grad_norm: float | None  # before clipping, of the last pass; None when skipped
     skipped: bool  # a non-finite loss or gradient on some rank: the failing pass did not update
@@ -273,39 +273,44 @@ def sample_groups(s: StepSetup, step: int, G: int) -> SampledGroups:
     cfg, world = s.cfg, s.world
     target = world.size * cfg.prompts_per_step
     max_rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
-    rounds: list[tuple[list[Example], Rollout, list[str], list[str], Scores]] = []
-    informative = []  # per round, (N*P,) bool: the group's rewards differ
+    rollouts: list[Rollout] = []  # this rank's, one per round
+    texts: list[str] = []
+    answers: list[str] = []
+    scores: list[Scores] = []  # every rank's, one per round
+    differ: list[torch.Tensor] = []  # (N*P,) bool per round: the group's rewards are not all equal
     timings: dict[str, float] = {}
     while True:
-        examples, rollout, times = sample(s, step, G, len(rounds))
-        texts, answers, scores = score(s, examples, rollout, G)
-        rounds.append((examples, rollout, texts, answers, scores))
-        informative.append(rewards_differ(scores.total, G))
+        examples, rollout, times = sample(s, step, G, len(rollouts))
+        round_texts, round_answers, round_scores = score(s, examples, rollout, G)
+        rollouts.append(rollout)
+        texts += round_texts
+        answers += round_answers
+        scores.append(round_scores)
+        differ.append(rewards_differ(round_scores.total, G))
         for k, v in times.items():
             timings[k] = timings.get(k, 0.0) + v
-        if len(rounds) == max_rounds or int(torch.stack(informative).sum()) >= target:
+        if len(rollouts) == max_rounds or int(torch.stack(differ).sum()) >= target:
             break
     t = s.clock()
     if not s.keep_engine:
         s.engine.release_memory()
     timings["generate"] += s.clock() - t
 
-    drawn = torch.stack(informative).view(len(rounds), world.size, -1)  # (rounds, N, P)
-    keep = first_informative(drawn, target) if cfg.dynamic_sampling else torch.ones_like(drawn)
-    mine = keep[:, world.rank]  # (rounds, P) this rank's kept groups
-    totals = torch.stack([r[4].total.view(world.size, -1, G) for r in rounds], dim=1)  # (N, rounds, P, G)
+    rounds = len(rollouts)
+    informative = torch.stack(differ).view(rounds, world.size, -1)  # (rounds, N, P)
+    keep = first_informative(informative, target) if cfg.dynamic_sampling else torch.ones_like(informative)
+    totals = torch.stack([sc.total.view(world.size, -1, G) for sc in scores], dim=1)  # (N, rounds, P, G)
     kept_per_rank = keep.sum(dim=(0, 2))  # (N,)
     first_row = int(kept_per_rank[:world.rank].sum()) * G
     report = None
     if cfg.dynamic_sampling:
-        report = SamplingReport(rounds=len(rounds), prompts=len(rounds) * target,
-                                groups_dropped=int((~drawn).sum()), groups_kept=int(keep.sum()))
+        report = SamplingReport(rounds=rounds, prompts=rounds * target, groups_dropped=int((~informative).sum()),
+                                groups_kept=int(keep.sum()))
     return SampledGroups(
-        scores=scores_by_rank([r[4] for r in rounds], world.size),
-        texts=[t for r in rounds for t in r[2]], answers=[a for r in rounds for a in r[3]],
-        frac_zero_std=float((~drawn).float().mean()),
-        rollout=join_groups([r[1] for r in rounds], mine, s.tokenizer.pad_token_id),
-        kept_rewards=totals[keep.transpose(0, 1)].reshape(-1),
+        scores=scores_by_rank(scores, world.size), texts=texts, answers=answers,
+        frac_zero_std=float((~informative).float().mean()),
+        rollout=join_groups(rollouts, keep[:, world.rank], s.tokenizer.pad_token_id),
+        kept_rewards=totals[keep.transpose(0, 1)].reshape(-1),  # rank after rank, each round after round
         rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * G),
         report=report, timings=timings)
 
@@ -465,7 +470,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
                 sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg)
             # Each micro-batch's loss is normalised within itself; weight it by its share of the
             # whole step's batch so that the gradient, accumulated and summed over ranks, equals
-            # one pass over all N*P*G rows.
+            # one pass over all the step's rows (N*P*G, or the groups --dynamic-sampling kept).
             share = (mb.mask.sum() / n_tokens) if cfg.loss_norm == "token" else len(mb) / n_rows
             if not torch.isfinite(loss):
                 nonfinite = True
@@ -530,16 +535,20 @@ class SamplerGap:
         self.abs_sum = self.abs_max = self.clipped = self.tokens = 0.0
 
     def add(self, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cfg: Config) -> None:
-        diff = (logp.detach().float() - sampler_logp.float()).abs()[mask]  # (tokens,)
+        """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask."""
+        diff = (logp.detach().double() - sampler_logp.double()).abs()[mask]  # (tokens,) a bf16 gap would round
         clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, level=cfg.is_level,
                                         mode=cfg.is_correction, cap=cfg.is_cap)
         self.abs_sum += float(diff.sum())
-        if diff.numel():  # torch.maximum keeps a NaN, which says more than a number would
-            self.abs_max = float(torch.maximum(torch.tensor(self.abs_max), diff.max()))
+        if diff.numel():
+            top = float(diff.max())
+            if math.isnan(top) or top > self.abs_max:  # a NaN stays: it says more than any number would
+                self.abs_max = top
         self.clipped += float(clipped.sum())
         self.tokens += diff.numel()
 
     def over_ranks(self, world: World) -> dict[str, float]:
+        """The gap over every rank's tokens; a collective: every rank calls it."""
         total = world.reduce_stats({"abs_sum": self.abs_sum, "clipped": self.clipped, "tokens": self.tokens,
                                     "abs_max": self.abs_max})  # keys ending in _max take the max
         tokens = max(total["tokens"], 1.0)
