@@ -108,6 +108,15 @@ class Config:
     is_level: str = _f("token", "Importance weight per token or per sequence.", "grpo",
                        choices=["token", "sequence"])
     is_cap: float = _f(2.0, "Cap of the sampler importance weight.", "grpo")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop the groups whose rewards all tie (they teach "
+                                "nothing) and sample the next prompts of the stream until the step holds P "
+                                "informative groups (N*P over N ranks), or max-sampling-rounds are spent; the step "
+                                "trains on what it holds (nothing: no update that step).", "grpo")
+    max_sampling_rounds: int = _f(3, "With --dynamic-sampling: sampling rounds of P prompts (per rank) a step may "
+                                  "run at most; 1 only filters.", "grpo")
+    gap_warn: float = _f(0.05, "Show the sampler-trainer gap on the progress line when the mean of |log pi_train - "
+                         "log pi_sampler| over the step's tokens exceeds this (it is logged every step as gap/*).",
+                         "grpo")
 
     # --- sampling ----------------------------------------------------------------------------
     engine: str = _f("auto", "Sampler: auto (native on CUDA, else hf), native, hf or vllm.", "sampling",
@@ -201,6 +210,10 @@ class Config:
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
                              "completion at once; remove it")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"--max-sampling-rounds {self.max_sampling_rounds}: use 1 or more (3 is usual)")
+        if not self.gap_warn >= 0:
+            raise ValueError(f"--gap-warn {self.gap_warn}: must be 0 or more (0 shows the gap every step)")
         if self.is_cap <= 1.0:
             raise ValueError(f"--is-cap {self.is_cap}: the importance-weight cap must exceed 1; 2 is usual")
         if self.eval_size < 0 or self.eval_samples < 0 or self.eval_steps < 0 or self.save_steps < 0:

@@ -9,6 +9,7 @@ explicitly; nothing here decides what the run does next (a Ctrl-C only sets a fl
 from __future__ import annotations
 
 import json
+import math
 import resource
 import signal
 import threading
@@ -69,10 +70,11 @@ class MetricsLog:
 
 
 def step_record(step: int, result: StepResult, lr: float, step_time: float, peak_mem_gib: float) -> dict:
-    """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's."""
+    """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
+    --dynamic-sampling the batch is every completion sampled, kept or dropped."""
     scores = result.scores
     total = scores.total  # (N*P*G,)
-    return {
+    record = {
         "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
         **{f"rewards/{name}": float(scores.rewards[:, j].nanmean()) for j, name in enumerate(scores.names)},
         "accuracy": float(scores.correct.double().mean()), "format": float(scores.formatted.double().mean()),
@@ -83,14 +85,30 @@ def step_record(step: int, result: StepResult, lr: float, step_time: float, peak
         "skipped": result.skipped, **result.loss_stats,
         "step_time": step_time, **{f"time/{k}": v for k, v in result.timings.items()},
         "peak_mem_gib": peak_mem_gib,
+        **result.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
     }
+    if result.sampling is not None:
+        report = result.sampling
+        record.update({"sampling/rounds": report.rounds, "sampling/prompts": report.prompts,
+                       "sampling/groups_dropped": report.groups_dropped, "sampling/groups_kept": report.groups_kept})
+    return record
 
 
-def step_line(record: dict) -> str:
-    """The record in one line, for the console and the progress bar."""
-    return (f"reward {record['reward']:7.3f} ± {record['reward_std']:.3f} | acc {record['accuracy']:.2f} | "
+def step_line(record: dict, gap_warn: float = math.inf) -> str:
+    """The record in one line, for the console and the progress bar; the sampler-trainer gap only when
+    its mean exceeds `gap_warn` (--gap-warn)."""
+    line = (f"reward {record['reward']:7.3f} ± {record['reward_std']:.3f} | acc {record['accuracy']:.2f} | "
             f"fmt {record['format']:.2f} | kl {record.get('kl', 0.0):.4f} | len {record['completion_length']:6.1f} | "
             f"{record['step_time']:6.2f} s | {record['peak_mem_gib']:.2f} GiB")
+    gap = record.get("gap/logp_abs_mean")
+    if gap is not None and not gap <= gap_warn:  # NaN shows too
+        line += f" | gap {gap:.3f} (max {record['gap/logp_abs_max']:.2f}, clipped {record['gap/is_clipped_frac']:.1%})"
+    if "sampling/rounds" in record:
+        line += (f" | kept {record['sampling/groups_kept']} of {record['sampling/prompts']} prompts in "
+                 f"{record['sampling/rounds']} rounds")
+        if record["sampling/groups_kept"] == 0:
+            line += ": no informative group, not trained"
+    return line
 
 
 def print_completions(console, result: StepResult, groups: int = 2) -> None:

@@ -149,7 +149,7 @@ def run(cfg: Config, world: World) -> Path:
                                  peak_memory_gib(device))
             if world.is_main:
                 log.write(record)
-            line = step_line(record)
+            line = step_line(record, cfg.gap_warn)
             progress.update(state.step, line)
             console.print(f"step {state.step:>4}/{cfg.max_steps} | {line}")
             if give_up is not None:

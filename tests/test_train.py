@@ -374,3 +374,16 @@ def test_the_loss_weights_tokens_by_the_sampler_ratio_only_when_the_engine_asks_
     train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, is_correction=is_correction,
                    log_completions_steps=0))
     assert bool(calls) == weighted
+
+
+@pytest.mark.parametrize("loss_type, flags", [("cispo", dict(cispo_eps_low=0.5, cispo_eps_high=0.28)),
+                                              ("sapo", dict(sapo_tau_pos=0.5, sapo_tau_neg=2.0))])
+def test_the_loss_type_and_its_parameters_reach_the_loss(char_llama_dir, tmp_path, monkeypatch, loss_type, flags):
+    import grpo.step as step_module
+
+    real, calls = step_module.clipped_surrogate, []
+    monkeypatch.setattr(step_module, "clipped_surrogate", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
+    train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, loss_type=loss_type, lora_rank=4, lora_alpha=8,
+                   log_completions_steps=0, **flags))
+    assert calls and all(kw["policy_loss"] == loss_type for kw in calls)
+    assert all(kw[k] == v for kw in calls for k, v in flags.items())

@@ -21,6 +21,9 @@ so that rare large ratios cannot blow the gradient up:
 row's geometric-mean ratio exp(mean over its tokens of logp - sampler_logp), as GSPO does for the
 policy ratio, so one odd token does not decide a row's weight alone.
 
+`clipped_by_correction` says which tokens a given correction would truncate or mask, by the same
+rule, for a trainer that reports the sampler-trainer gap even when it applies no correction.
+
 The weights are detached: they scale the loss, they are not optimised. This module does not
 compute the loss or any log-probabilities; `clipped_surrogate` multiplies its per-token loss by
 the weights.
@@ -52,6 +55,57 @@ def importance_weights(
     `is_ratio_mean` (mean raw ratio over counted tokens, or over rows at sequence level),
     `is_ratio_max`, `is_ratio_min`, and `is_clipped_frac` (fraction of tokens truncated or masked).
     """
+    _check(logp, sampler_logp, mask, level, mode, cap, cap_low)
+    dtype = _dtype(logp, sampler_logp)
+    mask = mask.bool()
+    maskf = mask.to(dtype)
+    zero = logp.new_zeros((), dtype=dtype)
+    n_tokens = maskf.sum()
+
+    if mode == "none":
+        stats = {"is_ratio_mean": zero + 1, "is_ratio_max": zero + 1, "is_ratio_min": zero + 1,
+                 "is_clipped_frac": zero}
+        return maskf, stats
+
+    ratio, samples = _ratios(logp, sampler_logp, mask, level)
+    clipped = _clipped(ratio, mode, cap, cap_low)
+    weights = ratio.clamp(max=cap) if mode == "truncate" else torch.where(clipped, zero, ratio)
+    weights = (weights * maskf).detach()  # (B, T)
+
+    clipped_tokens = (clipped & mask).to(dtype).sum()
+    if samples.numel() == 0:  # nothing counts: report a neutral ratio
+        samples = ratio.new_ones(1)
+    stats = {
+        "is_ratio_mean": samples.mean().detach(),
+        "is_ratio_max": samples.max().detach(),
+        "is_ratio_min": samples.min().detach(),
+        "is_clipped_frac": (clipped_tokens / n_tokens.clamp(min=1)).detach(),
+    }
+    return weights, stats
+
+
+def clipped_by_correction(
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    cap: float = 2.0,
+    cap_low: float | None = None,
+) -> torch.Tensor:
+    """(B, T) bool, True at the counted tokens whose weight `importance_weights` with the same arguments
+    truncates or masks (none for mode="none"). The trainer counts them every step, whether or not its
+    engine asks for the correction, to report how far the sampler is from the trainer."""
+    _check(logp, sampler_logp, mask, level, mode, cap, cap_low)
+    mask = mask.bool()
+    if mode == "none":
+        return torch.zeros_like(mask)
+    ratio, _ = _ratios(logp, sampler_logp, mask, level)
+    return _clipped(ratio, mode, cap, cap_low) & mask
+
+
+def _check(logp, sampler_logp, mask, level, mode, cap, cap_low) -> None:
     if level not in LEVELS:
         raise ValueError(f"importance_weights level={level!r}: use one of {', '.join(LEVELS)}")
     if mode not in MODES:
@@ -65,47 +119,32 @@ def importance_weights(
             f"importance_weights: logp {tuple(logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
             f"and mask {tuple(mask.shape)} must all be the same (B, T) shape"
         )
+
+
+def _dtype(logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.dtype:
     # The difference of two nearby log-probs loses everything in bf16: work in float32 or wider.
-    dtype = torch.promote_types(torch.promote_types(logp.dtype, sampler_logp.dtype), torch.float32)
+    return torch.promote_types(torch.promote_types(logp.dtype, sampler_logp.dtype), torch.float32)
+
+
+def _ratios(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, level: str
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio (B, T), samples): the ratio each token is weighted by (its own, or its row's geometric
+    mean), and one ratio per counted token (per non-empty row at sequence level) for the statistics."""
+    dtype = _dtype(logp, sampler_logp)
     logp, sampler_logp = logp.detach().to(dtype), sampler_logp.detach().to(dtype)
-    mask = mask.bool()
-    maskf = mask.to(dtype)
-    zero = logp.new_zeros(())
-    n_tokens = maskf.sum()
-
-    if mode == "none":
-        stats = {"is_ratio_mean": zero + 1, "is_ratio_max": zero + 1, "is_ratio_min": zero + 1,
-                 "is_clipped_frac": zero}
-        return maskf, stats
-
     # Masked positions get log-ratio 0 so padding never overflows exp().
-    log_ratio = torch.where(mask, logp - sampler_logp, zero)  # (B, T)
+    log_ratio = torch.where(mask, logp - sampler_logp, 0.0)  # (B, T)
     if level == "token":
         ratio = log_ratio.exp()  # (B, T)
-        samples = ratio[mask]  # one ratio per counted token
-    else:
-        lengths = maskf.sum(-1)  # (B,)
-        seq_ratio = (log_ratio.sum(-1) / lengths.clamp(min=1)).exp()  # (B,) geometric mean per row
-        ratio = seq_ratio.unsqueeze(-1).expand_as(log_ratio)  # (B, T)
-        samples = seq_ratio[lengths > 0]  # one ratio per non-empty row
+        return ratio, ratio[mask]
+    lengths = mask.to(dtype).sum(-1)  # (B,)
+    seq_ratio = (log_ratio.sum(-1) / lengths.clamp(min=1)).exp()  # (B,) geometric mean per row
+    return seq_ratio.unsqueeze(-1).expand_as(log_ratio), seq_ratio[lengths > 0]
 
-    if mode == "truncate":
-        weights = ratio.clamp(max=cap)
-        clipped = ratio > cap
-    else:  # mask
-        clipped = ratio > cap
-        if cap_low is not None:
-            clipped = clipped | (ratio < cap_low)
-        weights = torch.where(clipped, zero, ratio)
-    weights = (weights * maskf).detach()  # (B, T)
 
-    clipped_tokens = (clipped & mask).to(dtype).sum()
-    if samples.numel() == 0:  # nothing counts: report a neutral ratio
-        samples = logp.new_ones(1)
-    stats = {
-        "is_ratio_mean": samples.mean().detach(),
-        "is_ratio_max": samples.max().detach(),
-        "is_ratio_min": samples.min().detach(),
-        "is_clipped_frac": (clipped_tokens / n_tokens.clamp(min=1)).detach(),
-    }
-    return weights, stats
+def _clipped(ratio: torch.Tensor, mode: str, cap: float, cap_low: float | None) -> torch.Tensor:
+    """(B, T) bool: where `mode` truncates (ratio above cap) or masks (above cap, or below cap_low)."""
+    clipped = ratio > cap
+    if mode == "mask" and cap_low is not None:
+        clipped = clipped | (ratio < cap_low)
+    return clipped
