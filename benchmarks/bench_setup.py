@@ -214,6 +214,8 @@ def summarize_steps(records: list[dict], warmup: int, rows: int | None = None) -
         "phases_s": phases, "other_s": max(0.0, step_time - sum(v for k, v in phases.items() if "/" not in k)),
         "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),
         "completion_length": statistics.median(r["completion_length"] for r in steady),
+        # The sampler-trainer gap (|log pi_train - log pi_sampler| over the completion tokens), per engine
+        "gap": {k[len("gap/"):]: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("gap/")},
     }
     if rows is not None:
         out["completion_tokens_per_s"] = rows * out["completion_length"] / step_time

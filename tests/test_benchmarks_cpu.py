@@ -104,12 +104,13 @@ def test_summarize_steps_takes_medians_after_the_warmup_steps(bench_modules):
     bs, _ = bench_modules
     times = [9.0, 4.0, 1.0, 2.0, 1.5]
     records = [{"step": i + 1, "step_time": t, "time/generate": t / 2, "time/train": t / 4, "peak_mem_gib": 3.0 + i,
-                "completion_length": 512.0, "skipped": False} for i, t in enumerate(times)]
+                "completion_length": 512.0, "skipped": False, "gap/logp_abs_mean": t / 100} for i, t in enumerate(times)]
     s = bs.summarize_steps(records, warmup=2, rows=16)
     assert s["step_time_s"] == 1.5 and s["steady_steps"] == 3 and s["steps"] == 5
     assert s["phases_s"] == {"generate": 0.75, "train": 0.375}
     assert s["other_s"] == pytest.approx(1.5 - 0.75 - 0.375)
     assert s["peak_alloc_gib"] == 7.0  # the largest steady peak, not the median
+    assert s["gap"] == {"logp_abs_mean": 0.015}
     assert s["completion_tokens_per_s"] == pytest.approx(16 * 512 / 1.5)
     assert bs.summarize_steps(records[:1], warmup=2)["step_time_s"] == 9.0  # too few steps: the last one
     with pytest.raises(ValueError, match="no step records"):
