@@ -44,7 +44,7 @@ def test_trainer_state_json_keeps_its_keys_and_the_counters_round_trip(tmp_path)
                                                           "torch": torch.get_rng_state()}])
     assert path == tmp_path / "checkpoint-7"
     saved = json.loads((path / "trainer_state.json").read_text())
-    assert list(saved) == ["step", "stream", "nonfinite_in_row", "skipped_steps", "world_size"]
+    assert list(saved) == ["step", "stream", "nonfinite_in_row", "skipped_steps", "world_size", "run_id"]
     assert saved["stream"] == parts.stream.state_dict()
 
     fresh = _parts(seed=1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.runlog import MetricsLog, ProgressBar, StopOnCtrlC, step_line, step_record
+from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line, step_record
 from grpo.step import Scores, StepResult
 
 
@@ -72,7 +72,7 @@ def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts
     from rich.console import Console
 
     before = signal.getsignal(signal.SIGINT)
-    stop = StopOnCtrlC(Console(file=io.StringIO()))
+    stop = StopOnSignal(Console(file=io.StringIO()))
     try:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGINT)
