@@ -182,7 +182,7 @@ def save_checkpoint(out: Path, state: RunState, parts: Resumable, cfg: Config, r
                                        f"on that disk or make {out} writable (earlier checkpoints are "
                                        "untouched)") from err
         raise
-    shutil.rmtree(final, ignore_errors=True)
+    remove_checkpoint(final)  # saved again (the same step): the new one takes its place
     tmp.rename(final)  # a crash mid-save never leaves a half-written checkpoint under the final name
     sync_folder(out, files=False)
     prune_checkpoints(out, cfg.save_total_limit, state.run_id, keep_also=final)
@@ -244,7 +244,16 @@ def prune_checkpoints(out: Path, keep: int, run_id: str, keep_also: Path) -> Non
         return
     ours = [p for p in list_checkpoints(out) if p != keep_also and checkpoint_run_id(p) == run_id]
     for old in ours[:max(0, len(ours) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Renamed out of the checkpoints first, so a kill mid-delete leaves no half checkpoint under its name."""
+    if path.exists():
+        doomed = path.with_name(f"{TMP_PREFIX}{path.name[len(CHECKPOINT_PREFIX):]}-deleted")
+        shutil.rmtree(doomed, ignore_errors=True)
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save_from_every_rank(out: Path, state: RunState, parts: Resumable, cfg: Config, world: World) -> Path:

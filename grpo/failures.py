@@ -82,14 +82,15 @@ def describe(err: BaseException) -> str:
     return "; ".join([text, *notes])
 
 
-def report(err: BaseException, debug: bool = False, stream=None) -> int:
-    """Prints the one line for `err` (the traceback first when asked); returns the exit status 1."""
+def report(err: BaseException, debug: bool = False, message: str | None = None, stream=None) -> int:
+    """Prints the one line for `err`, or `message` in its place (the traceback first when asked);
+    returns the exit status 1."""
     stream = stream or sys.stderr
     if debug_requested(debug):
         traceback.print_exception(type(err), err, err.__traceback__, file=stream)
-    hint = "" if explained_by_grpo(err) or isinstance(err, OSError) or debug_requested(debug) else \
-        f" (--debug or {DEBUG_ENV}=1 shows where)"
-    print(f"error: {describe(err)}{hint}", file=stream)
+    explained = message is not None or explained_by_grpo(err) or isinstance(err, OSError) or debug_requested(debug)
+    hint = "" if explained else f" (--debug or {DEBUG_ENV}=1 shows where)"
+    print(f"error: {message or describe(err)}{hint}", file=stream)
     return 1
 
 

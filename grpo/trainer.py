@@ -186,6 +186,11 @@ def run(cfg: Config, world: World) -> Path:
             where = save_consistent_state(out, cfg, state, parts, in_flight, saved)
             console.print(f"[bold yellow]interrupted[/]: {where}")
         raise
+    except CheckpointWriteError as err:  # saving again would fail the same way
+        if world.is_main:
+            add_note(err, f"the last checkpoint is {saved}; continue with --resume latest" if saved is not None
+                     else "no checkpoint was saved")
+        raise
     except Exception as err:  # rank 0 saves what every rank agreed on: the others may not answer now
         progress.stop()
         if world.is_main:
