@@ -32,7 +32,7 @@ import torch
 from grpo.config import Config
 from grpo.data import PromptStream
 from grpo.distributed import World
-from grpo.failures import first_line, os_fault
+from grpo.failures import first_line, os_fault, write_failure
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}"  # a checkpoint being written; never read
@@ -143,8 +143,9 @@ def _claim(cfg: Config) -> Path | None:
         moved = aside_path(out)
         _write_or_explain(out, lambda: out.rename(moved))
     _write_or_explain(out, lambda: out.mkdir(parents=True, exist_ok=True))
-    for stale in out.glob(f"{TMP_PREFIX}*"):  # a save that a kill cut short
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in out.glob(".tmp-*"):  # a save or delete that a kill cut short
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     _write_or_explain(out, lambda: cfg.save(out))
     return moved
 
@@ -170,22 +171,36 @@ def save_checkpoint(out: Path, state: RunState, parts: Resumable, cfg: Config, r
     holds each rank's RNG state (only rank 0's when the others could not be asked, as on Ctrl-C).
     Raises CheckpointWriteError (one line: the path, why, the fix) when the write fails."""
     final = checkpoint_path(out, state.step)
-    tmp = out / f"{TMP_PREFIX}{state.step}"
+    publish_folder(final, out / f"{TMP_PREFIX}{state.step}",
+                   lambda folder: write_checkpoint_files(folder, state, parts, cfg, rngs), "checkpoint")
+    prune_checkpoints(out, cfg.save_total_limit, state.run_id, keep_also=final)
+    return final
+
+
+def save_adapter(policy, final: Path) -> Path:
+    """The run's final adapter (PEFT format), published as a checkpoint is: whole or not at all."""
+    return publish_folder(final, final.with_name(f".tmp-{final.name}"), policy.save_pretrained, "the adapter")
+
+
+def publish_folder(final: Path, tmp: Path, write, what: str) -> Path:
+    """`write(tmp)` fills a temporary folder, which is flushed to disk and renamed to `final` (an
+    older `final` is replaced). A failed write removes the temporary folder and raises
+    CheckpointWriteError: a crash or a full disk never leaves a half-written folder under `final`."""
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        write_checkpoint_files(tmp, state, parts, cfg, rngs)
+        write(tmp)
         sync_folder(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, Exception):
-            raise CheckpointWriteError(f"could not write checkpoint {final} ({write_failure(err)}); fix: free space "
-                                       f"on that disk or make {out} writable (earlier checkpoints are "
+            reason = write_failure(err) or first_line(str(err), 200) or type(err).__name__
+            raise CheckpointWriteError(f"could not write {what} {final} ({reason}); fix: free space on "
+                                       f"that disk or make {final.parent} writable (earlier checkpoints are "
                                        "untouched)") from err
         raise
-    remove_checkpoint(final)  # saved again (the same step): the new one takes its place
-    tmp.rename(final)  # a crash mid-save never leaves a half-written checkpoint under the final name
-    sync_folder(out, files=False)
-    prune_checkpoints(out, cfg.save_total_limit, state.run_id, keep_also=final)
+    remove_checkpoint(final)  # written again: the new one takes its place
+    tmp.rename(final)
+    sync_folder(final.parent, files=False)
     return final
 
 
@@ -200,16 +215,6 @@ def write_checkpoint_files(folder: Path, state: RunState, parts: Resumable, cfg:
                      "world_size": state.world_size, "run_id": state.run_id}
     (folder / "trainer_state.json").write_text(json.dumps(trainer_state))
     cfg.save(folder)
-
-
-def write_failure(err: Exception) -> str:
-    """Why a write failed, in words: torch.save on a full disk says only `enforce fail at inline_container`."""
-    if isinstance(err, OSError) and err.errno is not None:
-        return os_fault(err)[0]
-    text = first_line(str(err), 200)
-    if "inline_container" in text or "file write failed" in text:
-        return f"the write stopped short, as on a full disk: {text}"
-    return text or type(err).__name__
 
 
 def sync_folder(folder: Path, files: bool = True) -> None:
@@ -248,9 +253,9 @@ def prune_checkpoints(out: Path, keep: int, run_id: str, keep_also: Path) -> Non
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Renamed out of the checkpoints first, so a kill mid-delete leaves no half checkpoint under its name."""
+    """Renamed out of the way first, so a kill mid-delete leaves no half checkpoint under its name."""
     if path.exists():
-        doomed = path.with_name(f"{TMP_PREFIX}{path.name[len(CHECKPOINT_PREFIX):]}-deleted")
+        doomed = path.with_name(f".tmp-{path.name}-deleted")
         shutil.rmtree(doomed, ignore_errors=True)
         path.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)

@@ -3,6 +3,8 @@
 `Config` is the single source of every default. `parse_args` builds an argparse parser from the
 dataclass fields (kebab-case flags, grouped, each with its help text), applies a preset, then the
 flags the user gave. The whole `Config` is written to the output directory as `config.json`.
+Every numeric setting is checked when the `Config` is made (finite, in range, the flag named), so a
+bad flag is one line from the parser before any model loads or any file is written.
 This module does not load models or data; it only describes them.
 """
 
@@ -151,9 +153,12 @@ class Config:
                             "run")
     max_steps: int = _f(100, "Optimizer steps.", "run")
     seed: int = _f(3407, "Seed of data order, sampling and adapters.", "run")
-    output_dir: str = _f("outputs/run", "Where config, metrics, checkpoints and the adapter go.", "run")
-    save_steps: int = _f(50, "Checkpoint every N steps (0: only at the end and on Ctrl-C).", "run")
-    save_total_limit: int = _f(2, "Keep this many checkpoints (older ones are deleted).", "run")
+    output_dir: str = _f("outputs/run", "Where config, metrics, checkpoints and the adapter go: one run per folder (a "
+                          "folder holding another run is refused; see --resume and --overwrite).", "run")
+    save_steps: int = _f(50, "Checkpoint every N steps (0: only at the end, on a stop signal and after an error).",
+                         "run")
+    save_total_limit: int = _f(2, "Keep this many of this run's checkpoints (its older ones are deleted; 0 keeps "
+                                "all). Another run's checkpoints are never deleted.", "run")
     eval_steps: int = _f(0, "Evaluate on held-out prompts every N steps (0: before and after only if "
                          "--eval-size > 0).", "run")
     eval_size: int = _f(0, "Held-out prompts to evaluate (0: no eval).", "run")

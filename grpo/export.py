@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
     line (status 1)."""
     from grpo.config import OneLineParser
-    from grpo.failures import adapter_load_error, report
+    from grpo.failures import adapter_load_error, report, write_failure
 
     parser = OneLineParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         check_export_paths(args.adapter, args.out)
         paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8)
     except Exception as err:
-        return report(err, args.debug, adapter_load_error(err, args.adapter, args.model))
+        message = adapter_load_error(err, args.adapter, args.model)
+        short = None if isinstance(err, OSError) else write_failure(err)  # an OSError names its own path
+        if message is None and short is not None:
+            message = f"--out {args.out}: could not write the export ({short}); fix: free space there or another --out"
+        return report(err, args.debug, message)
     print(f"adapter: {paths['adapter']}\nmerged:  {paths['merged']}")
     return 0
 

@@ -102,7 +102,20 @@ def adapter_load_error(err: BaseException, adapter: object, model: str) -> str |
         detail = next((ln.strip() for ln in text.splitlines() if "size mismatch" in ln), "")
         return (f"--adapter {adapter} does not fit --model {model} ({first_line(detail, 240)}); fix: pass the base "
                 "model the adapter was trained on (adapter_config.json names it as base_model_name_or_path)")
-    if type(err).__name__ == "SafetensorError":
+    if type(err).__name__ == "SafetensorError" and "deserializ" in text:
         return (f"--adapter {adapter}: adapter_model.safetensors is unreadable ({first_line(text)}); fix: use an "
                 "intact copy, e.g. a checkpoint-N folder of the run")
+    return None
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why a write failed, in words, when `err` is a failed write: an OSError, or a serializer's error
+    (torch.save on a full disk says only `enforce fail at inline_container`); None for anything else."""
+    text = first_line(str(err), 200)
+    if isinstance(err, OSError) and err.errno is not None:
+        return os_fault(err)[0]
+    if "inline_container" in text or "file write failed" in text:
+        return f"the write stopped short, as on a full disk: {text}"
+    if type(err).__name__ == "SafetensorError" and "serializ" in text and "deserializ" not in text:
+        return f"the write stopped short: {text}"
     return None

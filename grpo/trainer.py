@@ -3,9 +3,15 @@
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
 `run()` from its first line to its last to know what a run does; each phase it calls lives in its own
 room: one GRPO step in `grpo.step` (sample, score, advantages, loss passes, optimizer), checkpoints in
-`grpo.checkpoint`, metrics, progress, clocks and Ctrl-C in `grpo.runlog`, held-out accuracy in
+`grpo.checkpoint`, metrics, progress, clocks and signals in `grpo.runlog`, held-out accuracy in
 `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler is any `Engine`, and what the loop
 must know of it the engine says itself; the model is the PeftModel that `grpo.model` loads.
+
+Every stop saves. The output folder is claimed before anything is written (one run per folder). A
+first Ctrl-C, SIGTERM or SIGHUP finishes the step in flight and saves it; a second one, or any error,
+saves the last consistent state: the finished step's between steps, or the state before the step in
+flight (its stream position and RNG states, snapshotted when it began) if no optimizer update has
+happened in it yet. The error then carries a note saying where the run can continue.
 
 Under `torchrun --nproc-per-node N` every rank runs the same loop on its own P prompts (a step trains
 on N*P*G completions): the ranks meet in `grpo.distributed` to gather rewards, count tokens and sum
@@ -25,7 +31,8 @@ import torch
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
-                             new_run_id, resume_checkpoint, rng_state, save_checkpoint, save_from_every_rank)
+                             new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
+                             save_from_every_rank)
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
@@ -179,7 +186,7 @@ def run(cfg: Config, world: World) -> Path:
         held_out_eval(setup, eval_prompts, state.step, console, log)
         final = out / "adapter"
         if world.is_main:
-            policy.save_pretrained(final)
+            save_adapter(policy, final)
     except KeyboardInterrupt:  # a second signal (or Ctrl-C outside the loop): keep what is consistent
         progress.stop()
         if world.is_main:

@@ -419,7 +419,7 @@ def test_sigkill_at_random_moments_of_checkpoint_writes_and_appends_always_leave
     # its step, no step already saved was lost, and metrics.jsonl reads back as steps 1..latest.
     assert kill_results["kills"] >= 50 and kill_results["failures"] == [], kill_results["failures"][:5]
     assert kill_results["mid_checkpoint"] >= 10, kill_results  # the kills did land inside writes
-    assert kill_results["final_step"] >= kill_results["kills"] // 2  # the runs kept moving on
+    assert kill_results["final_step"] >= 10  # the writers got on: kills landed in late steps too
 
 
 def test_a_training_run_killed_mid_checkpoint_resumes_to_the_uninterrupted_runs_adapter(
@@ -489,15 +489,22 @@ def _check_after_kill(out: Path, saved_before: int, parts) -> tuple[int, list[st
     return state.step, problems
 
 
-def _warm_up(folder: Path, parts) -> None:
-    """One save and load before forking, so that no child spends its life on first-call set-up."""
+def _warm_up(folder: Path, parts) -> float:
+    """Saves and loads before forking, so that no child spends its life on first-call set-up; returns
+    the seconds a save and a load take here (the kills are timed by it, whatever the machine's speed)."""
+    import time
+
     from grpo.checkpoint import RunState, load_checkpoint, rng_state, save_checkpoint
     from grpo.config import Config
     from grpo.distributed import World
 
     folder.mkdir()
     load_checkpoint(save_checkpoint(folder, RunState(step=1), parts, Config(), [rng_state()]), parts, World())
+    start = time.perf_counter()
+    for step in (2, 3, 4):
+        load_checkpoint(save_checkpoint(folder, RunState(step=step), parts, Config(), [rng_state()]), parts, World())
     shutil.rmtree(folder)
+    return (time.perf_counter() - start) / 3
 
 
 def _kill_loop(work: Path, kills: int) -> dict:
@@ -510,7 +517,7 @@ def _kill_loop(work: Path, kills: int) -> dict:
     out.mkdir()
     rng = random.Random(1234)
     writer_parts, checker_parts = _parts(), _parts(seed=1)
-    _warm_up(work / "warm-up", writer_parts)
+    step_time = _warm_up(work / "warm-up", writer_parts)
     saved, failures, mid_checkpoint = 0, [], 0
     for k in range(kills):
         pid = os.fork()
@@ -519,7 +526,7 @@ def _kill_loop(work: Path, kills: int) -> dict:
                 _write_steps_forever(out, writer_parts)
             finally:
                 os._exit(1)
-        time.sleep(rng.random() * 0.25)  # anywhere in the child's start-up or its first few steps
+        time.sleep(rng.random() * 3 * step_time)  # anywhere in the child's start-up or its first steps
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         mid_checkpoint += any(out.glob(".tmp-checkpoint-*"))
