@@ -95,6 +95,7 @@ def checkpoint_path(out: Path, step: int) -> Path:
 # --------------------------------------------------------------------------------------------------
 def aside_path(out: Path) -> Path:
     """OUTPUT_DIR.old-N for the first N not taken: where --overwrite moves an older run."""
+    out = out if out.name else out.resolve()  # "." has no name to add to
     n = 1
     while out.with_name(f"{out.name}.old-{n}").exists():
         n += 1
@@ -103,17 +104,18 @@ def aside_path(out: Path) -> Path:
 
 def claim_output_dir(cfg: Config, world: World) -> Path | None:
     """Every rank calls this before anything is written: rank 0 makes --output-dir ready for the run
-    and writes config.json; every rank raises OutputDirError if it could not. Returns where
-    --overwrite moved an older run, or None."""
+    and writes config.json; every rank raises rank 0's error if it could not (OutputDirError, or
+    FileNotFoundError for a --resume with nothing to resume). Returns where --overwrite moved an
+    older run, or None."""
     problem = moved = None
     if world.is_main:
         try:
             moved = _claim(cfg)
-        except OutputDirError as err:
-            problem = str(err)
+        except Exception as err:  # every rank raises it, rather than wait for rank 0 forever
+            problem = err
     problem = world.gather_objects(problem)[0]
     if problem is not None:
-        raise OutputDirError(problem)
+        raise problem
     return moved
 
 

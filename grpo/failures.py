@@ -58,11 +58,10 @@ def os_fault(err: OSError) -> tuple[str, str]:
                                       "check the path and retry"))
 
 
-def describe_os_error(err: OSError, path: object = None) -> str:
-    """`path: what happened; fix: ...` for an OSError (`path` when the error does not carry one)."""
-    where = err.filename if err.filename is not None else path
+def describe_os_error(err: OSError) -> str:
+    """`path: what happened; fix: ...` for an OSError."""
     meaning, fix = os_fault(err)
-    return f"{where}: {meaning}; fix: {fix}" if where is not None else f"{meaning}; fix: {fix}"
+    return f"{err.filename}: {meaning}; fix: {fix}" if err.filename is not None else f"{meaning}; fix: {fix}"
 
 
 def explained_by_grpo(err: BaseException) -> bool:

@@ -188,9 +188,9 @@ def run(cfg: Config, world: World) -> Path:
         if world.is_main:
             save_adapter(policy, final)
     except KeyboardInterrupt:  # a second signal (or Ctrl-C outside the loop): keep what is consistent
-        progress.stop()
-        if world.is_main:
+        if world.is_main:  # saved first: after SIGHUP even printing may fail
             where = save_consistent_state(out, cfg, state, parts, in_flight, saved)
+            progress.stop()
             console.print(f"[bold yellow]interrupted[/]: {where}")
         raise
     except CheckpointWriteError as err:  # saving again would fail the same way
@@ -199,7 +199,6 @@ def run(cfg: Config, world: World) -> Path:
                      else "no checkpoint was saved")
         raise
     except Exception as err:  # rank 0 saves what every rank agreed on: the others may not answer now
-        progress.stop()
         if world.is_main:
             add_note(err, save_consistent_state(out, cfg, state, parts, in_flight, saved))
         raise
