@@ -1,22 +1,26 @@
-"""GRPO with rsLoRA adapters: `python train.py --help` lists every flag, grouped, with its default."""
+"""GRPO with rsLoRA adapters: `python train.py --help` lists every flag, grouped, with its default.
 
-import sys
+Exit status: 0 done; 1 an error, told in one line (`--debug` or GRPO_DEBUG=1 adds the traceback);
+2 a flag refused; 128 + the signal after Ctrl-C (130), SIGTERM (143) or SIGHUP (129), having saved.
+"""
+
+import signal
 
 from grpo.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    from grpo.rewards import RewardError  # heavy imports after --help and flag errors
-    from grpo.trainer import NonFiniteLoss, train
-
     try:
+        from grpo.trainer import train  # heavy imports after --help and flag errors
+
         train(cfg)
-    except KeyboardInterrupt:
-        return 130
-    except (FileNotFoundError, ValueError, ImportError, NonFiniteLoss, RewardError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt as stop:  # grpo.runlog.Stopped carries the signal; a plain one is Ctrl-C's
+        return 128 + getattr(stop, "signum", signal.SIGINT)
+    except Exception as err:
+        from grpo.failures import report
+
+        return report(err, cfg.debug)
     return 0
 
 

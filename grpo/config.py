@@ -3,6 +3,8 @@
 `Config` is the single source of every default. `parse_args` builds an argparse parser from the
 dataclass fields (kebab-case flags, grouped, each with its help text), applies a preset, then the
 flags the user gave. The whole `Config` is written to the output directory as `config.json`.
+Every numeric setting is checked when the `Config` is made (finite, in range, the flag named), so a
+bad flag is one line from the parser before any model loads or any file is written.
 This module does not load models or data; it only describes them.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,9 +166,12 @@ class Config:
                             "run")
     max_steps: int = _f(100, "Optimizer steps.", "run")
     seed: int = _f(3407, "Seed of data order, sampling and adapters.", "run")
-    output_dir: str = _f("outputs/run", "Where config, metrics, checkpoints and the adapter go.", "run")
-    save_steps: int = _f(50, "Checkpoint every N steps (0: only at the end and on Ctrl-C).", "run")
-    save_total_limit: int = _f(2, "Keep this many checkpoints (older ones are deleted).", "run")
+    output_dir: str = _f("outputs/run", "Where config, metrics, checkpoints and the adapter go: one run per folder (a "
+                          "folder holding another run is refused; see --resume and --overwrite).", "run")
+    save_steps: int = _f(50, "Checkpoint every N steps (0: only at the end, on a stop signal and after an error).",
+                         "run")
+    save_total_limit: int = _f(2, "Keep this many of this run's checkpoints (its older ones are deleted; 0 keeps "
+                                "all). Another run's checkpoints are never deleted.", "run")
     eval_steps: int = _f(0, "Evaluate on held-out prompts every N steps (0: before and after only if "
                          "--eval-size > 0).", "run")
     eval_size: int = _f(0, "Held-out prompts to evaluate (0: no eval).", "run")
@@ -174,17 +181,47 @@ class Config:
                         choices=["none", "tensorboard", "wandb"])
     log_completions_steps: int = _f(10, "Print a few sample completions every N steps (0: never).", "run")
     max_nonfinite_steps: int = _f(3, "Stop after this many non-finite losses in a row.", "run")
+    overwrite: bool = _f(False, "Start afresh in an --output-dir that already holds a run: the old run is moved "
+                         "aside to OUTPUT_DIR.old-N (never deleted). Without it such a folder is refused.", "run",
+                         nargs="?", const=True)
+    debug: bool = _f(False, "On an error, show the full traceback before the one-line message (also GRPO_DEBUG=1).",
+                     "run", nargs="?", const=True)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # NaN and inf pass every comparison below unnoticed
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{flag(f.name)} {value}: must be a finite number")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Every numeric flag in its range, named in the message; cross-flag rules after."""
+        at_least = {"lora_rank": 1, "lora_alpha": 1, "max_seq_length": 2, "max_prompt_length": 1,
+                    "num_train_examples": 1, "prompts_per_step": 1, "micro_batch_size": 1, "num_iterations": 1,
+                    "max_completion_length": 1, "max_steps": 1, "max_nonfinite_steps": 1, "top_k": 0,
+                    "save_steps": 0, "save_total_limit": 0, "eval_steps": 0, "eval_size": 0, "eval_samples": 0,
+                    "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0,
+                    "beta": 0.0, "cispo_eps_low": 0.0, "cispo_eps_high": 0.0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{flag(name)} {value}: must be {low:g} or more")
+        within = {"lora_dropout": (0.0, 1.0), "adam_beta1": (0.0, 1.0), "adam_beta2": (0.0, 1.0),
+                  "warmup_ratio": (0.0, 1.0), "min_p": (0.0, 1.0)}
+        for name, (low, high) in within.items():
+            value = getattr(self, name)
+            if not low <= value < high:
+                raise ValueError(f"{flag(name)} {value}: must be in [{low:g}, {high:g})")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning-rate {self.learning_rate}: must be above 0 (the recipe's is 5e-6)")
+        if self.seed >= 2**32:
+            raise ValueError(f"--seed {self.seed}: must be below 2**32")
+        if self.overwrite and self.resume is not None:
+            raise ValueError(f"--overwrite moves the run in --output-dir aside, --resume {self.resume} continues "
+                             "it: pass one of them")
         if self.num_generations < 2:
             raise ValueError(f"--num-generations {self.num_generations}: GRPO needs at least 2 completions "
                              "per prompt to compare; use 2 or more")
-        if self.prompts_per_step < 1:
-            raise ValueError(f"--prompts-per-step {self.prompts_per_step}: use 1 or more")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"--micro-batch-size {self.micro_batch_size}: use 1 or more")
-        if self.num_iterations < 1:
-            raise ValueError(f"--num-iterations {self.num_iterations}: use 1 or more")
         if not 0.0 < self.epsilon < 1.0:
             raise ValueError(f"--epsilon {self.epsilon}: the clip range must be in (0, 1); 0.2 is the recipe's")
         if self.epsilon_high is not None and self.epsilon_high <= 0:
@@ -195,18 +232,11 @@ class Config:
         if self.delta is not None and self.loss_type != "clip":
             raise ValueError(f"--delta {self.delta} caps the ratio of --loss-type clip; --loss-type {self.loss_type} "
                              "has no unclipped ratio to cap: drop --delta")
-        if self.cispo_eps_low < 0 or self.cispo_eps_high < 0:
-            raise ValueError(f"--cispo-eps-low {self.cispo_eps_low} / --cispo-eps-high {self.cispo_eps_high}: "
-                             "must be 0 or more")
         if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
             raise ValueError(f"--sapo-tau-pos {self.sapo_tau_pos} / --sapo-tau-neg {self.sapo_tau_neg}: must be "
                              "above 0 (the paper's are 1.0 and 1.05)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]; 1 switches it off")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"--min-p {self.min_p}: must be in [0, 1); 0 switches it off")
-        if self.top_k < 0:
-            raise ValueError(f"--top-k {self.top_k}: use 0 (off) or more")
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
                              "completion at once; remove it")
@@ -216,10 +246,6 @@ class Config:
             raise ValueError(f"--gap-warn {self.gap_warn}: must be 0 or more (0 shows the gap every step)")
         if self.is_cap <= 1.0:
             raise ValueError(f"--is-cap {self.is_cap}: the importance-weight cap must exceed 1; 2 is usual")
-        if self.eval_size < 0 or self.eval_samples < 0 or self.eval_steps < 0 or self.save_steps < 0:
-            raise ValueError("--eval-size, --eval-samples, --eval-steps and --save-steps must be 0 or more")
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"--max-completion-length {self.max_completion_length}: use 1 or more")
         if (self.max_prompt_length is not None and self.max_completion_length is not None
                 and self.max_prompt_length + self.max_completion_length > self.max_seq_length):
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} + --max-completion-length "
@@ -228,14 +254,6 @@ class Config:
         if self.temperature <= 0:
             raise ValueError(f"--temperature {self.temperature}: GRPO samples G different completions per prompt; "
                              "use a temperature above 0 (1.0 is the recipe's)")
-        if self.beta < 0:
-            raise ValueError(f"--beta {self.beta}: the KL coefficient must be >= 0")
-        if self.max_steps < 1:
-            raise ValueError(f"--max-steps {self.max_steps}: use 1 or more")
-        if self.lora_rank < 1:
-            raise ValueError(f"--lora-rank {self.lora_rank}: use 1 or more")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"--warmup-ratio {self.warmup_ratio}: must be in [0, 1)")
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
                              f"within --max-seq-length {self.max_seq_length}")
@@ -249,9 +267,10 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def save(self, directory: str | Path) -> Path:
+        """config.json in `directory`, written whole or not at all (a temporary file, then renamed)."""
         path = Path(directory) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() + "\n")
+        write_atomically(path, (self.to_json() + "\n").encode())
         return path
 
     @classmethod
@@ -260,6 +279,25 @@ class Config:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
         return cls(**kwargs)
+
+
+def flag(field_name: str) -> str:
+    """The command-line flag of a Config field: learning_rate -> --learning-rate."""
+    return "--" + field_name.replace("_", "-")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or keeps what it held: written beside it, flushed to disk, renamed over it."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 # Presets: named starting points; any flag the user gives overrides them.
@@ -305,8 +343,15 @@ def _optional(kind: type):
     return parse
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line with a pointer to --help, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="train.py",
         description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference "
                     "recipe; a --preset changes the defaults, flags override the preset.",
@@ -318,7 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         group_name = meta.pop("group")
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
-        flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = dict(help=meta.pop("help"), default=argparse.SUPPRESS, dest=f.name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         annotation = str(f.type)
@@ -334,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(type=float)
         kwargs.update(meta)
         kwargs["help"] += f" (default: {default if not isinstance(default, tuple) else ' '.join(default) or 'none'})"
-        group.add_argument(flag, **kwargs)
+        group.add_argument(flag(f.name), **kwargs)
     return parser
 
 

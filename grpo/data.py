@@ -362,6 +362,9 @@ def load_jsonl(path: str | Path) -> list[Example]:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: a {type(row).__name__}, not a JSON object; fix: one "
                                  "object with 'question' and 'answer' per line")
+            if "answer" in row and row["answer"] is None:
+                raise ValueError(f"{path}:{lineno}: 'answer' is null; fix: give every line its reference answer "
+                                 "as a string or a number (or drop the line)")
             missing = [k for k in ("question", "answer") if row.get(k) is None or str(row[k]).strip() == ""]
             if missing:
                 raise ValueError(f"{path}:{lineno}: no {' and no '.join(repr(k) for k in missing)} field; "

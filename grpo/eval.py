@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 
@@ -77,15 +78,11 @@ def log_eval(console, log, step: int, result: dict[str, float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
+    """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
+    from grpo.config import OneLineParser
+    from grpo.failures import adapter_load_error, report
 
-    from grpo import data as grpo_data
-    from grpo.config import Config
-    from grpo.model import default_device, load_base_model, load_tokenizer
-    from grpo.rollout import build_engine
-    from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-
-    parser = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Base model: local folder, hub id or smollm2-135m-instruct.")
     parser.add_argument("--adapter", default=None, help="A PEFT adapter folder to apply (default: the base model).")
     parser.add_argument("--dataset", default="arithmetic", help="Dataset whose held-out split is used.")
@@ -101,17 +98,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", nargs="*", default=[], help="Stop strings, as train.py's --stop (the "
                         "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
     parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
+    parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
     args = parser.parse_args(argv)
     if any(not text for text in args.stop):
         parser.error("--stop: an empty stop string would end every completion at once; remove it")
+    problem = eval_flag_problem(args)
+    if problem:
+        parser.error(problem)
+    try:
+        result = evaluate_from_flags(args)
+    except Exception as err:
+        return report(err, args.debug, adapter_load_error(err, args.adapter, args.model))
+    json.dump(result, sys.stdout)
+    print()
+    return 0
+
+
+def eval_flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a numeric flag of `python -m grpo.eval`, naming it; None when nothing."""
+    at_least = {"--eval-size": (args.eval_size, 1), "--samples": (args.samples, 0), "--seed": (args.seed, 0),
+                "--max-completion-length": (args.max_completion_length, 1),
+                "--max-prompt-length": (args.max_prompt_length, 1)}
+    for name, (value, low) in at_least.items():
+        if value < low:
+            return f"{name} {value}: must be {low} or more"
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature {args.temperature}: must be a finite number, 0 or more"
+    if not (math.isfinite(args.min_p) and 0 <= args.min_p < 1):
+        return f"--min-p {args.min_p}: must be in [0, 1)"
+    return None
+
+
+def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
+    from rich.console import Console
+
+    from grpo import data as grpo_data
+    from grpo.config import Config
+    from grpo.export import find_adapter
+    from grpo.model import default_device, load_base_model, load_tokenizer
+    from grpo.rollout import build_engine
+    from grpo.rollout.stops import stop_string_sequences, stop_token_ids
+
+    adapter = find_adapter(args.adapter) if args.adapter else None  # before the model loads
     cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
     base, model_dir = load_base_model(cfg, default_device())
     tokenizer = load_tokenizer(model_dir)
     policy = base
-    if args.adapter:  # with its own saved settings (rank, targets), whatever they are
+    if adapter is not None:  # with its own saved settings (rank, targets), whatever they are
         from peft import PeftModel
 
-        policy = PeftModel.from_pretrained(base, args.adapter)
+        policy = PeftModel.from_pretrained(base, adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
     prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length)
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
@@ -122,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         stop_sequences=stop_string_sequences(tokenizer, args.stop))
     result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed)
     Console(stderr=True).print(result)
-    json.dump(result, sys.stdout)
-    print()
-    return 0
+    return result
 
 
 if __name__ == "__main__":

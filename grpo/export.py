@@ -126,7 +126,12 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
+    """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
+    line (status 1)."""
+    from grpo.config import OneLineParser
+    from grpo.failures import adapter_load_error, report, write_failure
+
+    parser = OneLineParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="The base the adapter was trained on: local folder, hub id or smollm2-135m-instruct.")
     parser.add_argument("--adapter", required=True,
@@ -135,10 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the merged model.")
     parser.add_argument("--load-in-fp8", action="store_true",
                         help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
+    parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
     args = parser.parse_args(argv)
-    paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8)
+    try:
+        check_export_paths(args.adapter, args.out)
+        paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8)
+    except Exception as err:
+        message = adapter_load_error(err, args.adapter, args.model)
+        short = None if isinstance(err, OSError) else write_failure(err)  # an OSError names its own path
+        if message is None and short is not None:
+            message = f"--out {args.out}: could not write the export ({short}); fix: free space there or another --out"
+        return report(err, args.debug, message)
     print(f"adapter: {paths['adapter']}\nmerged:  {paths['merged']}")
     return 0
+
+
+def check_export_paths(adapter: str, out: str) -> None:
+    """Before anything loads or is written: the adapter reads back whole and --out can be a folder."""
+    from safetensors.torch import load_file
+
+    load_file(find_adapter(adapter) / "adapter_model.safetensors")  # a truncated file fails here, not mid-export
+    taken = next((p for p in (Path(out), *Path(out).parents) if p.exists()), None)
+    if taken is not None and not taken.is_dir():
+        raise ValueError(f"--out {out}: {taken} is a file, not a folder; fix: pass a folder path")
 
 
 if __name__ == "__main__":

@@ -1,39 +1,51 @@
 """What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the step
 record and its one-line summary, the progress bar, the clock that charges each phase with its own GPU
-work, peak memory, and the Ctrl-C handler that lets a step finish before the run stops.
+work, peak memory, and the handler of Ctrl-C, SIGTERM and SIGHUP that lets a step finish before the
+run stops.
+
+metrics.jsonl takes one whole line per record, in one write that is flushed to disk; a line cut short
+(a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file.
 
 What it deliberately is not: a callback system. The loop in `grpo.trainer.run` calls these
-explicitly; nothing here decides what the run does next (a Ctrl-C only sets a flag the loop reads).
+explicitly; nothing here decides what the run does next (a signal only sets a flag the loop reads).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from grpo.config import Config
+from grpo.config import Config, write_atomically
 from grpo.step import StepResult
 
 
 class MetricsLog:
-    """metrics.jsonl in the output directory, plus tensorboard or wandb when asked."""
+    """metrics.jsonl in the output directory, plus tensorboard or wandb when asked. `note` says what
+    opening it repaired (lines cut short by a kill), for the run to print; None when nothing."""
 
     def __init__(self, out: Path, cfg: Config, resumed_step: int):
         self.path = out / "metrics.jsonl"
+        self.note = None
         if resumed_step == 0 and self.path.exists():
             self.path.unlink()
         elif resumed_step > 0 and self.path.exists():  # drop records past the checkpoint we resume from
-            lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
-            kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= resumed_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            text = self.path.read_text(encoding="utf-8", errors="replace")
+            records, torn = read_records(text)
+            kept = [ln for ln, record in records if record.get("step", 0) <= resumed_step]
+            if torn:
+                self.note = f"{self.path}: dropped {torn} line(s) cut short by an earlier stop"
+            if torn or len(kept) < len(records) or not text.endswith("\n"):
+                write_atomically(self.path, "".join(ln + "\n" for ln in kept).encode())
         self.tb = self.wandb = None
         if cfg.report_to == "tensorboard":
             try:
@@ -49,8 +61,16 @@ class MetricsLog:
             self.wandb = wandb.init(config=json.loads(cfg.to_json()), dir=str(out), resume="allow")
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        """Appends the record as one line, in one write, flushed to disk before returning."""
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):  # only a full disk cuts a small write short; the next open drops it
+                raise OSError(28, "No space left on device (a metrics line was cut short)", str(self.path))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
@@ -67,6 +87,24 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
+    """([(line, record)], how many lines were dropped) for metrics.jsonl's text: blank lines are
+    skipped, a line that is not a whole JSON object (one cut short by a kill) is dropped."""
+    records, dropped = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append((line, record))
+        else:
+            dropped += 1
+    return records, dropped
 
 
 def step_record(step: int, result: StepResult, lr: float, step_time: float, peak_mem_gib: float) -> dict:
@@ -164,27 +202,48 @@ def synced_clock(device: torch.device) -> Callable[[], float]:
     return now
 
 
-class StopOnCtrlC:
-    """The first Ctrl-C asks the loop to finish the step in flight, save and stop; the second stops at once.
+class Stopped(KeyboardInterrupt):
+    """The run stopped on a signal; a command exits with 128 + `signum` (130 for Ctrl-C, 143 for SIGTERM)."""
 
-    Finishing the step keeps a checkpoint exact: resuming from it continues as if never stopped.
-    Only the main thread can own the handler; elsewhere Ctrl-C keeps Python's default behaviour.
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class StopOnSignal:
+    """The first Ctrl-C, SIGTERM or SIGHUP asks the loop to finish the step in flight, save and stop;
+    a second one raises `Stopped` at once.
+
+    Schedulers (Slurm, Kubernetes), `timeout` and a closed terminal send SIGTERM or SIGHUP rather than
+    Ctrl-C's SIGINT; all three mean the same here. Finishing the step keeps a checkpoint exact:
+    resuming from it continues as if never stopped. Only the main thread can own the handlers;
+    elsewhere the signals keep their default behaviour.
     """
 
     def __init__(self, console):
         self.requested = False
+        self.signum: int | None = None  # the first signal
         self.console = console
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            raise KeyboardInterrupt
+            raise Stopped(signum)
         self.requested = True
-        self.console.print("[bold yellow]Ctrl-C[/]: finishing this step, then saving (Ctrl-C again to stop now)")
+        self.signum = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        try:  # after SIGHUP the terminal may be gone: the message is not worth an error here
+            self.console.print(f"[bold yellow]{name}[/]: finishing this step, then saving (again to stop now)")
+        except OSError:
+            pass
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}

@@ -156,10 +156,12 @@ class StepSetup:
 
 @dataclass
 class InFlight:
-    """The step being run, as a second Ctrl-C finds it: where the prompt stream stood before it, and
-    whether an optimizer step has already changed the adapters (then its state before is gone)."""
+    """The step being run, as a second Ctrl-C or an error finds it: where the prompt stream stood
+    before it and the RNG states then, and whether an optimizer step has already changed the adapters
+    (then its state before is gone)."""
 
     stream_at_start: dict
+    rng_at_start: dict = dataclasses.field(default_factory=dict)
     updated: bool = False
 
 

@@ -3,9 +3,15 @@
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
 `run()` from its first line to its last to know what a run does; each phase it calls lives in its own
 room: one GRPO step in `grpo.step` (sample, score, advantages, loss passes, optimizer), checkpoints in
-`grpo.checkpoint`, metrics, progress, clocks and Ctrl-C in `grpo.runlog`, held-out accuracy in
+`grpo.checkpoint`, metrics, progress, clocks and signals in `grpo.runlog`, held-out accuracy in
 `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler is any `Engine`, and what the loop
 must know of it the engine says itself; the model is the PeftModel that `grpo.model` loads.
+
+Every stop saves. The output folder is claimed before anything is written (one run per folder). A
+first Ctrl-C, SIGTERM or SIGHUP finishes the step in flight and saves it; a second one, or any error,
+saves the last consistent state: the finished step's between steps, or the state before the step in
+flight (its stream position and RNG states, snapshotted when it began) if no optimizer update has
+happened in it yet. The error then carries a note saying where the run can continue.
 
 Under `torchrun --nproc-per-node N` every rank runs the same loop on its own P prompts (a step trains
 on N*P*G completions): the ranks meet in `grpo.distributed` to gather rewards, count tokens and sum
@@ -16,6 +22,7 @@ N*P prompts per step sees the same prompts and takes the same steps.
 from __future__ import annotations
 
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -23,16 +30,18 @@ import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
-from grpo.checkpoint import (Resumable, RunState, find_checkpoint, load_checkpoint, rng_state, save_checkpoint,
+from grpo.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
+                             new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
                              save_from_every_rank)
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
+from grpo.failures import add_note, describe
 from grpo.model import default_device, load_policy, model_summary
 from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-from grpo.runlog import (MetricsLog, ProgressBar, StopOnCtrlC, peak_memory_gib, print_completions, reset_peak_memory,
-                         step_line, step_record, synced_clock)
+from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
+                         reset_peak_memory, step_line, step_record, synced_clock)
 from grpo.step import InFlight, StepSetup, grpo_step, make_optimizer, make_scheduler
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
@@ -58,9 +67,9 @@ def run(cfg: Config, world: World) -> Path:
 
     console = Console(quiet=not world.is_main)  # rank 0 prints for all
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if world.is_main:
-        cfg.save(out)
+    moved = claim_output_dir(cfg, world)  # one run per folder: refused before anything is written
+    if moved is not None:
+        console.print(f"--overwrite: the previous run in {out} is now in {moved}")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = default_device()
@@ -95,11 +104,13 @@ def run(cfg: Config, world: World) -> Path:
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
     stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
     parts = Resumable(policy, optimizer, scheduler, stream)
-    state = RunState(world_size=world.size)
+    state = RunState(world_size=world.size, run_id=world.gather_objects(new_run_id())[0])
+    saved: Path | None = None  # the checkpoint that holds the run as it stands, if any
     if cfg.resume:
-        ckpt = find_checkpoint(cfg.resume, out)
-        state = load_checkpoint(ckpt, parts, world)
-        console.print(f"[bold]resumed[/] from {ckpt} at step {state.step}")
+        saved, state, notes = resume_checkpoint(cfg.resume, out, parts, world)
+        for note in notes:
+            console.print(f"[yellow]{note}[/]")
+        console.print(f"[bold]resumed[/] from {saved} at step {state.step}")
     summary = model_summary(policy)
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
     kept = " (kept between steps)" if keep_engine else ""
@@ -111,38 +122,38 @@ def run(cfg: Config, world: World) -> Path:
                       tokenizer=tokenizer, engine=engine, keep_engine=keep_engine, sampling=sampling, prompts=prompts,
                       stream=stream, reward_funcs=reward_funcs, clock=synced_clock(device))
 
-    # The loop. Opened here, closed in the `finally`: the log, the progress bar, the Ctrl-C handler.
+    # The loop. Opened here, closed in the `finally`: the log, the progress bar, the signal handlers.
     log = MetricsLog(out, cfg, state.step) if world.is_main else None
+    if log is not None and log.note:
+        console.print(f"[yellow]{log.note}[/]")
     progress = ProgressBar(console, cfg.max_steps, state.step)
-    stop: StopOnCtrlC | None = None
-    in_flight: InFlight | None = None  # the step a second Ctrl-C would interrupt
-    stopped = False  # a first Ctrl-C: the step in flight finished, then the run stops
+    stop: StopOnSignal | None = None
+    in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
+    stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
     try:
         if state.step == 0 and cfg.eval_size > 0:
             held_out_eval(setup, eval_prompts, 0, console, log)
         progress.start()
-        stop = StopOnCtrlC(console)
+        stop = StopOnSignal(console)
         while state.step < cfg.max_steps:
             t_step = time.perf_counter()
             reset_peak_memory(device)
-            in_flight = InFlight(stream_at_start=stream.state_dict())
+            in_flight = InFlight(stream_at_start=stream.state_dict(), rng_at_start=rng_state())
             result = grpo_step(setup, state.step, in_flight)
-
-            # Counters. A skipped step changes nothing (with mu > 1, passes before the bad one did update).
-            give_up: NonFiniteLoss | None = None
-            if result.skipped:
-                state.nonfinite_in_row += 1
-                state.skipped_steps += 1
-                console.print(f"[yellow]step {state.step + 1}: non-finite loss or gradient, step skipped "
-                              f"({state.nonfinite_in_row} in a row)[/]")
-                if state.nonfinite_in_row >= cfg.max_nonfinite_steps:  # saved now, raised once logged
-                    path = save_from_every_rank(out, state, parts, cfg, world)
-                    give_up = NonFiniteLoss(f"{state.nonfinite_in_row} non-finite steps in a row; stopped with "
-                                            f"the last good state in {path} (try a lower --learning-rate)")
-            else:
-                state.nonfinite_in_row = 0
             scheduler.step()
             state.step += 1
+            in_flight = None  # from here the run's state is the finished step's
+
+            # Counters. A skipped step changes nothing (with mu > 1, passes before the bad one did update).
+            state.nonfinite_in_row = state.nonfinite_in_row + 1 if result.skipped else 0
+            state.skipped_steps += int(result.skipped)
+            give_up: NonFiniteLoss | None = None
+            if result.skipped:
+                console.print(f"[yellow]step {state.step}: non-finite loss or gradient, step skipped "
+                              f"({state.nonfinite_in_row} in a row)[/]")
+                if state.nonfinite_in_row >= cfg.max_nonfinite_steps:  # raised once logged and saved
+                    give_up = NonFiniteLoss(f"{state.nonfinite_in_row} non-finite steps in a row; stopped "
+                                            "(try a lower --learning-rate)")
 
             # Log: the batch of all ranks; time and memory are this rank's.
             record = step_record(state.step, result, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
@@ -152,35 +163,44 @@ def run(cfg: Config, world: World) -> Path:
             line = step_line(record, cfg.gap_warn)
             progress.update(state.step, line)
             console.print(f"step {state.step:>4}/{cfg.max_steps} | {line}")
-            if give_up is not None:
+            if give_up is not None:  # every rank gives up after the same step: save with every rank's RNG
+                saved = save_from_every_rank(out, state, parts, cfg, world)
                 raise give_up
             if cfg.log_completions_steps and state.step % cfg.log_completions_steps == 0:
                 print_completions(console, result)
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < cfg.max_steps:
-                save_from_every_rank(out, state, parts, cfg, world)
+                saved = save_from_every_rank(out, state, parts, cfg, world)
             if cfg.eval_steps and state.step % cfg.eval_steps == 0 and state.step < cfg.max_steps:
                 held_out_eval(setup, eval_prompts, state.step, console, log)
             if world.sum(torch.tensor(float(stop.requested))) > 0:  # all ranks stop after the same step
                 stopped = True
                 break
 
-        # The end, or a first Ctrl-C: save. From here a Ctrl-C stops at once.
-        in_flight = None
+        # The end, or a first signal: save. From here a signal stops at once.
         progress.stop()
         stop.restore()
-        path = save_from_every_rank(out, state, parts, cfg, world)
-        if stopped:
-            console.print(f"[bold yellow]interrupted[/]: saved {path} after step {state.step}; "
-                          "continue with --resume latest")
-            raise KeyboardInterrupt
+        if saved != checkpoint_path(out, state.step):
+            saved = save_from_every_rank(out, state, parts, cfg, world)
+        if stopped:  # said where it saved in the `except` below
+            raise Stopped(stop.signum or signal.SIGINT)
         held_out_eval(setup, eval_prompts, state.step, console, log)
         final = out / "adapter"
         if world.is_main:
-            policy.save_pretrained(final)
-    except KeyboardInterrupt:
-        if in_flight is not None:  # a second Ctrl-C, inside the loop: stop now
+            save_adapter(policy, final)
+    except KeyboardInterrupt:  # a second signal (or Ctrl-C outside the loop): keep what is consistent
+        if world.is_main:  # saved first: after SIGHUP even printing may fail
+            where = save_consistent_state(out, cfg, state, parts, in_flight, saved)
             progress.stop()
-            save_before_interrupted_step(console, world, out, cfg, state, parts, in_flight)
+            console.print(f"[bold yellow]interrupted[/]: {where}")
+        raise
+    except CheckpointWriteError as err:  # saving again would fail the same way
+        if world.is_main:
+            add_note(err, f"the last checkpoint is {saved}; continue with --resume latest" if saved is not None
+                     else "no checkpoint was saved")
+        raise
+    except Exception as err:  # rank 0 saves what every rank agreed on: the others may not answer now
+        if world.is_main:
+            add_note(err, save_consistent_state(out, cfg, state, parts, in_flight, saved))
         raise
     finally:
         progress.stop()
@@ -258,16 +278,26 @@ def held_out_eval(setup: StepSetup, eval_prompts: grpo_data.PromptSet | None, at
     log_eval(console, log, at_step, result)
 
 
-def save_before_interrupted_step(console, world: World, out: Path, cfg: Config, state: RunState, parts: Resumable,
-                                 in_flight: InFlight) -> None:
-    """After a second Ctrl-C: rank 0 alone (the others hold the same adapters and optimizer) saves the
-    state from before the step in flight, which is exact only if no optimizer step has changed it."""
-    if not world.is_main:
-        return
-    if in_flight.updated:
-        console.print("[bold yellow]interrupted[/] during an optimizer update: nothing saved; resume from the "
-                      "last checkpoint")
-        return
-    parts.stream.load_state_dict(in_flight.stream_at_start)
-    path = save_checkpoint(out, state, parts, cfg, [rng_state()])
-    console.print(f"[bold yellow]interrupted[/]: saved {path}; continue with --resume latest")
+def save_consistent_state(out: Path, cfg: Config, state: RunState, parts: Resumable, in_flight: InFlight | None,
+                          saved: Path | None) -> str:
+    """After a second signal or an error, rank 0 alone (the others hold the same adapters and optimizer,
+    but may not answer) saves the last consistent state with its own RNG state: between steps, the
+    finished step's; inside a step that has not updated the adapters yet, the state before it
+    (stream and RNG as the step found them). Returns a sentence saying where the run can continue."""
+    if in_flight is not None and in_flight.updated:
+        where = f"; the last checkpoint is {saved}" if saved is not None else ""
+        return f"nothing saved: step {state.step + 1} stopped during its optimizer update{where}"
+    if saved == checkpoint_path(out, state.step):
+        return f"step {state.step} is saved in {saved}; continue with --resume latest"
+    if state.step == 0:
+        return "no step had finished: nothing to save"
+    rng = rng_state()
+    if in_flight is not None:
+        parts.stream.load_state_dict(in_flight.stream_at_start)
+        rng = in_flight.rng_at_start
+    try:
+        path = save_checkpoint(out, state, parts, cfg, [rng])
+    except CheckpointWriteError as err:
+        where = f"; the last checkpoint is {saved}" if saved is not None else ""
+        return f"saving step {state.step} failed too: {describe(err)}{where}"
+    return f"saved {path} (step {state.step}); continue with --resume latest"

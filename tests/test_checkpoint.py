@@ -44,7 +44,7 @@ def test_trainer_state_json_keeps_its_keys_and_the_counters_round_trip(tmp_path)
                                                           "torch": torch.get_rng_state()}])
     assert path == tmp_path / "checkpoint-7"
     saved = json.loads((path / "trainer_state.json").read_text())
-    assert list(saved) == ["step", "stream", "nonfinite_in_row", "skipped_steps", "world_size"]
+    assert list(saved) == ["step", "stream", "nonfinite_in_row", "skipped_steps", "world_size", "run_id"]
     assert saved["stream"] == parts.stream.state_dict()
 
     fresh = _parts(seed=1)
@@ -84,3 +84,51 @@ def test_resume_without_a_checkpoint_says_what_to_do(tmp_path):
         find_checkpoint("latest", tmp_path)
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         find_checkpoint(str(tmp_path), tmp_path)
+
+
+def test_pruning_deletes_only_this_runs_checkpoints_and_never_the_one_just_saved(tmp_path):
+    # An older run left checkpoint-4 and -6 in the folder; this run's checkpoint-2 and -3 must not rank
+    # below them (the old pruning deleted them at once, and a message then named a missing checkpoint).
+    parts, cfg = _parts(), Config(output_dir=str(tmp_path), save_total_limit=2)
+    for step in (4, 6):
+        save_checkpoint(tmp_path, RunState(step=step, run_id="older"), parts, cfg, [])
+    for step in (2, 3):
+        assert save_checkpoint(tmp_path, RunState(step=step, run_id="this"), parts, cfg, []).is_dir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3", "checkpoint-4",
+                                                            "checkpoint-6"]
+    save_checkpoint(tmp_path, RunState(step=5, run_id="this"), parts, cfg, [])
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4", "checkpoint-5",
+                                                            "checkpoint-6"]
+    # Resumed from an earlier checkpoint of its own: the one just saved stays, whatever its number.
+    save_checkpoint(tmp_path, RunState(step=1, run_id="older"), parts, Config(save_total_limit=1), [])
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-3", "checkpoint-5"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("broken, damage", [("adapter_model.safetensors", "truncate"), ("optimizer.pt", "truncate"),
+                                            ("trainer_state.json", "truncate"), ("scheduler.pt", "delete"),
+                                            ("rng.pt", "zeros")])
+def test_resume_latest_skips_an_unreadable_newest_checkpoint_and_a_named_one_is_refused(tmp_path, broken, damage):
+    from grpo.checkpoint import CheckpointUnreadable, resume_checkpoint
+
+    parts = _parts()
+    _train_once(parts)
+    cfg = Config(output_dir=str(tmp_path), save_total_limit=0)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, RunState(step=step), parts, cfg, [{"python": random.getstate(),
+                                                                     "torch": torch.get_rng_state()}])
+    path = tmp_path / "checkpoint-2" / broken
+    if damage == "delete":
+        path.unlink()
+    else:
+        size = path.stat().st_size
+        path.write_bytes(path.read_bytes()[:size // 2] if damage == "truncate" else bytes(size))
+    fresh = _parts(seed=1)
+    found, state, notes = resume_checkpoint("latest", tmp_path, fresh, World())
+    assert found == tmp_path / "checkpoint-1" and state.step == 1
+    assert notes[0].startswith(f"skipped checkpoint-2: {path} is ") and "checkpoint-1" in notes[-1]
+    with pytest.raises(CheckpointUnreadable, match=f"--resume {tmp_path / 'checkpoint-2'}: {path} is"):
+        resume_checkpoint(str(tmp_path / "checkpoint-2"), tmp_path, _parts(seed=2), World())
+    (tmp_path / "checkpoint-1" / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(CheckpointUnreadable, match="no checkpoint in .* reads back whole"):
+        resume_checkpoint("latest", tmp_path, _parts(seed=2), World())

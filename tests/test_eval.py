@@ -115,3 +115,22 @@ def test_eval_cli_refuses_an_empty_stop_string_before_loading_anything(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", "no/such-model", "--stop", ""])
     assert exit_info.value.code == 2 and "--stop" in capsys.readouterr().err
+
+
+def test_eval_cli_faults_are_one_line_naming_the_flag_or_path(tiny_llama_dir, tmp_path, capsys):
+    from grpo.eval import main
+
+    with pytest.raises(SystemExit) as exit_info:  # refused by the parser, before anything loads
+        main(["--model", "no/such-model", "--temperature", "nan"])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m grpo.eval: error: --temperature nan") and "--help" in line
+    for argv, names in ((["--eval-size", "0"], "--eval-size 0"), (["--samples", "-1"], "--samples -1")):
+        with pytest.raises(SystemExit):
+            main(["--model", "no/such-model", *argv])
+        assert names in capsys.readouterr().err
+    assert main(["--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "none"), "--engine", "hf"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert f"--adapter {tmp_path / 'none'}" in line and "adapter_model.safetensors" in line

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,34 @@ def test_bad_inputs_give_one_line_errors_naming_the_fix(tiny_llama_dir, tmp_path
     policy.save_pretrained(tmp_path / "huge")
     with pytest.raises(ValueError, match="overflows .* use --dtype bf16"):
         export(str(tiny_llama_dir), tmp_path / "huge", tmp_path / "out16", dtype="fp16")
+
+
+def test_cli_faults_are_one_line_naming_the_path_without_a_traceback(tiny_llama_dir, tmp_path, capsys):
+    from conftest import tiny_llama
+    from grpo.export import main
+
+    trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
+    other = tmp_path / "other-base"  # another architecture: hidden 32 where the adapter was trained on 64
+    tiny_llama(hidden=32, intermediate=64).save_pretrained(other)
+
+    def one_line(argv: list[str]) -> str:
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        [line] = [x for x in err.splitlines() if x.startswith("error:")]
+        return line
+
+    base = ["--model", str(tiny_llama_dir), "--out", str(tmp_path / "out")]
+    assert "--adapter" in one_line([*base, "--adapter", str(tmp_path / "missing")])
+    (tmp_path / "file").write_text("x")
+    line = one_line(["--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"), "--out",
+                     str(tmp_path / "file" / "sub")])
+    assert f"--out {tmp_path / 'file' / 'sub'}" in line and "is a file" in line
+    line = one_line(["--model", str(other), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "o2")])
+    assert f"--adapter {tmp_path / 'adapter'} does not fit --model {other}" in line and "size mismatch" in line
+    shutil.copytree(tmp_path / "adapter", tmp_path / "cut")
+    weights = tmp_path / "cut" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    line = one_line([*base, "--adapter", str(tmp_path / "cut")])
+    assert str(tmp_path / "cut") in line and "unreadable" in line
+    assert not (tmp_path / "out").exists()  # refused before anything was written

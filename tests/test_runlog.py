@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.runlog import MetricsLog, ProgressBar, StopOnCtrlC, step_line, step_record
+from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line, step_record
 from grpo.step import Scores, StepResult
 
 
@@ -72,7 +72,7 @@ def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts
     from rich.console import Console
 
     before = signal.getsignal(signal.SIGINT)
-    stop = StopOnCtrlC(Console(file=io.StringIO()))
+    stop = StopOnSignal(Console(file=io.StringIO()))
     try:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGINT)
@@ -82,3 +82,42 @@ def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_ask_to_stop_as_ctrl_c_does_and_a_second_signal_stops_with_its_number(signum):
+    from rich.console import Console
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    text = io.StringIO()
+    stop = StopOnSignal(Console(file=text))
+    try:
+        os.kill(os.getpid(), signum)
+        assert stop.requested and stop.signum == signum
+        assert f"{signal.Signals(signum).name}: finishing this step" in text.getvalue()
+        with pytest.raises(Stopped) as second:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert second.value.signum == signal.SIGINT and isinstance(second.value, KeyboardInterrupt)
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_metrics_line_cut_short_is_dropped_with_a_note_when_the_run_resumes(tmp_path):
+    whole = "".join(json.dumps({"step": s, "reward": 1.0}) + "\n" for s in (1, 2))
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 3, "rew')
+    log = MetricsLog(tmp_path, Config(), resumed_step=2)
+    assert log.note and "dropped 1 line" in log.note
+    log.write({"step": 3, "reward": 3.0})
+    assert (tmp_path / "metrics.jsonl").read_text() == whole + json.dumps({"step": 3, "reward": 3.0}) + "\n"
+    assert MetricsLog(tmp_path, Config(), resumed_step=3).note is None  # nothing to repair now
+
+
+def test_each_metrics_record_is_appended_whole_in_one_write(tmp_path, monkeypatch):
+    # One write() of the whole line: a kill lands before or after it, never inside a line.
+    log = MetricsLog(tmp_path, Config(), resumed_step=0)
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: (writes.append(bytes(data)), real_write(fd, data))[1])
+    log.write({"step": 1, "text": "x" * 20000})
+    assert len(writes) == 1 and writes[0].endswith(b"\n") and json.loads(writes[0])["step"] == 1
