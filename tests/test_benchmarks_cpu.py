@@ -294,6 +294,40 @@ def test_every_probe_parses_its_command_line_as_a_script(probe):
     assert proc.stdout.startswith(f"usage: {probe}.py")
 
 
+def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
+    # The sweep puts each config in force with dg.tuning(tiles={tile_key: cfg}); a key the kernels do not
+    # look up would time the tuned tiles over and over and report them as the sweep's.
+    monkeypatch.syspath_prepend(str(PROBES))
+    tiles = importlib.import_module("decode_gemm_tiles")
+    from grpo.kernels import decode_gemm as dg
+
+    swept = dg.TileConfig(16, 128, 2, 2)
+    for name in tiles.GROUPS:
+        for fp8 in (False, True):
+            key = tiles.tile_key(name, fp8)
+            assert key in dg._TUNED  # the groups the probe tunes are the ones the table holds
+            with dg.tuning(tiles={key: swept}):
+                assert dg.tile_config(*key) == swept
+            assert dg.tile_config(*key) == dg._TUNED[key]
+
+
+def test_the_engine_probe_gives_gemm_to_the_engine_and_every_other_knob_to_its_tuning(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("native_engine")
+    cfg = LlamaConfig(vocab_size=probe.PAD + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = LlamaForCausalLM(cfg).eval()
+    engine = probe.make_engine(model, max_batch=2, max_seq_len=16, use_cuda_graph=False, attention="sdpa",
+                               check_every=4)
+    assert engine.gemm == "modules" and engine.max_batch == 2 and engine.max_seq_len == 16
+    assert (engine.tuning.attention, engine.tuning.check_every, engine.tuning.compile) == ("sdpa", 4, None)
+    assert engine.tuning.streams is False  # the plain step unless a variant asks for streams
+    with pytest.raises(ValueError, match="kernel_rows"):
+        probe.make_engine(model, kernel_rows=probe.decode_gemm.MAX_ROWS + 1)
+
+
 def test_probe_timer_takes_the_median_and_the_recorder_keeps_rows_on_disk_as_they_come(monkeypatch, tmp_path):
     import time
 

@@ -123,7 +123,7 @@ def main() -> None:
                     help="proj: one projection with the residual; gated: gate/up with the SiLU product")
     ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
     ap.add_argument("--unpack", choices=["convert", "bits"], default="bits",
-                    help="how FP8 codes become bf16 (decode_gemm.FP8_UNPACK)")
+                    help="how FP8 codes become bf16 (decode_gemm.Tuning.unpack, set by decode_gemm.tuning(unpack=...))")
     ap.add_argument("--split-k", type=int, default=1, help="K slices of a proj launch (TileConfig.split_k)")
     ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
                     metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")

@@ -23,18 +23,24 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from grpo.config import LORA_TARGETS
 from grpo.kernels import decode_gemm as dg
 from grpo.kernels.fp8 import dequantize_fp8_block, fp8_linear, quantize_fp8_block
 from timing import Recorder, add_out_argument, graph_us  # beside this file
 
 ROWS = 16
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GROUPS = {  # name: (kind, K, output widths, residual)
     "gate_up": ("gated", 2048, [8192, 8192], False),
     "down": ("proj", 8192, [2048], True),
     "qkv": ("proj", 2048, [2048, 512, 512], False),
     "o": ("proj", 2048, [2048], True),
 }
+
+
+def tile_key(name: str, fp8: bool) -> tuple:
+    """The group's key in `dg.tuning(tiles=...)` and the tuned table: (kind, output features in all, K, fp8)."""
+    kind, k, widths, _ = GROUPS[name]
+    return kind, sum(widths), k, fp8
 
 
 def make_projs(k: int, widths: list[int], fp8: bool, rank: int, seed: int) -> list[dg.DecodeProj]:
@@ -110,7 +116,7 @@ def check_group(rec: Recorder, name: str, fp8: bool, rank: int) -> None:
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
-    cfg = dg.tile_config(kind, sum(widths), k, fp8)
+    cfg = dg.tile_config(*tile_key(name, fp8))
     rec.record("check", group=name, fp8=fp8, rank=rank, cfg=cfg.__dict__, rel_err=round(rel, 6), ok=rel < 1e-2)
 
 
@@ -136,72 +142,71 @@ def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
 
 
 def compare_unpack(rec: Recorder, name: str, modes: list[str]) -> None:
-    """One group at its tuned tiles: bf16 beside FP8 with each way of unpacking the codes (FP8_UNPACK),
+    """One group at its tuned tiles: bf16 beside FP8 with each way of unpacking the codes (`dg.Tuning.unpack`),
     each FP8 way checked against the reference, also with activations 2^-12 as large (tiny products)."""
     kind, k, widths, residual = GROUPS[name]
     row = dict(kind="unpack", group=name)
-    chosen = dg.FP8_UNPACK
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     for fp8 in (False, True):
         one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
         copies = [make_projs(k, widths, fp8, 0, seed=i) for i in range(max(2, -(-(256 << 20) // one)))]
         for mode in modes if fp8 else ["bf16"]:
-            if fp8:
-                dg.FP8_UNPACK = mode
-                for tag, xs in (("", x), ("_small", x * 2.0**-12)):
-                    got = run_kernels(kind, xs, copies[0], None).float()
-                    ref = (dg.project_gated_ref(xs.float(), *copies[0][:2]) if kind == "gated"
-                           else dg.project_ref(xs.float(), copies[0])[0])
-                    row[f"{mode}_rel_err{tag}"] = round(((got - ref).norm() / ref.norm()).item(), 5)
-            us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
+            with dg.tuning(unpack=mode if fp8 else None):
+                if fp8:
+                    for tag, xs in (("", x), ("_small", x * 2.0**-12)):
+                        got = run_kernels(kind, xs, copies[0], None).float()
+                        ref = (dg.project_gated_ref(xs.float(), *copies[0][:2]) if kind == "gated"
+                               else dg.project_ref(xs.float(), copies[0])[0])
+                        row[f"{mode}_rel_err{tag}"] = round(((got - ref).norm() / ref.norm()).item(), 5)
+                us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
             row[f"{mode}_us"] = round(us, 2)
             row[f"{mode}_tbps"] = round(one / us / 1e6, 2)
-    dg.FP8_UNPACK = chosen
     rec.record(**row)
 
 
 def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool) -> dg.TileConfig | None:
+    """Time each config of the sweep on one group and format; the fastest is timed against cuBLAS and with
+    rsLoRA, and returned (None when none ran). Each config is in force only while it is timed."""
     kind, k, widths, residual = GROUPS[name]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
     copies = [make_projs(k, widths, fp8, 0, seed=i) for i in range(n_copies)]
     x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
-    key = (kind, sum(widths), k, fp8)
+    key = tile_key(name, fp8)
     best = None
     for cfg in configs(kind, fp8, full):
         if rec.elapsed_s() > budget_s:
             rec.record("skipped", group=name, fp8=fp8, reason="budget")
             break
-        dg.CONFIG_OVERRIDE[key] = cfg
         try:
-            us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
+            with dg.tuning(tiles={key: cfg}):
+                us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
         except Exception as exc:  # a config the compiler refuses (shared memory) is skipped, not fatal
             rec.record("config_error", group=name, fp8=fp8, cfg=cfg.__dict__, error=repr(exc)[:200])
             continue
         rec.record("config", group=name, fp8=fp8, cfg=cfg.__dict__, us=round(us, 2), tbps=round(one / us / 1e6, 2))
         if best is None or us < best[0]:
             best = (us, cfg)
-    dg.CONFIG_OVERRIDE.pop(key, None)
     if best is None:
         return None
-    dg.CONFIG_OVERRIDE[key] = best[1]
+    best_us, best_cfg = best
     cublas = graph_us(lambda c: run_modules(kind, x, c, res), copies) if not fp8 else None
-    rec.record("best", group=name, fp8=fp8, cfg=best[1].__dict__, us=round(best[0], 2),
-        tbps=round(one / best[0] / 1e6, 2), cublas_us=None if cublas is None else round(cublas, 2), bytes=one)
+    rec.record("best", group=name, fp8=fp8, cfg=best_cfg.__dict__, us=round(best_us, 2),
+        tbps=round(one / best_us / 1e6, 2), cublas_us=None if cublas is None else round(cublas, 2), bytes=one)
     # with LoRA r32, kernels (best config) against the module path
     lcopies = [make_projs(k, widths, fp8, 32, seed=i) for i in range(n_copies)]
-    lk = graph_us(lambda c: run_kernels(kind, x, c, res), lcopies)
+    with dg.tuning(tiles={key: best_cfg}):
+        lk = graph_us(lambda c: run_kernels(kind, x, c, res), lcopies)
     lm = graph_us(lambda c: run_modules(kind, x, c, res), lcopies)
     rec.record("lora", group=name, fp8=fp8, kernels_us=round(lk, 2), modules_us=round(lm, 2))
     if fp8:  # diagnostic: the same codes read without their scales (what the scale multiply costs)
         bare = [[dg.DecodeProj(p.weight) for p in c] for c in copies]
-        dg.CONFIG_OVERRIDE[(kind, sum(widths), k, False)] = best[1]
-        us = graph_us(lambda c: run_kernels(kind, x, c, res), bare)
+        with dg.tuning(tiles={tile_key(name, False): best_cfg}):
+            us = graph_us(lambda c: run_kernels(kind, x, c, res), bare)
         rec.record("fp8_without_scales", group=name, us=round(us, 2))
-        dg.CONFIG_OVERRIDE.pop((kind, sum(widths), k, False))
-    return best[1]
+    return best_cfg
 
 
 def build_models():
@@ -215,8 +220,8 @@ def build_models():
 
 
 def engine_with_configs(rec: Recorder) -> None:
-    """The whole decode step with the configs the sweep just picked (same process): bf16, FP8, and both
-    with rsLoRA r32."""
+    """The whole decode step with the tiles in force (the caller's `dg.tuning` block holds the sweep's
+    picks): bf16, FP8, and both with rsLoRA r32."""
     import native_engine as ngc
 
     gemm = dict(compile="default", gemm="kernels")
@@ -236,31 +241,24 @@ def engine_per_unpack(rec: Recorder, modes: list[str]) -> None:
     gemm = dict(compile="default", gemm="kernels")
     model, fp8 = build_models()
     ngc.run_engine(rec, "bf16 kernels", model, ngc.weight_bytes(model), engine_kw=gemm)
-    chosen = dg.FP8_UNPACK
     for mode in modes:
-        dg.FP8_UNPACK = mode
-        ngc.run_engine(rec, f"fp8 kernels ({mode})", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
-    dg.FP8_UNPACK = chosen
+        with dg.tuning(unpack=mode):  # the graphs captured inside keep this unpacking
+            ngc.run_engine(rec, f"fp8 kernels ({mode})", fp8, ngc.weight_bytes(fp8), engine_kw=gemm)
     for label, m in (("bf16+LoRA", model), ("fp8+LoRA", fp8)):
         lora = ngc.add_lora(m)
         ngc.run_engine(rec, f"{label} kernels", lora, ngc.weight_bytes(lora), engine_kw=gemm)
 
 
 def engine_rows(rec: Recorder, rows_list: list[int]) -> None:
-    """The decode step at more rows than 16, kernels (MAX_ROWS lifted) against the module path, bf16 and
-    FP8: what decode_gemm.MAX_ROWS is set from."""
+    """The decode step at more rows than 16, kernels (at every row count they take, whatever the engine's
+    default `EngineTuning.kernel_rows`) against the module path, bf16 and FP8: what that default is set from."""
     import native_engine as ngc
 
-    saved = dict(dg.MAX_ROWS)
-    dg.MAX_ROWS.update({False: dg.KERNEL_ROWS, True: dg.KERNEL_ROWS})
-    try:
-        for label, m in zip(("bf16", "fp8"), build_models()):
-            for rows in rows_list:
-                for gemm in ("kernels", "modules"):
-                    ngc.run_engine(rec, f"{label} {rows} rows {gemm}", m, ngc.weight_bytes(m),
-                                   engine_kw=dict(compile="default", gemm=gemm), rows=rows)
-    finally:
-        dg.MAX_ROWS.update(saved)
+    for label, m in zip(("bf16", "fp8"), build_models()):
+        for rows in rows_list:
+            for gemm in ("kernels", "modules"):
+                kw = dict(compile="default", gemm=gemm, kernel_rows=dg.MAX_ROWS)
+                ngc.run_engine(rec, f"{label} {rows} rows {gemm}", m, ngc.weight_bytes(m), engine_kw=kw, rows=rows)
 
 
 def main() -> None:
@@ -274,8 +272,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
     ap.add_argument("--unpack", nargs="+", default=None, choices=sorted(dg._UNPACK_MODES),
                     help="instead of the sweep: each group in bf16 and in FP8 unpacked each of these ways "
-                         "(decode_gemm.FP8_UNPACK); with --engine, the decode step per way too")
-    ap.add_argument("--fp8-unpack", default=dg.FP8_UNPACK, choices=sorted(dg._UNPACK_MODES),
+                         "(decode_gemm.tuning(unpack=...)); with --engine, the decode step per way too")
+    ap.add_argument("--fp8-unpack", default=dg.Tuning().unpack, choices=sorted(dg._UNPACK_MODES),
                     help="the FP8 unpacking the sweep and the engine runs use")
     ap.add_argument("--engine-rows", type=int, nargs="+", default=None,
                     help="instead of the sweep: the decode step at these row counts, kernels against modules")
@@ -287,7 +285,13 @@ def main() -> None:
 
     rec = Recorder("decode_gemm_tiles", args.out)
     rec.record("env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
-    dg.FP8_UNPACK = args.fp8_unpack
+    with dg.tuning(unpack=args.fp8_unpack):
+        run(rec, args)
+
+
+def run(rec: Recorder, args: argparse.Namespace) -> None:
+    """The comparison the flags ask for, else the checks, the sweep, and the picked tiles checked again
+    (and with --engine, the decode step with them)."""
     if args.engine_rows:
         engine_rows(rec, args.engine_rows)
         return
@@ -309,14 +313,18 @@ def main() -> None:
                 check_group(rec, name, fp8, rank)
     pairs = [p.split(":") for p in args.pairs] if args.pairs else [
         (name, fmt) for name in args.groups for fmt in args.formats]
+    picked: dict[tuple, dg.TileConfig] = {}  # tile_key -> the sweep's fastest config
     for name, fmt in pairs:
-        sweep(rec, name, fmt == "fp8", args.budget_s, args.full)
-    for name, fmt in pairs:  # the picked configs, checked against the reference too
-        for rank in (0, 32):
-            check_group(rec, name, fmt == "fp8", rank)
-    print("\nCONFIG =", {k: v.__dict__ for k, v in dg.CONFIG_OVERRIDE.items()})
-    if args.engine:
-        engine_with_configs(rec)
+        cfg = sweep(rec, name, fmt == "fp8", args.budget_s, args.full)
+        if cfg is not None:
+            picked[tile_key(name, fmt == "fp8")] = cfg
+    with dg.tuning(tiles=picked):
+        for name, fmt in pairs:  # the picked configs, checked against the reference too
+            for rank in (0, 32):
+                check_group(rec, name, fmt == "fp8", rank)
+        print("\nCONFIG =", {k: v.__dict__ for k, v in picked.items()})
+        if args.engine:
+            engine_with_configs(rec)
 
 
 if __name__ == "__main__":

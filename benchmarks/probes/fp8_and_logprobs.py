@@ -28,6 +28,7 @@ import traceback
 import torch
 from torch import nn
 
+from grpo.config import LORA_TARGETS
 from grpo.kernels.fp8 import (
     FP8Linear,
     dequantize_fp8_block,
@@ -38,8 +39,8 @@ from grpo.kernels.fp8 import (
     quantize_linears_,
     transpose_fp8,
 )
-from grpo.kernels import logprobs as lp_mod
 from grpo.kernels.logprobs import token_logprobs, token_logprobs_ref
+from grpo.kernels.logprobs import tuning as logprobs_tuning  # `logprobs` is a section here
 from timing import (  # beside this file
     Recorder,
     add_out_argument,
@@ -50,9 +51,6 @@ from timing import (  # beside this file
     peak_extra_gib,
     sync,
 )
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
@@ -235,12 +233,8 @@ def logprobs(args, rec: Recorder):
 
     def triton_blocks(block_v, warps, **kw):
         def run():
-            old = lp_mod.TRITON_BLOCK_V, lp_mod.TRITON_NUM_WARPS
-            lp_mod.TRITON_BLOCK_V, lp_mod.TRITON_NUM_WARPS = block_v, warps
-            try:
+            with logprobs_tuning(block_v=block_v, num_warps=warps):
                 return ours(impl="triton", **kw)()
-            finally:
-                lp_mod.TRITON_BLOCK_V, lp_mod.TRITON_NUM_WARPS = old
         return run
 
     small_chunk = 128 if not args.small else 64
@@ -329,8 +323,8 @@ def model(args, rec: Recorder):
         m32 = LlamaForCausalLM(cfg).eval()  # the float32 truth for this random model
     m16 = copy.deepcopy(m32).to(torch.bfloat16)
     m8 = copy.deepcopy(m16)
-    count = quantize_linears_(m8, TARGETS)  # as --load-in-fp8 does, from the bf16 weights
-    is_target = lambda name, mod: name.rsplit(".", 1)[-1] in TARGETS  # noqa: E731
+    count = quantize_linears_(m8, LORA_TARGETS)  # as --load-in-fp8 does, from the bf16 weights
+    is_target = lambda name, mod: name.rsplit(".", 1)[-1] in LORA_TARGETS  # noqa: E731
     mem = {"fp8_layers": count,
            "linear_bf16_GB": param_bytes(m16, is_target) / 1e9, "linear_fp8_GB": param_bytes(m8, is_target) / 1e9,
            "model_bf16_GB": param_bytes(m16) / 1e9, "model_fp8_GB": param_bytes(m8) / 1e9}
@@ -340,7 +334,7 @@ def model(args, rec: Recorder):
         sync()
         before = torch.cuda.memory_allocated()
         probe = copy.deepcopy(m16)
-        quantize_linears_(probe, TARGETS)
+        quantize_linears_(probe, LORA_TARGETS)
         sync()
         mem["allocated_fp8_copy_GB"] = (torch.cuda.memory_allocated() - before) / 1e9
         del probe
@@ -382,8 +376,8 @@ def model(args, rec: Recorder):
     ids_t = torch.randint(0, cfg.vocab_size, bt, device=d)
     step = {}
     for name, base in (("bf16", m16), ("fp8", m8)):
-        pm = get_peft_model(base, LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=TARGETS,
-                                             lora_dropout=0.0))
+        lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
+        pm = get_peft_model(base, lora)
         pm.train()
         inner = pm.base_model.model
         w = inner.get_output_embeddings().weight
@@ -544,7 +538,7 @@ def smollm2(args, rec: Recorder):
 
     m16 = copy.deepcopy(m32).to(torch.bfloat16)
     m8 = copy.deepcopy(m16)
-    quantize_linears_(m8, TARGETS)
+    quantize_linears_(m8, LORA_TARGETS)
     lp32, lp16, lp8 = logp_of(m32), logp_of(m16), logp_of(m8)
     hooks = [mod.register_forward_pre_hook(act_quant) for mod in m8.modules() if isinstance(mod, FP8Linear)]
     lp8a = logp_of(m8)

@@ -24,15 +24,20 @@ import argparse
 import statistics
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch._dynamo
 
+from grpo.config import LORA_TARGETS
+from grpo.kernels import decode_gemm
+from grpo.rollout.native import EngineTuning, NativeEngine
+from grpo.rollout.native.state import StopRule
 from timing import Recorder, add_out_argument, copy_tbps, graph_us  # beside this file
 
 ROWS, P, G, PROMPT, NEW = 16, 4, 4, 128, 512
-PLAIN = dict(compile=None, streams=False, gemm="modules")  # the engine's CUDA defaults; variants opt in
+PAD = 128004
+PLAIN = EngineTuning(compile=None, streams=False)  # eager pieces on one stream; variants opt in
 
 
 def llama_1b_config():
@@ -41,7 +46,7 @@ def llama_1b_config():
     common = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                   tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128009,
-                  pad_token_id=128004)
+                  pad_token_id=PAD)
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
             "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
     try:
@@ -67,14 +72,21 @@ def build_model(seed: int = 0):
 def add_lora(model):
     from peft import LoraConfig, get_peft_model
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=targets, lora_dropout=0.0)
+    cfg = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
     peft_model = get_peft_model(model, cfg)
     with torch.no_grad():  # non-zero B so the adapters change the output, as after some training
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.01)
     return peft_model
+
+
+def make_engine(model, *, max_batch: int = ROWS, max_seq_len: int = PROMPT + NEW, gemm: str = "modules",
+                **tuning) -> NativeEngine:
+    """The engine of one variant: `gemm` for the projections (the modules unless named), and the PLAIN step
+    with `tuning`'s EngineTuning fields changed. A variant is one dict (`engine_kw`) naming both."""
+    return NativeEngine(model, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=PAD, gemm=gemm,
+                        tuning=replace(PLAIN, **tuning))
 
 
 def weight_bytes(model) -> int:
@@ -124,10 +136,7 @@ def run_engine(rec: Recorder, label: str, model, wbytes: int, *, graph=True, new
     """Generate `repeats` times, releasing memory in between as the trainer does (so every run after
     the first pays the re-capture, not the compile); ms/step is the median over runs of decode / steps.
     `rows`: P prompts x rows / P completions each."""
-    from grpo.rollout.native import NativeEngine
-
-    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=rows, pad_id=128004,
-                          use_cuda_graph=graph, **{**PLAIN, **(engine_kw or {})})
+    engine = make_engine(model, max_batch=rows, use_cuda_graph=graph, **(engine_kw or {}))
     s = sampling(max_new_tokens=new or NEW, **sample_kw)
     first = None
     per_step = []
@@ -155,7 +164,7 @@ def run_engine(rec: Recorder, label: str, model, wbytes: int, *, graph=True, new
 
 def hf_generate_ms(model) -> float:
     ids = torch.tensor(prompts(), device="cuda").repeat_interleave(G, 0)  # (16, 128)
-    kw = dict(do_sample=True, temperature=1.0, min_p=0.1, eos_token_id=None, pad_token_id=128004,
+    kw = dict(do_sample=True, temperature=1.0, min_p=0.1, eos_token_id=None, pad_token_id=PAD,
               attention_mask=torch.ones_like(ids))
     model.generate(ids, max_new_tokens=4, **kw)  # warm-up
     times = {}
@@ -172,21 +181,18 @@ def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None) -> None:
     """GPU time per kernel family in one eager (ungraphed) decode step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from grpo.rollout.native import NativeEngine
-
-    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, use_cuda_graph=False,
-                          **{**PLAIN, **(engine_kw or {})})
+    engine = make_engine(model, use_cuda_graph=False, **(engine_kw or {}))
     s = sampling(max_new_tokens=3)
-    engine.generate(prompts(), G, s)  # allocates the state and leaves it in place
+    engine.generate(prompts(), G, s)  # allocates the state and plans the step for ROWS rows; both stay
     steps = 5
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        engine._step(ROWS, 256, s, ((), (), 0))  # warm-up
+        engine._step(ROWS, 256, s, StopRule())  # warm-up; no stop rule: every row stays alive
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine._step(ROWS, 256, s, ((), (), 0))
+                engine._step(ROWS, 256, s, StopRule())
             torch.cuda.synchronize()
     model.train(was_training)
     fams: dict[str, float] = {}
@@ -223,8 +229,6 @@ def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None) -> None:
 
 def standby(rec: Recorder, model) -> None:
     """Peak memory of generate-then-train, with and without release_memory between the phases."""
-    from grpo.rollout.native import NativeEngine
-
     ids = torch.tensor(prompts(), device="cuda").repeat_interleave(G, 0)
     ids = torch.cat([ids, ids[:, :NEW].repeat(1, 4)[:, :NEW]], 1)  # (16, 640): prompt + completion length
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -239,7 +243,7 @@ def standby(rec: Recorder, model) -> None:
     train_phase()  # warm-up allocations of the training phase alone
     torch.cuda.synchronize()
     for release in (True, False):
-        engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, **PLAIN)
+        engine = make_engine(model)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -270,16 +274,14 @@ def standby(rec: Recorder, model) -> None:
 
 def correctness(rec: Recorder, model, engine_kw=None) -> None:
     """Greedy tokens against transformers generate; prefill logits against a forward; graph vs eager."""
-    from grpo.rollout.native import NativeEngine
-
-    kw = {**PLAIN, **(engine_kw or {})}
+    kw = engine_kw or {}
     ps = prompts()[:2]
-    engine = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004, **kw)
+    engine = make_engine(model, **kw)
     r = engine.generate(ps, 1, sampling(max_new_tokens=32, temperature=0.0, min_p=0.0))
     same = []
     for i, p in enumerate(ps):
         out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                             pad_token_id=128004)[0, PROMPT:].tolist()
+                             pad_token_id=PAD)[0, PROMPT:].tolist()
         mine = r.completion_ids[i].tolist()
         agree = next((j for j, (a, b) in enumerate(zip(mine, out)) if a != b), 32)
         same.append(agree)
@@ -289,8 +291,7 @@ def correctness(rec: Recorder, model, engine_kw=None) -> None:
         logits = model(full).logits.float()[:, PROMPT - 1 : PROMPT + 7]  # predicts completion tokens 0..7
     ref = torch.log_softmax(logits, -1).gather(-1, r.completion_ids[:, :8, None])[..., 0]
     logp_err = (ref - r.sampler_logp[:, :8]).abs().max().item()
-    eager = NativeEngine(model, max_seq_len=PROMPT + NEW, max_batch=ROWS, pad_id=128004,
-                         **{**kw, "use_cuda_graph": False})
+    eager = make_engine(model, **{**kw, "use_cuda_graph": False})
     s = sampling(max_new_tokens=48, top_p=0.95, top_k=100)
     a, b = engine.generate(prompts(), G, s), eager.generate(prompts(), G, s)
     rec.record("correctness", engine_kw=engine_kw, greedy_tokens_equal_to_hf_of_32=same,
@@ -305,16 +306,11 @@ def rows_check(rec: Recorder, model, rows: int, engine_kw: dict) -> None:
     """At `rows` rows, greedy: the sampler's log-probs of its own first 8 tokens against a full forward
     over prompt + those tokens, for the engine with the decode kernels and with the modules. (Comparing
     the two engines' tokens says nothing on random weights: near-ties part them after a step or two.)"""
-    from grpo.kernels import decode_gemm
-    from grpo.rollout.native import NativeEngine
-
-    for fp8 in (False, True):  # let the engine use the kernels at these rows, whatever the format
-        decode_gemm.MAX_ROWS[fp8] = max(decode_gemm.MAX_ROWS[fp8], rows)
     row = dict(kind="rows_check", rows=rows, engine_kw=engine_kw)
     ids = torch.tensor(prompts(), device="cuda").repeat_interleave(rows // P, 0)
     for gemm in ("kernels", "modules"):
-        engine = NativeEngine(model, max_seq_len=PROMPT + 32, max_batch=rows, pad_id=128004,
-                              **{**PLAIN, **engine_kw, "gemm": gemm})
+        engine = make_engine(model, max_seq_len=PROMPT + 32, max_batch=rows,  # kernels at every row count they take
+                             **{**engine_kw, "gemm": gemm, "kernel_rows": decode_gemm.MAX_ROWS})
         r = engine.generate(prompts(), rows // P, sampling(max_new_tokens=8, temperature=0.0, min_p=0.0))
         engine.release_memory()
         with torch.no_grad():
@@ -332,7 +328,8 @@ def at_rows(rec: Recorder, label: str, model, wbytes: int, mode: str) -> None:
     for rows in (32, 64):
         rows_check(rec, model, rows, dict(compile=mode))
         for g in ("kernels", "modules"):
-            run_engine(rec, f"{label} {rows} rows {g}", model, wbytes, engine_kw=dict(compile=mode, gemm=g), rows=rows)
+            kw = dict(compile=mode, gemm=g, kernel_rows=decode_gemm.MAX_ROWS)
+            run_engine(rec, f"{label} {rows} rows {g}", model, wbytes, engine_kw=kw, rows=rows)
 
 
 PLANS = {
@@ -454,7 +451,7 @@ def main() -> None:
             rec.record("skipped", variant="fp8", reason=f"grpo.kernels.fp8 not importable: {exc}")
         else:
             fp8 = build_model()
-            quantize_linears_(fp8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+            quantize_linears_(fp8, LORA_TARGETS)
             wf = weight_bytes(fp8)
             rec.record("model", variant="fp8", weight_gib=round(wf / 2**30, 3))
             step("fp8", lambda: run_engine(rec, "fp8 graph", fp8, wf))

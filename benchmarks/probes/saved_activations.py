@@ -6,7 +6,7 @@ autograd saves, counted once per storage, parameters excluded), which does not d
 It compares peft's default float32 adapters (its input is cast to float32 and saved), the trainer's
 `--lora-compute base` (float32 adapters multiplied in bf16) and adapters stored in bf16.
 
-    python benchmarks/probes/saved_activations.py [--tokens 2048]
+    PYTHONPATH=$PWD python benchmarks/probes/saved_activations.py [--tokens 2048]
 
 Scale by the tokens of one micro-batch: the long config trains 16 x 2048 tokens in one pass.
 """
@@ -18,8 +18,7 @@ import argparse
 import torch
 from torch import nn
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
+from grpo.config import LORA_TARGETS
 
 VARIANTS = {"float32": "float32 adapters (peft's default)", "base": "float32 adapters, bf16 matmuls "
             "(--lora-compute base)", "bf16": "bf16 adapters"}
@@ -45,7 +44,7 @@ def saved_bytes(tokens: int, variant: str) -> dict[str, int]:
             return self.layer(x, position_embeddings=self.rope(x, pos), attention_mask=None, position_ids=pos)
 
     torch.manual_seed(0)
-    lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
     model = get_peft_model(OneLayer(), lora, autocast_adapter_dtype=variant != "bf16")
     if variant == "base":
         from grpo.model import compute_adapters_in_base_dtype

@@ -1,8 +1,8 @@
 """Decode GEMMs: a few rows (M <= 64) times whole weights, at memory speed, LoRA and FP8 fused in.
 
-Measured on the H200 (benchmarks/RESULTS.md, native engine sections): a bf16 Llama-3.2-1B layer's
-projections in 44 us against 67 us through cuBLAS, the decode step 1.33 ms against 1.62 ms, and 1.23 ms
-with FP8 weights.
+Measured on the H200: a bf16 Llama-3.2-1B layer's projections in 44 us against 67 us through cuBLAS,
+the decode step 1.33 ms against 1.62 ms, and 1.23 ms with FP8 weights (benchmarks/RESULTS.md, "The
+decode step and its kernels"; the cuBLAS figures in docs/benchmarks-history-2026-11.md).
 
 A decode step multiplies 16 rows by every weight of the model once, so its GEMMs are memory-bound:
 the time is the bytes of the weights over the bandwidth. cuBLAS reaches only part of it at M = 16
@@ -15,7 +15,7 @@ decode layer does around its projections:
   of bf16, turned into bf16 by moving their bits (`Tuning.unpack`: the conversion unit was the bottleneck)
   and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
   activations stay bf16 (weight-only FP8: no activation quantization in decode; quantizing them inside
-  the kernels, as FP8Linear's `_scaled_mm` path does, measured slower: RESULTS.md).
+  the kernels, as FP8Linear's `_scaled_mm` path does, measured slower: docs/benchmarks-history-2026-11.md).
 - Split-K for projections with few output tiles (down, o): K slices in separate programs, the last one
   to finish adding the partial sums in a fixed order (deterministic) and finishing the tile.
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
@@ -162,7 +162,8 @@ class TileConfig:
     split_k: int = 1  # K slices, one program each, for projections with few tiles (q/k/v, o, down)
 
 
-# Picked on the H200 by benchmarks/decode_gemm_gpu_check.py (16 rows, Llama-3.2-1B shapes; RESULTS.md):
+# Picked on the H200 by benchmarks/probes/decode_gemm_tiles.py (16 rows, Llama-3.2-1B shapes; the sweeps
+# in docs/benchmarks-history-2026-11.md, the resulting step in benchmarks/RESULTS.md):
 # (kind, output features in all, K, fp8) -> config. Other shapes get the default below.
 _TUNED = {
     ("gated", 16384, 2048, False): TileConfig(32, 256, 4, 4),
