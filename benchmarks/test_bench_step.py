@@ -18,7 +18,8 @@ import bench_setup as bs
 
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
-              micro_batch: int | None = None, lora_compute: str = "float32", impl: str = "ours") -> dict:
+              micro_batch: int | None = None, lora_compute: str = "float32", impl: str = "ours",
+              engine: str = "native") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -30,7 +31,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     out = tmp_path / "run"
     cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=dtype == "fp8", steps=steps,
                          output_dir=out, cuda=bench_env.cuda, engine_standby=standby, micro_batch_size=micro_batch,
-                         lora_compute=lora_compute)
+                         lora_compute=lora_compute, engine=engine)
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
@@ -74,6 +75,15 @@ def test_grpo_step_with_adapters_multiplying_in_bf16(benchmark, bench_env, resul
     float32 copy of each projection's input is made or saved in training (decode's kernels compute the
     adapters the same way under either setting)."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", lora_compute="base", impl="ours-lora-bf16")
+
+
+@pytest.mark.bench_order(33)
+@pytest.mark.bench_cost(120)
+def test_grpo_step_with_the_vllm_engine(benchmark, bench_env, results, tmp_path):
+    """bf16 at the bench config with --engine vllm: our loop and loss, vLLM sampling (sleep mode between
+    steps, the adapter synced each step). Its metrics carry the sampler-trainer gap of vLLM's numerics."""
+    pytest.importorskip("vllm", reason="needs vLLM: pip install 'grpo[vllm]'")
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", impl="ours-vllm", engine="vllm")
 
 
 @pytest.mark.bench_order(50)
