@@ -36,7 +36,9 @@ def bench_modules(monkeypatch):
 
 
 def _pytest_benchmarks(tmp_path, *args, cuda_visible: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # A suite of its own: not an xdist worker, where pytest-benchmark would switch its timing off
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env["HF_HUB_OFFLINE"] = "1"
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     cmd = [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-rs", "-p", "no:cacheprovider",
