@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -34,6 +36,9 @@ from grpo.kernels import decode_gemm
 from grpo.rollout.native import EngineTuning, NativeEngine
 from grpo.rollout.native.state import StopRule
 from timing import Recorder, add_out_argument, copy_tbps, graph_us  # beside this file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for the suite's helpers
+from bench_setup import weight_bytes  # noqa: E402
 
 ROWS, P, G, PROMPT, NEW = 16, 4, 4, 128, 512
 PAD = 128004
@@ -87,18 +92,6 @@ def make_engine(model, *, max_batch: int = ROWS, max_seq_len: int = PROMPT + NEW
     with `tuning`'s EngineTuning fields changed. A variant is one dict (`engine_kw`) naming both."""
     return NativeEngine(model, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=PAD, gemm=gemm,
                         tuning=replace(PLAIN, **tuning))
-
-
-def weight_bytes(model) -> int:
-    """Bytes of parameters a decode step reads: every unique parameter storage once (the tied
-    embedding is read as the lm_head; its 16-row embedding lookup is negligible)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        key = p.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += p.numel() * p.element_size()
-    return total
 
 
 def gemm_table() -> list[dict]:
