@@ -2,8 +2,9 @@
 
 `Config` is the single source of every default. `parse_args` builds an argparse parser from the
 dataclass fields (kebab-case flags, grouped, each with its help text), applies a preset, then the
-flags the user gave. The whole `Config` is written to the output directory as `config.json`.
-This module does not load models or data; it only describes them.
+flags the user gave: a flag overrides that one value of the preset and keeps the rest. `--help` shows
+the values that would run (the preset's where one is named). The whole `Config` is written to the
+output directory as `config.json`. This module does not load models or data; it only describes them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -161,6 +163,12 @@ class Config:
                         choices=["none", "tensorboard", "wandb"])
     log_completions_steps: int = _f(10, "Print a few sample completions every N steps (0: never).", "run")
     max_nonfinite_steps: int = _f(3, "Stop after this many non-finite losses in a row.", "run")
+    cpu_threads: int | None = _f(None, "Torch threads when the run is on CPU (a GPU run ignores it). Default: "
+                                 "torch's own, one per core. On a machine shared with other work, 1 can be several "
+                                 "times faster: each of a decode step's many small ops waits for every thread, and "
+                                 "a busy core makes it wait a time slice (measured on a shared 2-core machine: a "
+                                 "SmolLM2-135M decode step of 16 rows took 1.5-2.8 s with 2 threads, 0.25-0.4 s "
+                                 "with 1).", "run")
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -222,6 +230,8 @@ class Config:
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
                              f"within --max-seq-length {self.max_seq_length}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads {self.cpu_threads}: use 1 or more, or none for torch's default")
 
     @property
     def batch_size(self) -> int:
@@ -245,8 +255,18 @@ class Config:
         return cls(**kwargs)
 
 
-# Presets: named starting points; any flag the user gives overrides them.
+# Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
 PRESETS: dict[str, dict[str, Any]] = {
+    # The first run on a CPU, and what `./dev train` runs when no --preset is named: the offline SmolLM2-135M-
+    # Instruct learning the answer format on arithmetic. Sized to the budget that makes a step take about half a
+    # minute on 2 shared CPU cores (tests/test_quickstart.py holds it): few short completions, no held-out
+    # eval, one torch thread. docs/measurements.md has the timings and what each lever bought.
+    "quickstart": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
+                       num_generations=4, prompts_per_step=2, max_prompt_length=160, max_completion_length=64,
+                       max_seq_length=512, num_train_examples=500, learning_rate=3e-4, lr_scheduler="constant",
+                       warmup_ratio=0.0, beta=0.0, stop=("</SOLUTION>",), max_steps=16, save_steps=4,
+                       eval_size=0, log_completions_steps=4, gradient_checkpointing=False, cpu_threads=1,
+                       output_dir="outputs/quickstart"),
     # Seed recipe A: Llama 3.2 1B FP8-Block on DAPO-Math-17k (the defaults already are this recipe).
     "dapo-llama1b": dict(model=DEFAULT_MODEL, dataset="dapo", reward_preset="dapo"),
     # Seed recipe B, on the 1B model: GSM8K with the gsm8k rewards, r=64 alpha=64, 288+1760 tokens.
@@ -261,6 +281,50 @@ PRESETS: dict[str, dict[str, Any]] = {
                                warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=20, eval_size=16,
                                eval_samples=1, log_completions_steps=5, output_dir="outputs/smollm2-arithmetic"),
 }
+
+# What each preset runs and for how long, for --help and --list-presets.
+PRESET_SUMMARIES: dict[str, str] = {
+    "quickstart": "CPU, offline: SmolLM2-135M learns the answer format on arithmetic; 16 steps of 2 prompts x 4 "
+                  "completions, at most 64 tokens. About 8 minutes on 2 shared CPU cores, the first step's numbers "
+                  "after about 50 s. What ./dev train runs when no --preset is named.",
+    "smollm2-arithmetic": "The long learning run, offline: SmolLM2-135M on arithmetic, 60 steps of 4 prompts x 8 "
+                          "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU; "
+                          "on one H200, 160 steps of docs/learning.md's command took under 7 minutes.",
+    "dapo-llama1b": "Recipe A (the flag defaults), needs the hub or its cache: Llama 3.2 1B FP8-Block on "
+                    "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
+    "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
+                     "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",
+}
+
+
+def format_value(value: Any) -> str:
+    """A config value as it is typed on the command line: lists space-separated, None as none, booleans as
+    true/false, shell-quoted where a shell needs it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return " ".join(shlex.quote(str(v)) for v in value)
+    return shlex.quote(str(value))
+
+
+def list_presets(width: int = 100) -> str:
+    """Every preset: its summary, then its values as the flags that would set them."""
+    import textwrap
+
+    blocks = []
+    for name, values in PRESETS.items():
+        summary = textwrap.fill(PRESET_SUMMARIES[name], width, initial_indent=f"{name}: ", subsequent_indent="  ")
+        flags = [f"--{key.replace('_', '-')} {format_value(value)}".rstrip() for key, value in values.items()]
+        lines, line = [], "   "
+        for pair in flags:  # pack whole "--flag value" pairs into lines
+            if len(line) + 1 + len(pair) > width and line.strip():
+                lines.append(line)
+                line = "   "
+            line += " " + pair
+        blocks.append("\n".join([summary, *lines, line]))
+    return "\n\n".join(blocks)
 
 
 def _parse_bool(text: str) -> bool:
@@ -279,14 +343,34 @@ def _optional(kind: type):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a flag error prints the one line that matters and where to look, not the usage first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(python {self.prog} --help lists every flag and its value)\n")
+
+
+def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
+    """The command line; its --help shows each flag's value under `preset` (the recipe's without one)."""
+    shown = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+             for f in dataclasses.fields(Config)}
+    shown.update(PRESETS.get(preset, {}))
+    under = (f" The values shown are --preset {preset}'s." if preset in PRESETS
+             else " The values shown are the recipe's; --preset NAME --help shows that preset's.")
+    presets = "\n".join(f"  {name:<20}" + "\n".join(_wrap(PRESET_SUMMARIES[name], 76, 22))
+                        for name in PRESETS)
+    parser = _Parser(
         prog="train.py",
-        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference "
-                    "recipe; a --preset changes the defaults, flags override the preset.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [--preset NAME] [--FLAG VALUE ...]",
+        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference recipe "
+                    "(Llama 3.2 1B FP8-Block on DAPO-Math-17k); a --preset changes the defaults, and each flag "
+                    "you give overrides that one value and keeps the rest." + under,
+        epilog=f"presets (--list-presets prints their values):\n{presets}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--list-presets", action="store_true", help="Print the presets and exit.")
+    parser.add_argument("--list-presets", action="store_true", help="Print the presets and their values, and exit.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="Show the third-party warnings that are hidden as known to be harmless (grpo/quiet.py).")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(Config):
         meta = dict(f.metadata)
@@ -294,7 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = dict(help=meta.pop("help"), default=argparse.SUPPRESS, dest=f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         annotation = str(f.type)
         if annotation == "bool":
             kwargs.update(type=_parse_bool, metavar="{true,false}")
@@ -302,36 +385,70 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(type=_optional(int))
         elif "float" in annotation and "None" in annotation:
             kwargs.update(type=_optional(float))
+        elif "str" in annotation and "None" in annotation:
+            kwargs.update(type=_optional(str))
         elif annotation == "int":
             kwargs.update(type=int)
         elif annotation == "float":
             kwargs.update(type=float)
         kwargs.update(meta)
-        kwargs["help"] += f" (default: {default if not isinstance(default, tuple) else ' '.join(default) or 'none'})"
+        kwargs["help"] += f" (default: {format_value(shown[f.name]) or 'none'})"
         group.add_argument(flag, **kwargs)
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Flags -> Config: the preset's values first, then every flag the user gave."""
-    parser = build_parser()
+def _wrap(text: str, width: int, indent: int) -> list[str]:
+    """`text` in lines of `width`, every line after the first indented by `indent` spaces."""
+    import textwrap
+
+    lines = textwrap.wrap(text, width)
+    return [lines[0], *(" " * indent + line for line in lines[1:])]
+
+
+def _named_preset(argv: list[str]) -> str | None:
+    """The last --preset on the command line, read before the full parse so that --help can show its values."""
+    named = None
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif arg.startswith("--preset="):
+            named = arg.partition("=")[2]
+    return named
+
+
+class CommandLine(NamedTuple):
+    config: Config
+    verbose: bool  # -v: show the third-party warnings that grpo.quiet hides
+
+
+def parse_command_line(argv: list[str] | None = None) -> CommandLine:
+    """Flags -> Config: the preset's values first, then every flag the user gave; and the CLI's own -v."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_named_preset(argv))
     args = vars(parser.parse_args(argv))
-    if args.pop("list_presets", False):
-        for name, values in PRESETS.items():
-            print(f"{name}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items()))
+    verbose = args.pop("verbose")
+    if args.pop("list_presets"):
+        print(list_presets())
         raise SystemExit(0)
     preset = args.get("preset")
     values: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
-            parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+            parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)} (or none)")
         values.update(PRESETS[preset])
     values.update(args)
     for key in ("lora_targets", "reward", "stop"):
         if key in values:
             values[key] = tuple(values[key])
     try:
-        return Config(**values)
+        return CommandLine(Config(**values), verbose)
     except ValueError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Flags -> Config: the preset's values first, then every flag the user gave."""
+    return parse_command_line(argv).config
