@@ -58,7 +58,9 @@ def resolve_model_dir(name: str) -> Path:
     except (LocalEntryNotFoundError, OSError, ValueError) as err:
         raise FileNotFoundError(
             f"--model {name}: cannot be reached {'offline ' if offline else ''}({type(err).__name__}); pass "
-            f"a local checkpoint folder instead, or --preset smollm2-arithmetic for the offline model"
+            f"a local checkpoint folder instead, or --preset quickstart for the offline model"
+            + (" (./dev sets HF_HUB_OFFLINE=1 unless you set it: HF_HUB_OFFLINE=0 ./dev train ... goes online)"
+               if offline else "")
         ) from None
 
 
@@ -73,28 +75,38 @@ def smollm2_dir() -> Path:
     target = cache_dir() / "models" / f"{SMOLLM2_NAME}-bf16"
     if (target / "config.json").is_file():
         return target
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = torch.bfloat16
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=True)
-    plain = plain.to(torch.bfloat16)
-    plain.generation_config.eos_token_id = tokenizer.eos_token_id
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # ranks under torchrun convert side by side
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    shown = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                     TimeElapsedColumn(), transient=True)
+    stage = shown.add_task("SmolLM2-135M-Instruct, GGUF to bf16 (once): finding the package", total=4)
+    with shown:
+        gguf = smollm2_gguf_path()
+        shown.update(stage, advance=1, description="SmolLM2-135M-Instruct, GGUF to bf16 (once): reading")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        shown.update(stage, advance=1, description="SmolLM2-135M-Instruct, GGUF to bf16 (once): converting")
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.bfloat16
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict(), strict=True)
+        plain = plain.to(torch.bfloat16)
+        plain.generation_config.eos_token_id = tokenizer.eos_token_id
+        shown.update(stage, advance=1, description="SmolLM2-135M-Instruct, GGUF to bf16 (once): saving")
+        partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # ranks under torchrun convert side by side
+        plain.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        shown.update(stage, advance=1)
     try:
         partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
     except OSError:
         if not (target / "config.json").is_file():
             raise
         shutil.rmtree(partial)  # another process finished first; its copy is the same
+    shown.console.print(f"converted SmolLM2-135M-Instruct to bf16 in {target} (once: later runs read it there)")
     return target
 
 
