@@ -1,4 +1,4 @@
-"""GRPO with rsLoRA adapters: `python train.py --help` lists every flag, grouped, with its default.
+"""GRPO with rsLoRA adapters: `python train.py --help` lists every flag, grouped, with its value.
 
 Exit status: 0 done; 1 an error, told in one line (`--debug` or GRPO_DEBUG=1 adds the traceback);
 2 a flag refused; 128 + the signal after Ctrl-C (130), SIGTERM (143) or SIGHUP (129), having saved.
@@ -6,11 +6,15 @@ Exit status: 0 done; 1 an error, told in one line (`--debug` or GRPO_DEBUG=1 add
 
 import signal
 
-from grpo.config import parse_args
+from grpo.config import parse_command_line
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+    cfg, verbose = parse_command_line(argv)
+    if not verbose:  # before the libraries that warn are imported
+        from grpo.quiet import hide_known_warnings
+
+        hide_known_warnings()
     try:
         from grpo.trainer import train  # heavy imports after --help and flag errors
 

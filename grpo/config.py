@@ -2,10 +2,11 @@
 
 `Config` is the single source of every default. `parse_args` builds an argparse parser from the
 dataclass fields (kebab-case flags, grouped, each with its help text), applies a preset, then the
-flags the user gave. The whole `Config` is written to the output directory as `config.json`.
-Every numeric setting is checked when the `Config` is made (finite, in range, the flag named), so a
-bad flag is one line from the parser before any model loads or any file is written.
-This module does not load models or data; it only describes them.
+flags the user gave: a flag overrides that one value of the preset and keeps the rest. `--help` shows
+the values that would run (the preset's where one is named). Every numeric setting is checked when the
+`Config` is made (finite, in range, the flag named), so a bad flag is one line from the parser before
+any model loads or any file is written. The whole `Config` is written to the output directory as
+`config.json`. This module does not load models or data; it only describes them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 # The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.
@@ -186,6 +188,12 @@ class Config:
                          nargs="?", const=True)
     debug: bool = _f(False, "On an error, show the full traceback before the one-line message (also GRPO_DEBUG=1).",
                      "run", nargs="?", const=True)
+    cpu_threads: int | None = _f(None, "Torch threads when the run is on CPU (a GPU run ignores it). Default: "
+                                 "torch's own, one per core. On a machine shared with other work, 1 can be several "
+                                 "times faster: each of a decode step's many small ops waits for every thread, and "
+                                 "a busy core makes it wait a time slice (measured on a shared 2-core machine: a "
+                                 "SmolLM2-135M decode step of 16 rows took 1.5-2.8 s with 2 threads, 0.25-0.4 s "
+                                 "with 1).", "run")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # NaN and inf pass every comparison below unnoticed
@@ -257,6 +265,8 @@ class Config:
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
                              f"within --max-seq-length {self.max_seq_length}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads {self.cpu_threads}: use 1 or more, or none for torch's default")
 
     @property
     def batch_size(self) -> int:
@@ -300,8 +310,18 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-# Presets: named starting points; any flag the user gives overrides them.
+# Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
 PRESETS: dict[str, dict[str, Any]] = {
+    # The first run on a CPU, and what `./dev train` runs when no --preset is named: the offline SmolLM2-135M-
+    # Instruct learning the answer format on arithmetic. Sized to the budget that makes a step take about half a
+    # minute on 2 shared CPU cores (tests/test_quickstart.py holds it): few short completions, no held-out
+    # eval, one torch thread. docs/measurements.md has the timings and what each lever bought.
+    "quickstart": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
+                       num_generations=4, prompts_per_step=2, max_prompt_length=160, max_completion_length=64,
+                       max_seq_length=512, num_train_examples=500, learning_rate=3e-4, lr_scheduler="constant",
+                       warmup_ratio=0.0, beta=0.0, stop=("</SOLUTION>",), max_steps=16, save_steps=4,
+                       eval_size=0, log_completions_steps=4, gradient_checkpointing=False, cpu_threads=1,
+                       output_dir="outputs/quickstart"),
     # Seed recipe A: Llama 3.2 1B FP8-Block on DAPO-Math-17k (the defaults already are this recipe).
     "dapo-llama1b": dict(model=DEFAULT_MODEL, dataset="dapo", reward_preset="dapo"),
     # Seed recipe B, on the 1B model: GSM8K with the gsm8k rewards, r=64 alpha=64, 288+1760 tokens.
@@ -325,6 +345,53 @@ PRESETS: dict[str, dict[str, Any]] = {
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=25, eval_size=319,
                            eval_samples=1, log_completions_steps=10, output_dir="outputs/qwen1.5b-gsm8k"),
 }
+
+# What each preset runs and for how long, for --help and --list-presets.
+PRESET_SUMMARIES: dict[str, str] = {
+    "quickstart": "CPU, offline: SmolLM2-135M learns the answer format on arithmetic; 16 steps of 2 prompts x 4 "
+                  "completions, at most 64 tokens. About 8 minutes on 2 shared CPU cores, the first step's numbers "
+                  "after about 50 s. What ./dev train runs when no --preset is named.",
+    "smollm2-arithmetic": "The long learning run, offline: SmolLM2-135M on arithmetic, 60 steps of 4 prompts x 8 "
+                          "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU; "
+                          "on one H200, 160 steps of docs/learning.md's command took under 7 minutes.",
+    "dapo-llama1b": "Recipe A (the flag defaults), needs the hub or its cache: Llama 3.2 1B FP8-Block on "
+                    "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
+    "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
+                      "split, 319 problems held out) with recipe B's rewards; 200 steps of 16 prompts x 8 completions "
+                      "up to 512 tokens, held-out eval every 25 steps. A starting point, not a measured recipe.",
+    "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
+                     "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",
+}
+
+
+def format_value(value: Any) -> str:
+    """A config value as it is typed on the command line: lists space-separated, None as none, booleans as
+    true/false, shell-quoted where a shell needs it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return " ".join(shlex.quote(str(v)) for v in value)
+    return shlex.quote(str(value))
+
+
+def list_presets(width: int = 100) -> str:
+    """Every preset: its summary, then its values as the flags that would set them."""
+    import textwrap
+
+    blocks = []
+    for name, values in PRESETS.items():
+        summary = textwrap.fill(PRESET_SUMMARIES[name], width, initial_indent=f"{name}: ", subsequent_indent="  ")
+        flags = [f"--{key.replace('_', '-')} {format_value(value)}".rstrip() for key, value in values.items()]
+        lines, line = [], "   "
+        for pair in flags:  # pack whole "--flag value" pairs into lines
+            if len(line) + 1 + len(pair) > width and line.strip():
+                lines.append(line)
+                line = "   "
+            line += " " + pair
+        blocks.append("\n".join([summary, *lines, line]))
+    return "\n\n".join(blocks)
 
 
 def _parse_bool(text: str) -> bool:
@@ -350,21 +417,33 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
+    """The command line; its --help shows each flag's value under `preset` (the recipe's without one)."""
+    shown = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+             for f in dataclasses.fields(Config)}
+    shown.update(PRESETS.get(preset, {}))
+    under = (f" The values shown are --preset {preset}'s." if preset in PRESETS
+             else " The values shown are the recipe's; --preset NAME --help shows that preset's.")
+    presets = "\n".join(f"  {name:<20}" + "\n".join(_wrap(PRESET_SUMMARIES[name], 76, 22))
+                        for name in PRESETS)
     parser = OneLineParser(
         prog="train.py",
-        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference "
-                    "recipe; a --preset changes the defaults, flags override the preset.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [--preset NAME] [--FLAG VALUE ...]",
+        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference recipe "
+                    "(Llama 3.2 1B FP8-Block on DAPO-Math-17k); a --preset changes the defaults, and each flag "
+                    "you give overrides that one value and keeps the rest." + under,
+        epilog=f"presets (--list-presets prints their values):\n{presets}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--list-presets", action="store_true", help="Print the presets and exit.")
+    parser.add_argument("--list-presets", action="store_true", help="Print the presets and their values, and exit.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="Show the third-party warnings that are hidden as known to be harmless (grpo/quiet.py).")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(Config):
         meta = dict(f.metadata)
         group_name = meta.pop("group")
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
         kwargs: dict[str, Any] = dict(help=meta.pop("help"), default=argparse.SUPPRESS, dest=f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         annotation = str(f.type)
         if annotation == "bool":
             kwargs.update(type=_parse_bool, metavar="{true,false}")
@@ -372,36 +451,70 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(type=_optional(int))
         elif "float" in annotation and "None" in annotation:
             kwargs.update(type=_optional(float))
+        elif "str" in annotation and "None" in annotation:
+            kwargs.update(type=_optional(str))
         elif annotation == "int":
             kwargs.update(type=int)
         elif annotation == "float":
             kwargs.update(type=float)
         kwargs.update(meta)
-        kwargs["help"] += f" (default: {default if not isinstance(default, tuple) else ' '.join(default) or 'none'})"
+        kwargs["help"] += f" (default: {format_value(shown[f.name]) or 'none'})"
         group.add_argument(flag(f.name), **kwargs)
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Flags -> Config: the preset's values first, then every flag the user gave."""
-    parser = build_parser()
+def _wrap(text: str, width: int, indent: int) -> list[str]:
+    """`text` in lines of `width`, every line after the first indented by `indent` spaces."""
+    import textwrap
+
+    lines = textwrap.wrap(text, width)
+    return [lines[0], *(" " * indent + line for line in lines[1:])]
+
+
+def _named_preset(argv: list[str]) -> str | None:
+    """The last --preset on the command line, read before the full parse so that --help can show its values."""
+    named = None
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif arg.startswith("--preset="):
+            named = arg.partition("=")[2]
+    return named
+
+
+class CommandLine(NamedTuple):
+    config: Config
+    verbose: bool  # -v: show the third-party warnings that grpo.quiet hides
+
+
+def parse_command_line(argv: list[str] | None = None) -> CommandLine:
+    """Flags -> Config: the preset's values first, then every flag the user gave; and the CLI's own -v."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_named_preset(argv))
     args = vars(parser.parse_args(argv))
-    if args.pop("list_presets", False):
-        for name, values in PRESETS.items():
-            print(f"{name}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items()))
+    verbose = args.pop("verbose")
+    if args.pop("list_presets"):
+        print(list_presets())
         raise SystemExit(0)
     preset = args.get("preset")
     values: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
-            parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+            parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)} (or none)")
         values.update(PRESETS[preset])
     values.update(args)
     for key in ("lora_targets", "reward", "stop"):
         if key in values:
             values[key] = tuple(values[key])
     try:
-        return Config(**values)
+        return CommandLine(Config(**values), verbose)
     except ValueError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Flags -> Config: the preset's values first, then every flag the user gave."""
+    return parse_command_line(argv).config

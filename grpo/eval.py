@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 from grpo import rewards as grpo_rewards
@@ -23,24 +24,26 @@ from grpo.rollout import Sampling
 
 
 def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed: int,
-             max_rows: int | None = None) -> dict[str, float]:
+             max_rows: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """Greedy strict and lenient accuracy and format, and the same over `k` samples per held-out prompt
     (pass@1: the fraction of samples that are right).
 
     Generates at most `max_rows` completions per engine call, so the engine's buffers stay sized for
-    training batches rather than for the whole held-out set.
+    training batches rather than for the whole held-out set. `progress(done, total)` hears of each
+    call: prompts done, counting each prompt once per pass (greedy, then sampled when k > 0).
     """
     prompt_ids = prompt_set.prompt_ids
     answers = [ex.answer for ex in prompt_set.examples]
     result: dict[str, float] = {"eval/prompts": float(len(prompt_ids))}
+    passes = _Passes(progress, len(prompt_ids) * (2 if k > 0 else 1))
     greedy = replace(sampling, temperature=0.0, seed=seed)
-    texts = _generate_texts(engine, tokenizer, prompt_ids, 1, greedy, max_rows)
+    texts = _generate_texts(engine, tokenizer, prompt_ids, 1, greedy, max_rows, passes)
     strict, lenient, formatted = _score(texts, answers)
     result["eval/greedy_accuracy"] = strict
     result["eval/greedy_lenient_accuracy"] = lenient
     result["eval/greedy_format"] = formatted
     if k > 0:
-        texts = _generate_texts(engine, tokenizer, prompt_ids, k, replace(sampling, seed=seed + 1), max_rows)
+        texts = _generate_texts(engine, tokenizer, prompt_ids, k, replace(sampling, seed=seed + 1), max_rows, passes)
         strict, lenient, formatted = _score(texts, [a for a in answers for _ in range(k)])
         result["eval/pass@1"] = strict
         result["eval/pass@1_lenient"] = lenient
@@ -49,12 +52,29 @@ def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed:
     return result
 
 
-def _generate_texts(engine, tokenizer, prompt_ids, n: int, sampling: Sampling, max_rows: int | None) -> list[str]:
+class _Passes:
+    """Counts the prompts done over an evaluation's passes and tells `progress`, if there is one."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int):
+        self.progress = progress
+        self.total = total
+        self.done = 0
+        self.advance(0)
+
+    def advance(self, prompts: int) -> None:
+        self.done += prompts
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _generate_texts(engine, tokenizer, prompt_ids, n: int, sampling: Sampling, max_rows: int | None,
+                    passes: _Passes) -> list[str]:
     per_call = len(prompt_ids) if max_rows is None else max(1, max_rows // n)
     completions = []
     for start in range(0, len(prompt_ids), per_call):  # each chunk its own seed: reproducible, not repeated
         chunk = replace(sampling, seed=None if sampling.seed is None else sampling.seed + 7 * start)
         completions += engine.generate(prompt_ids[start:start + per_call], n, chunk).completions()
+        passes.advance(len(prompt_ids[start:start + per_call]))
     return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 

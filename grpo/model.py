@@ -62,7 +62,9 @@ def resolve_model_dir(name: str) -> Path:
     except (LocalEntryNotFoundError, OSError, ValueError) as err:
         raise FileNotFoundError(
             f"--model {name}: cannot be reached {'offline ' if offline else ''}({type(err).__name__}); pass "
-            f"a local checkpoint folder instead, or --preset smollm2-arithmetic for the offline model"
+            f"a local checkpoint folder instead, or --preset quickstart for the offline model"
+            + (" (./dev sets HF_HUB_OFFLINE=1 unless you set it: HF_HUB_OFFLINE=0 ./dev train ... goes online)"
+               if offline else "")
         ) from None
 
 

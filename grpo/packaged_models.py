@@ -72,12 +72,21 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (SMOLLM2, QWEN25
 
 
 def packaged_model_dir(name: str) -> Path:
-    """The plain bf16 checkpoint of packaged model `name`, converted from its GGUF the first time."""
+    """The plain bf16 checkpoint of packaged model `name`, converted from its GGUF the first time (with a
+    spinner on screen: the conversion takes about half a minute for SmolLM2 on 2 cores)."""
+    from rich.console import Console
+
     model = PACKAGED_MODELS[name]
     target = assets.cache_dir() / "models" / f"{model.name}-bf16"
     if (target / "config.json").is_file():
         return target
-    return convert_gguf(gguf_path(model), target, model.end_tokens)
+    console = Console(stderr=True)
+    with console.status(f"{model.name}: fetching and checking its GGUF (once)"):
+        gguf = gguf_path(model)
+    with console.status(f"{model.name}: converting the GGUF to a bf16 checkpoint (once)"):
+        convert_gguf(gguf, target, model.end_tokens)
+    console.print(f"converted {model.name} to bf16 in {target} (once: later runs read it there)")
+    return target
 
 
 def joined_gguf_path(model: PackagedModel) -> Path:

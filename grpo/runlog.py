@@ -132,21 +132,29 @@ def step_record(step: int, result: StepResult, lr: float, step_time: float, peak
     return record
 
 
-def step_line(record: dict, gap_warn: float = math.inf) -> str:
-    """The record in one line, for the console and the progress bar; the sampler-trainer gap only when
-    its mean exceeds `gap_warn` (--gap-warn)."""
-    line = (f"reward {record['reward']:7.3f} ± {record['reward_std']:.3f} | acc {record['accuracy']:.2f} | "
-            f"fmt {record['format']:.2f} | kl {record.get('kl', 0.0):.4f} | len {record['completion_length']:6.1f} | "
-            f"{record['step_time']:6.2f} s | {record['peak_mem_gib']:.2f} GiB")
+def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
+    """The record in one line of at most 100 columns: the step (of `max_steps`), the reward (mean ± std over
+    the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
+    tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size).
+    A second line when there is more to say: the sampler-trainer gap when its mean exceeds `gap_warn`
+    (--gap-warn), and what --dynamic-sampling kept."""
+    step = f"{record['step']}" if max_steps is None else f"{record['step']:>{len(str(max_steps))}}/{max_steps}"
+    seconds = record["step_time"]
+    took = f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
+    line = (f"step {step}  reward {record['reward']:6.2f} ± {record['reward_std']:.2f}  acc {record['accuracy']:.2f}  "
+            f"fmt {record['format']:.2f}  kl {record.get('kl', 0.0):.4f}  len {record['completion_length']:.0f}  "
+            f"{took}  mem {record['peak_mem_gib']:.3g} GiB")
+    extras = []
     gap = record.get("gap/logp_abs_mean")
     if gap is not None and not gap <= gap_warn:  # NaN shows too
-        line += f" | gap {gap:.3f} (max {record['gap/logp_abs_max']:.2f}, clipped {record['gap/is_clipped_frac']:.1%})"
+        extras.append(f"gap {gap:.3f} (max {record['gap/logp_abs_max']:.2f}, clipped {record['gap/is_clipped_frac']:.1%})")
     if "sampling/rounds" in record:
-        line += (f" | kept {record['sampling/groups_kept']} of {record['sampling/prompts']} prompts in "
-                 f"{record['sampling/rounds']} rounds")
+        kept = (f"kept {record['sampling/groups_kept']} of {record['sampling/prompts']} prompts in "
+                f"{record['sampling/rounds']} rounds")
         if record["sampling/groups_kept"] == 0:
-            line += ": no informative group, not trained"
-    return line
+            kept += ": no informative group, not trained"
+        extras.append(kept)
+    return line if not extras else line + "\n  " + " | ".join(extras)
 
 
 def print_completions(console, result: StepResult, groups: int = 2) -> None:
@@ -157,22 +165,46 @@ def print_completions(console, result: StepResult, groups: int = 2) -> None:
 
 
 class ProgressBar:
-    """The rich progress bar over the run's steps, shown between `start()` and `stop()`."""
+    """The run's live display, shown between `start()` and `stop()`: a bar over the run's steps and, under
+    it, the phase in flight: held-out prompts evaluated, and tokens generated (`generation` is the
+    engines' `GenerationProgress`). The phase bars show only while their phase runs."""
 
     def __init__(self, console, total: int, completed: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console)
-        self._task = self._progress.add_task("grpo", total=total, completed=completed, stats="")
+        self._progress = Progress(TextColumn("[bold]{task.description:>8}"), BarColumn(bar_width=32),
+                                  MofNCompleteColumn(), TextColumn("{task.fields[unit]:<7}"), TimeElapsedColumn(),
+                                  TextColumn("left"), TimeRemainingColumn(), console=console)
+        self._steps = self._progress.add_task("steps", total=total, completed=completed, unit="steps")
+        self._eval = self._progress.add_task("eval", total=None, visible=False, unit="prompts")
+        self._generate = self._progress.add_task("generate", total=None, visible=False, unit="tokens")
         self._shown = False
 
     def start(self) -> None:
         self._progress.start()
         self._shown = True
 
-    def update(self, completed: int, line: str) -> None:
-        self._progress.update(self._task, completed=completed, stats=line)
+    def update(self, completed: int) -> None:
+        """A step is done: the steps bar moves, the phase bars leave until their next report."""
+        self._progress.update(self._steps, completed=completed)
+        self._progress.update(self._generate, visible=False)
+
+    def generation(self, done: int, total: int) -> None:
+        """The engines' `GenerationProgress`: rows x decode steps done of rows x max_new_tokens."""
+        if done == 0:  # a new generate call: its own bar and clock
+            self._progress.reset(self._generate, total=total, completed=0, visible=True)
+        else:
+            self._progress.update(self._generate, total=total, completed=done, visible=True)
+
+    def evaluation(self, done: int, total: int) -> None:
+        """Held-out prompts evaluated so far (greedy, then sampled: each prompt counts once per pass)."""
+        if done == 0:
+            self._progress.reset(self._eval, total=total, completed=0, visible=True)
+        else:
+            self._progress.update(self._eval, total=total, completed=done, visible=done < total)
+        if done >= total:
+            self._progress.update(self._generate, visible=False)
 
     def stop(self) -> None:
         """Ends the display; a second call does nothing (rich would print another blank line)."""

@@ -73,6 +73,8 @@ def run(cfg: Config, world: World) -> Path:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = default_device()
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
 
     # Model, data, rewards, engine.
     engine_name = resolve_engine_name(cfg.engine)
@@ -127,13 +129,14 @@ def run(cfg: Config, world: World) -> Path:
     if log is not None and log.note:
         console.print(f"[yellow]{log.note}[/]")
     progress = ProgressBar(console, cfg.max_steps, state.step)
+    engine.progress = progress.generation  # tokens generated, shown while the engine samples (if it reports them)
     stop: StopOnSignal | None = None
     in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
     stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
     try:
-        if state.step == 0 and cfg.eval_size > 0:
-            held_out_eval(setup, eval_prompts, 0, console, log)
         progress.start()
+        if state.step == 0 and cfg.eval_size > 0:
+            held_out_eval(setup, eval_prompts, 0, console, log, progress)
         stop = StopOnSignal(console)
         while state.step < cfg.max_steps:
             t_step = time.perf_counter()
@@ -160,9 +163,9 @@ def run(cfg: Config, world: World) -> Path:
                                  peak_memory_gib(device))
             if world.is_main:
                 log.write(record)
-            line = step_line(record, cfg.gap_warn)
-            progress.update(state.step, line)
-            console.print(f"step {state.step:>4}/{cfg.max_steps} | {line}")
+            line = step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn)
+            progress.update(state.step)
+            console.print(line, soft_wrap=True)
             if give_up is not None:  # every rank gives up after the same step: save with every rank's RNG
                 saved = save_from_every_rank(out, state, parts, cfg, world)
                 raise give_up
@@ -171,7 +174,7 @@ def run(cfg: Config, world: World) -> Path:
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < cfg.max_steps:
                 saved = save_from_every_rank(out, state, parts, cfg, world)
             if cfg.eval_steps and state.step % cfg.eval_steps == 0 and state.step < cfg.max_steps:
-                held_out_eval(setup, eval_prompts, state.step, console, log)
+                held_out_eval(setup, eval_prompts, state.step, console, log, progress)
             if world.sum(torch.tensor(float(stop.requested))) > 0:  # all ranks stop after the same step
                 stopped = True
                 break
@@ -183,7 +186,9 @@ def run(cfg: Config, world: World) -> Path:
             saved = save_from_every_rank(out, state, parts, cfg, world)
         if stopped:  # said where it saved in the `except` below
             raise Stopped(stop.signum or signal.SIGINT)
-        held_out_eval(setup, eval_prompts, state.step, console, log)
+        progress.start()  # again, for the final evaluation
+        held_out_eval(setup, eval_prompts, state.step, console, log, progress)
+        progress.stop()
         final = out / "adapter"
         if world.is_main:
             save_adapter(policy, final)
@@ -266,14 +271,15 @@ def keeps_memory_between_steps(standby: str, engine: Engine) -> bool:
 # Phases of the run besides the step
 # --------------------------------------------------------------------------------------------------
 def held_out_eval(setup: StepSetup, eval_prompts: grpo_data.PromptSet | None, at_step: int, console,
-                  log: MetricsLog | None) -> None:
+                  log: MetricsLog | None, progress: ProgressBar) -> None:
     """Rank 0 measures held-out accuracy and logs it; the other ranks wait in their next collective."""
     if eval_prompts is None or not setup.world.is_main:
         return
     cfg, engine = setup.cfg, setup.engine
     engine.release_memory()
     result = evaluate(engine, setup.tokenizer, eval_prompts, setup.sampling, k=cfg.eval_samples,
-                      seed=cfg.seed + 7919 * at_step, max_rows=max(cfg.batch_size, cfg.eval_samples))
+                      seed=cfg.seed + 7919 * at_step, max_rows=max(cfg.batch_size, cfg.eval_samples),
+                      progress=progress.evaluation)
     engine.release_memory()
     log_eval(console, log, at_step, result)
 

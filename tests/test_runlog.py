@@ -61,7 +61,7 @@ def test_the_progress_bar_stops_once_however_often_it_is_told():
     bar.stop()  # never shown: nothing to end
     assert text.getvalue() == ""
     bar.start()
-    bar.update(2, "line")
+    bar.update(2)
     bar.stop()
     ended = text.getvalue()
     bar.stop()

@@ -6,6 +6,7 @@ types and the protocol, no sampling code (that is `grpo/rollout/sampling.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -82,6 +83,13 @@ class Rollout:
         return [row[m].tolist() for row, m in zip(self.completion_ids, self.mask)]
 
 
+# What an engine reports while it generates: (tokens so far, tokens at most) of the call in flight,
+# as rows x decode steps done and rows x max_new_tokens. Engines call it after each decode step when
+# their `progress` attribute holds one (the trainer's progress display is one); a call whose rows all
+# stop early ends with one last report of (at most, at most).
+GenerationProgress = Callable[[int, int], None]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Anything that turns prompt ids into a `Rollout`, and says what the trainer must know of it, so
@@ -98,6 +106,10 @@ class Engine(Protocol):
     `standby_bytes()`: the bytes the engine would keep held between steps if `release_memory()` were
     not called (`--engine-standby auto` keeps an engine that holds little); None when it must release
     every time (vLLM sleeps to give its memory pool back).
+
+    Optional, and so not a member of the protocol: an attribute `progress`, a `GenerationProgress` or
+    None, that the engine calls as it generates (the trainer sets it; an engine without it shows no
+    progress within a generation).
     """
 
     needs_importance_correction: bool

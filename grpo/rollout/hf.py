@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.base import GenerationProgress, Rollout, Sampling
 from grpo.rollout.stops import first_stop_index
 
 
@@ -18,9 +18,10 @@ class HFEngine:
     # Sampled by the policy's own modules: its log-probs are the trainer's numerics.
     needs_importance_correction = False
 
-    def __init__(self, model, *, pad_id: int):
+    def __init__(self, model, *, pad_id: int, progress: GenerationProgress | None = None):
         self.model = model
         self.pad_id = pad_id
+        self.progress = progress  # told rows x decode steps as they are done; the trainer sets it
 
     def release_memory(self) -> None:
         """transformers allocates its cache per call: nothing is held between generations."""
@@ -31,7 +32,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
@@ -66,8 +67,12 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            streamer = None if self.progress is None else _DecodeSteps(self.progress, len(rows), sampling.max_new_tokens)
+            # Rows end at a stop sequence too (transformers knows only stop ids), so decoding ends once all have.
+            stops = [] if sampling.ignore_eos or not sampling.stop_sequences else [_StopSequences(sampling, width)]
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config)
+                                      generation_config=config, streamer=streamer,
+                                      stopping_criteria=StoppingCriteriaList(stops))
         finally:
             self.model.train(was_training)
         completion_ids = out.sequences[:, width:]  # (P*n, T)
@@ -87,6 +92,46 @@ class HFEngine:
             n=n,
             timings={"generate": time.perf_counter() - t0},
         )
+
+
+class _StopSequences:
+    """A transformers stopping criterion: a row is done once its completion ends with a stop sequence.
+
+    The tokens kept are the same as without it (`_stop_mask` cuts each row after its first stop); it
+    only spares the decode steps that would run until every row had also met a stop id or the limit.
+    """
+
+    def __init__(self, sampling: Sampling, prompt_width: int):
+        self.sequences = [torch.tensor(seq) for seq in sampling.stop_sequences if seq]
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        generated = input_ids.shape[1] - self.prompt_width
+        for seq in self.sequences:
+            if len(seq) <= generated:
+                done |= (input_ids[:, -len(seq):] == seq.to(input_ids.device)).all(dim=-1)
+        return done
+
+
+class _DecodeSteps:
+    """A transformers streamer that reports rows x decode steps to a `GenerationProgress`.
+
+    transformers hands it the prompt first, then each step's new tokens (one per row), then calls end().
+    """
+
+    def __init__(self, progress: GenerationProgress, rows: int, max_new_tokens: int):
+        self.progress = progress
+        self.rows = rows
+        self.total = rows * max_new_tokens
+        self.steps = -1  # the first put() is the prompt
+
+    def put(self, value) -> None:
+        self.steps += 1
+        self.progress(self.rows * self.steps, self.total)
+
+    def end(self) -> None:
+        self.progress(self.total, self.total)
 
 
 def _stop_mask(completion_ids: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
