@@ -211,7 +211,7 @@ def test_rank_zero_alone_prints_logs_and_saves_with_every_ranks_rng(two_rank_run
     run = two_rank_run / "run"
     assert [r["step"] for r in records(run)] == [1, 2]  # not once per rank
     stdout = (two_rank_run / "stdout.txt").read_text()
-    assert stdout.count("step    2/2") == 1 and stdout.count("done") == 1
+    assert stdout.count("step 2/2 ") == 1 and stdout.count("done") == 1
     assert sorted(p.name for p in run.iterdir()) == ["adapter", "checkpoint-1", "checkpoint-2", "config.json",
                                                      "metrics.jsonl", "metrics.png"]
     ckpt = run / "checkpoint-1"

@@ -63,7 +63,7 @@ def test_the_gap_of_a_tiny_rollout_equals_the_hand_computation_over_counted_toke
 
 
 def test_the_progress_line_shows_the_gap_only_above_the_threshold():
-    record = {"reward": 1.0, "reward_std": 0.5, "accuracy": 0.5, "format": 0.25, "completion_length": 8.0,
+    record = {"step": 3, "reward": 1.0, "reward_std": 0.5, "accuracy": 0.5, "format": 0.25, "completion_length": 8.0,
               "step_time": 1.0, "peak_mem_gib": 0.5, "gap/logp_abs_mean": 0.08, "gap/logp_abs_max": 1.5,
               "gap/is_clipped_frac": 0.02}
     assert "gap 0.080 (max 1.50, clipped 2.0%)" in step_line(record, gap_warn=0.05)
