@@ -297,9 +297,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # What each preset runs and for how long, for --help and --list-presets.
 PRESET_SUMMARIES: dict[str, str] = {
-    "quickstart": "CPU, offline: SmolLM2-135M learns the answer format on arithmetic; 16 steps of 2 prompts x 4 "
-                  "completions, at most 64 tokens. About 8 minutes on 2 shared CPU cores, the first step's numbers "
-                  "after about 50 s. What ./dev train runs when no --preset is named.",
+    "quickstart": "CPU, offline, what ./dev train runs when no --preset is named: SmolLM2-135M learns the answer "
+                  "format (shown once in its system prompt) on arithmetic; 16 steps of 2 prompts x 4 completions "
+                  "of at most 48 tokens. 7-8 minutes on 2 shared CPU cores, the first step's line after about 45 s.",
     "smollm2-arithmetic": "The long learning run, offline: SmolLM2-135M on arithmetic, 60 steps of 4 prompts x 8 "
                           "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU; "
                           "on one H200, 160 steps of docs/learning.md's command took under 7 minutes.",
@@ -375,9 +375,10 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="train.py",
         usage="%(prog)s [--preset NAME] [--FLAG VALUE ...]",
-        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference recipe "
-                    "(Llama 3.2 1B FP8-Block on DAPO-Math-17k); a --preset changes the defaults, and each flag "
-                    "you give overrides that one value and keeps the rest." + under,
+        description="\n".join(_wrap("GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the "
+                                     "reference recipe (Llama 3.2 1B FP8-Block on DAPO-Math-17k); a --preset changes "
+                                     "the defaults, and each flag you give overrides that one value and keeps the "
+                                     "rest." + under, 98, 0)),
         epilog=f"presets (--list-presets prints their values):\n{presets}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -90,7 +90,7 @@ def step_line(record: dict, max_steps: int | None = None) -> str:
     """The record in one line of at most 100 columns: the step (of `max_steps`), the reward (mean ± std over
     the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
     tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size)."""
-    step = f"{record['step']}" if max_steps is None else f"{record['step']:>{len(str(max_steps))}}/{max_steps}"
+    step = f"{record['step']:>4}" + ("" if max_steps is None else f"/{max_steps}")
     seconds = record["step_time"]
     took = f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
     return (f"step {step}  reward {record['reward']:6.2f} ± {record['reward_std']:.2f}  acc {record['accuracy']:.2f}  "

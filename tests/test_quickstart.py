@@ -140,7 +140,7 @@ def test_the_step_line_fits_100_columns_at_its_widest():
         line = step_line({**widest, "step_time": seconds}, max_steps=9999)
         assert len(line) <= 100, line
     line = step_line({**widest, "step": 3, "step_time": 12.3, "peak_mem_gib": 0.63}, max_steps=16)
-    assert line.startswith("step  3/16  reward") and "12.30 s" in line and line.endswith("mem 0.63 GiB")
+    assert line.startswith("step    3/16  reward") and "12.30 s" in line and line.endswith("mem 0.63 GiB")
 
 
 def test_hide_known_warnings_drops_only_the_listed_records():
