@@ -72,6 +72,9 @@ class Config:
     max_completion_length: int | None = _f(None, "Completion tokens at most. Default: max-seq-length "
                                            "minus max-prompt-length.", "data")
     num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
+    system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
+                                   "recipe's, which describes the answer format in words (grpo.data.SYSTEM_PROMPT).",
+                                   "data")
 
     # --- grpo --------------------------------------------------------------------------------
     num_generations: int = _f(4, "G: completions sampled per prompt (at least 2).", "grpo")
@@ -310,18 +313,28 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+# The recipe's system prompt (grpo.data.SYSTEM_PROMPT, kept in step by a test) and the format shown once, with
+# letters for numbers. With it, the untrained SmolLM2-135M answers in the exact format in about a fifth of its
+# samples, with its own numbers (without it: none of 128; with a numeric example it copies the example).
+QUICKSTART_SYSTEM_PROMPT = (
+    "You are given a problem. Think about it and show your working out.\n"
+    "Place your working out between <start_working_out> and <end_working_out>.\n"
+    "Then give your final answer between <SOLUTION> and </SOLUTION>.\n"
+    'For example, to "What is a plus b?" answer <start_working_out>a + b = c<end_working_out><SOLUTION>c</SOLUTION>'
+)
+
 # Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
 PRESETS: dict[str, dict[str, Any]] = {
     # The first run on a CPU, and what `./dev train` runs when no --preset is named: the offline SmolLM2-135M-
-    # Instruct learning the answer format on arithmetic. Sized to the budget that makes a step take about half a
-    # minute on 2 shared CPU cores (tests/test_quickstart.py holds it): few short completions, no held-out
-    # eval, one torch thread. docs/measurements.md has the timings and what each lever bought.
+    # Instruct learning the answer format on arithmetic, shown once in its system prompt. Sized so that a step
+    # takes about half a minute on 2 shared CPU cores (tests/test_quickstart.py holds the budget): 8 completions
+    # of at most 48 tokens, no held-out eval, one torch thread. docs/measurements.md has the runs.
     "quickstart": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
-                       num_generations=4, prompts_per_step=2, max_prompt_length=160, max_completion_length=64,
-                       max_seq_length=512, num_train_examples=500, learning_rate=3e-4, lr_scheduler="constant",
-                       warmup_ratio=0.0, beta=0.0, stop=("</SOLUTION>",), max_steps=16, save_steps=4,
-                       eval_size=0, log_completions_steps=4, gradient_checkpointing=False, cpu_threads=1,
-                       output_dir="outputs/quickstart"),
+                       system_prompt=QUICKSTART_SYSTEM_PROMPT, num_generations=4, prompts_per_step=2,
+                       max_prompt_length=200, max_completion_length=48, max_seq_length=512, num_train_examples=500,
+                       learning_rate=1e-4, lr_scheduler="constant", warmup_ratio=0.0, beta=0.0, stop=("</SOLUTION>",),
+                       max_steps=16, save_steps=4, eval_size=0, log_completions_steps=4,
+                       gradient_checkpointing=False, cpu_threads=1, output_dir="outputs/quickstart"),
     # Seed recipe A: Llama 3.2 1B FP8-Block on DAPO-Math-17k (the defaults already are this recipe).
     "dapo-llama1b": dict(model=DEFAULT_MODEL, dataset="dapo", reward_preset="dapo"),
     # Seed recipe B, on the 1B model: GSM8K with the gsm8k rewards, r=64 alpha=64, 288+1760 tokens.
@@ -348,9 +361,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # What each preset runs and for how long, for --help and --list-presets.
 PRESET_SUMMARIES: dict[str, str] = {
-    "quickstart": "CPU, offline: SmolLM2-135M learns the answer format on arithmetic; 16 steps of 2 prompts x 4 "
-                  "completions, at most 64 tokens. About 8 minutes on 2 shared CPU cores, the first step's numbers "
-                  "after about 50 s. What ./dev train runs when no --preset is named.",
+    "quickstart": "CPU, offline, what ./dev train runs when no --preset is named: SmolLM2-135M learns the answer "
+                  "format (shown once in its system prompt) on arithmetic; 16 steps of 2 prompts x 4 completions "
+                  "of at most 48 tokens. 7-8 minutes on 2 shared CPU cores, the first step's line after about 45 s.",
     "smollm2-arithmetic": "The long learning run, offline: SmolLM2-135M on arithmetic, 60 steps of 4 prompts x 8 "
                           "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU; "
                           "on one H200, 160 steps of docs/learning.md's command took under 7 minutes.",
@@ -366,14 +379,17 @@ PRESET_SUMMARIES: dict[str, str] = {
 
 def format_value(value: Any) -> str:
     """A config value as it is typed on the command line: lists space-separated, None as none, booleans as
-    true/false, shell-quoted where a shell needs it."""
+    true/false, shell-quoted where a shell needs it (line breaks as bash's $'...\\n...')."""
     if value is None:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (tuple, list)):
-        return " ".join(shlex.quote(str(v)) for v in value)
-    return shlex.quote(str(value))
+        return " ".join(format_value(v) for v in value)
+    text = str(value)
+    if "\n" in text:
+        return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+    return shlex.quote(text)
 
 
 def list_presets(width: int = 100) -> str:
@@ -383,14 +399,11 @@ def list_presets(width: int = 100) -> str:
     blocks = []
     for name, values in PRESETS.items():
         summary = textwrap.fill(PRESET_SUMMARIES[name], width, initial_indent=f"{name}: ", subsequent_indent="  ")
-        flags = [f"--{key.replace('_', '-')} {format_value(value)}".rstrip() for key, value in values.items()]
-        lines, line = [], "   "
-        for pair in flags:  # pack whole "--flag value" pairs into lines
-            if len(line) + 1 + len(pair) > width and line.strip():
-                lines.append(line)
-                line = "   "
-            line += " " + pair
-        blocks.append("\n".join([summary, *lines, line]))
+        # "\0" joins each flag to its value, so that a line breaks between pairs (or inside a long value)
+        flags = " ".join(f"--{key.replace('_', '-')}\0{format_value(value)}" for key, value in values.items())
+        lines = textwrap.fill(flags, width, initial_indent="    ", subsequent_indent="    ", break_long_words=False,
+                              break_on_hyphens=False)
+        blocks.append(summary + "\n" + lines.replace("\0", " "))
     return "\n\n".join(blocks)
 
 
@@ -429,9 +442,10 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="train.py",
         usage="%(prog)s [--preset NAME] [--FLAG VALUE ...]",
-        description="GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the reference recipe "
-                    "(Llama 3.2 1B FP8-Block on DAPO-Math-17k); a --preset changes the defaults, and each flag "
-                    "you give overrides that one value and keeps the rest." + under,
+        description="\n".join(_wrap("GRPO with rsLoRA adapters on one GPU (or CPU). Every flag defaults to the "
+                                     "reference recipe (Llama 3.2 1B FP8-Block on DAPO-Math-17k); a --preset changes "
+                                     "the defaults, and each flag you give overrides that one value and keeps the "
+                                     "rest." + under, 98, 0)),
         epilog=f"presets (--list-presets prints their values):\n{presets}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -186,7 +186,8 @@ def run(cfg: Config, world: World) -> Path:
             saved = save_from_every_rank(out, state, parts, cfg, world)
         if stopped:  # said where it saved in the `except` below
             raise Stopped(stop.signum or signal.SIGINT)
-        progress.start()  # again, for the final evaluation
+        if eval_prompts is not None:
+            progress.start()  # again, for the final evaluation
         held_out_eval(setup, eval_prompts, state.step, console, log, progress)
         progress.stop()
         final = out / "adapter"
@@ -247,13 +248,14 @@ def load_prompt_sets(cfg: Config, tokenizer) -> tuple[grpo_data.PromptSet, grpo_
     examples = grpo_data.load_examples(cfg.dataset, split="train", seed=cfg.seed)
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
-    prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length)
+    system_prompt = grpo_data.SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
+    prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt)
     max_completion = (cfg.max_completion_length if cfg.max_completion_length is not None
                       else cfg.max_seq_length - prompts.max_prompt_length)
     eval_prompts = None
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
-        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, cfg.max_seq_length - max_completion)
+        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, cfg.max_seq_length - max_completion, system_prompt)
     return prompts, eval_prompts, max_completion
 
 

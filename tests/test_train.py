@@ -387,3 +387,16 @@ def test_the_loss_type_and_its_parameters_reach_the_loss(char_llama_dir, tmp_pat
                    log_completions_steps=0, **flags))
     assert calls and all(kw["policy_loss"] == loss_type for kw in calls)
     assert all(kw[k] == v for kw in calls for k, v in flags.items())
+
+
+def test_a_flag_overrides_one_value_of_the_preset_and_keeps_the_rest(tmp_path):
+    from grpo.config import PRESETS, parse_args
+
+    for name in PRESETS:
+        cfg = parse_args(["--preset", name, "--max-steps", "3"])
+        assert cfg == Config(**{**PRESETS[name], "preset": name, "max_steps": 3}), name
+    cfg = parse_args(["--max-steps", "3", "--preset", "smollm2-arithmetic", "--stop"])  # any order; empty clears
+    assert (cfg.max_steps, cfg.stop, cfg.num_generations, cfg.model) == (3, (), 8, "smollm2-135m-instruct")
+    assert parse_args(["--preset", "none", "--max-steps", "3"]) == Config(max_steps=3)
+    cfg.save(tmp_path)  # config.json holds the values that run: the preset's, then the flags'
+    assert Config.load(tmp_path / "config.json") == cfg
