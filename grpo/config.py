@@ -128,8 +128,10 @@ class Config:
                          "grpo")
 
     # --- sampling ----------------------------------------------------------------------------
-    engine: str = _f("auto", "Sampler: auto (native on CUDA, else hf), native, hf or vllm.", "sampling",
-                     choices=["auto", "native", "hf", "vllm"])
+    engine: str = _f("auto", "Sampler: auto (native on CUDA, else hf), native (ours, in-process), hf "
+                     "(transformers' generate, the reference), vllm (plain vLLM, the adapter sent each step) or "
+                     "unsloth (Unsloth's vLLM engine sharing the base weights with training; CUDA).", "sampling",
+                     choices=["auto", "native", "hf", "vllm", "unsloth"])
     engine_standby: str = _f("auto", "What the sampler holds between generations: release (drop its KV cache "
                              "and CUDA graphs, so training reuses that memory; the graphs are re-captured "
                              "every step; vLLM sleeps), keep (hold them: no re-capture, the step peak adds the "

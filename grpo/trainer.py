@@ -230,7 +230,7 @@ def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
     """(policy, tokenizer, model_dir, engine). When Unsloth loads the model, it builds its vLLM engine
     with it (sampling and training share the base weights) and model_dir is None; otherwise engine is
     None and model_dir is the base checkpoint's folder."""
-    if unsloth_loads_the_model(cfg.engine, device):
+    if unsloth_loads_the_model(cfg.engine):
         from grpo.rollout.vllm import load_unsloth_policy
 
         policy, tokenizer, engine = load_unsloth_policy(

@@ -545,3 +545,14 @@ def test_unsloth_missing_says_what_to_install(fake_vllm, monkeypatch, tmp_path):
     monkeypatch.setenv("UNSLOTH_RETURN_LOGITS", "1")
     with pytest.raises(ImportError, match=r"grpo\[unsloth,vllm\]"):
         _load(tmp_path)
+
+
+def test_the_engine_flag_alone_chooses_unsloth_and_vllm_stays_plain_vllm():
+    from grpo.config import Config
+    from grpo.rollout import build_engine, unsloth_loads_the_model
+
+    assert unsloth_loads_the_model("unsloth")
+    assert not any(unsloth_loads_the_model(name) for name in ("vllm", "native", "hf", "auto"))
+    assert Config(engine="unsloth").engine == "unsloth"
+    with pytest.raises(ValueError, match="Unsloth builds its engine as it loads the model"):
+        build_engine("unsloth", None, pad_id=0, max_seq_len=8, max_batch=1)

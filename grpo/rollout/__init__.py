@@ -1,8 +1,7 @@
-"""Samplers behind one protocol: `native` (fast, in-process), `hf` (reference), `vllm` (external)."""
+"""Samplers behind one protocol: `native` (fast, in-process), `hf` (reference), `vllm` and `unsloth`
+(external)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
@@ -17,11 +16,10 @@ def resolve_engine_name(name: str) -> str:
     return name
 
 
-def unsloth_loads_the_model(name: str, device: torch.device) -> bool:
-    """--engine vllm on CUDA with Unsloth installed: Unsloth loads the model and its vLLM engine together
+def unsloth_loads_the_model(name: str) -> bool:
+    """--engine unsloth: Unsloth loads the model and its vLLM engine together
     (`grpo.rollout.vllm.load_unsloth_policy`), so that sampling and training share the base weights."""
-    return (resolve_engine_name(name) == "vllm" and device.type == "cuda"
-            and importlib.util.find_spec("unsloth") is not None)
+    return name == "unsloth"
 
 
 def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
@@ -42,4 +40,7 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
         from grpo.rollout.vllm import VLLMEngine
 
         return VLLMEngine(policy, max_model_len=max_seq_len, pad_id=pad_id, **vllm_kwargs)
-    raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf or vllm")
+    if name == "unsloth":
+        raise ValueError("--engine unsloth: Unsloth builds its engine as it loads the model "
+                         "(grpo.rollout.vllm.load_unsloth_policy), not over a policy")
+    raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf, vllm or unsloth")

@@ -1,5 +1,5 @@
-"""vLLM rollout engines (`--engine vllm`): plain vLLM with the adapter sent each step, and Unsloth's
-fast_inference engine that shares its base weights with training.
+"""vLLM rollout engines: plain vLLM with the adapter sent each step (`--engine vllm`), and Unsloth's
+fast_inference engine that shares its base weights with training (`--engine unsloth`).
 
 Both sample only: the loop, the loss and the optimizer stay ours. Both return the same `Rollout`,
 with the sampler's log-probabilities, so the trainer can weight each token by pi_trainer/pi_sampler
