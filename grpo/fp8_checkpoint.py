@@ -3,9 +3,10 @@
 Owned by `grpo/model.py` (the Model room); `grpo/rollout/vllm.py` asks the same question through
 `is_fp8_checkpoint`. The format itself (E4M3 codes in 128x128 blocks, `weight_scale_inv`) and the
 layer that computes with it are `grpo/kernels/fp8.py`; this module only reads config.json and
-safetensors files and builds the model. It deliberately does not quantize (that is
-`grpo.kernels.fp8.quantize_linears_`, for --load-in-fp8) and never lets transformers see the
-quantization_config (its FineGrainedFP8 path fetches a kernel from a hub at run time).
+safetensors files and builds the model, or writes a model in that format (`save_fp8_block_checkpoint`, what
+tests and benchmarks serve to vLLM and Unsloth). Quantizing a model in memory for --load-in-fp8 is
+`grpo.kernels.fp8.quantize_linears_`. transformers never sees the quantization_config (its FineGrainedFP8
+path fetches a kernel from a hub at run time).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from grpo.kernels.fp8 import BLOCK, FP8_DTYPE, FP8Linear
+from grpo.kernels.fp8 import BLOCK, FP8_DTYPE, FP8Linear, quantize_fp8_block
 
 
 def _read_config(model_dir: str | Path) -> dict:
@@ -108,3 +109,42 @@ def load_fp8_block_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloa
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return model.eval()
+
+
+def save_fp8_block_checkpoint(model: nn.Module, path: str | Path, targets: tuple[str, ...] | list[str],
+                              shards: int = 1) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Write `model` (a transformers causal LM with plain nn.Linear projections) as an FP8-Block checkpoint,
+    the layout of unsloth/Llama-3.2-1B-Instruct-FP8-Block: each Linear named in `targets` as E4M3 codes plus
+    float32 `weight_scale_inv` per 128x128 block, everything else bf16, and `quantization_config` in
+    config.json. Returns {module name: (codes, scale_inv)} as written."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state, codes = {}, {}
+    for name, tensor in model.state_dict().items():
+        module_name, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module_name.rsplit(".", 1)[-1] in targets:
+            w_fp8, scale_inv = quantize_fp8_block(tensor)
+            state[name], state[f"{module_name}.weight_scale_inv"] = w_fp8.contiguous(), scale_inv.contiguous()
+            codes[module_name] = (w_fp8, scale_inv)
+        elif not (tied and name == "lm_head.weight"):  # tied: the checkpoint stores the embedding only
+            state[name] = tensor.to(torch.bfloat16).contiguous()
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.cpu() for k, v in state.items()}
+    keys = sorted(state)
+    if shards == 1:
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {k: state[k] for k in keys[i::shards]}
+            save_file(part, str(path / file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return codes

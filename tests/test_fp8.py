@@ -11,7 +11,7 @@ from conftest import tiny_llama
 from torch import nn
 
 from grpo.config import LORA_TARGETS
-from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
+from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model, save_fp8_block_checkpoint
 from grpo.kernels.fp8 import (
     FP8_DTYPE,
     FP8Linear,
@@ -244,34 +244,13 @@ def test_lora_adapters_get_the_same_dtype_as_on_a_bf16_base_never_float8():
 
 
 def write_fp8_block_checkpoint(model: nn.Module, path, block_size=(128, 128), shards=1) -> dict:
-    """Save `model` the way FP8-Block checkpoints are: fp8 weight + fp32 weight_scale_inv for each target."""
-    from safetensors.torch import save_file
-
-    state, codes = {}, {}
-    for name, tensor in model.state_dict().items():
-        module_name, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module_name.rsplit(".", 1)[-1] in TARGETS:
-            w_fp8, scale_inv = quantize_fp8_block(tensor)
-            state[name], state[f"{module_name}.weight_scale_inv"] = w_fp8, scale_inv
-            codes[module_name] = (w_fp8, scale_inv)
-        elif name != "lm_head.weight":  # tied: the checkpoint stores the embedding only
-            state[name] = tensor.to(torch.bfloat16).contiguous()
-    config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block_size)}
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    keys = sorted(state)
-    if shards == 1:
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i in range(shards):
-            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            part = {k: state[k] for k in keys[i::shards]}
-            save_file(part, str(path / file), metadata={"format": "pt"})
-            weight_map.update({k: file for k in part})
-        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    """Save `model` the way FP8-Block checkpoints are (`save_fp8_block_checkpoint`); another `block_size` is
+    only declared in config.json, for the refusal test."""
+    codes = save_fp8_block_checkpoint(model, path, TARGETS, shards=shards)
+    if tuple(block_size) != (128, 128):
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"]["weight_block_size"] = list(block_size)
+        (path / "config.json").write_text(json.dumps(config))
     return codes
 
 
