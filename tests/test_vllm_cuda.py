@@ -1,0 +1,202 @@
+"""vLLM and Unsloth on a CUDA GPU: what tests/test_vllm.py cannot show on vLLM's CPU build.
+
+Plain vLLM (`VLLMEngine`) serves a tiny random Llama (Llama 3.2's tokenizer, head_dim 64) saved as a bf16
+checkpoint and as an FP8-Block one (128x128 blocks, as unsloth/Llama-3.2-1B-Instruct-FP8-Block is
+stored): it sleeps while the policy trains and gives its memory back, wakes, serves the adapter of
+each step, and its log-probs match the trainer's at temperatures 1 and 0.7 within bf16's reach. The
+figures are printed (run with -s) for benchmarks/RESULTS.md. vLLM's sleep mode allows one engine per
+process (its CuMem allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
+
+The Unsloth path (`--engine unsloth`) runs two GRPO steps of `train.py` on the
+FP8-Block checkpoint, in a child process: importing unsloth patches transformers for the whole process.
+
+Skipped without CUDA or vllm; the Unsloth test also without unsloth. On the H200 machine,
+`source .vx/kit.sh env unsloth` puts both on the path (benchmarks/README.md says how).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("vllm", reason="needs vLLM on CUDA: pip install 'grpo[vllm]'")
+# The engine core in this process: nothing to spawn, and the test's own CUDA context is no obstacle.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from conftest import tiny_llama  # noqa: E402
+
+from grpo.config import LORA_TARGETS, Config  # noqa: E402
+from grpo.fp8_checkpoint import save_fp8_block_checkpoint  # noqa: E402
+from grpo.model import load_policy  # noqa: E402
+from grpo.rollout.base import Sampling  # noqa: E402
+from grpo.rollout.vllm import VLLMEngine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
+# bf16 engine against a bf16 trainer, per token, |log p_sampler - log p_trainer|: the mean is what the
+# importance correction sees; one token can be off by more where the top logits nearly tie.
+BF16_MEAN_GAP = 0.03
+BF16_MAX_GAP = 0.5
+
+
+def _write_checkpoint(kind: str, path: Path, tokenizer) -> Path:
+    """A tiny Llama whose dimensions are multiples of 128 (FP8 blocks), saved as `kind`."""
+    model = tiny_llama(seed=0, hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
+    with torch.no_grad():  # logits of std ~2: temperature and truncation visibly matter
+        model.model.embed_tokens.weight.mul_(8)
+    if kind == "fp8-block":
+        save_fp8_block_checkpoint(model, path, LORA_TARGETS)
+        model.generation_config.save_pretrained(path)
+    else:
+        model.to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# The checkpoint this process serves; the bf16 process starts a child for the FP8-Block one.
+CHECKPOINT = os.environ.get("GRPO_VLLM_CHECKPOINT", "bf16")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, llama_tokenizer):
+    """(engine, policy, checkpoint kind): a bf16 rsLoRA policy on the checkpoint and vLLM serving it."""
+    path = _write_checkpoint(CHECKPOINT, tmp_path_factory.mktemp(CHECKPOINT), llama_tokenizer)
+    cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
+    policy, _, _ = load_policy(cfg, torch.device("cuda"))
+    engine = VLLMEngine(policy, str(path), lora_rank=cfg.lora_rank, max_model_len=256, dtype="bf16", seed=1234,
+                        work_dir=str(tmp_path_factory.mktemp("vllm-work")), gpu_memory_utilization=0.2)
+    yield engine, policy, CHECKPOINT
+
+
+def _randomize_adapter(policy, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def _trainer_logp(policy, rollout, temperature: float) -> torch.Tensor:
+    """(P*n, T) log softmax(logits / T) of each sampled token under the policy, as the trainer computes it."""
+    t = temperature if temperature > 0 else 1.0
+    out = torch.zeros(rollout.mask.shape, dtype=torch.float64)
+    for i, completion in enumerate(rollout.completions()):
+        prompt = rollout.prompt_ids[i // rollout.n]
+        ids = torch.tensor([prompt + completion], device="cuda")
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
+        logp = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(completion, device="cuda")[:, None])[:, 0]
+        out[i, : len(completion)] = logp.cpu()
+    return out
+
+
+def _gap(rollout, expected: torch.Tensor) -> tuple[float, float]:
+    diff = (rollout.sampler_logp.double() - expected).abs()[rollout.mask]
+    return diff.mean().item(), diff.max().item()
+
+
+@pytest.mark.parametrize("sampling", [Sampling(max_new_tokens=24, temperature=1.0),
+                                      Sampling(max_new_tokens=24, temperature=0.7, min_p=0.1)],
+                         ids=["t1", "t0.7-minp"])
+def test_sampler_logp_matches_the_trainers_within_bf16(served, sampling):
+    engine, policy, kind = served
+    _randomize_adapter(policy, seed=1)
+    rollout = engine.generate(PROMPTS, 4, sampling)
+    assert rollout.mask.all() and rollout.mask.shape == (8, 24)
+    expected = _trainer_logp(policy, rollout, sampling.temperature)
+    mean, worst = _gap(rollout, expected)
+    print(f"\n[vllm-cuda] {kind} T={sampling.temperature} min_p={sampling.min_p}: sampler-trainer "
+          f"|dlogp| mean {mean:.4f} max {worst:.3f} over {int(rollout.mask.sum())} tokens")
+    assert mean < BF16_MEAN_GAP and worst < BF16_MAX_GAP
+    if sampling.temperature != 1.0:  # the check has teeth: the temperature-1 values are far from these
+        wrong_mean, _ = _gap(rollout, _trainer_logp(policy, rollout, 1.0))
+        assert wrong_mean > 5 * mean
+
+
+def test_sleeps_for_training_frees_its_memory_and_serves_each_steps_adapter(served):
+    engine, policy, kind = served
+    _randomize_adapter(policy, seed=2)
+    greedy = Sampling(max_new_tokens=16, temperature=0.0)
+    before = engine.generate(PROMPTS, 1, greedy)
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.release_memory()  # the trainer's call before its training phase
+    free_asleep = torch.cuda.mem_get_info()[0]
+    print(f"\n[vllm-cuda] {kind}: sleep freed {(free_asleep - free_awake) / GiB:.2f} GiB")
+    assert free_asleep - free_awake > 10 * GiB  # the KV cache pool (0.2 of the GPU) and the weights
+
+    # A training step on the adapter while vLLM sleeps: make the current greedy completions less likely.
+    params = [p for n, p in policy.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params, lr=0.05)
+    for i, completion in enumerate(before.completions()):
+        ids = torch.tensor([PROMPTS[i] + completion], device="cuda")
+        logits = policy(input_ids=ids).logits[0, len(PROMPTS[i]) - 1: -1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion, device="cuda")[:, None])
+        logp.sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    after = engine.generate(PROMPTS, 1, greedy)  # wakes up, then serves the new adapter
+    assert "wake_up" in after.timings and torch.cuda.mem_get_info()[0] < free_asleep - 5 * GiB
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    mean, worst = _gap(after, _trainer_logp(policy, after, 0.0))
+    assert mean < BF16_MEAN_GAP and worst < BF16_MAX_GAP  # the new adapter's log-probs, not the old one's
+    assert [p.name for p in engine.work_dir.iterdir()] == [f"adapter-{engine._adapter_id}"]
+
+
+def _run_child(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """Run `cmd`, echoing its output line by line as it comes (a stage cut short still shows how far it
+    got); returns (exit code, all output)."""
+    lines: list[str] = []
+    with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        timer = threading.Timer(timeout, child.kill)
+        timer.start()
+        try:
+            for line in child.stdout:
+                print(line, end="", flush=True)
+                lines.append(line)
+        finally:
+            timer.cancel()
+    return child.returncode, "".join(lines)
+
+
+@pytest.mark.skipif(CHECKPOINT != "bf16", reason="run by the bf16 process")
+def test_the_fp8_block_checkpoint_passes_the_same_tests_in_its_own_process():
+    env = {**os.environ, "GRPO_VLLM_CHECKPOINT": "fp8-block"}
+    code, output = _run_child([sys.executable, "-m", "pytest", "-x", "-q", "-s", "-p", "no:cacheprovider", __file__,
+                               "-k", "sampler_logp or sleeps"], env, timeout=900)
+    assert code == 0 and "3 passed" in output, output[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="needs unsloth: pip install 'grpo[unsloth]'")
+def test_two_grpo_steps_on_the_unsloth_path_with_an_fp8_block_checkpoint(tmp_path, llama_tokenizer):
+    path = _write_checkpoint("fp8-block", tmp_path / "fp8-block", llama_tokenizer)
+    out = tmp_path / "run"
+    flags = ["--model", str(path), "--engine", "unsloth", "--dataset", "arithmetic", "--max-steps", "2",
+             "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "32",
+             "--max-prompt-length", "160", "--max-seq-length", "256", "--lora-rank", "8", "--lora-alpha", "16",
+             "--eval-size", "0", "--save-steps", "1", "--log-completions-steps", "0", "--output-dir", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, output = _run_child([sys.executable, str(ROOT / "train.py"), *flags], env, timeout=1200)
+    assert code == 0, output[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_time" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and "time/generate/adapter_sync" in r for r in steps)
+    # Unsloth's engine, not plain vLLM's: no adapter files were written for it to read
+    assert not list((out / "vllm").glob("adapter-*"))
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0: it trained
