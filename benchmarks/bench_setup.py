@@ -25,6 +25,8 @@ import platform
 import random
 import re
 import statistics
+import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -355,6 +357,48 @@ def memory_info() -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB}
 
 
+class GpuUsedMemory:
+    """Peak GPU memory in use while the block runs, as nvidia-smi reads it (polled every 0.1 s), less what
+    was in use when it began: the one reading that sees every engine alike, vLLM's pool included, which
+    torch's counters do not. `peak_gib` is None where nvidia-smi is missing."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.peak_gib: float | None = None
+        self._baseline = self._peak = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    @staticmethod
+    def read_mib() -> float | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                  "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+            return float(out.split()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            used = self.read_mib()
+            if used is not None:
+                self._peak = used if self._peak is None else max(self._peak, used)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "GpuUsedMemory":
+        self._baseline = self.read_mib()
+        if self._baseline is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._baseline is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak_gib = max(0.0, (self._peak or self._baseline) - self._baseline) / 1024
+
+
 def weight_bytes(model) -> int:
     """Bytes of parameters a decode step reads: every unique parameter storage once (the tied
     embedding is read as the lm_head; its embedding lookup of one token per row is negligible)."""
@@ -375,7 +419,7 @@ def environment() -> dict:
 
     versions = {"python": platform.python_version()}
     for pkg in ("torch", "transformers", "peft", "bitsandbytes", "triton", "trl", "accelerate", "datasets",
-                "pytest-benchmark"):
+                "pytest-benchmark", "vllm", "unsloth"):
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:

@@ -143,6 +143,25 @@ class BenchEnv:
                                                  device=self.device)
         return self._model_dir
 
+    def fp8_block_dir(self) -> Path:
+        """The bench model written as an FP8-Block checkpoint (the seed's format), beside it, once."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from grpo.config import LORA_TARGETS
+        from grpo.fp8_checkpoint import save_fp8_block_checkpoint
+
+        path = self.root / "model-fp8-block"
+        if not (path / "config.json").is_file():
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir(), dtype=torch.bfloat16).to(self.device)
+            partial = path.with_name(path.name + ".partial")
+            save_fp8_block_checkpoint(model, partial, LORA_TARGETS)
+            model.generation_config.save_pretrained(partial)
+            AutoTokenizer.from_pretrained(self.model_dir()).save_pretrained(partial)
+            del model
+            partial.rename(path)
+        return path
+
     def tokenizer(self):
         if self._tokenizer is None:
             from transformers import AutoTokenizer

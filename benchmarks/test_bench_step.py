@@ -29,24 +29,29 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     steps = bench_env.steps if config_name == "bench" else bench_env.long_steps
     warmup = min(2, steps - 1) if config_name == "bench" else 1
     out = tmp_path / "run"
-    cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=dtype == "fp8", steps=steps,
-                         output_dir=out, cuda=bench_env.cuda, engine_standby=standby, micro_batch_size=micro_batch,
-                         lora_compute=lora_compute, engine=engine)
+    # Unsloth serves FP8 from an FP8-Block checkpoint (the seed's); the others quantize the bf16 one at load.
+    fp8_block = engine == "unsloth" and dtype == "fp8"
+    model_dir = bench_env.fp8_block_dir() if fp8_block else bench_env.model_dir()
+    cfg = bs.step_config(model_dir, bench_env.prompts(shape), shape, fp8=dtype == "fp8" and not fp8_block,
+                         steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
+                         micro_batch_size=micro_batch, lora_compute=lora_compute, engine=engine)
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
         train(cfg)
         bs.sync()
 
-    benchmark.pedantic(run, rounds=1, iterations=1)
+    with bs.GpuUsedMemory() as used:
+        benchmark.pedantic(run, rounds=1, iterations=1)
     records = bs.read_metrics(out)
     assert len(records) == steps and not any(r["skipped"] for r in records)
     summary = bs.summarize_steps(records, warmup, rows=shape.rows)
     # Fixed lengths or the numbers mean nothing: every completion ran to the end.
     assert summary["completion_length"] == shape.completion_len
     info = {**summary, "peak_reserved_gib": bs.memory_info()["peak_reserved_gib"], "baseline_alloc_gib": baseline,
-            "shape": bs.asdict(shape), "warmup_steps": warmup,
-            "note": "peak_reserved_gib: the last step's; timing_s: the whole run (load + all steps)"}
+            "peak_gpu_used_gib": used.peak_gib, "shape": bs.asdict(shape), "warmup_steps": warmup,
+            "note": "peak_reserved_gib: the last step's; peak_gpu_used_gib: nvidia-smi over the whole run, less "
+                    "its reading before; timing_s: the whole run (load + all steps)"}
     benchmark.extra_info.update(info)
     results.add(benchmark, group="step", config=config_name, impl=impl, dtype=dtype)
     return info
@@ -84,6 +89,17 @@ def test_grpo_step_with_the_vllm_engine(benchmark, bench_env, results, tmp_path)
     steps, the adapter synced each step). Its metrics carry the sampler-trainer gap of vLLM's numerics."""
     pytest.importorskip("vllm", reason="needs vLLM: pip install 'grpo[vllm]'")
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", impl="ours-vllm", engine="vllm")
+
+
+@pytest.mark.bench_order(90)
+@pytest.mark.bench_cost(300)
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_grpo_step_on_the_unsloth_path(benchmark, bench_env, results, tmp_path, dtype):
+    """--engine unsloth at the bench config: Unsloth loads the model (fp8: the FP8-Block checkpoint) with its
+    vLLM engine in standby, sharing the base weights; our loop and loss train on them. Importing unsloth
+    patches transformers for the whole process, so run it alone: -k unsloth_path."""
+    pytest.importorskip("unsloth", reason="needs unsloth and vLLM: pip install 'grpo[unsloth,vllm]'")
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype, impl="ours-unsloth", engine="unsloth")
 
 
 @pytest.mark.bench_order(50)
