@@ -415,3 +415,39 @@ def test_attention_and_stream_variants_give_the_same_rollout(model, attention, s
             PROMPTS, 2, sampling)
         assert torch.equal(out.completion_ids, ref.completion_ids)
         torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
+
+
+def small_qwen2(seed: int = 0, vocab: int = 1024) -> nn.Module:
+    """A tiny random Qwen2 (what the packaged Qwen2.5-Coder is): q/k/v projections with bias, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, rope_theta=1000000.0, pad_token_id=PAD, bos_token_id=1,
+                      eos_token_id=2)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers starts biases at zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def test_greedy_equals_transformers_generate_on_qwen2_with_projection_biases_and_lora():
+    from peft import LoraConfig, get_peft_model
+
+    base = small_qwen2(seed=3)
+    assert base.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    engine = NativeEngine(policy, max_seq_len=40, max_batch=6, pad_id=PAD)
+    rollout = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=16, temperature=0.0))
+    for i, prompt in enumerate(PROMPTS):
+        assert rollout.completion_ids[2 * i].tolist() == hf_greedy(policy, prompt, 16)
+    sampled = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=8, temperature=1.0, seed=5))
+    for i, completion in enumerate(sampled.completions()):
+        logits = full_logits(policy, PROMPTS[i // 2], completion)
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(sampled.sampler_logp[i, :len(completion)].double(), expected,
+                                   rtol=0, atol=2e-4)
