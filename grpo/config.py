@@ -355,10 +355,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Sized for one GPU (H200 class; a CPU step takes many minutes), checkpointing every few minutes so a run
     # can go in pieces with --resume latest; a starting point, docs/learning.md has the measured recipe.
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
-                           num_generations=8, prompts_per_step=16, max_prompt_length=288, max_completion_length=512,
-                           max_seq_length=800, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
-                           warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=25, eval_size=319,
-                           eval_samples=1, log_completions_steps=10, output_dir="outputs/qwen1.5b-gsm8k"),
+                           num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
+                           max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
+                           warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
+                           eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
 }
 
 # What each preset runs and for how long, for --help and --list-presets.
@@ -372,8 +372,9 @@ PRESET_SUMMARIES: dict[str, str] = {
     "dapo-llama1b": "Recipe A (the flag defaults), needs the hub or its cache: Llama 3.2 1B FP8-Block on "
                     "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
     "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
-                      "split, 319 problems held out) with recipe B's rewards; 200 steps of 16 prompts x 8 completions "
-                      "up to 512 tokens, held-out eval every 25 steps. A starting point, not a measured recipe.",
+                      "split, 319 problems held out) with recipe B's rewards; 200 steps of 8 prompts x 8 completions "
+                      "up to 384 tokens, held-out eval every 20 steps. On one H200, 3.9 s a step; in its first 70 "
+                      "steps held-out strict accuracy went 24.8% -> 63.9%, format 35.7% -> 97.2% (docs/learning.md).",
     "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
                      "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",
 }
