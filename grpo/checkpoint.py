@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from grpo.config import Config
+from grpo.config import Config, flag
 from grpo.data import PromptStream
 from grpo.distributed import World
 from grpo.failures import first_line, os_fault, write_failure
@@ -279,6 +279,24 @@ def list_checkpoints(out: Path) -> list[Path]:
     """checkpoint-N folders of `out`, oldest first (other names are left alone)."""
     found = [p for p in out.glob(f"{CHECKPOINT_PREFIX}*") if p.name[len(CHECKPOINT_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def schedule_note(checkpoint: Path, cfg: Config) -> str | None:
+    """A note when a resumed run's flags differ from the checkpoint's in what shapes the learning rate: the
+    schedule's shape (steps, warmup, kind) is rebuilt from this run's flags at the restored step count,
+    while the base rate is restored with the optimizer, so a new --learning-rate does not apply."""
+    try:
+        saved = Config.load(checkpoint / "config.json")
+    except (OSError, ValueError, TypeError):
+        return None
+    shape = [f"{flag(k)} {getattr(saved, k)} -> {getattr(cfg, k)}"
+             for k in ("max_steps", "warmup_ratio", "lr_scheduler") if getattr(saved, k) != getattr(cfg, k)]
+    notes = []
+    if shape:
+        notes.append(f"the learning-rate schedule now follows {', '.join(shape)}")
+    if saved.learning_rate != cfg.learning_rate:
+        notes.append(f"--learning-rate stays the checkpoint's {saved.learning_rate:g} (not {cfg.learning_rate:g})")
+    return "resumed with other flags: " + "; ".join(notes) if notes else None
 
 
 def find_checkpoint(resume: str, out: Path) -> Path:

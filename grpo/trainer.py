@@ -32,7 +32,7 @@ from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
                              new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
-                             save_from_every_rank)
+                             save_from_every_rank, schedule_note)
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
@@ -110,8 +110,9 @@ def run(cfg: Config, world: World) -> Path:
     saved: Path | None = None  # the checkpoint that holds the run as it stands, if any
     if cfg.resume:
         saved, state, notes = resume_checkpoint(cfg.resume, out, parts, world)
-        for note in notes:
-            console.print(f"[yellow]{note}[/]")
+        for note in [*notes, schedule_note(saved, cfg)]:
+            if note:
+                console.print(f"[yellow]{note}[/]")
         console.print(f"[bold]resumed[/] from {saved} at step {state.step}")
     summary = model_summary(policy)
     ranks = f" x {world.size} ranks" if world.size > 1 else ""

@@ -132,3 +132,16 @@ def test_resume_latest_skips_an_unreadable_newest_checkpoint_and_a_named_one_is_
     (tmp_path / "checkpoint-1" / "optimizer.pt").write_bytes(b"")
     with pytest.raises(CheckpointUnreadable, match="no checkpoint in .* reads back whole"):
         resume_checkpoint("latest", tmp_path, _parts(seed=2), World())
+
+
+def test_resuming_with_another_schedule_or_rate_says_what_applies(tmp_path):
+    from grpo.checkpoint import schedule_note
+
+    saved = Config(max_steps=200, learning_rate=1e-5, warmup_ratio=0.05)
+    saved.save(tmp_path)
+    assert schedule_note(tmp_path, saved) is None  # the same flags: nothing to say
+    note = schedule_note(tmp_path, Config(max_steps=72, learning_rate=1e-5, warmup_ratio=0.05))
+    assert "--max-steps 200 -> 72" in note and "learning-rate stays" not in note
+    note = schedule_note(tmp_path, Config(max_steps=200, learning_rate=3e-5, warmup_ratio=0.05))
+    assert "--learning-rate stays the checkpoint's 1e-05 (not 3e-05)" in note and "schedule" not in note
+    assert schedule_note(tmp_path / "missing", saved) is None  # an older checkpoint without config.json
