@@ -451,3 +451,15 @@ def test_greedy_equals_transformers_generate_on_qwen2_with_projection_biases_and
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
         torch.testing.assert_close(sampled.sampler_logp[i, :len(completion)].double(), expected,
                                    rtol=0, atol=2e-4)
+
+
+def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):
+    engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(check_every=4))
+    heard = []
+    engine.progress = lambda done, total: heard.append((done, total))
+    engine.generate(PROMPTS, 2, Sampling(max_new_tokens=18, temperature=0.0))
+    assert heard == [(6 * s, 6 * 18) for s in (4, 8, 12, 16)] + [(6 * 18, 6 * 18)]
+    stop_id = engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=18, temperature=0.0)).completion_ids[0, 1].item()
+    heard.clear()
+    engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=18, temperature=0.0, stop_token_ids=(stop_id,)))
+    assert heard[-1] == (18, 18) and len(heard) < 6  # stopped early: the total, once, at the end

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm
-from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.base import GenerationProgress, Rollout, Sampling
 from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm, prefill_layer
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
@@ -85,6 +85,7 @@ class NativeEngine:
             raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {self.dims.vocab_size}); finished rows "
                              "feed it to the model, so pick an id the embedding has (e.g. the tokenizer's pad id)")
         self.max_seq_len, self.max_batch, self.pad_id = max_seq_len, max_batch, pad_id
+        self.progress: GenerationProgress | None = None  # told rows x steps done; the trainer sets it
         llama_mlp = all(hasattr(layer.mlp, a) for layer in self.lm.model.layers
                         for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         self.tuning = tuning.resolved(self.device, llama_mlp)
@@ -336,10 +337,15 @@ class NativeEngine:
             else:
                 self._step(rows, kv_len, sampling, stop)
             steps += 1
-            if stop.active and steps % self.tuning.check_every == 0 and not bool(st.alive[:rows].any()):
-                break
+            if steps % self.tuning.check_every == 0:
+                if self.progress is not None:
+                    self.progress(rows * steps, rows * max_new)
+                if stop.active and not bool(st.alive[:rows].any()):
+                    break
         sync()
         t3 = time.perf_counter()
+        if self.progress is not None:
+            self.progress(rows * max_new, rows * max_new)
 
         used = st.out_mask[:rows, :steps]  # (B, steps)
         width = int(used.any(0).nonzero().max().item()) + 1 if bool(used.any()) else 1
