@@ -8,7 +8,8 @@
 - `step_config`: the `grpo.config.Config` of one shape: rsLoRA r=32 on the 7 projections, beta 0.04,
   8-bit AdamW, gradient checkpointing, the native engine, in bf16 or FP8.
 - `summarize_steps`: steady-state medians of the trainer's per-step records (metrics.jsonl).
-- `run_trl`: the peer, TRL's GRPOTrainer on the same model, prompts, lengths and hyperparameters.
+- `run_trl`: the peer, TRL's GRPOTrainer on the same model, prompts, lengths and hyperparameters (sampling
+  with transformers or with vLLM colocated); `run_unsloth_grpo`: Unsloth's own GRPO, the seed recipe's way.
 - `Results`: the records of one run, written to `benchmarks/results/<date>-<gpu>.json` as they come.
 
 What it deliberately is not: a second trainer. The step measured is `grpo.trainer.train`, unchanged;
@@ -243,28 +244,15 @@ def trl_dataset_rows(tokenizer, dataset: str | Path, shape: Shape) -> list[dict]
     return rows
 
 
-def run_trl(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: int, output_dir: str | Path,
-            cuda: bool = True, seed: int = 3407) -> list[dict]:
-    """TRL's GRPOTrainer at `shape` with our recipe; one record per optimizer step (time, peak memory).
-
-    Same model (bf16, rsLoRA r=32 alpha=64 on the 7 projections, reference = adapters disabled),
-    same prompts, completions forced to `shape.completion_len` (min_new_tokens), the same four-tier
-    reward, beta 0.04, the GRPO sequence-mean loss, 8-bit AdamW, gradient checkpointing.
-    """
-    try:
-        import datasets
-        import trl
-    except ImportError:
-        raise ImportError("the TRL peer needs trl and datasets: pip install trl datasets") from None
+def _trl_peer_parts(tokenizer, dataset: str | Path, shape: Shape, cuda: bool):
+    """What every TRL-based peer shares: the prompts as a datasets.Dataset, our four-tier reward as a TRL
+    reward function, and a callback that times each optimizer step (synchronized) with its peak memory."""
+    import datasets
     import torch
-    from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
 
     from grpo import rewards as grpo_rewards
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     train_set = datasets.Dataset.from_list(trl_dataset_rows(tokenizer, dataset, shape))
     funcs = grpo_rewards.reward_functions("dapo")
 
@@ -292,33 +280,111 @@ def run_trl(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: 
                 rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
             else:
                 rec["peak_mem_gib"] = 0.0
+            print(f"[peer] step {rec['step']}: {rec['step_time']:.3f} s", flush=True)  # a run cut short still reports
             self.records.append(rec)
 
-    args = trl.GRPOConfig(
+    return train_set, four_tier, StepClock()
+
+
+def _grpo_config_values(shape: Shape, *, steps: int, output_dir: str | Path, cuda: bool, seed: int) -> dict:
+    """Our recipe in GRPOConfig's terms (TRL 1.15 and 1.16 alike)."""
+    import torch
+
+    return dict(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=shape.rows,
         gradient_accumulation_steps=1, num_generations=shape.generations,
         max_completion_length=shape.completion_len,
-        generation_kwargs={"min_new_tokens": shape.completion_len},  # EOS ignored: fixed lengths
         temperature=1.0, top_p=1.0, top_k=0, min_p=0.1, beta=0.04, loss_type="grpo", scale_rewards="group",
         num_iterations=1, epsilon=0.2, learning_rate=5e-6, weight_decay=0.001, warmup_steps=0.1,
         lr_scheduler_type="linear", optim="adamw_8bit", adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-        bf16=cuda, use_cpu=not cuda, model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
-        seed=seed, dataloader_num_workers=0,
+        bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        log_completions=False, seed=seed, dataloader_num_workers=0,
     )
-    lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
-                      bias="none", task_type="CAUSAL_LM")
-    clock = StepClock()
-    trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=four_tier, args=args, train_dataset=train_set,
-                              processing_class=tokenizer, peft_config=lora, callbacks=[clock])
+
+
+def _finish_trl_run(trainer, clock) -> list[dict]:
     trainer.train()
     lengths = [r["completions/min_length"] for r in trainer.state.log_history if "completions/min_length" in r]
     for rec, length in zip(clock.records, lengths):
         rec["completion_length"] = length  # the shortest completion of the step
+    return clock.records
+
+
+def run_trl(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: int, output_dir: str | Path,
+            cuda: bool = True, seed: int = 3407, vllm_share: float | None = None) -> list[dict]:
+    """TRL's GRPOTrainer at `shape` with our recipe; one record per optimizer step (time, peak memory).
+
+    Same model (bf16, rsLoRA r=32 alpha=64 on the 7 projections, reference = adapters disabled),
+    same prompts, completions forced to `shape.completion_len`, the same four-tier reward, beta 0.04, the
+    GRPO sequence-mean loss, 8-bit AdamW, gradient checkpointing. `vllm_share`: sample with vLLM colocated
+    in this process (`use_vllm=True, vllm_mode="colocate"`, sleeping while training) holding that share of
+    the GPU; None samples with transformers' generate.
+    """
+    try:
+        import datasets  # noqa: F401  (the prompts go to TRL as a datasets.Dataset)
+        import trl
+    except ImportError:
+        raise ImportError("the TRL peer needs trl and datasets: pip install trl datasets") from None
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train_set, four_tier, clock = _trl_peer_parts(tokenizer, dataset, shape, cuda)
+    values = _grpo_config_values(shape, steps=steps, output_dir=output_dir, cuda=cuda, seed=seed)
+    values["model_init_kwargs"] = {"dtype": torch.bfloat16 if cuda else torch.float32}
+    if vllm_share is None:
+        values["generation_kwargs"] = {"min_new_tokens": shape.completion_len}  # EOS ignored: fixed lengths
+    else:
+        values.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=vllm_share,
+                      vllm_enable_sleep_mode=True, vllm_max_model_length=shape.seq_len,
+                      generation_kwargs={"ignore_eos": True})
+    lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+                      bias="none", task_type="CAUSAL_LM")
+    trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=four_tier, args=trl.GRPOConfig(**values),
+                              train_dataset=train_set, processing_class=tokenizer, peft_config=lora, callbacks=[clock])
+    records = _finish_trl_run(trainer, clock)
     del trainer
     free_memory()
-    return clock.records
+    return records
+
+
+def run_unsloth_grpo(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: int,
+                     output_dir: str | Path, seed: int = 3407, vllm_share: float = 0.35) -> list[dict]:
+    """Unsloth's own GRPO as the seed recipe runs it: Unsloth loads the checkpoint (FP8-Block: its own
+    quantization_config decides) with its vLLM engine inside (`fast_inference=True`, standby on), adds the
+    same rsLoRA adapter with Unsloth's gradient checkpointing, and TRL's GRPOTrainer (the TRL Unsloth
+    supports) trains with our recipe, sampling through vLLM with min_p 0.1 and EOS ignored. Importing
+    unsloth patches transformers and TRL for the whole process: run it alone."""
+    import os
+
+    os.environ["UNSLOTH_VLLM_STANDBY"] = "1"  # read at import
+    try:
+        from unsloth import FastLanguageModel
+    except ImportError:
+        raise ImportError("the Unsloth peer needs unsloth and vLLM: pip install unsloth vllm") from None
+    import trl
+    from vllm import SamplingParams
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=str(model_dir), max_seq_length=shape.seq_len, load_in_4bit=False, load_in_fp8=False,
+        fast_inference=True, max_lora_rank=32, gpu_memory_utilization=vllm_share, random_state=seed)
+    model = FastLanguageModel.get_peft_model(
+        model, r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
+        bias="none", use_gradient_checkpointing="unsloth", random_state=seed)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train_set, four_tier, clock = _trl_peer_parts(tokenizer, dataset, shape, cuda=True)
+    values = _grpo_config_values(shape, steps=steps, output_dir=output_dir, cuda=True, seed=seed)
+    values.update(use_vllm=True, vllm_sampling_params=SamplingParams(min_p=0.1, ignore_eos=True,
+                                                                     max_tokens=shape.completion_len))
+    values.pop("gradient_checkpointing_kwargs")  # Unsloth's own checkpointing is on the model
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=four_tier, args=trl.GRPOConfig(**values),
+                              train_dataset=train_set, processing_class=tokenizer, callbacks=[clock])
+    return _finish_trl_run(trainer, clock)
 
 
 # --------------------------------------------------------------------------------------------------

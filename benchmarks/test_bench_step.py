@@ -119,6 +119,37 @@ def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, re
     _run_ours(benchmark, bench_env, results, tmp_path, "long", "bf16", micro_batch=4, impl="ours-mb4")
 
 
+def _run_peer(benchmark, bench_env, results, config_name: str, impl: str, dtype: str, run) -> dict:
+    """Times `run()` (a peer's whole run, returning its per-step records) and records its steady state."""
+    shape = bench_env.shape(config_name)
+    records: list[dict] = []
+
+    def whole_run():
+        records.extend(run(shape))
+        bs.sync()
+
+    with bs.GpuUsedMemory() as used:
+        benchmark.pedantic(whole_run, rounds=1, iterations=1)
+    assert len(records) == bench_env.trl_steps
+    steady = records[1:] if len(records) > 1 else records
+    lengths = [r["completion_length"] for r in records if r.get("completion_length") is not None]
+    assert lengths and min(lengths) == shape.completion_len, f"{impl}: completions not all forced: {lengths}"
+    step_time = statistics.median(r["step_time"] for r in steady)
+    info = {"steps": len(records), "steady_steps": len(steady), "step_time_s": step_time,
+            "step_times_s": [round(r["step_time"], 4) for r in records],
+            "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),
+            "peak_reserved_gib": max(r.get("peak_reserved_gib", 0.0) for r in steady),
+            "peak_gpu_used_gib": used.peak_gib,
+            "completion_tokens_per_s": shape.rows * shape.completion_len / step_time,
+            "completion_length": min(lengths),
+            "shape": bs.asdict(shape), "warmup_steps": len(records) - len(steady),
+            "note": "timed per step by a TrainerCallback (on_step_begin to on_step_end, synchronized); "
+                    "peak_gpu_used_gib: nvidia-smi over the whole run, less its reading before"}
+    benchmark.extra_info.update(info)
+    results.add(benchmark, group="step", config=config_name, impl=impl, dtype=dtype)
+    return info
+
+
 @pytest.mark.bench_order(40)
 @pytest.mark.bench_cost(80)
 @pytest.mark.parametrize("config_name", ["bench", "long"])
@@ -130,28 +161,32 @@ def test_trl_grpo_step(benchmark, bench_env, results, tmp_path, request, config_
                     "(--bench-trl-long runs it)")
     pytest.importorskip("trl", reason="the peer needs trl: pip install trl")
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
-    shape = bench_env.shape(config_name)
-    steps = bench_env.trl_steps
-    records: list[dict] = []
+    _run_peer(benchmark, bench_env, results, config_name, "trl", "bf16",
+              lambda shape: bs.run_trl(bench_env.model_dir(), bench_env.prompts(shape), shape,
+                                       steps=bench_env.trl_steps, output_dir=tmp_path / "trl", cuda=bench_env.cuda))
 
-    def run():
-        records.extend(bs.run_trl(bench_env.model_dir(), bench_env.prompts(shape), shape, steps=steps,
-                                  output_dir=tmp_path / "trl", cuda=bench_env.cuda))
-        bs.sync()
 
-    benchmark.pedantic(run, rounds=1, iterations=1)
-    assert len(records) == steps
-    steady = records[1:] if len(records) > 1 else records
-    lengths = [r["completion_length"] for r in records if r.get("completion_length") is not None]
-    assert lengths and min(lengths) == shape.completion_len, f"TRL completions not all forced: {lengths}"
-    step_time = statistics.median(r["step_time"] for r in steady)
-    info = {"steps": len(records), "steady_steps": len(steady), "step_time_s": step_time,
-            "step_times_s": [round(r["step_time"], 4) for r in records],
-            "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),
-            "peak_reserved_gib": max(r.get("peak_reserved_gib", 0.0) for r in steady),
-            "completion_tokens_per_s": shape.rows * shape.completion_len / step_time,
-            "completion_length": min(lengths),
-            "shape": bs.asdict(shape), "warmup_steps": len(records) - len(steady),
-            "note": "timed per step by a TrainerCallback (on_step_begin to on_step_end, synchronized)"}
-    benchmark.extra_info.update(info)
-    results.add(benchmark, group="step", config=config_name, impl="trl", dtype="bf16")
+@pytest.mark.bench_order(91)
+@pytest.mark.bench_cost(300)
+def test_trl_grpo_step_with_vllm_colocated(benchmark, bench_env, results, tmp_path):
+    """The peer sampling with vLLM: TRL's GRPOTrainer with use_vllm=True, vllm_mode="colocate" (vLLM in this
+    process, 0.3 of the GPU, asleep while training). vLLM allows one sleeping engine per process: run it
+    alone, -k vllm_colocated."""
+    pytest.importorskip("vllm", reason="needs vLLM: pip install vllm")
+    pytest.importorskip("trl", reason="the peer needs trl: pip install trl")
+    _run_peer(benchmark, bench_env, results, "bench", "trl-vllm", "bf16",
+              lambda shape: bs.run_trl(bench_env.model_dir(), bench_env.prompts(shape), shape,
+                                       steps=bench_env.trl_steps, output_dir=tmp_path / "trl", cuda=bench_env.cuda,
+                                       vllm_share=0.3))
+
+
+@pytest.mark.bench_order(92)
+@pytest.mark.bench_cost(600)
+def test_unsloth_grpo_step(benchmark, bench_env, results, tmp_path):
+    """The seed recipe's engine as Unsloth runs it: Unsloth + TRL's GRPOTrainer on the FP8-Block checkpoint of
+    the bench model, vLLM in standby sharing the weights (0.35 of the GPU). Importing unsloth patches
+    transformers and TRL for the whole process: run it alone, -k unsloth_grpo."""
+    pytest.importorskip("unsloth", reason="needs unsloth and vLLM: pip install unsloth vllm")
+    _run_peer(benchmark, bench_env, results, "bench", "unsloth-grpo", "fp8",
+              lambda shape: bs.run_unsloth_grpo(bench_env.fp8_block_dir(), bench_env.prompts(shape), shape,
+                                                steps=bench_env.trl_steps, output_dir=tmp_path / "unsloth"))
