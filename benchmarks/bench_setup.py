@@ -63,6 +63,11 @@ LONG = Shape("long", 4, 4, 288, 1760)
 # Plumbing check on a CPU (--bench-smoke): the same code paths on a tiny model.
 SMOKE_BENCH = Shape("bench", 2, 2, 96, 6)
 SMOKE_LONG = Shape("long", 2, 2, 112, 10)
+# Users outgrow 16 rows: the bench config's lengths at 16, 64 and 256 rows (G=4), for the sampler sweep and
+# the GRPO step at more rows; the smoke run's at 4, 8 and 16.
+SCALE = {16: BENCH, 64: Shape("rows64", 16, 4, 128, 512), 256: Shape("rows256", 64, 4, 128, 512)}
+SMOKE_SCALE = {16: Shape("rows16", 2, 2, 96, 6), 64: Shape("rows64", 4, 2, 96, 6),
+               256: Shape("rows256", 8, 2, 96, 6)}
 
 # Measured on this project's H200 (benchmarks/RESULTS.md): TRL 1.16 GRPOTrainer, same random-init model,
 # forced lengths. The long config is too slow to rerun in every lease, so it is quoted, marked as such.

@@ -121,6 +121,7 @@ class BenchEnv:
         self.device = "cuda" if self.cuda else "cpu"
         self.bench = bs.SMOKE_BENCH if self.smoke else bs.BENCH
         self.long = bs.SMOKE_LONG if self.smoke else bs.LONG
+        self.scale = bs.SMOKE_SCALE if self.smoke else bs.SCALE  # rows -> Shape
         self.steps = 2 if self.smoke else config.getoption("--bench-steps")
         self.long_steps = 2 if self.smoke else config.getoption("--bench-long-steps")
         self.trl_steps = 2 if self.smoke else config.getoption("--bench-trl-steps")
@@ -133,7 +134,7 @@ class BenchEnv:
         return 1 if self.smoke else n
 
     def shape(self, name: str):
-        return {"bench": self.bench, "long": self.long}[name]
+        return {"bench": self.bench, "long": self.long, **{s.name: s for s in self.scale.values()}}[name]
 
     def model_dir(self) -> Path:
         import bench_setup as bs

@@ -26,8 +26,8 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     from grpo.trainer import train
 
     shape = bench_env.shape(config_name)
-    steps = bench_env.steps if config_name == "bench" else bench_env.long_steps
-    warmup = min(2, steps - 1) if config_name == "bench" else 1
+    steps = bench_env.long_steps if config_name == "long" else bench_env.steps
+    warmup = 1 if config_name == "long" else min(2, steps - 1)
     out = tmp_path / "run"
     # Unsloth serves FP8 from an FP8-Block checkpoint (the seed's); the others quantize the bf16 one at load.
     fp8_block = engine == "unsloth" and dtype == "fp8"
@@ -100,6 +100,15 @@ def test_grpo_step_on_the_unsloth_path(benchmark, bench_env, results, tmp_path, 
     patches transformers for the whole process, so run it alone: -k unsloth_path."""
     pytest.importorskip("unsloth", reason="needs unsloth and vLLM: pip install 'grpo[unsloth,vllm]'")
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype, impl="ours-unsloth", engine="unsloth")
+
+
+@pytest.mark.bench_order(55)
+@pytest.mark.bench_cost(60)
+@pytest.mark.parametrize("config_name", ["rows64", "rows256"])
+def test_grpo_step_at_more_rows(benchmark, bench_env, results, tmp_path, config_name):
+    """bf16, the bench config's lengths at 64 and 256 rows (16 and 64 prompts x G=4): how the step scales
+    as users outgrow 16 rows (above 64 rows the engine's decode calls the modules, not the decode kernels)."""
+    _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16")
 
 
 @pytest.mark.bench_order(50)

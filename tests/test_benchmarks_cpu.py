@@ -263,6 +263,26 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
     assert "ours/TRL at bench (bf16)" in proc.stdout
 
 
+@pytest.mark.slow
+def test_the_sampler_sweep_and_the_step_at_more_rows_run_in_smoke_mode(tmp_path):
+    """The scale benchmarks on the CPU: ours at three sizes with the adapter on and off, the step at two."""
+    pytest.importorskip("bitsandbytes")
+    proc = _pytest_benchmarks(tmp_path, "--benchmark", "--bench-smoke", "-k", "native_sampler or more_rows",
+                              cuda_visible="")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = (tmp_path / "results").glob("*-smoke.json")
+    records = json.loads(path.read_text())["records"]
+    sampler = {(r["config"], r["impl"]): r["extra_info"] for r in records if r["group"] == "sampler"}
+    assert set(sampler) == {(c, i) for c in ("rows16", "rows64", "rows256") for i in ("ours", "ours-no-adapter")}
+    assert [sampler[(c, "ours")]["rows"] for c in ("rows16", "rows64", "rows256")] == [4, 8, 16]
+    for info in sampler.values():
+        steps_s = info["ms_per_token_step"] * info["shape"]["completion_len"] / 1e3
+        assert info["tokens_per_s"] == pytest.approx(info["rows"] * info["shape"]["completion_len"] / steps_s)
+        assert 0 < info["decode_ms_per_step"] <= info["ms_per_token_step"]
+    steps = sorted(r["config"] for r in records if r["group"] == "step")
+    assert steps == ["rows256", "rows64"]
+
+
 def test_saved_activations_counts_the_float32_lora_inputs(monkeypatch):
     # float32 adapters make peft cast each projection's input to float32 and save that copy: at the
     # long config this is most of one recomputed layer's memory, so the script must see it.

@@ -1,0 +1,151 @@
+"""The sampler alone as users outgrow 16 rows: ours against plain vLLM, with the recipe's LoRA adapter.
+
+16, 64 and 256 rows (4, 16 and 64 prompts x G=4) of 512 new tokens after 128-token prompts, sampled as the
+recipe samples (temperature 1, min_p 0.1, EOS ignored), on the bench model (Llama-3.2-1B shapes, bf16) with
+rsLoRA r=32 on the 7 projections:
+- ours: the native engine as the trainer builds it, kept between calls (its CUDA graphs captured in the
+  warm-up round), with the adapter and with it switched off;
+- vLLM: `VLLMEngine` (plain vLLM, the same checkpoint and adapter, CUDA graphs, no sleep), one engine for
+  all sizes: vLLM allows one sleeping engine per process, and building it costs a minute.
+What is timed is sampling: ours prefill + decode, vLLM's `generate` call (both without the adapter's
+save or the graphs' capture). Each record carries tokens/s, ms per token step (sampling time / 512), ours
+decode-only ms per step, and the bytes a decode step reads over its time against the device copy
+bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+import bench_setup as bs
+
+SWEEP_ROWS = (16, 64, 256)
+
+
+@pytest.fixture(scope="module")
+def sampler_setup(bench_env):
+    """(policy, tokenizer, prompt ids of the 128-token prompts): the bench model in bf16 with the recipe's
+    rsLoRA adapter, its B matrices random so that the adapter changes what is sampled."""
+    import torch
+
+    from grpo.data import build_prompts, load_jsonl
+    from grpo.model import load_policy
+
+    shape = bench_env.scale[max(SWEEP_ROWS)]
+    cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=False, steps=1,
+                         output_dir=bench_env.root / "unused", cuda=bench_env.cuda)
+    policy, tokenizer, _ = load_policy(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_((torch.randn(p.shape, generator=gen) * 1e-3).to(p.device, p.dtype))
+    prompts = build_prompts(tokenizer, load_jsonl(bench_env.prompts(shape)), shape.prompt_len).prompt_ids
+    return policy, tokenizer, prompts
+
+
+def _sampling(shape):
+    from grpo.rollout import Sampling
+
+    return Sampling(max_new_tokens=shape.completion_len, temperature=1.0, min_p=0.1, ignore_eos=True, seed=7)
+
+
+def _record(benchmark, results, shape, impl: str, sampling_s: list[float], policy, adapter: bool,
+            decode_s: list[float] | None = None, copy_tbps: float | None = None) -> None:
+    """The figures of one (impl, rows) point, from the timed rounds' sampling (and ours' decode) seconds. The
+    bytes of a decode step: every weight once (the adapters when they are on) and the KV cache at its mean
+    length over the completion."""
+    median = statistics.median(sampling_s)
+    cfg = policy.get_base_model().config
+    kv_per_pos = 2 * cfg.num_hidden_layers * shape.rows * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if "lora_" in n)
+    weights = bs.weight_bytes(policy) - (0 if adapter else adapter_bytes)
+    step_bytes = weights + kv_per_pos * (shape.prompt_len + shape.completion_len / 2)
+    info = {"rows": shape.rows, "sampling_s": median, "tokens_per_s": shape.rows * shape.completion_len / median,
+            "ms_per_token_step": median / shape.completion_len * 1e3, "bytes_per_step": step_bytes,
+            "achieved_gb_per_s": step_bytes / (median / shape.completion_len) / 1e9, "shape": bs.asdict(shape)}
+    if decode_s is not None:
+        info["decode_ms_per_step"] = statistics.median(decode_s) / shape.completion_len * 1e3
+    if copy_tbps is not None:
+        info["copy_tb_per_s"] = copy_tbps
+        info["of_copy_bandwidth"] = info["achieved_gb_per_s"] / (copy_tbps * 1e3)
+    benchmark.extra_info.update(info)
+    results.add(benchmark, group="sampler", config=shape.name, impl=impl, dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def copy_bandwidth(bench_env) -> float | None:
+    """The device copy bandwidth (TB/s) in this run: the ceiling the decode steps are read against."""
+    if not bench_env.cuda:
+        return None
+    from probes.timing import copy_tbps
+
+    return copy_tbps()
+
+
+@pytest.mark.bench_order(70)
+@pytest.mark.bench_cost(40)
+@pytest.mark.parametrize("adapter", ["lora", "off"])
+@pytest.mark.parametrize("rows", SWEEP_ROWS)
+def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
+    """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it)."""
+    import contextlib
+
+    from grpo.rollout import build_engine
+
+    policy, tokenizer, prompts = sampler_setup
+    shape = bench_env.scale[rows]
+    engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
+                          max_batch=shape.rows)
+    sampling, timings = _sampling(shape), []
+
+    def generate():
+        rollout = engine.generate(prompts[:shape.prompts], shape.generations, sampling)
+        bs.sync()
+        assert int(rollout.mask.sum()) == shape.rows * shape.completion_len
+        timings.append(rollout.timings)
+
+    switch = policy.disable_adapter() if adapter == "off" else contextlib.nullcontext()
+    with switch:
+        benchmark.pedantic(generate, rounds=bench_env.rounds(3), warmup_rounds=1, iterations=1)
+    measured = timings[1:]
+    _record(benchmark, results, shape, "ours" if adapter == "lora" else "ours-no-adapter",
+            [t["prefill"] + t["decode"] for t in measured], policy, adapter == "lora",
+            decode_s=[t["decode"] for t in measured], copy_tbps=copy_bandwidth)
+    engine.release_memory()
+    del engine
+    bs.free_memory()
+
+
+@pytest.fixture(scope="module")
+def vllm_sampler(bench_env, sampler_setup, tmp_path_factory):
+    """One plain-vLLM engine over the same checkpoint and adapter, for every size (no sleep mode)."""
+    pytest.importorskip("vllm", reason="the vLLM sampler needs vLLM: pip install vllm")
+    from grpo.rollout.vllm import VLLMEngine
+
+    policy, tokenizer, _ = sampler_setup
+    shape = bench_env.scale[max(SWEEP_ROWS)]
+    return VLLMEngine(policy, str(bench_env.model_dir()), lora_rank=32, max_model_len=shape.seq_len, dtype="bf16",
+                      seed=7, work_dir=str(tmp_path_factory.mktemp("vllm-sampler")), gpu_memory_utilization=0.3,
+                      pad_id=tokenizer.pad_token_id, sleep_mode=False, max_num_seqs=max(SWEEP_ROWS))
+
+
+@pytest.mark.bench_order(95)
+@pytest.mark.bench_cost(60)
+@pytest.mark.parametrize("rows", SWEEP_ROWS)
+def test_vllm_sampler_at_rows(benchmark, bench_env, results, sampler_setup, vllm_sampler, copy_bandwidth, rows):
+    """Plain vLLM at `rows` rows, the adapter served as the trainer serves it."""
+    policy, _, prompts = sampler_setup
+    shape = bench_env.scale[rows]
+    sampling, timings = _sampling(shape), []
+
+    def generate():
+        rollout = vllm_sampler.generate(prompts[:shape.prompts], shape.generations, sampling)
+        assert int(rollout.mask.sum()) == shape.rows * shape.completion_len
+        timings.append(rollout.timings)
+
+    benchmark.pedantic(generate, rounds=bench_env.rounds(3), warmup_rounds=1, iterations=1)
+    _record(benchmark, results, shape, "vllm", [t["generate"] for t in timings[1:]], policy, True,
+            copy_tbps=copy_bandwidth)
