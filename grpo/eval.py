@@ -118,8 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", nargs="*", default=[], help="Stop strings, as train.py's --stop (the "
                         "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
     parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
+    parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
+                        "train.py's --system-prompt (default: the recipe's; pass the run's own to compare).")
     parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="Also show the third-party warnings hidden "
+                        "as harmless (grpo.quiet).")
     args = parser.parse_args(argv)
+    if not args.verbose:  # before the libraries that warn are imported
+        from grpo.quiet import hide_known_warnings
+
+        hide_known_warnings()
     if any(not text for text in args.stop):
         parser.error("--stop: an empty stop string would end every completion at once; remove it")
     problem = eval_flag_problem(args)
@@ -169,7 +177,8 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
 
         policy = PeftModel.from_pretrained(base, adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length)
+    system_prompt = grpo_data.SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, system_prompt)
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
                           max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,
                           max_batch=max(1, args.eval_size * max(1, args.samples)))

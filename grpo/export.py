@@ -141,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-in-fp8", action="store_true",
                         help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
     parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="Also show the third-party warnings hidden "
+                        "as harmless (grpo.quiet).")
     args = parser.parse_args(argv)
+    if not args.verbose:  # before the libraries that warn are imported
+        from grpo.quiet import hide_known_warnings
+
+        hide_known_warnings()
     try:
         check_export_paths(args.adapter, args.out)
         paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8)

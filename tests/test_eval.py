@@ -134,3 +134,16 @@ def test_eval_cli_faults_are_one_line_naming_the_flag_or_path(tiny_llama_dir, tm
     assert "Traceback" not in err
     [line] = [x for x in err.splitlines() if x.startswith("error:")]
     assert f"--adapter {tmp_path / 'none'}" in line and "adapter_model.safetensors" in line
+
+
+def test_eval_cli_builds_its_prompts_with_the_given_system_prompt(tiny_llama_dir, monkeypatch, capsys):
+    from grpo import data as grpo_data
+
+    seen = []
+    real = grpo_data.build_prompts
+    monkeypatch.setattr(grpo_data, "build_prompts", lambda *a, **kw: (seen.append(a[3:] or kw), real(*a, **kw))[1])
+    args = ["--model", str(tiny_llama_dir), "--eval-size", "1", "--samples", "0", "--max-completion-length", "2",
+            "--engine", "hf"]
+    assert grpo_eval.main(args) == 0
+    assert grpo_eval.main([*args, "--system-prompt", "Answer in <SOLUTION> tags."]) == 0
+    assert seen == [(grpo_data.SYSTEM_PROMPT,), ("Answer in <SOLUTION> tags.",)]
