@@ -429,11 +429,13 @@ def memory_info() -> dict:
 
 
 class GpuUsedMemory:
-    """Peak GPU memory in use while the block runs, as nvidia-smi reads it (polled every 0.1 s), less what
-    was in use when it began: the one reading that sees every engine alike, vLLM's pool included, which
-    torch's counters do not. `peak_gib` is None where nvidia-smi is missing."""
+    """Peak GPU memory in use while the block runs, as nvidia-smi reads it, less what was in use when it
+    began: the one reading that sees every engine alike, vLLM's pool included, which torch's counters do
+    not. `peak_gib` is None where nvidia-smi is missing. Polled every 0.5 s: each reading starts a process,
+    and the step being timed is partly host-bound; the pools it reads (torch's cache, vLLM's) are held for
+    seconds, not milliseconds."""
 
-    def __init__(self, interval_s: float = 0.1) -> None:
+    def __init__(self, interval_s: float = 0.5) -> None:
         self.interval_s = interval_s
         self.peak_gib: float | None = None
         self._baseline = self._peak = None

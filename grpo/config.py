@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.quiet import add_verbose_flag
+
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 # The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -454,8 +456,7 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--list-presets", action="store_true", help="Print the presets and their values, and exit.")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="Show the third-party warnings that are hidden as known to be harmless (grpo/quiet.py).")
+    add_verbose_flag(parser)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(Config):
         meta = dict(f.metadata)

@@ -100,6 +100,7 @@ def log_eval(console, log, step: int, result: dict[str, float]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
     from grpo.config import OneLineParser
+    from grpo.quiet import add_verbose_flag, hide_known_warnings
     from grpo.failures import adapter_load_error, report
 
     parser = OneLineParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
@@ -121,12 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
                         "train.py's --system-prompt (default: the recipe's; pass the run's own to compare).")
     parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
-    parser.add_argument("-v", "--verbose", action="store_true", help="Also show the third-party warnings hidden "
-                        "as harmless (grpo.quiet).")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
-        from grpo.quiet import hide_known_warnings
-
         hide_known_warnings()
     if any(not text for text in args.stop):
         parser.error("--stop: an empty stop string would end every completion at once; remove it")

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
     line (status 1)."""
     from grpo.config import OneLineParser
+    from grpo.quiet import add_verbose_flag, hide_known_warnings
     from grpo.failures import adapter_load_error, report, write_failure
 
     parser = OneLineParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
@@ -141,12 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-in-fp8", action="store_true",
                         help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
     parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
-    parser.add_argument("-v", "--verbose", action="store_true", help="Also show the third-party warnings hidden "
-                        "as harmless (grpo.quiet).")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
-        from grpo.quiet import hide_known_warnings
-
         hide_known_warnings()
     try:
         check_export_paths(args.adapter, args.out)

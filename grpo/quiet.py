@@ -6,7 +6,8 @@ still reaches stderr. Python warnings are filtered by category, module and messa
 (`warnings.filterwarnings`); the libraries that warn through `logging` get a filter on their own
 logger that drops only the matching records.
 
-`hide_known_warnings()` is called once, at the start of the command line (`train.py`), before those
+`hide_known_warnings()` is called once, at the start of each command line (`train.py`, `python -m
+grpo.eval`, `grpo.export`, `grpo.packaged_models`; `add_verbose_flag` gives each its -v), before those
 libraries are imported; importing this module changes nothing. What it deliberately is not: a blanket
 filter, or a place for this project's own warnings (fix those instead).
 """
@@ -57,3 +58,9 @@ def hide_known_warnings() -> None:
         logger = logging.getLogger(logger_name)
         if not any(isinstance(f, DropMatching) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(DropMatching(pattern))
+
+
+def add_verbose_flag(parser) -> None:
+    """-v/--verbose on a command line of this project: show what `hide_known_warnings` would hide."""
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="Also show the third-party warnings hidden as harmless (grpo.quiet).")

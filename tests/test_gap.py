@@ -16,16 +16,8 @@ from grpo.loss.importance import clipped_by_correction, importance_weights
 from grpo.runlog import step_line
 from grpo.step import SamplerGap
 from grpo.trainer import train
+from test_importance import _case  # log-ratios 0.5, -0.25, 1.0 in row 0; 2.0, then padding in row 1
 
-F64 = torch.float64
-
-
-def _case():
-    # Row 0: log-ratios logp - sampler_logp of 0.5, -0.25, 1.0 (all counted). Row 1: 2.0, then padding.
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, 0.0, 0.0]], dtype=F64)
-    sampler_logp = torch.tensor([[-1.5, -1.75, -1.5], [-2.1, 50.0, -50.0]], dtype=F64)
-    mask = torch.tensor([[True, True, True], [True, False, False]])
-    return logp, sampler_logp, mask
 
 
 @pytest.mark.parametrize("level, mode, cap, cap_low, expected", [
