@@ -19,7 +19,6 @@ from grpo.trainer import train
 from test_importance import _case  # log-ratios 0.5, -0.25, 1.0 in row 0; 2.0, then padding in row 1
 
 
-
 @pytest.mark.parametrize("level, mode, cap, cap_low, expected", [
     ("token", "truncate", 2.0, None, [[False, False, True], [True, False, False]]),  # e^1, e^2 above 2
     ("token", "mask", 2.0, 0.9, [[False, True, True], [True, False, False]]),  # and e^-0.25 below 0.9
