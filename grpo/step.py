@@ -42,10 +42,12 @@ from grpo.rollout import Engine, Rollout, Sampling
 @dataclass
 class Batch:
     """Prompt+completion rows, right-padded, on the device. Completion token t of row i sits at
-    position start[i] + t, and is predicted by the hidden state at start[i] + t - 1."""
+    position start[i] + t, and is predicted by the hidden state at start[i] + t - 1.
+
+    No attention mask: every row starts at position 0 and its padding comes after its last token, so
+    causal attention alone keeps padding out of every token that counts (see `sequence_logprobs`)."""
 
     input_ids: torch.Tensor  # (B, L)
-    attention_mask: torch.Tensor  # (B, L)
     start: torch.Tensor  # (B,) prompt lengths
     completion_ids: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) bool
@@ -55,8 +57,8 @@ class Batch:
         return self.input_ids.shape[0]
 
     def rows(self, sl: slice) -> "Batch":
-        return Batch(*(t[sl] for t in (self.input_ids, self.attention_mask, self.start, self.completion_ids,
-                                       self.mask, self.sampler_logp)))
+        return Batch(*(t[sl] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
+                                       self.sampler_logp)))
 
 
 def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
@@ -64,14 +66,11 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
     B, T = rollout.completion_ids.shape
     width = max((len(p) for p in rows), default=0) + T
     input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, width), dtype=torch.long)
     for i, p in enumerate(rows):
-        n_tok = int(rollout.mask[i].sum())
         input_ids[i, :len(p)] = torch.tensor(p)
         input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
-        attention_mask[i, :len(p) + n_tok] = 1
     start = torch.tensor([len(p) for p in rows])
-    parts = (input_ids, attention_mask, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
+    parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
     return Batch(*(t.to(device) for t in parts))
 
 
@@ -80,10 +79,15 @@ def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
 
     Runs the decoder to its final hidden states and hands only the masked completion positions to the
     fused `token_logprobs`, so a (tokens, vocab) logits tensor never exists whole.
+
+    The forward is causal with no padding mask: a counted token sees only the tokens before it in its own
+    row, none of them padding, so a mask would change no value that is read. Passing one is what broke:
+    with a mask, scaled_dot_product_attention took cuDNN's kernel on the H200, whose backward returned
+    NaN for every row that had padding (step 3 of the Qwen preset, skipped every run). Without one it takes
+    the causal flash kernel, and the padded positions' outputs, which nothing reads, stay finite.
     """
     base = policy.get_base_model()
-    hidden = base.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        use_cache=False).last_hidden_state
+    hidden = base.model(input_ids=batch.input_ids, use_cache=False).last_hidden_state
     T = batch.completion_ids.shape[1]
     positions = batch.start[:, None] - 1 + torch.arange(T, device=hidden.device)  # (B, T)
     positions = positions.clamp(max=hidden.shape[1] - 1)

@@ -96,6 +96,12 @@ def _row_loss(s, mb, adv, cfg):
         sapo_tau_neg=cfg.sapo_tau_neg)[0], logp
 
 
+def _padding_mask(batch) -> torch.Tensor:
+    """(B, L) 1 on each row's prompt and counted completion tokens, 0 on its padding."""
+    L = batch.input_ids.shape[1]
+    return (torch.arange(L, device=batch.input_ids.device)[None, :] < (batch.start + batch.mask.sum(1))[:, None]).long()
+
+
 def _bad_grads(params_named) -> list[str]:
     return [n for n, p in params_named if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
@@ -115,7 +121,7 @@ def diagnose_step(s, batch, slices, adv, rec: Recorder, out: Path) -> None:
     # 1. the whole step's passes as update_policy runs them: forward events, loss, bad gradients
     for sl in slices:
         mb = batch.rows(sl)
-        watch.attention_mask = mb.attention_mask
+        watch.attention_mask = _padding_mask(mb)
         policy.zero_grad(set_to_none=True)
         loss, logp = _row_loss(s, mb, adv[sl], cfg)
         rec.record("micro_batch", rows=[sl.start, sl.stop], loss=float(loss), logp_finite=bool(torch.isfinite(logp).all()),
@@ -133,14 +139,14 @@ def diagnose_step(s, batch, slices, adv, rec: Recorder, out: Path) -> None:
         if not bool(mb.mask.any()):
             continue
         policy.zero_grad(set_to_none=True)
-        watch.attention_mask = mb.attention_mask
+        watch.attention_mask = _padding_mask(mb)
         loss, _ = _row_loss(s, mb, adv[i:i + 1], cfg)
         loss.backward()
         bad = _bad_grads(named)
         if bad or not math.isfinite(float(loss)):
             culprits.append(i)
             rec.record("bad_row", row=i, loss=float(loss), prompt_len=int(mb.start[0]),
-                    completion_tokens=int(mb.mask.sum()), width=int(mb.attention_mask.sum()), adv=float(adv[i]),
+                    completion_tokens=int(mb.mask.sum()), width=int(_padding_mask(mb).sum()), adv=float(adv[i]),
                     bad_params=len(bad), first_bad=bad[:12], forward_events=watch.events[:20])
         watch.events.clear()
     rec.record("bad_rows", rows=culprits)
@@ -166,7 +172,7 @@ def diagnose_step(s, batch, slices, adv, rec: Recorder, out: Path) -> None:
         finally:
             if checkpointing:
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        torch.save({k: getattr(mb, k).cpu() for k in ("input_ids", "attention_mask", "start", "completion_ids",
+        torch.save({k: getattr(mb, k).cpu() for k in ("input_ids", "start", "completion_ids",
                                                        "mask", "sampler_logp")} | {"adv": adv[i:i + 1].cpu()},
                    out / "nonfinite-row.pt")
     policy.zero_grad(set_to_none=True)
@@ -207,12 +213,14 @@ def run_nonfinite(args, train_argv: list[str], rec: Recorder) -> None:
 # --------------------------------------------------------------------------------------------------
 # gap
 # --------------------------------------------------------------------------------------------------
-def _full_logprobs(lm, batch, micro: int) -> torch.Tensor:
-    """(B, T) log-probs of the completion tokens from `lm`'s own logits (no fused kernel), float32 softmax."""
+def _full_logprobs(lm, batch, micro: int, padding_mask: bool = False) -> torch.Tensor:
+    """(B, T) log-probs of the completion tokens from `lm`'s own logits (no fused kernel), float32 softmax;
+    with `padding_mask`, the forward is also given the rows' padding mask (as the trainer did before)."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)
     for s in range(0, len(batch), micro):
         mb = batch.rows(slice(s, s + micro))
-        logits = lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        mask = _padding_mask(mb) if padding_mask else None
+        logits = lm(input_ids=mb.input_ids, attention_mask=mask, use_cache=False).logits
         T = mb.completion_ids.shape[1]
         pos = (mb.start[:, None] - 1 + torch.arange(T, device=logits.device)).clamp(max=logits.shape[1] - 1)
         z = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float()  # (b, T, V)
@@ -293,15 +301,16 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
                                                                  cfg.temperature)
                                                for s in range(0, len(batch), args.micro)]),
                          "bf16_logits": _full_logprobs(policy.get_base_model(), batch, args.micro),
+                         "bf16_masked": _full_logprobs(policy.get_base_model(), batch, args.micro, padding_mask=True),
                          "fp32": _full_logprobs(ref, batch, args.micro).float()}
             for a, c in (("sampler", "trainer"), ("sampler", "fp32"), ("trainer", "fp32"), ("trainer", "bf16_logits"),
-                         ("bf16_logits", "fp32")):
+                         ("bf16_logits", "fp32"), ("bf16_masked", "fp32"), ("sampler", "bf16_masked")):
                 totals.setdefault(f"{a}-{c}", []).append((paths[a] - paths[c]).abs()[batch.mask].double().cpu())
             worst += _worst(tokenizer, batch, paths, "sampler", "trainer")
             if b == 0:
                 torch.save({k: v.cpu() for k, v in paths.items()} | {
                     "completion_ids": batch.completion_ids.cpu(), "mask": batch.mask.cpu(),
-                    "input_ids": batch.input_ids.cpu(), "attention_mask": batch.attention_mask.cpu(),
+                    "input_ids": batch.input_ids.cpu(),
                     "start": batch.start.cpu()}, Path(args.out) / f"gap-batch0-{way}.pt")
             rec.record("gap_batch", way=way, batch=b, tokens=int(batch.mask.sum()),
                     decode_s=round(rollout.timings["decode"], 2),

@@ -1,0 +1,98 @@
+"""The trainer's log-probs of a batch of right-padded rows: one causal forward with no padding mask, equal
+to each row's own unpadded forward, and a gradient that no attention backend's treatment of padding can
+spoil (on the H200, cuDNN's backward returned NaN for every padded row when it was handed a mask)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from grpo.rollout import Rollout
+from grpo.step import make_batch, sequence_logprobs
+
+PAD = 4
+PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [99, 100, 101]]  # lengths 5, 2, 3
+G = 2
+
+
+def small_policy():
+    """A tiny random Qwen2 (biases on q/k/v, as the packaged Qwen) under LoRA adapters that change the output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(cfg)
+    base.requires_grad_(False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+
+
+def ragged_rollout() -> Rollout:
+    """Rows whose counted completions have 6, 3, 1, 5, 0 and 4 tokens: every row but the first is padded."""
+    counted = [6, 3, 1, 5, 0, 4]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 500, (len(counted), 6), generator=g)
+    mask = torch.arange(6)[None, :] < torch.tensor(counted)[:, None]
+    ids = ids.masked_fill(~mask, PAD)
+    return Rollout(prompt_ids=PROMPTS, completion_ids=ids, mask=mask, sampler_logp=torch.zeros(ids.shape),
+                   finished=torch.ones(len(counted), dtype=torch.bool), n=G)
+
+
+class _NaNGradOnPaddedRows(torch.autograd.Function):
+    """Identity forward; the backward returns NaN for the batch rows flagged, as cuDNN's did for padded rows."""
+
+    @staticmethod
+    def forward(ctx, out, padded_rows):
+        ctx.save_for_backward(padded_rows)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (padded_rows,) = ctx.saved_tensors
+        return grad.masked_fill(padded_rows[:, None, None, None], float("nan")), None
+
+
+def test_counted_tokens_equal_each_rows_own_unpadded_forward():
+    policy = small_policy().eval()
+    rollout = ragged_rollout()
+    batch = make_batch(rollout, PAD, torch.device("cpu"))
+    with torch.no_grad():
+        logp = sequence_logprobs(policy, batch, temperature=0.7)
+    assert (logp[~batch.mask] == 0).all()
+    for i in range(len(batch)):
+        prompt, n = PROMPTS[i // G], int(batch.mask[i].sum())
+        if n == 0:
+            continue
+        ids = torch.tensor([prompt + rollout.completion_ids[i, :n].tolist()])
+        with torch.no_grad():
+            z = policy(input_ids=ids).logits[0, len(prompt) - 1:-1].double() / 0.7
+        expected = z.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        torch.testing.assert_close(logp[i, :n].double(), expected, rtol=0, atol=1e-5)
+
+
+def test_gradient_stays_finite_under_an_attention_backend_that_breaks_padded_rows(monkeypatch):
+    """The mechanism of step 3's NaN: a padding mask handed to scaled_dot_product_attention sent padded rows
+    into a backward that breaks them. The trainer's forward must hand it none (causal attention suffices)."""
+    real_sdpa = F.scaled_dot_product_attention
+    masks_seen = []
+
+    def sdpa_breaking_padded_rows(query, key, value, attn_mask=None, *args, **kwargs):
+        out = real_sdpa(query, key, value, attn_mask, *args, **kwargs)
+        masks_seen.append(attn_mask is not None)
+        if attn_mask is None or attn_mask.dtype != torch.bool:
+            return out
+        padded_rows = ~attn_mask[:, 0, -1, :].all(-1)  # the last query sees every key of an unpadded row
+        return _NaNGradOnPaddedRows.apply(out, padded_rows)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_breaking_padded_rows)
+    policy = small_policy().train()
+    batch = make_batch(ragged_rollout(), PAD, torch.device("cpu"))
+    logp = sequence_logprobs(policy, batch, temperature=1.0)
+    (logp * batch.mask).sum().backward()
+    grads = [p.grad for p in policy.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert masks_seen and not any(masks_seen)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
