@@ -463,3 +463,28 @@ def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_e
     heard.clear()
     engine.generate(PROMPTS[:1], 1, Sampling(max_new_tokens=18, temperature=0.0, stop_token_ids=(stop_id,)))
     assert heard[-1] == (18, 18) and len(heard) < 6  # stopped early: the total, once, at the end
+
+
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
+    """Qwen2.5's layer 0 gives attention scores up to ~12,700, where a bf16 score is off by up to 32 units:
+    rounded, they put sampled tokens 13 nats off the trainer's. The same bf16 q, k, v through `attend` must
+    match a float64 attention over those very values to bf16 output rounding (~4e-3)."""
+    from grpo.rollout.native.layer import ModelDims, attend
+
+    dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=8)
+    g = torch.Generator().manual_seed(0)
+    B, S, D = 3, 20, dims.head_dim
+    # every score is 16 * 16 * 16 = 4096 plus a part of a few units: bf16 keeps only multiples of 32 there
+    q = (16 + 0.5 * torch.randn(B, dims.n_heads, 1, D, generator=g)).bfloat16()
+    k = (16 + 0.5 * torch.randn(B, dims.n_kv_heads, S, D, generator=g)).bfloat16()
+    v = torch.randn(B, dims.n_kv_heads, S, D, generator=g).bfloat16()
+    valid = torch.arange(S)[None, :] <= torch.tensor([5, 12, 19])[:, None]  # (B, S)
+    out = attend(q, k, v, valid, dims, attention).double()  # (B, 1, nh*D)
+
+    qg = q.double().view(B, dims.n_kv_heads, 2, D)
+    scores = (qg @ k.double().transpose(-1, -2)) * D**-0.5  # (B, n_kv, g, S)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    ref = (scores.softmax(-1) @ v.double()).reshape(B, 1, dims.n_heads * D)
+    assert scores.amax() > 1000  # the regime under test
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2

@@ -105,8 +105,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid:
     """Grouped-query attention of one new token per row over its cache: q (B, nh, 1, D) -> (B, 1, nh*D).
 
     No K/V repeat: the g = nh / n_kv query heads of a kv head act as g queries of one (B, n_kv) problem.
-    "matmul" is two batched matmuls and a float32 softmax; "sdpa" hands the same problem, with the mask,
-    to torch's scaled_dot_product_attention (one fused kernel on CUDA).
+    "sdpa" hands the problem, with the mask, to torch's scaled_dot_product_attention (one fused kernel on
+    CUDA, float32 scores inside); "matmul" is two batched matmuls, the scores and their softmax in float32.
+
+    The scores must not be rounded to bf16: Qwen2.5's q/k biases make some of them hundreds of units large,
+    where bf16's 8 significant bits leave an error of a unit or more, and the sampler's log-probs were then
+    up to 13 nats off the trainer's on single tokens (benchmarks/RESULTS.md, "The Qwen sampler-trainer gap").
     """
     rows, n_kv, d = q.shape[0], dims.n_kv_heads, dims.head_dim
     qg = q.view(rows, n_kv, dims.n_heads // n_kv, d)  # (B, n_kv, g, D): head h reads kv head h // g
@@ -114,7 +118,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid:
         out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=valid[:, None, None, :],
                                              scale=d**-0.5)  # (B, n_kv, g, D)
     else:
-        scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d**-0.5  # (B, n_kv, g, S)
+        scores = torch.matmul(qg.float(), k_cache.transpose(-1, -2).float()) * d**-0.5  # (B, n_kv, g, S) fp32
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         out = torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache)  # (B, n_kv, g, D)
     return out.reshape(rows, 1, dims.n_heads * d)

@@ -23,7 +23,9 @@ class EngineTuning:
         eager kernels, or "auto": "default" on CUDA, None elsewhere. The first generate compiles.
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
-    attention: "matmul" (two batched matmuls, float32 softmax) or "sdpa" (torch's fused attention).
+    attention: "sdpa" (torch's fused attention) or "matmul" (two batched matmuls, float32 scores and
+        softmax: the K slice is upcast every step). On the Qwen preset (H200, 2026-12-01) "sdpa" decoded
+        as fast as the bf16-score "matmul" it replaced, whose rounded scores put tokens 13 nats off.
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
     kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
@@ -34,7 +36,7 @@ class EngineTuning:
     compile: str | None = "auto"
     kv_bucket: int = 256
     check_every: int = 16
-    attention: str = "matmul"
+    attention: str = "sdpa"
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
 
