@@ -111,7 +111,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid:
     The scores must not be rounded to bf16: Qwen2.5-Coder-1.5B's reach ~12,700 in layer 0 and ~1,100 in
     layer 15 (a GSM8K prompt), where bf16 keeps only multiples of 32 and 4; rounded, they put the sampler's
     log-probs up to 13 nats off the trainer's on single tokens (benchmarks/RESULTS.md, "The Qwen
-    sampler-trainer gap").
+    preset: step 3's NaN gradient and the 13-nat tokens").
     """
     rows, n_kv, d = q.shape[0], dims.n_kv_heads, dims.head_dim
     qg = q.view(rows, n_kv, dims.n_heads // n_kv, d)  # (B, n_kv, g, D): head h reads kv head h // g

@@ -25,7 +25,7 @@ class EngineTuning:
     check_every: steps between host checks of "have all rows stopped".
     attention: "sdpa" (torch's fused attention) or "matmul" (two batched matmuls, float32 scores and
         softmax: the K slice is upcast every step). On the Qwen preset (H200, 2026-12-01) "sdpa" decoded
-        as fast as the bf16-score "matmul" it replaced, whose rounded scores put tokens 13 nats off.
+        within 3% of the bf16-score "matmul" it replaced, whose rounded scores put tokens 13 nats off.
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
     kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
