@@ -3,6 +3,7 @@ between the sampler and the trainer.
 
     python benchmarks/probes/learning_faults.py nonfinite --step 3 -- --preset qwen1.5b-gsm8k ...
     python benchmarks/probes/learning_faults.py gap --batches 8 -- --preset qwen1.5b-gsm8k ...
+    python benchmarks/probes/learning_faults.py replay --replay gap-batch0-sdpa.pt --rows 8 -- --preset ... --dtype bf16
 
 `nonfinite` runs train.py's own loop (`grpo.trainer.train`, the flags after `--`) up to step `--step` and,
 in that step only, before the real update: records every module whose forward output holds a non-finite
@@ -17,7 +18,8 @@ native engine in several ways (the product's: CUDA graphs, compiled step, parall
 streams; eager), and scores every sampled token with the trainer's path (`sequence_logprobs`, bf16, the
 fused kernel), the same hidden states through unfused bf16 logits, and a float32 copy of the model. Each
 pair's |difference| per token is summarised (quantiles, counts over 1 and 5 nats), the worst tokens listed
-with their context, and the first batch's tensors saved (`gap-batch0-<way>.pt`) for a CPU replay.
+with their context, and the first batch's tensors saved (`gap-batch0-<way>.pt`) for `replay`: the same
+tokens scored by the trainer's path on another machine (a CPU), against the saved columns.
 
 The adapters are the run's freshly initialised ones (lora_B = 0): the numerics under test are the base
 model's. What it deliberately is not: a test or a benchmark; read its log. Nothing happens at import.
@@ -330,17 +332,44 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
             torch.cuda.empty_cache()
 
 
+def run_replay(args, train_argv: list[str], rec: Recorder) -> None:
+    """The first `--rows` rows of a `gap-batch0-<way>.pt` scored by the trainer's path on this machine (the
+    flags after `--` pick the model and dtype), against the file's float32, trainer and sampler columns."""
+    from grpo.config import parse_command_line
+    from grpo.model import default_device, load_policy
+    from grpo.step import Batch, sequence_logprobs
+
+    cfg, _ = parse_command_line(train_argv)
+    policy, _, _ = load_policy(cfg, default_device())
+    policy.eval()
+    saved = torch.load(args.replay, map_location="cpu")
+    rows = slice(0, args.rows)
+    width = int((saved["start"][rows] + saved["mask"][rows].sum(1)).max())
+    batch = Batch(saved["input_ids"][rows, :width], saved["start"][rows], saved["completion_ids"][rows],
+                  saved["mask"][rows], saved["sampler"][rows])
+    with torch.no_grad():
+        here = torch.cat([sequence_logprobs(policy, batch.rows(slice(s, s + 2)), cfg.temperature).cpu()
+                          for s in range(0, len(batch), 2)])
+    fp32 = saved["fp32"][rows]
+    for name, a, b in (("here_trainer-saved_fp32", here, fp32), ("saved_trainer-saved_fp32", saved["trainer"][rows], fp32),
+                       ("saved_sampler-saved_fp32", saved["sampler"][rows], fp32),
+                       ("here_trainer-saved_trainer", here, saved["trainer"][rows])):
+        rec.record("replay", pair=name, **_summary(a, b, batch.mask))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     train_argv = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["nonfinite", "gap"])
+    parser.add_argument("what", choices=["nonfinite", "gap", "replay"])
     parser.add_argument("--step", type=int, default=3, help="nonfinite: the 1-based step to look into")
     parser.add_argument("--batches", type=int, default=4, help="gap: batches of P x G rows per way")
     parser.add_argument("--micro", type=int, default=16, help="gap: rows per scoring forward")
     parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all)")
     parser.add_argument("--fp64-on-cpu", action="store_true", help="gap: the reference in float64 on a CPU")
+    parser.add_argument("--replay", default="", help="replay: a gap-batch0-<way>.pt written by `gap`")
+    parser.add_argument("--rows", type=int, default=8, help="replay: its first rows to score")
     add_out_argument(parser)
     args = parser.parse_args(own)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -348,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     rec.say(f"train.py flags: {' '.join(train_argv)}")
     if args.what == "nonfinite":
         run_nonfinite(args, train_argv, rec)
-    else:
+    elif args.what == "gap":
         run_gap(args, train_argv, rec)
+    else:
+        run_replay(args, train_argv, rec)
     return 0
 
 
