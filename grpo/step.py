@@ -1,7 +1,7 @@
 """One GRPO step, from prompts to an optimizer update: sample, score, advantages, reference and old
 log-probs, mu passes of the clipped surrogate over micro-batches, gradient clipping and the optimizer
-step. Also what the step is made of: the `Batch` of prompt+completion rows, the policy's log-probs of
-its completion tokens, and the optimizer and learning-rate schedule it steps.
+step. Also what the step is made of: the `Batch` of prompt+completion rows and the policy's log-probs
+of its completion tokens. The optimizer and learning-rate schedule it steps are built in `grpo.optim`.
 
 With --dynamic-sampling (DAPO's) a step samples in rounds: groups whose rewards all tie are dropped
 and the next prompts of the stream are sampled until N*P informative groups are kept, or the rounds
@@ -98,37 +98,6 @@ def batch_logprobs(policy, batch: Batch, slices: list[slice], temperature: float
     if not slices:
         return batch.sampler_logp.new_zeros(batch.mask.shape)
     return torch.cat([sequence_logprobs(policy, batch.rows(sl), temperature) for sl in slices])
-
-
-# --------------------------------------------------------------------------------------------------
-# Optimizer and schedule
-# --------------------------------------------------------------------------------------------------
-def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    kwargs = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2))
-    if cfg.optim == "adamw_8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ImportError("--optim adamw_8bit needs bitsandbytes: pip install bitsandbytes "
-                              "(or use --optim adamw_torch)") from None
-        return bnb.optim.AdamW8bit(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = int(math.ceil(cfg.warmup_ratio * cfg.max_steps))
-
-    def factor(step: int) -> float:  # step counts finished optimizer steps
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, cfg.max_steps - warmup)
-        if cfg.lr_scheduler == "linear":
-            return max(0.0, 1.0 - progress)
-        if cfg.lr_scheduler == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
 `run()` from its first line to its last to know what a run does; each phase it calls lives in its own
-room: one GRPO step in `grpo.step` (sample, score, advantages, loss passes, optimizer), checkpoints in
+room: one GRPO step in `grpo.step` (sample, score, advantages, loss passes, optimizer), the optimizer
+and schedule in `grpo.optim`, checkpoints in
 `grpo.checkpoint`, metrics, progress, clocks and signals in `grpo.runlog`, held-out accuracy in
 `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler is any `Engine`, and what the loop
 must know of it the engine says itself; the model is the PeftModel that `grpo.model` loads.
@@ -42,7 +43,8 @@ from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, un
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
                          reset_peak_memory, step_line, step_record, synced_clock)
-from grpo.step import InFlight, StepSetup, grpo_step, make_optimizer, make_scheduler
+from grpo.optim import make_optimizer, make_scheduler
+from grpo.step import InFlight, StepSetup, grpo_step
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
 
