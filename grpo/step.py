@@ -1,7 +1,7 @@
 """One GRPO step, from prompts to an optimizer update: sample, score, advantages, reference and old
 log-probs, mu passes of the clipped surrogate over micro-batches, gradient clipping and the optimizer
-step. Also what the step is made of: the `Batch` of prompt+completion rows and the policy's log-probs
-of its completion tokens. The optimizer and learning-rate schedule it steps are built in `grpo.optim`.
+step. The `Batch` of prompt+completion rows and its log-probs are `grpo.batch`'s; the optimizer and
+learning-rate schedule it steps are built in `grpo.optim`.
 
 With --dynamic-sampling (DAPO's) a step samples in rounds: groups whose rewards all tie are dropped
 and the next prompts of the stream are sampled until N*P informative groups are kept, or the rounds
@@ -27,77 +27,13 @@ import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
+from grpo.batch import Batch, batch_logprobs, make_batch, sequence_logprobs
 from grpo.config import Config
 from grpo.data import Example, PromptSet, PromptStream
 from grpo.distributed import World
-from grpo.kernels.logprobs import token_logprobs
 from grpo.loss import STAT_KEYS, clipped_surrogate, group_advantages, importance_weights
 from grpo.loss.importance import clipped_by_correction
 from grpo.rollout import Engine, Rollout, Sampling
-
-
-# --------------------------------------------------------------------------------------------------
-# Log-probabilities of the completion tokens under the policy
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class Batch:
-    """Prompt+completion rows, right-padded, on the device. Completion token t of row i sits at
-    position start[i] + t, and is predicted by the hidden state at start[i] + t - 1."""
-
-    input_ids: torch.Tensor  # (B, L)
-    attention_mask: torch.Tensor  # (B, L)
-    start: torch.Tensor  # (B,) prompt lengths
-    completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) bool
-    sampler_logp: torch.Tensor  # (B, T)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def rows(self, sl: slice) -> "Batch":
-        return Batch(*(t[sl] for t in (self.input_ids, self.attention_mask, self.start, self.completion_ids,
-                                       self.mask, self.sampler_logp)))
-
-
-def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
-    rows = [p for p in rollout.prompt_ids for _ in range(rollout.n)]
-    B, T = rollout.completion_ids.shape
-    width = max((len(p) for p in rows), default=0) + T
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, width), dtype=torch.long)
-    for i, p in enumerate(rows):
-        n_tok = int(rollout.mask[i].sum())
-        input_ids[i, :len(p)] = torch.tensor(p)
-        input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
-        attention_mask[i, :len(p) + n_tok] = 1
-    start = torch.tensor([len(p) for p in rows])
-    parts = (input_ids, attention_mask, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
-    return Batch(*(t.to(device) for t in parts))
-
-
-def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
-    """(B, T) log-probs of the completion tokens at `temperature`; 0 where mask is False.
-
-    Runs the decoder to its final hidden states and hands only the masked completion positions to the
-    fused `token_logprobs`, so a (tokens, vocab) logits tensor never exists whole.
-    """
-    base = policy.get_base_model()
-    hidden = base.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        use_cache=False).last_hidden_state
-    T = batch.completion_ids.shape[1]
-    positions = batch.start[:, None] - 1 + torch.arange(T, device=hidden.device)  # (B, T)
-    positions = positions.clamp(max=hidden.shape[1] - 1)
-    h = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-    lm_head = base.get_output_embeddings().weight
-    logp = token_logprobs(h[batch.mask], lm_head, batch.completion_ids[batch.mask], temperature)
-    return torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(batch.mask, logp)
-
-
-def batch_logprobs(policy, batch: Batch, slices: list[slice], temperature: float) -> torch.Tensor:
-    """(B, T) `sequence_logprobs` of the whole batch, micro-batch by micro-batch; B may be 0."""
-    if not slices:
-        return batch.sampler_logp.new_zeros(batch.mask.shape)
-    return torch.cat([sequence_logprobs(policy, batch.rows(sl), temperature) for sl in slices])
 
 
 # --------------------------------------------------------------------------------------------------

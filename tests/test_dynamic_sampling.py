@@ -19,14 +19,15 @@ import pytest
 import torch
 
 from conftest import char_tokenizer
+from grpo.batch import make_batch, sequence_logprobs
 from grpo.config import Config
 from grpo.data import Example, PromptStream, build_prompts
 from grpo.distributed import World
 from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
 from grpo.runlog import step_line, step_record
-from grpo.step import (InFlight, SamplingReport, StepSetup, first_informative, join_groups, make_batch,
-                       sample_groups, sequence_logprobs, update_policy)
+from grpo.step import (InFlight, SamplingReport, StepSetup, first_informative, join_groups, sample_groups,
+                       update_policy)
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
 
 

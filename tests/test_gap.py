@@ -89,6 +89,7 @@ class _OffsetSampler:
 
 
 def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_llama_dir, tmp_path, monkeypatch):
+    from grpo import batch as batch_module
     from grpo import step as step_module
     from grpo import trainer
     from test_train import tiny_cfg
@@ -97,7 +98,13 @@ def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_ll
                         lambda name, policy, *, pad_id, **kw: _OffsetSampler(policy, pad_id))
     forwards = []
     real = step_module.sequence_logprobs
-    monkeypatch.setattr(step_module, "sequence_logprobs", lambda *a, **kw: (forwards.append(1), real(*a, **kw))[1])
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "sequence_logprobs", counted)  # the loss passes
+    monkeypatch.setattr(batch_module, "sequence_logprobs", counted)  # batch_logprobs: the old log-probs
     T = 4
     train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.0, ignore_eos=True,
                    max_completion_length=T, min_p=0.0, is_cap=2.0, lora_rank=4, lora_alpha=8,
@@ -116,7 +123,7 @@ def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_ll
 def test_native_and_hf_engines_in_fp32_on_cpu_sample_with_the_trainers_logprobs(char_llama_dir, engine_name):
     from grpo.model import load_policy
     from grpo.rollout import Sampling, build_engine
-    from grpo.step import make_batch, sequence_logprobs
+    from grpo.batch import make_batch, sequence_logprobs
 
     cfg = Config(model=str(char_llama_dir), dtype="fp32", lora_rank=4, lora_alpha=8, temperature=0.7)
     device = torch.device("cpu")
