@@ -26,8 +26,8 @@ from grpo.distributed import World
 from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
 from grpo.runlog import step_line, step_record
-from grpo.step import (InFlight, SamplingReport, StepSetup, first_informative, join_groups, sample_groups,
-                       update_policy)
+from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
+from grpo.step import InFlight, StepSetup, update_policy
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
 
 

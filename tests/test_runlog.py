@@ -13,7 +13,8 @@ import torch
 
 from grpo.config import Config
 from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line, step_record
-from grpo.step import Scores, StepResult
+from grpo.groups import Scores
+from grpo.step import StepResult
 
 
 def test_metrics_log_starts_afresh_or_drops_the_records_past_the_resumed_step(tmp_path):
