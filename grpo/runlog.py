@@ -1,7 +1,7 @@
-"""What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the step
-record and its one-line summary, the progress bar, the clock that charges each phase with its own GPU
-work, peak memory, and the handler of Ctrl-C, SIGTERM and SIGHUP that lets a step finish before the
-run stops.
+"""What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the one-line
+summary of a step's record (the record itself is `grpo.step.StepResult.log_record`), the progress bar,
+the clock that charges each phase with its own GPU work, peak memory, and the handler of Ctrl-C,
+SIGTERM and SIGHUP that lets a step finish before the run stops.
 
 metrics.jsonl takes one whole line per record, in one write that is flushed to disk; a line cut short
 (a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file.
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from grpo.config import Config, write_atomically
-from grpo.step import StepResult
 
 
 class MetricsLog:
@@ -107,31 +106,6 @@ def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
     return records, dropped
 
 
-def step_record(step: int, result: StepResult, lr: float, step_time: float, peak_mem_gib: float) -> dict:
-    """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
-    --dynamic-sampling the batch is every completion sampled, kept or dropped."""
-    scores = result.scores
-    total = scores.total  # (N*P*G,)
-    record = {
-        "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
-        **{f"rewards/{name}": float(scores.rewards[:, j].nanmean()) for j, name in enumerate(scores.names)},
-        "accuracy": float(scores.correct.double().mean()), "format": float(scores.formatted.double().mean()),
-        "completion_length": float(scores.lengths.double().mean()),
-        "frac_finished": float(scores.finished.double().mean()),
-        "frac_zero_std": float(result.frac_zero_std),
-        "lr": lr, "grad_norm": result.grad_norm,
-        "skipped": result.skipped, **result.loss_stats,
-        "step_time": step_time, **{f"time/{k}": v for k, v in result.timings.items()},
-        "peak_mem_gib": peak_mem_gib,
-        **result.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
-    }
-    if result.sampling is not None:
-        report = result.sampling
-        record.update({"sampling/rounds": report.rounds, "sampling/prompts": report.prompts,
-                       "sampling/groups_dropped": report.groups_dropped, "sampling/groups_kept": report.groups_kept})
-    return record
-
-
 def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
     """The record in one line of at most 100 columns: the step (of `max_steps`), the reward (mean ± std over
     the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
@@ -157,8 +131,9 @@ def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = m
     return line if not extras else line + "\n  " + " | ".join(extras)
 
 
-def print_completions(console, result: StepResult, groups: int = 2) -> None:
-    """The first completion of this rank's first `groups` prompts, with its answer and reward."""
+def print_completions(console, result, groups: int = 2) -> None:
+    """The first completion of this rank's first `groups` prompts of a step's result (`grpo.step.StepResult`),
+    with its answer and reward."""
     total = result.scores.total  # this rank's rows come first only on rank 0, the one that prints
     for j in range(0, len(result.texts), result.group_size)[:groups]:
         console.print(f"  [dim]answer {result.answers[j]!r} reward {float(total[j]):.2f}:[/] {result.texts[j][:400]!r}")

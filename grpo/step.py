@@ -68,7 +68,7 @@ class InFlight:
 
 @dataclass
 class StepResult:
-    """What one step did, for the log; the counters are the loop's."""
+    """What one step did, and its line of the log (`log_record`); the counters are the loop's."""
 
     scores: Scores
     texts: list[str]  # this rank's P*G completions (of every sampling round)
@@ -81,6 +81,31 @@ class StepResult:
     timings: dict[str, float]  # seconds per phase
     sampling: SamplingReport | None = None  # what --dynamic-sampling did; None without it
     gap: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler-trainer gap; {} if not trained
+
+    def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float) -> dict:
+        """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
+        --dynamic-sampling the batch is every completion sampled, kept or dropped."""
+        scores = self.scores
+        total = scores.total  # (N*P*G,)
+        record = {
+            "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
+            **{f"rewards/{name}": float(scores.rewards[:, j].nanmean()) for j, name in enumerate(scores.names)},
+            "accuracy": float(scores.correct.double().mean()), "format": float(scores.formatted.double().mean()),
+            "completion_length": float(scores.lengths.double().mean()),
+            "frac_finished": float(scores.finished.double().mean()),
+            "frac_zero_std": float(self.frac_zero_std),
+            "lr": lr, "grad_norm": self.grad_norm,
+            "skipped": self.skipped, **self.loss_stats,
+            "step_time": step_time, **{f"time/{k}": v for k, v in self.timings.items()},
+            "peak_mem_gib": peak_mem_gib,
+            **self.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
+        }
+        if self.sampling is not None:
+            report = self.sampling
+            record.update({"sampling/rounds": report.rounds, "sampling/prompts": report.prompts,
+                           "sampling/groups_dropped": report.groups_dropped,
+                           "sampling/groups_kept": report.groups_kept})
+        return record
 
 
 # --------------------------------------------------------------------------------------------------

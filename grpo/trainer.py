@@ -42,7 +42,7 @@ from grpo.model import default_device, load_policy, model_summary
 from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
-                         reset_peak_memory, step_line, step_record, synced_clock)
+                         reset_peak_memory, step_line, synced_clock)
 from grpo.optim import make_optimizer, make_scheduler
 from grpo.step import InFlight, StepSetup, grpo_step
 
@@ -162,8 +162,8 @@ def run(cfg: Config, world: World) -> Path:
                                             "(try a lower --learning-rate)")
 
             # Log: the batch of all ranks; time and memory are this rank's.
-            record = step_record(state.step, result, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
-                                 peak_memory_gib(device))
+            record = result.log_record(state.step, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
+                                       peak_memory_gib(device))
             if world.is_main:
                 log.write(record)
             line = step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn)

@@ -25,7 +25,7 @@ from grpo.data import Example, PromptStream, build_prompts
 from grpo.distributed import World
 from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
-from grpo.runlog import step_line, step_record
+from grpo.runlog import step_line
 from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
 from grpo.step import InFlight, StepSetup, update_policy
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
@@ -160,7 +160,7 @@ def test_a_step_without_an_informative_group_is_logged_as_not_trained():
 
     result = grpo_step(s, 0, InFlight(stream_at_start=s.stream.state_dict()))  # no policy: it must not train
     assert result.sampling.groups_kept == 0 and not result.skipped and result.grad_norm is None
-    record = step_record(1, result, lr=1e-3, step_time=1.0, peak_mem_gib=0.0)
+    record = result.log_record(1, lr=1e-3, step_time=1.0, peak_mem_gib=0.0)
     assert record["sampling/rounds"] == 3 and record["sampling/groups_dropped"] == 6 and "loss" not in record
     assert "no informative group, not trained" in step_line(record)
 

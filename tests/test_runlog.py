@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line, step_record
+from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line
 from grpo.groups import Scores
 from grpo.step import StepResult
 
@@ -41,7 +41,7 @@ def _result(skipped: bool) -> StepResult:
 
 
 def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out_of_sums():
-    record = step_record(5, _result(skipped=False), lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    record = _result(skipped=False).log_record(5, lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
     assert list(record) == ["step", "reward", "reward_std", "rewards/a", "rewards/b", "accuracy", "format",
                             "completion_length", "frac_finished", "frac_zero_std", "lr", "grad_norm", "skipped",
                             "loss", "kl", "step_time", "time/generate", "time/train", "peak_mem_gib"]
@@ -49,7 +49,7 @@ def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out
     assert record["rewards/b"] == pytest.approx(1.0) and record["accuracy"] == 0.75 and record["format"] == 0.25
     assert record["completion_length"] == 3.0 and record["grad_norm"] == 2.0 and record["skipped"] is False
     assert "kl 0.1250" in step_line(record) and "2.50 s" in step_line(record)
-    skipped = step_record(6, _result(skipped=True), lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    skipped = _result(skipped=True).log_record(6, lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
     assert skipped["grad_norm"] is None and skipped["skipped"] is True and "loss" not in skipped
     assert "kl 0.0000" in step_line(skipped) and math.isfinite(skipped["reward"])
 
