@@ -2,7 +2,8 @@
 log-probs, mu passes of the clipped surrogate over micro-batches, gradient clipping and the optimizer
 step. What it is made of lives in the rooms below it: sampling, scoring and keeping groups (with
 --dynamic-sampling, in rounds) in `grpo.groups`, the `Batch` of prompt+completion rows and its
-log-probs in `grpo.batch`; the optimizer and schedule it steps are built in `grpo.optim`. Every step also measures the sampler-trainer gap (`SamplerGap`) from the log-probs its loss
+log-probs in `grpo.batch`; the optimizer and schedule it steps are built in `grpo.optim`. Every step
+also measures the sampler-trainer gap (`grpo.loss.importance.SamplerGap`) from the log-probs its loss
 computes anyway.
 
 What it deliberately is not: the run. Counters, logging, evaluation, checkpoints and stopping belong
@@ -27,8 +28,7 @@ from grpo.config import Config
 from grpo.data import PromptSet, PromptStream
 from grpo.distributed import World
 from grpo.groups import SamplingReport, Scores, sample_groups
-from grpo.loss import STAT_KEYS, clipped_surrogate, group_advantages, importance_weights
-from grpo.loss.importance import clipped_by_correction
+from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
 from grpo.rollout import Engine, Sampling
 
 
@@ -192,7 +192,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     # When the sampler's numerics are not ours, weight each token by pi_trainer/pi_sampler.
     correct_sampler = s.engine.needs_importance_correction and cfg.is_correction != "none"
     agg: dict[str, float] = {}
-    gap = SamplerGap()
+    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
     nonfinite = False
     grad_norm = None
     for n_pass in range(cfg.num_iterations):
@@ -203,7 +203,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
             logp = sequence_logprobs(policy, mb, cfg.temperature)
             mb_old = old_logp[sl] if old_logp is not None else logp.detach()
             if n_pass == 0:  # the policy before this step's update: what the sampler sampled from
-                gap.add(mb_old, mb.sampler_logp, mb.mask, cfg)
+                gap.add(mb_old, mb.sampler_logp, mb.mask)
             is_w = None
             if correct_sampler:
                 is_w, _ = importance_weights(mb_old, mb.sampler_logp, mb.mask, level=cfg.is_level,
@@ -264,40 +264,3 @@ def accumulate_stats(agg: dict[str, float], stats: dict[str, torch.Tensor], shar
             agg[k] = max(agg.get(k, -math.inf), float(v))
         else:
             agg[k] = agg.get(k, 0.0) + float(v) * share / passes
-
-
-class SamplerGap:
-    """The sampler-trainer gap of one step: how far the sampler's log-prob of each sampled token
-    (`Rollout.sampler_logp`) is from the trainer's, before the step updates the policy.
-
-    Fed the log-probs the loss computes anyway (the first pass's, or old_logp with mu > 1), micro-batch
-    by micro-batch: no extra forward pass. Reports, over the counted tokens of all ranks:
-    `gap/logp_abs_mean` and `gap/logp_abs_max` of |log pi_train - log pi_sampler|, and `gap/is_clipped_frac`,
-    the fraction of tokens whose importance weight --is-correction with --is-cap and --is-level would
-    truncate or mask (by `clipped_by_correction`, the rule of `importance_weights`), whether or not the
-    engine asks for the correction.
-    """
-
-    def __init__(self) -> None:
-        self.abs_sum = self.abs_max = self.clipped = self.tokens = 0.0
-
-    def add(self, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cfg: Config) -> None:
-        """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask."""
-        diff = (logp.detach().double() - sampler_logp.double()).abs()[mask]  # (tokens,) a bf16 gap would round
-        clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, level=cfg.is_level,
-                                        mode=cfg.is_correction, cap=cfg.is_cap)
-        self.abs_sum += float(diff.sum())
-        if diff.numel():
-            top = float(diff.max())
-            if math.isnan(top) or top > self.abs_max:  # a NaN stays: it says more than any number would
-                self.abs_max = top
-        self.clipped += float(clipped.sum())
-        self.tokens += diff.numel()
-
-    def over_ranks(self, world: World) -> dict[str, float]:
-        """The gap over every rank's tokens; a collective: every rank calls it."""
-        total = world.reduce_stats({"abs_sum": self.abs_sum, "clipped": self.clipped, "tokens": self.tokens,
-                                    "abs_max": self.abs_max})  # keys ending in _max take the max
-        tokens = max(total["tokens"], 1.0)
-        return {"gap/logp_abs_mean": total["abs_sum"] / tokens, "gap/logp_abs_max": total["abs_max"],
-                "gap/is_clipped_frac": total["clipped"] / tokens}
