@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
+                                check_importance_numbers, check_policy_numbers, spell_flag)
 from grpo.quiet import add_verbose_flag
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
@@ -96,7 +98,7 @@ class Config:
                         "weight clipped to [1 - cispo-eps-low, 1 + cispo-eps-high] and detached, times the log-prob, "
                         "so every token keeps a gradient) or sapo (Qwen: a smooth sigmoid gate on the ratio in place "
                         "of the hard clip, temperatures sapo-tau-pos/neg).", "grpo",
-                        choices=["clip", "cispo", "sapo"])
+                        choices=list(POLICY_LOSSES))
     cispo_eps_low: float = _f(1.0, "CISPO: the weight's floor is 1 minus this; 1 (a floor of 0) is no lower bound, "
                               "as in MiniMax-M1.", "grpo")
     cispo_eps_high: float = _f(4.0, "CISPO: the weight's cap is 1 plus this (MiniMax-M1 tunes only this and does not "
@@ -106,18 +108,18 @@ class Config:
     sapo_tau_neg: float = _f(1.05, "SAPO: gate temperature for negative advantages (the paper's 1.05, above "
                              "sapo-tau-pos so that negative updates are damped sooner).", "grpo")
     loss_norm: str = _f("sequence", "sequence (GRPO), token (DAPO) or constant (Dr. GRPO).", "grpo",
-                        choices=["sequence", "token", "constant"])
+                        choices=list(NORMS))
     ratio_level: str = _f("token", "Importance ratio per token (GRPO) or per sequence (GSPO).", "grpo",
-                          choices=["token", "sequence"])
+                          choices=list(RATIO_LEVELS))
     scale_rewards: str = _f("group", "Advantage scale: group std, batch std, or none (Dr. GRPO).", "grpo",
-                            choices=["group", "batch", "none"])
-    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.", "grpo", choices=["k1", "k2", "k3"])
+                            choices=list(SCALES))
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.", "grpo", choices=list(KL_KINDS))
     is_correction: str = _f("truncate", "Sampler/trainer mismatch correction: none, truncate (clip the "
                             "weight at is-cap) or mask (drop tokens past is-cap). Used when the engine's "
                             "numerics differ from the trainer's (vllm).", "grpo",
-                            choices=["none", "truncate", "mask"])
+                            choices=list(IS_MODES))
     is_level: str = _f("token", "Importance weight per token or per sequence.", "grpo",
-                       choices=["token", "sequence"])
+                       choices=list(IS_LEVELS))
     is_cap: float = _f(2.0, "Cap of the sampler importance weight.", "grpo")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop the groups whose rewards all tie (they teach "
                                 "nothing) and sample the next prompts of the stream until the step holds P "
@@ -215,8 +217,7 @@ class Config:
                     "num_train_examples": 1, "prompts_per_step": 1, "micro_batch_size": 1, "num_iterations": 1,
                     "max_completion_length": 1, "max_steps": 1, "max_nonfinite_steps": 1, "top_k": 0,
                     "save_steps": 0, "save_total_limit": 0, "eval_steps": 0, "eval_size": 0, "eval_samples": 0,
-                    "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0,
-                    "beta": 0.0, "cispo_eps_low": 0.0, "cispo_eps_high": 0.0}
+                    "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:
@@ -237,19 +238,12 @@ class Config:
         if self.num_generations < 2:
             raise ValueError(f"--num-generations {self.num_generations}: GRPO needs at least 2 completions "
                              "per prompt to compare; use 2 or more")
-        if not 0.0 < self.epsilon < 1.0:
-            raise ValueError(f"--epsilon {self.epsilon}: the clip range must be in (0, 1); 0.2 is the recipe's")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise ValueError(f"--epsilon-high {self.epsilon_high}: must be above 0 (DAPO uses 0.28)")
-        if self.delta is not None and self.delta <= 1.0 + (self.epsilon_high or self.epsilon):
-            raise ValueError(f"--delta {self.delta}: must exceed 1 + the upper clip range "
-                             f"({1.0 + (self.epsilon_high or self.epsilon):g}); try 3")
-        if self.delta is not None and self.loss_type != "clip":
-            raise ValueError(f"--delta {self.delta} caps the ratio of --loss-type clip; --loss-type {self.loss_type} "
-                             "has no unclipped ratio to cap: drop --delta")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
-            raise ValueError(f"--sapo-tau-pos {self.sapo_tau_pos} / --sapo-tau-neg {self.sapo_tau_neg}: must be "
-                             "above 0 (the paper's are 1.0 and 1.05)")
+        # The loss's numbers, by the loss's own rules (grpo.loss.options), in the flags' spelling.
+        check_policy_numbers(beta=self.beta, eps_low=self.epsilon, eps_high=self.epsilon_high, delta=self.delta,
+                             policy_loss=self.loss_type, cispo_eps_low=self.cispo_eps_low,
+                             cispo_eps_high=self.cispo_eps_high, sapo_tau_pos=self.sapo_tau_pos,
+                             sapo_tau_neg=self.sapo_tau_neg, spell=spell_flag)
+        check_importance_numbers(cap=self.is_cap, spell=spell_flag)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]; 1 switches it off")
         if any(not text for text in self.stop):
@@ -259,8 +253,6 @@ class Config:
             raise ValueError(f"--max-sampling-rounds {self.max_sampling_rounds}: use 1 or more (3 is usual)")
         if not self.gap_warn >= 0:
             raise ValueError(f"--gap-warn {self.gap_warn}: must be 0 or more (0 shows the gap every step)")
-        if self.is_cap <= 1.0:
-            raise ValueError(f"--is-cap {self.is_cap}: the importance-weight cap must exceed 1; 2 is usual")
         if (self.max_prompt_length is not None and self.max_completion_length is not None
                 and self.max_prompt_length + self.max_completion_length > self.max_seq_length):
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} + --max-completion-length "

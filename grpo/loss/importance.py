@@ -36,8 +36,7 @@ import math
 
 import torch
 
-LEVELS = ("token", "sequence")
-MODES = ("none", "truncate", "mask")
+from .options import IS_LEVELS, IS_MODES, check_choice, check_importance_numbers
 
 
 def importance_weights(
@@ -109,14 +108,9 @@ def clipped_by_correction(
 
 
 def _check(logp, sampler_logp, mask, level, mode, cap, cap_low) -> None:
-    if level not in LEVELS:
-        raise ValueError(f"importance_weights level={level!r}: use one of {', '.join(LEVELS)}")
-    if mode not in MODES:
-        raise ValueError(f"importance_weights mode={mode!r}: use one of {', '.join(MODES)}")
-    if not cap > 0:
-        raise ValueError(f"importance_weights cap={cap}: must be > 0 (e.g. 2.0)")
-    if cap_low is not None and not 0 <= cap_low < cap:
-        raise ValueError(f"importance_weights cap_low={cap_low}: must be in [0, cap={cap})")
+    check_choice("level", level, IS_LEVELS)
+    check_choice("mode", mode, IS_MODES)
+    check_importance_numbers(cap=cap, cap_low=cap_low)
     if logp.shape != sampler_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
         raise ValueError(
             f"importance_weights: logp {tuple(logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
