@@ -15,12 +15,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
 from grpo.quiet import add_verbose_flag
@@ -293,20 +293,6 @@ class Config:
 def flag(field_name: str) -> str:
     """The command-line flag of a Config field: learning_rate -> --learning-rate."""
     return "--" + field_name.replace("_", "-")
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole or keeps what it held: written beside it, flushed to disk, renamed over it."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 # The recipe's system prompt (grpo.data.SYSTEM_PROMPT, kept in step by a test) and the format shown once, with

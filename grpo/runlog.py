@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import signal
 import threading
@@ -25,7 +24,8 @@ from typing import Any
 
 import torch
 
-from grpo.config import Config, write_atomically
+from grpo.config import Config
+from grpo.durable import append_line, write_atomically
 
 
 class MetricsLog:
@@ -61,15 +61,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         """Appends the record as one line, in one write, flushed to disk before returning."""
-        line = (json.dumps(record) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            written = os.write(fd, line)
-            if written != len(line):  # only a full disk cuts a small write short; the next open drops it
-                raise OSError(28, "No space left on device (a metrics line was cut short)", str(self.path))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, (json.dumps(record) + "\n").encode())
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
