@@ -38,7 +38,7 @@ from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
-from grpo.model import default_device, load_policy, model_summary
+from grpo.model import default_device, load_policy, load_unsloth_policy, model_summary
 from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
@@ -234,8 +234,6 @@ def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
     with it (sampling and training share the base weights) and model_dir is None; otherwise engine is
     None and model_dir is the base checkpoint's folder."""
     if unsloth_loads_the_model(cfg.engine):
-        from grpo.rollout.vllm import load_unsloth_policy
-
         policy, tokenizer, engine = load_unsloth_policy(
             cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import grpo.rollout.vllm as rv
+from grpo.model import load_unsloth_policy
 from grpo.rollout.base import Engine, Sampling
 
 
@@ -479,7 +480,7 @@ def _load(tmp_path, **kw):
                 target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407,
                 work_dir=str(tmp_path / "u"))
     args.update(kw)
-    return rv.load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
+    return load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
 
 
 def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, tmp_path):

@@ -18,7 +18,7 @@ def resolve_engine_name(name: str) -> str:
 
 def unsloth_loads_the_model(name: str) -> bool:
     """--engine unsloth: Unsloth loads the model and its vLLM engine together
-    (`grpo.rollout.vllm.load_unsloth_policy`), so that sampling and training share the base weights."""
+    (`grpo.model.load_unsloth_policy`), so that sampling and training share the base weights."""
     return name == "unsloth"
 
 
@@ -42,5 +42,5 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
         return VLLMEngine(policy, max_model_len=max_seq_len, pad_id=pad_id, **vllm_kwargs)
     if name == "unsloth":
         raise ValueError("--engine unsloth: Unsloth builds its engine as it loads the model "
-                         "(grpo.rollout.vllm.load_unsloth_policy), not over a policy")
+                         "(grpo.model.load_unsloth_policy), not over a policy")
     raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf, vllm or unsloth")
