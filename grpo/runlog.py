@@ -1,13 +1,12 @@
 """What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the one-line
 summary of a step's record (the record itself is `grpo.step.StepResult.log_record`), the progress bar,
-the clock that charges each phase with its own GPU work, peak memory, and the handler of Ctrl-C,
-SIGTERM and SIGHUP that lets a step finish before the run stops.
+the clock that charges each phase with its own GPU work, and peak memory.
 
 metrics.jsonl takes one whole line per record, in one write that is flushed to disk; a line cut short
 (a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file.
 
 What it deliberately is not: a callback system. The loop in `grpo.trainer.run` calls these
-explicitly; nothing here decides what the run does next (a signal only sets a flag the loop reads).
+explicitly; nothing here decides what the run does next. Signals are `grpo.signals`'.
 """
 
 from __future__ import annotations
@@ -15,12 +14,9 @@ from __future__ import annotations
 import json
 import math
 import resource
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -199,50 +195,3 @@ def synced_clock(device: torch.device) -> Callable[[], float]:
             torch.cuda.synchronize(device)
         return time.perf_counter()
     return now
-
-
-class Stopped(KeyboardInterrupt):
-    """The run stopped on a signal; a command exits with 128 + `signum` (130 for Ctrl-C, 143 for SIGTERM)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class StopOnSignal:
-    """The first Ctrl-C, SIGTERM or SIGHUP asks the loop to finish the step in flight, save and stop;
-    a second one raises `Stopped` at once.
-
-    Schedulers (Slurm, Kubernetes), `timeout` and a closed terminal send SIGTERM or SIGHUP rather than
-    Ctrl-C's SIGINT; all three mean the same here. Finishing the step keeps a checkpoint exact:
-    resuming from it continues as if never stopped. Only the main thread can own the handlers;
-    elsewhere the signals keep their default behaviour.
-    """
-
-    def __init__(self, console):
-        self.requested = False
-        self.signum: int | None = None  # the first signal
-        self.console = console
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise Stopped(signum)
-        self.requested = True
-        self.signum = signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        try:  # after SIGHUP the terminal may be gone: the message is not worth an error here
-            self.console.print(f"[bold yellow]{name}[/]: finishing this step, then saving (again to stop now)")
-        except OSError:
-            pass
-
-    def restore(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}

@@ -3,9 +3,8 @@
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
 `run()` from its first line to its last to know what a run does; each phase it calls lives in its own
 room: one GRPO step in `grpo.step` (sample, score, advantages, loss passes, optimizer), the optimizer
-and schedule in `grpo.optim`, checkpoints in
-`grpo.checkpoint`, metrics, progress, clocks and signals in `grpo.runlog`, held-out accuracy in
-`grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler is any `Engine`, and what the loop
+and schedule in `grpo.optim`, checkpoints in `grpo.checkpoint`, metrics, progress and clocks in
+`grpo.runlog`, signals in `grpo.signals`, held-out accuracy in `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler is any `Engine`, and what the loop
 must know of it the engine says itself; the model is the PeftModel that `grpo.model` loads.
 
 Every stop saves. The output folder is claimed before anything is written (one run per folder). A
@@ -41,8 +40,9 @@ from grpo.failures import add_note, describe
 from grpo.model import default_device, load_policy, load_unsloth_policy, model_summary
 from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
-                         reset_peak_memory, step_line, synced_clock)
+from grpo.runlog import (MetricsLog, ProgressBar, peak_memory_gib, print_completions, reset_peak_memory, step_line,
+                         synced_clock)
+from grpo.signals import StopOnSignal, Stopped
 from grpo.optim import make_optimizer, make_scheduler
 from grpo.step import InFlight, StepSetup, grpo_step
 

@@ -1,4 +1,4 @@
-"""What a run records and shows: metrics.jsonl on resume, the step record, the progress bar, Ctrl-C."""
+"""What a run records and shows: metrics.jsonl on resume, the step record, the progress bar."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import io
 import json
 import math
 import os
-import signal
 
 import pytest
 import torch
 
 from grpo.config import Config
-from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line
+from grpo.runlog import MetricsLog, ProgressBar, step_line
 from grpo.groups import Scores
 from grpo.step import StepResult
 
@@ -67,41 +66,6 @@ def test_the_progress_bar_stops_once_however_often_it_is_told():
     ended = text.getvalue()
     bar.stop()
     assert ended and text.getvalue() == ended
-
-
-def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts_the_old_handler_back():
-    from rich.console import Console
-
-    before = signal.getsignal(signal.SIGINT)
-    stop = StopOnSignal(Console(file=io.StringIO()))
-    try:
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    finally:
-        stop.restore()
-    assert signal.getsignal(signal.SIGINT) is before
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_and_sighup_ask_to_stop_as_ctrl_c_does_and_a_second_signal_stops_with_its_number(signum):
-    from rich.console import Console
-
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    text = io.StringIO()
-    stop = StopOnSignal(Console(file=text))
-    try:
-        os.kill(os.getpid(), signum)
-        assert stop.requested and stop.signum == signum
-        assert f"{signal.Signals(signum).name}: finishing this step" in text.getvalue()
-        with pytest.raises(Stopped) as second:
-            os.kill(os.getpid(), signal.SIGINT)
-        assert second.value.signum == signal.SIGINT and isinstance(second.value, KeyboardInterrupt)
-    finally:
-        stop.restore()
-    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_a_metrics_line_cut_short_is_dropped_with_a_note_when_the_run_resumes(tmp_path):
