@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
 from grpo.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
@@ -77,7 +78,7 @@ class Config:
                                            "minus max-prompt-length.", "data")
     num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
     system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
-                                   "recipe's, which describes the answer format in words (grpo.data.SYSTEM_PROMPT).",
+                                   "recipe's, which describes the answer format in words (grpo.answer_format.SYSTEM_PROMPT).",
                                    "data")
 
     # --- grpo --------------------------------------------------------------------------------
@@ -294,16 +295,6 @@ def flag(field_name: str) -> str:
     """The command-line flag of a Config field: learning_rate -> --learning-rate."""
     return "--" + field_name.replace("_", "-")
 
-
-# The recipe's system prompt (grpo.data.SYSTEM_PROMPT, kept in step by a test) and the format shown once, with
-# letters for numbers. With it, the untrained SmolLM2-135M answers in the exact format in about a fifth of its
-# samples, with its own numbers (without it: none of 128; with a numeric example it copies the example).
-QUICKSTART_SYSTEM_PROMPT = (
-    "You are given a problem. Think about it and show your working out.\n"
-    "Place your working out between <start_working_out> and <end_working_out>.\n"
-    "Then give your final answer between <SOLUTION> and </SOLUTION>.\n"
-    'For example, to "What is a plus b?" answer <start_working_out>a + b = c<end_working_out><SOLUTION>c</SOLUTION>'
-)
 
 # Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -30,6 +30,7 @@ import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
+from grpo.answer_format import SYSTEM_PROMPT
 from grpo.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
                              new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
                              save_from_every_rank, schedule_note)
@@ -249,7 +250,7 @@ def load_prompt_sets(cfg: Config, tokenizer) -> tuple[grpo_data.PromptSet, grpo_
     examples = grpo_data.load_examples(cfg.dataset, split="train", seed=cfg.seed)
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
-    system_prompt = grpo_data.SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
+    system_prompt = SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt)
     max_completion = (cfg.max_completion_length if cfg.max_completion_length is not None
                       else cfg.max_seq_length - prompts.max_prompt_length)
