@@ -19,7 +19,7 @@ import torch
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.data import Example
-from grpo.rollout import Rollout
+from grpo.rollout.base import Rollout, pad_rows
 
 if TYPE_CHECKING:  # the step's setup, read here; grpo.step imports this module, not the other way round
     from grpo.step import StepSetup
@@ -194,19 +194,12 @@ def join_groups(rollouts: list[Rollout], keep: torch.Tensor, pad_id: int) -> Rol
         groups = kept.nonzero().flatten().tolist()
         rows = torch.tensor([g * G + k for g in groups for k in range(G)], dtype=torch.long)
         prompt_ids += [rollout.prompt_ids[g] for g in groups]
-        ids.append(right_pad(rollout.completion_ids[rows], T, pad_id))
-        mask.append(right_pad(rollout.mask[rows], T, False))
-        sampler_logp.append(right_pad(rollout.sampler_logp[rows], T, 0.0))
+        ids.append(pad_rows(rollout.completion_ids[rows], pad_id, width=T))
+        mask.append(pad_rows(rollout.mask[rows], False, width=T))
+        sampler_logp.append(pad_rows(rollout.sampler_logp[rows], 0.0, width=T))
         finished.append(rollout.finished[rows])
     return Rollout(prompt_ids=prompt_ids, completion_ids=torch.cat(ids), mask=torch.cat(mask),
                    sampler_logp=torch.cat(sampler_logp), finished=torch.cat(finished), n=G)
-
-
-def right_pad(t: torch.Tensor, T: int, fill) -> torch.Tensor:
-    """(B, t) -> (B, T), the new columns set to `fill`."""
-    out = torch.full((t.shape[0], T), fill, dtype=t.dtype, device=t.device)
-    out[:, :t.shape[1]] = t
-    return out
 
 
 def scores_by_rank(rounds: list[Scores], n_ranks: int) -> Scores:

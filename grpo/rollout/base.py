@@ -1,12 +1,13 @@
 """The seam between the trainer and every sampler: `Sampling`, `Rollout` and the `Engine` protocol.
 
 Engines take and give token ids; the tokenizer lives outside them. This module holds only the data
-types and the protocol, no sampling code (that is `grpo/rollout/sampling.py`).
+types, the protocol and `pad_rows` (rows of different lengths into one padded tensor, as every engine and
+the step build them), no sampling code (that is `grpo/rollout/sampling.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -119,3 +120,27 @@ class Engine(Protocol):
     def release_memory(self) -> None: ...
 
     def standby_bytes(self) -> int | None: ...
+
+
+def pad_rows(rows: Sequence[Sequence[float]] | torch.Tensor, fill: float, *, width: int | None = None,
+             dtype: torch.dtype | None = None, left: bool = False) -> torch.Tensor:
+    """(len(rows), width) tensor of `rows` (lists of numbers, or the rows of a 2-D tensor), each at the left
+    and padded with `fill` on the right; with `left=True`, at the right and padded on the left (as
+    decoder-only generation needs its prompts). `width` defaults to the longest row; `dtype` to a tensor's
+    own (lists need it). A tensor keeps its device."""
+    if isinstance(rows, torch.Tensor):  # (B, t) -> (B, width)
+        width = rows.shape[1] if width is None else width
+        out = torch.full((rows.shape[0], width), fill, dtype=dtype or rows.dtype, device=rows.device)
+        if left:
+            out[:, width - rows.shape[1]:] = rows
+        else:
+            out[:, :rows.shape[1]] = rows
+        return out
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        if left:
+            out[i, width - len(row):] = torch.tensor(row, dtype=dtype)
+        else:
+            out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out

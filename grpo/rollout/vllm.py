@@ -53,7 +53,7 @@ import torch
 
 from grpo.config import DTYPES
 from grpo.fp8_checkpoint import is_fp8_checkpoint
-from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 
 INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'grpo[vllm]' (CUDA), or on a CPU-only machine "
@@ -247,13 +247,9 @@ def rollout_from_outputs(prompt_ids: list[list[int]], outputs: list[Any], n: int
             rows_logp.append(logp)
             finished.append(done)
     width = max(1, max(len(r) for r in rows_ids))
-    completion_ids = torch.full((len(rows_ids), width), pad_id, dtype=torch.long)  # (P*n, T)
-    mask = torch.zeros(len(rows_ids), width, dtype=torch.bool)  # (P*n, T)
-    sampler_logp = torch.zeros(len(rows_ids), width, dtype=torch.float32)  # (P*n, T)
-    for i, (ids, logp) in enumerate(zip(rows_ids, rows_logp)):
-        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, : len(ids)] = True
-        sampler_logp[i, : len(ids)] = torch.tensor(logp, dtype=torch.float32)
+    completion_ids = pad_rows(rows_ids, pad_id, width=width, dtype=torch.long)  # (P*n, T)
+    mask = pad_rows([[True] * len(ids) for ids in rows_ids], False, width=width, dtype=torch.bool)  # (P*n, T)
+    sampler_logp = pad_rows(rows_logp, 0.0, width=width, dtype=torch.float32)  # (P*n, T)
     return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion_ids, mask=mask,
                    sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), n=n)
 
