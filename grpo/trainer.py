@@ -39,7 +39,8 @@ from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
 from grpo.model import default_device, load_policy, load_unsloth_policy, model_summary
-from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
+from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
+                          unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.runlog import (MetricsLog, ProgressBar, peak_memory_gib, print_completions, reset_peak_memory, step_line,
                          synced_clock)
@@ -88,11 +89,11 @@ def run(cfg: Config, world: World) -> Path:
     longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
     if engine is None:
+        vllm = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
+                           work_dir=str(vllm_dir))
         engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
                               max_seq_len=longest_prompt + max_completion,
-                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
-                              model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
-                              work_dir=str(vllm_dir))
+                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm, vllm=vllm)
     keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,

@@ -557,3 +557,12 @@ def test_the_engine_flag_alone_chooses_unsloth_and_vllm_stays_plain_vllm():
     assert Config(engine="unsloth").engine == "unsloth"
     with pytest.raises(ValueError, match="Unsloth builds its engine as it loads the model"):
         build_engine("unsloth", None, pad_id=0, max_seq_len=8, max_batch=1)
+
+
+def test_build_engine_takes_the_vllm_options_as_one_value_and_says_when_they_are_missing():
+    from grpo.rollout import build_engine
+
+    with pytest.raises(ValueError, match=r"--engine vllm: build_engine needs vllm=VLLMOptions"):
+        build_engine("vllm", None, pad_id=0, max_seq_len=8, max_batch=1)
+    with pytest.raises(TypeError):  # another engine's options are not taken loose any more
+        build_engine("hf", None, pad_id=0, max_seq_len=8, max_batch=1, lora_rank=8)
