@@ -40,6 +40,7 @@ class HFEngine:
         # left padding, as decoder-only generation needs
         input_ids = pad_rows(rows, self.pad_id, dtype=torch.long, left=True)
         attention_mask = pad_rows([[1] * len(p) for p in rows], 0, dtype=torch.long, left=True)
+        width = input_ids.shape[1]  # the longest prompt
         greedy = sampling.temperature == 0
         # Every knob explicit: transformers fills what is left unset from the model's own generation
         # config (Llama 3 instruct: top_p 0.9, top_k 50), which would sample another distribution.
@@ -72,7 +73,7 @@ class HFEngine:
                                       stopping_criteria=StoppingCriteriaList(stops))
         finally:
             self.model.train(was_training)
-        completion_ids = out.sequences[:, input_ids.shape[1]:]  # (P*n, T)
+        completion_ids = out.sequences[:, width:]  # (P*n, T)
         # One step at a time: a (P*n, T, V) fp32 tensor would be gigabytes at Llama's vocabulary.
         inv_t = 1.0 / (sampling.temperature or 1.0)
         sampler_logp = torch.stack([
