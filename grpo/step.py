@@ -49,6 +49,7 @@ class StepSetup:
     engine: Engine
     keep_engine: bool  # --engine-standby: the engine keeps its memory between steps (no release_memory)
     sampling: Sampling  # the run's sampling; each step seeds its own copy
+    max_completion: int  # completion tokens at most (sampling.max_new_tokens): the constant norm's max_len
     prompts: PromptSet
     stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
     reward_funcs: list[Callable]
@@ -211,7 +212,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
             loss, stats = clipped_surrogate(
                 logp, mb_old, adv[sl], mb.mask, ref_logp=None if ref_logp is None else ref_logp[sl],
                 beta=cfg.beta, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, delta=cfg.delta,
-                ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=s.sampling.max_new_tokens,
+                ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=s.max_completion,
                 is_weights=is_w, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
                 cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high,
                 sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg)
