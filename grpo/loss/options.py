@@ -79,7 +79,8 @@ def check_policy_numbers(*, beta: float, eps_low: float, eps_high: float | None,
 def check_importance_numbers(*, cap: float, cap_low: float | None = None, spell: Spell = spell_keyword) -> None:
     """The range of `importance_weights`' cap (and cap_low); a ValueError that names the option as `spell`
     writes it."""
-    if not cap > 0:
-        raise ValueError(f"{spell('cap', cap)}: the importance-weight cap must be > 0; 2 is usual")
+    if not cap >= 1:
+        raise ValueError(f"{spell('cap', cap)}: the importance-weight cap must be 1 or more (a lower cap would weigh "
+                         "down tokens on which sampler and trainer agree, ratio 1); 2 is usual")
     if cap_low is not None and not 0 <= cap_low < cap:
         raise ValueError(f"{spell('cap_low', cap_low)}: must be in [0, cap={cap})")
