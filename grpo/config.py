@@ -25,6 +25,7 @@ from grpo.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
 from grpo.quiet import add_verbose_flag
+from grpo.rollout.options import check_sampling_numbers
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 # The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.
@@ -78,8 +79,8 @@ class Config:
                                            "minus max-prompt-length.", "data")
     num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
     system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
-                                   "recipe's, which describes the answer format in words (grpo.answer_format.SYSTEM_PROMPT).",
-                                   "data")
+                                   "recipe's, which describes the answer format in words "
+                                   "(grpo.answer_format.SYSTEM_PROMPT).", "data")
 
     # --- grpo --------------------------------------------------------------------------------
     num_generations: int = _f(4, "G: completions sampled per prompt (at least 2).", "grpo")
@@ -224,7 +225,7 @@ class Config:
             if value is not None and value < low:
                 raise ValueError(f"{flag(name)} {value}: must be {low:g} or more")
         within = {"lora_dropout": (0.0, 1.0), "adam_beta1": (0.0, 1.0), "adam_beta2": (0.0, 1.0),
-                  "warmup_ratio": (0.0, 1.0), "min_p": (0.0, 1.0)}
+                  "warmup_ratio": (0.0, 1.0)}
         for name, (low, high) in within.items():
             value = getattr(self, name)
             if not low <= value < high:
@@ -245,8 +246,7 @@ class Config:
                              cispo_eps_high=self.cispo_eps_high, sapo_tau_pos=self.sapo_tau_pos,
                              sapo_tau_neg=self.sapo_tau_neg, spell=spell_flag)
         check_importance_numbers(cap=self.is_cap, spell=spell_flag)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]; 1 switches it off")
+        check_sampling_numbers(top_p=self.top_p, min_p=self.min_p, spell=lambda name, value: f"{flag(name)} {value}")
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
                              "completion at once; remove it")

@@ -1,19 +1,30 @@
 """Samplers behind one protocol: `native` (fast, in-process), `hf` (reference), `vllm` and `unsloth`
-(external)."""
+(external). `options.py` holds the sampling numbers' ranges, torch-free, for the command line too."""
 
 from __future__ import annotations
 
-import torch
-
+import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from grpo.rollout.base import Engine, Rollout, Sampling
+if TYPE_CHECKING:
+    from grpo.rollout.base import Engine
 
 __all__ = ["Engine", "Rollout", "Sampling", "VLLMOptions", "build_engine", "resolve_engine_name",
            "unsloth_loads_the_model"]
 
 
+def __getattr__(name: str):
+    # The types load on first use (`from grpo.rollout import Sampling` works as usual), so that importing
+    # grpo.rollout.options, as the command line does, does not import torch.
+    if name in ("Engine", "Rollout", "Sampling"):
+        return getattr(importlib.import_module("grpo.rollout.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def resolve_engine_name(name: str) -> str:
+    import torch
+
     if name == "auto":
         return "native" if torch.cuda.is_available() else "hf"
     return name

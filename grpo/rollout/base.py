@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from grpo.rollout.options import check_sampling_numbers
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -39,10 +41,7 @@ class Sampling:
             raise ValueError(f"Sampling.max_new_tokens={self.max_new_tokens}: must be at least 1")
         if self.temperature < 0:
             raise ValueError(f"Sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"Sampling.top_p={self.top_p}: must be in (0, 1]")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"Sampling.min_p={self.min_p}: must be in [0, 1)")
+        check_sampling_numbers(top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclass
