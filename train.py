@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         from grpo.trainer import train  # heavy imports after --help and flag errors
 
         train(cfg)
-    except KeyboardInterrupt as stop:  # grpo.runlog.Stopped carries the signal; a plain one is Ctrl-C's
+    except KeyboardInterrupt as stop:  # grpo.signals.Stopped carries the signal; a plain one is Ctrl-C's
         return 128 + getattr(stop, "signum", signal.SIGINT)
     except Exception as err:
         from grpo.failures import report

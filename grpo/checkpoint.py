@@ -19,7 +19,6 @@ general state-dict framework: the four objects it saves are named in `Resumable`
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import uuid
@@ -32,6 +31,7 @@ import torch
 from grpo.config import Config, flag
 from grpo.data import PromptStream
 from grpo.distributed import World
+from grpo.durable import fill_folder, publish
 from grpo.failures import first_line, os_fault, write_failure
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -189,20 +189,14 @@ def publish_folder(final: Path, tmp: Path, write, what: str) -> Path:
     older `final` is replaced). A failed write removes the temporary folder and raises
     CheckpointWriteError: a crash or a full disk never leaves a half-written folder under `final`."""
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        write(tmp)
-        sync_folder(tmp)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, Exception):
-            reason = write_failure(err) or first_line(str(err), 200) or type(err).__name__
-            raise CheckpointWriteError(f"could not write {what} {final} ({reason}); fix: free space on "
-                                       f"that disk or make {final.parent} writable (earlier checkpoints are "
-                                       "untouched)") from err
-        raise
+        fill_folder(tmp, write)
+    except Exception as err:
+        reason = write_failure(err) or first_line(str(err), 200) or type(err).__name__
+        raise CheckpointWriteError(f"could not write {what} {final} ({reason}); fix: free space on "
+                                   f"that disk or make {final.parent} writable (earlier checkpoints are "
+                                   "untouched)") from err
     remove_checkpoint(final)  # written again: the new one takes its place
-    tmp.rename(final)
-    sync_folder(final.parent, files=False)
+    publish(tmp, final)
     return final
 
 
@@ -217,23 +211,6 @@ def write_checkpoint_files(folder: Path, state: RunState, parts: Resumable, cfg:
                      "world_size": state.world_size, "run_id": state.run_id}
     (folder / "trainer_state.json").write_text(json.dumps(trainer_state))
     cfg.save(folder)
-
-
-def sync_folder(folder: Path, files: bool = True) -> None:
-    """Flush `folder`'s files and its entries to disk, so a rename after it publishes whole files."""
-    if files:
-        for path in folder.iterdir():
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoint_run_id(path: Path) -> str:

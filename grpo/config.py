@@ -15,13 +15,17 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
+from grpo.durable import write_atomically
+from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
+                                check_importance_numbers, check_policy_numbers, spell_flag)
 from grpo.quiet import add_verbose_flag
+from grpo.rollout.options import check_sampling_numbers
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 # The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.
@@ -75,8 +79,8 @@ class Config:
                                            "minus max-prompt-length.", "data")
     num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
     system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
-                                   "recipe's, which describes the answer format in words (grpo.data.SYSTEM_PROMPT).",
-                                   "data")
+                                   "recipe's, which describes the answer format in words "
+                                   "(grpo.answer_format.SYSTEM_PROMPT).", "data")
 
     # --- grpo --------------------------------------------------------------------------------
     num_generations: int = _f(4, "G: completions sampled per prompt (at least 2).", "grpo")
@@ -96,7 +100,7 @@ class Config:
                         "weight clipped to [1 - cispo-eps-low, 1 + cispo-eps-high] and detached, times the log-prob, "
                         "so every token keeps a gradient) or sapo (Qwen: a smooth sigmoid gate on the ratio in place "
                         "of the hard clip, temperatures sapo-tau-pos/neg).", "grpo",
-                        choices=["clip", "cispo", "sapo"])
+                        choices=list(POLICY_LOSSES))
     cispo_eps_low: float = _f(1.0, "CISPO: the weight's floor is 1 minus this; 1 (a floor of 0) is no lower bound, "
                               "as in MiniMax-M1.", "grpo")
     cispo_eps_high: float = _f(4.0, "CISPO: the weight's cap is 1 plus this (MiniMax-M1 tunes only this and does not "
@@ -106,18 +110,18 @@ class Config:
     sapo_tau_neg: float = _f(1.05, "SAPO: gate temperature for negative advantages (the paper's 1.05, above "
                              "sapo-tau-pos so that negative updates are damped sooner).", "grpo")
     loss_norm: str = _f("sequence", "sequence (GRPO), token (DAPO) or constant (Dr. GRPO).", "grpo",
-                        choices=["sequence", "token", "constant"])
+                        choices=list(NORMS))
     ratio_level: str = _f("token", "Importance ratio per token (GRPO) or per sequence (GSPO).", "grpo",
-                          choices=["token", "sequence"])
+                          choices=list(RATIO_LEVELS))
     scale_rewards: str = _f("group", "Advantage scale: group std, batch std, or none (Dr. GRPO).", "grpo",
-                            choices=["group", "batch", "none"])
-    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.", "grpo", choices=["k1", "k2", "k3"])
+                            choices=list(SCALES))
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2 or k3.", "grpo", choices=list(KL_KINDS))
     is_correction: str = _f("truncate", "Sampler/trainer mismatch correction: none, truncate (clip the "
                             "weight at is-cap) or mask (drop tokens past is-cap). Used when the engine's "
                             "numerics differ from the trainer's (vllm).", "grpo",
-                            choices=["none", "truncate", "mask"])
+                            choices=list(IS_MODES))
     is_level: str = _f("token", "Importance weight per token or per sequence.", "grpo",
-                       choices=["token", "sequence"])
+                       choices=list(IS_LEVELS))
     is_cap: float = _f(2.0, "Cap of the sampler importance weight.", "grpo")
     dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: drop the groups whose rewards all tie (they teach "
                                 "nothing) and sample the next prompts of the stream until the step holds P "
@@ -215,14 +219,13 @@ class Config:
                     "num_train_examples": 1, "prompts_per_step": 1, "micro_batch_size": 1, "num_iterations": 1,
                     "max_completion_length": 1, "max_steps": 1, "max_nonfinite_steps": 1, "top_k": 0,
                     "save_steps": 0, "save_total_limit": 0, "eval_steps": 0, "eval_size": 0, "eval_samples": 0,
-                    "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0,
-                    "beta": 0.0, "cispo_eps_low": 0.0, "cispo_eps_high": 0.0}
+                    "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{flag(name)} {value}: must be {low:g} or more")
         within = {"lora_dropout": (0.0, 1.0), "adam_beta1": (0.0, 1.0), "adam_beta2": (0.0, 1.0),
-                  "warmup_ratio": (0.0, 1.0), "min_p": (0.0, 1.0)}
+                  "warmup_ratio": (0.0, 1.0)}
         for name, (low, high) in within.items():
             value = getattr(self, name)
             if not low <= value < high:
@@ -237,21 +240,13 @@ class Config:
         if self.num_generations < 2:
             raise ValueError(f"--num-generations {self.num_generations}: GRPO needs at least 2 completions "
                              "per prompt to compare; use 2 or more")
-        if not 0.0 < self.epsilon < 1.0:
-            raise ValueError(f"--epsilon {self.epsilon}: the clip range must be in (0, 1); 0.2 is the recipe's")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise ValueError(f"--epsilon-high {self.epsilon_high}: must be above 0 (DAPO uses 0.28)")
-        if self.delta is not None and self.delta <= 1.0 + (self.epsilon_high or self.epsilon):
-            raise ValueError(f"--delta {self.delta}: must exceed 1 + the upper clip range "
-                             f"({1.0 + (self.epsilon_high or self.epsilon):g}); try 3")
-        if self.delta is not None and self.loss_type != "clip":
-            raise ValueError(f"--delta {self.delta} caps the ratio of --loss-type clip; --loss-type {self.loss_type} "
-                             "has no unclipped ratio to cap: drop --delta")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
-            raise ValueError(f"--sapo-tau-pos {self.sapo_tau_pos} / --sapo-tau-neg {self.sapo_tau_neg}: must be "
-                             "above 0 (the paper's are 1.0 and 1.05)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]; 1 switches it off")
+        # The loss's numbers, by the loss's own rules (grpo.loss.options), in the flags' spelling.
+        check_policy_numbers(beta=self.beta, eps_low=self.epsilon, eps_high=self.epsilon_high, delta=self.delta,
+                             policy_loss=self.loss_type, cispo_eps_low=self.cispo_eps_low,
+                             cispo_eps_high=self.cispo_eps_high, sapo_tau_pos=self.sapo_tau_pos,
+                             sapo_tau_neg=self.sapo_tau_neg, spell=spell_flag)
+        check_importance_numbers(cap=self.is_cap, spell=spell_flag)
+        check_sampling_numbers(top_p=self.top_p, min_p=self.min_p, spell=lambda name, value: f"{flag(name)} {value}")
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
                              "completion at once; remove it")
@@ -259,8 +254,6 @@ class Config:
             raise ValueError(f"--max-sampling-rounds {self.max_sampling_rounds}: use 1 or more (3 is usual)")
         if not self.gap_warn >= 0:
             raise ValueError(f"--gap-warn {self.gap_warn}: must be 0 or more (0 shows the gap every step)")
-        if self.is_cap <= 1.0:
-            raise ValueError(f"--is-cap {self.is_cap}: the importance-weight cap must exceed 1; 2 is usual")
         if (self.max_prompt_length is not None and self.max_completion_length is not None
                 and self.max_prompt_length + self.max_completion_length > self.max_seq_length):
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} + --max-completion-length "
@@ -302,30 +295,6 @@ def flag(field_name: str) -> str:
     """The command-line flag of a Config field: learning_rate -> --learning-rate."""
     return "--" + field_name.replace("_", "-")
 
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole or keeps what it held: written beside it, flushed to disk, renamed over it."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-# The recipe's system prompt (grpo.data.SYSTEM_PROMPT, kept in step by a test) and the format shown once, with
-# letters for numbers. With it, the untrained SmolLM2-135M answers in the exact format in about a fifth of its
-# samples, with its own numbers (without it: none of 128; with a numeric example it copies the example).
-QUICKSTART_SYSTEM_PROMPT = (
-    "You are given a problem. Think about it and show your working out.\n"
-    "Place your working out between <start_working_out> and <end_working_out>.\n"
-    "Then give your final answer between <SOLUTION> and </SOLUTION>.\n"
-    'For example, to "What is a plus b?" answer <start_working_out>a + b = c<end_working_out><SOLUTION>c</SOLUTION>'
-)
 
 # Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from grpo.rewards import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START
+from grpo.answer_format import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START, SYSTEM_PROMPT
 
 __all__ = [
     "REASONING_START", "REASONING_END", "SOLUTION_START", "SOLUTION_END", "SYSTEM_PROMPT", "Example",
@@ -34,12 +34,6 @@ __all__ = [
     "dapo_example", "load_jsonl", "chat_prompt",
     "PromptSet", "build_prompts", "batch_columns", "PromptStream",
 ]
-
-SYSTEM_PROMPT = (
-    "You are given a problem. Think about it and show your working out.\n"
-    f"Place your working out between {REASONING_START} and {REASONING_END}.\n"
-    f"Then give your final answer between {SOLUTION_START} and {SOLUTION_END}."
-)
 
 BUILTIN = ("arithmetic", "gsm8k", "dapo")
 

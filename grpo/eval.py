@@ -159,6 +159,7 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
     from rich.console import Console
 
     from grpo import data as grpo_data
+    from grpo.answer_format import SYSTEM_PROMPT
     from grpo.config import Config
     from grpo.export import find_adapter
     from grpo.model import default_device, load_base_model, load_tokenizer
@@ -175,7 +176,7 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
 
         policy = PeftModel.from_pretrained(base, adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    system_prompt = grpo_data.SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+    system_prompt = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
     prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, system_prompt)
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
                           max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,

@@ -1,5 +1,6 @@
 """Loading the policy: a local or cached checkpoint in bf16/fp32, an FP8-Block checkpoint, or a bf16
-checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing.
+checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing. Or, for
+--engine unsloth, Unsloth's loading (`load_unsloth_policy`), which builds its vLLM engine with the model.
 
 Helpers it owns: `grpo/fp8_checkpoint.py` (telling FP8 checkpoints apart, loading FP8-Block ones).
 Not here: the FP8 format and kernels themselves (`grpo/kernels/fp8.py`), and any second copy of the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +153,66 @@ def load_policy(cfg: Config, device: torch.device | None = None):
     tokenizer = load_tokenizer(model_dir)
     policy = add_lora(model, cfg)
     return policy, tokenizer, model_dir
+
+
+def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
+                        lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
+                        seed: int, gpu_memory_utilization: float | None = None,
+                        work_dir: str = "outputs/unsloth",
+                        lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
+    """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
+
+    Loads with `fast_inference=True` (vLLM inside, standby on) and `max_lora_rank`; FP8 as the
+    checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
+    bf16 checkpoint; then adds the same rsLoRA adapter as `load_policy` through
+    `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
+    `gpu_memory_utilization`: vLLM's share of the GPU; None is grpo.rollout.vllm's GPU_MEMORY_UTILIZATION.
+    """
+    from grpo.rollout.vllm import (GPU_MEMORY_UTILIZATION, INSTALL_HINT, UNSLOTH_HINT, UnslothEngine,
+                                   check_fp8_supported, vllm_available, vllm_lora_rank)
+
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = GPU_MEMORY_UTILIZATION
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
+    # A pre-quantized FP8-Block checkpoint brings its own quantization_config, which decides; Unsloth's
+    # load_in_fp8 asks vLLM for per-channel FP8 on top of it, which vLLM refuses. So load_in_fp8 only
+    # ever quantizes a bf16 checkpoint.
+    prequantized = is_fp8_checkpoint(model_name)
+    check_fp8_supported(bool(load_in_fp8) or prequantized)
+    # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
+    # our trainer needs the forward pass to return logits.
+    os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
+    os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
+    try:
+        from unsloth import FastLanguageModel
+    except ImportError as err:
+        raise ImportError(f"{UNSLOTH_HINT} ({err})") from None
+    if not vllm_available():
+        raise ImportError(INSTALL_HINT)
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_name,
+        max_seq_length=max_seq_length,
+        load_in_4bit=False,
+        load_in_fp8=bool(load_in_fp8) and not prequantized,
+        fast_inference=True,
+        max_lora_rank=vllm_lora_rank(lora_rank),
+        gpu_memory_utilization=gpu_memory_utilization,
+        random_state=seed,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=list(target_modules),
+        use_rslora=use_rslora,
+        bias="none",
+        use_gradient_checkpointing=use_gradient_checkpointing,
+        random_state=seed,
+    )
+    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length)
+    return model, tokenizer, engine
 
 
 def model_summary(policy) -> dict:

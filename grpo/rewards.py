@@ -47,10 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-REASONING_START = "<start_working_out>"
-REASONING_END = "<end_working_out>"
-SOLUTION_START = "<SOLUTION>"
-SOLUTION_END = "</SOLUTION>"
+from grpo.answer_format import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START
 
 RewardFn = Callable[..., list]
 

@@ -1,32 +1,27 @@
-"""What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the step
-record and its one-line summary, the progress bar, the clock that charges each phase with its own GPU
-work, peak memory, and the handler of Ctrl-C, SIGTERM and SIGHUP that lets a step finish before the
-run stops.
+"""What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the one-line
+summary of a step's record (the record itself is `grpo.step.StepResult.log_record`), the progress bar,
+the clock that charges each phase with its own GPU work, and peak memory.
 
 metrics.jsonl takes one whole line per record, in one write that is flushed to disk; a line cut short
 (a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file.
 
 What it deliberately is not: a callback system. The loop in `grpo.trainer.run` calls these
-explicitly; nothing here decides what the run does next (a signal only sets a flag the loop reads).
+explicitly; nothing here decides what the run does next. Signals are `grpo.signals`'.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from grpo.config import Config, write_atomically
-from grpo.step import StepResult
+from grpo.config import Config
+from grpo.durable import append_line, write_atomically
 
 
 class MetricsLog:
@@ -62,15 +57,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         """Appends the record as one line, in one write, flushed to disk before returning."""
-        line = (json.dumps(record) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            written = os.write(fd, line)
-            if written != len(line):  # only a full disk cuts a small write short; the next open drops it
-                raise OSError(28, "No space left on device (a metrics line was cut short)", str(self.path))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, (json.dumps(record) + "\n").encode())
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
@@ -107,31 +94,6 @@ def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
     return records, dropped
 
 
-def step_record(step: int, result: StepResult, lr: float, step_time: float, peak_mem_gib: float) -> dict:
-    """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
-    --dynamic-sampling the batch is every completion sampled, kept or dropped."""
-    scores = result.scores
-    total = scores.total  # (N*P*G,)
-    record = {
-        "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
-        **{f"rewards/{name}": float(scores.rewards[:, j].nanmean()) for j, name in enumerate(scores.names)},
-        "accuracy": float(scores.correct.double().mean()), "format": float(scores.formatted.double().mean()),
-        "completion_length": float(scores.lengths.double().mean()),
-        "frac_finished": float(scores.finished.double().mean()),
-        "frac_zero_std": float(result.frac_zero_std),
-        "lr": lr, "grad_norm": result.grad_norm,
-        "skipped": result.skipped, **result.loss_stats,
-        "step_time": step_time, **{f"time/{k}": v for k, v in result.timings.items()},
-        "peak_mem_gib": peak_mem_gib,
-        **result.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
-    }
-    if result.sampling is not None:
-        report = result.sampling
-        record.update({"sampling/rounds": report.rounds, "sampling/prompts": report.prompts,
-                       "sampling/groups_dropped": report.groups_dropped, "sampling/groups_kept": report.groups_kept})
-    return record
-
-
 def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
     """The record in one line of at most 100 columns: the step (of `max_steps`), the reward (mean ± std over
     the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
@@ -157,8 +119,9 @@ def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = m
     return line if not extras else line + "\n  " + " | ".join(extras)
 
 
-def print_completions(console, result: StepResult, groups: int = 2) -> None:
-    """The first completion of this rank's first `groups` prompts, with its answer and reward."""
+def print_completions(console, result, groups: int = 2) -> None:
+    """The first completion of this rank's first `groups` prompts of a step's result (`grpo.step.StepResult`),
+    with its answer and reward."""
     total = result.scores.total  # this rank's rows come first only on rank 0, the one that prints
     for j in range(0, len(result.texts), result.group_size)[:groups]:
         console.print(f"  [dim]answer {result.answers[j]!r} reward {float(total[j]):.2f}:[/] {result.texts[j][:400]!r}")
@@ -232,50 +195,3 @@ def synced_clock(device: torch.device) -> Callable[[], float]:
             torch.cuda.synchronize(device)
         return time.perf_counter()
     return now
-
-
-class Stopped(KeyboardInterrupt):
-    """The run stopped on a signal; a command exits with 128 + `signum` (130 for Ctrl-C, 143 for SIGTERM)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class StopOnSignal:
-    """The first Ctrl-C, SIGTERM or SIGHUP asks the loop to finish the step in flight, save and stop;
-    a second one raises `Stopped` at once.
-
-    Schedulers (Slurm, Kubernetes), `timeout` and a closed terminal send SIGTERM or SIGHUP rather than
-    Ctrl-C's SIGINT; all three mean the same here. Finishing the step keeps a checkpoint exact:
-    resuming from it continues as if never stopped. Only the main thread can own the handlers;
-    elsewhere the signals keep their default behaviour.
-    """
-
-    def __init__(self, console):
-        self.requested = False
-        self.signum: int | None = None  # the first signal
-        self.console = console
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise Stopped(signum)
-        self.requested = True
-        self.signum = signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        try:  # after SIGHUP the terminal may be gone: the message is not worth an error here
-            self.console.print(f"[bold yellow]{name}[/]: finishing this step, then saving (again to stop now)")
-        except OSError:
-            pass
-
-    def restore(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}

@@ -1,11 +1,9 @@
 """One GRPO step, from prompts to an optimizer update: sample, score, advantages, reference and old
 log-probs, mu passes of the clipped surrogate over micro-batches, gradient clipping and the optimizer
-step. Also what the step is made of: the `Batch` of prompt+completion rows, the policy's log-probs of
-its completion tokens, and the optimizer and learning-rate schedule it steps.
-
-With --dynamic-sampling (DAPO's) a step samples in rounds: groups whose rewards all tie are dropped
-and the next prompts of the stream are sampled until N*P informative groups are kept, or the rounds
-run out. Every step also measures the sampler-trainer gap (`SamplerGap`) from the log-probs its loss
+step. What it is made of lives in the rooms below it: sampling, scoring and keeping groups (with
+--dynamic-sampling, in rounds) in `grpo.groups`, the `Batch` of prompt+completion rows and its
+log-probs in `grpo.batch`; the optimizer and schedule it steps are built in `grpo.optim`. Every step
+also measures the sampler-trainer gap (`grpo.loss.importance.SamplerGap`) from the log-probs its loss
 computes anyway.
 
 What it deliberately is not: the run. Counters, logging, evaluation, checkpoints and stopping belong
@@ -25,114 +23,13 @@ from typing import Any
 
 import torch
 
-from grpo import data as grpo_data
-from grpo import rewards as grpo_rewards
+from grpo.batch import Batch, batch_logprobs, make_batch, sequence_logprobs
 from grpo.config import Config
-from grpo.data import Example, PromptSet, PromptStream
+from grpo.data import PromptSet, PromptStream
 from grpo.distributed import World
-from grpo.kernels.logprobs import token_logprobs
-from grpo.loss import STAT_KEYS, clipped_surrogate, group_advantages, importance_weights
-from grpo.loss.importance import clipped_by_correction
-from grpo.rollout import Engine, Rollout, Sampling
-
-
-# --------------------------------------------------------------------------------------------------
-# Log-probabilities of the completion tokens under the policy
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class Batch:
-    """Prompt+completion rows, right-padded, on the device. Completion token t of row i sits at
-    position start[i] + t, and is predicted by the hidden state at start[i] + t - 1.
-
-    No attention mask: every row starts at position 0 and its padding comes after its last token, so
-    causal attention alone keeps padding out of every token that counts (see `sequence_logprobs`)."""
-
-    input_ids: torch.Tensor  # (B, L)
-    start: torch.Tensor  # (B,) prompt lengths
-    completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) bool
-    sampler_logp: torch.Tensor  # (B, T)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def rows(self, sl: slice) -> "Batch":
-        return Batch(*(t[sl] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
-                                       self.sampler_logp)))
-
-
-def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
-    rows = [p for p in rollout.prompt_ids for _ in range(rollout.n)]
-    B, T = rollout.completion_ids.shape
-    width = max((len(p) for p in rows), default=0) + T
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    for i, p in enumerate(rows):
-        input_ids[i, :len(p)] = torch.tensor(p)
-        input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
-    start = torch.tensor([len(p) for p in rows])
-    parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
-    return Batch(*(t.to(device) for t in parts))
-
-
-def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
-    """(B, T) log-probs of the completion tokens at `temperature`; 0 where mask is False.
-
-    Runs the decoder to its final hidden states and hands only the masked completion positions to the
-    fused `token_logprobs`, so a (tokens, vocab) logits tensor never exists whole.
-
-    The forward is causal with no padding mask: a counted token sees only the tokens before it in its own
-    row, none of them padding, so a mask would change no value that is read. Passing one is what broke:
-    with a mask, scaled_dot_product_attention took cuDNN's kernel on the H200, whose backward returned
-    NaN for every row that had padding (step 3 of the Qwen preset, skipped every run). Without one, attention
-    is plain causal (60 steps of the preset skipped none); the padded positions' outputs are read by nothing.
-    """
-    base = policy.get_base_model()
-    hidden = base.model(input_ids=batch.input_ids, use_cache=False).last_hidden_state
-    T = batch.completion_ids.shape[1]
-    positions = batch.start[:, None] - 1 + torch.arange(T, device=hidden.device)  # (B, T)
-    positions = positions.clamp(max=hidden.shape[1] - 1)
-    h = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-    lm_head = base.get_output_embeddings().weight
-    logp = token_logprobs(h[batch.mask], lm_head, batch.completion_ids[batch.mask], temperature)
-    return torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(batch.mask, logp)
-
-
-def batch_logprobs(policy, batch: Batch, slices: list[slice], temperature: float) -> torch.Tensor:
-    """(B, T) `sequence_logprobs` of the whole batch, micro-batch by micro-batch; B may be 0."""
-    if not slices:
-        return batch.sampler_logp.new_zeros(batch.mask.shape)
-    return torch.cat([sequence_logprobs(policy, batch.rows(sl), temperature) for sl in slices])
-
-
-# --------------------------------------------------------------------------------------------------
-# Optimizer and schedule
-# --------------------------------------------------------------------------------------------------
-def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    kwargs = dict(lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2))
-    if cfg.optim == "adamw_8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ImportError("--optim adamw_8bit needs bitsandbytes: pip install bitsandbytes "
-                              "(or use --optim adamw_torch)") from None
-        return bnb.optim.AdamW8bit(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = int(math.ceil(cfg.warmup_ratio * cfg.max_steps))
-
-    def factor(step: int) -> float:  # step counts finished optimizer steps
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, cfg.max_steps - warmup)
-        if cfg.lr_scheduler == "linear":
-            return max(0.0, 1.0 - progress)
-        if cfg.lr_scheduler == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+from grpo.groups import SamplingReport, Scores, sample_groups
+from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
+from grpo.rollout import Engine, Sampling
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +49,7 @@ class StepSetup:
     engine: Engine
     keep_engine: bool  # --engine-standby: the engine keeps its memory between steps (no release_memory)
     sampling: Sampling  # the run's sampling; each step seeds its own copy
+    max_completion: int  # completion tokens at most (sampling.max_new_tokens): the constant norm's max_len
     prompts: PromptSet
     stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
     reward_funcs: list[Callable]
@@ -169,37 +67,9 @@ class InFlight:
     updated: bool = False
 
 
-@dataclass(frozen=True)
-class SamplingReport:
-    """What --dynamic-sampling did in one step, counted over all ranks."""
-
-    rounds: int  # sampling rounds, each of N*P prompts
-    prompts: int  # prompts taken from the stream: rounds * N * P
-    groups_dropped: int  # groups whose rewards all tied
-    groups_kept: int  # informative groups the step trained on, at most N*P; 0: no update
-
-
-@dataclass
-class Scores:
-    """Every rank's completions of the step, scored, in rank order (the order of a one-process run);
-    with several sampling rounds, each rank's rows of every round before the next rank's."""
-
-    rewards: torch.Tensor  # (N*P*G, R) one column per reward function; NaN where one returned None
-    names: list[str]  # the R reward functions
-    correct: torch.Tensor  # (N*P*G, 1) the answer is right
-    formatted: torch.Tensor  # (N*P*G, 1) the exact format
-    lengths: torch.Tensor  # (N*P*G, 1) completion tokens
-    finished: torch.Tensor  # (N*P*G, 1) stopped by EOS or a stop string, not by length
-
-    @property
-    def total(self) -> torch.Tensor:  # (N*P*G,)
-        """One reward per completion; a function that returned None ("does not apply") adds nothing."""
-        return self.rewards.nansum(-1)
-
-
 @dataclass
 class StepResult:
-    """What one step did, for the log; the counters are the loop's."""
+    """What one step did, and its line of the log (`log_record`); the counters are the loop's."""
 
     scores: Scores
     texts: list[str]  # this rank's P*G completions (of every sampling round)
@@ -212,6 +82,31 @@ class StepResult:
     timings: dict[str, float]  # seconds per phase
     sampling: SamplingReport | None = None  # what --dynamic-sampling did; None without it
     gap: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler-trainer gap; {} if not trained
+
+    def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float) -> dict:
+        """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
+        --dynamic-sampling the batch is every completion sampled, kept or dropped."""
+        scores = self.scores
+        total = scores.total  # (N*P*G,)
+        record = {
+            "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
+            **{f"rewards/{name}": float(scores.rewards[:, j].nanmean()) for j, name in enumerate(scores.names)},
+            "accuracy": float(scores.correct.double().mean()), "format": float(scores.formatted.double().mean()),
+            "completion_length": float(scores.lengths.double().mean()),
+            "frac_finished": float(scores.finished.double().mean()),
+            "frac_zero_std": float(self.frac_zero_std),
+            "lr": lr, "grad_norm": self.grad_norm,
+            "skipped": self.skipped, **self.loss_stats,
+            "step_time": step_time, **{f"time/{k}": v for k, v in self.timings.items()},
+            "peak_mem_gib": peak_mem_gib,
+            **self.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
+        }
+        if self.sampling is not None:
+            report = self.sampling
+            record.update({"sampling/rounds": report.rounds, "sampling/prompts": report.prompts,
+                           "sampling/groups_dropped": report.groups_dropped,
+                           "sampling/groups_kept": report.groups_kept})
+        return record
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,159 +145,6 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
                                skipped=update.skipped, gap=update.gap,
                                timings={**groups.timings, **logp_times, "train": update.train_s,
                                         "optimizer": update.optimizer_s})
-
-
-@dataclass
-class SampledGroups:
-    """The step's sampled and scored groups: all of them, for the log, and those it trains on."""
-
-    scores: Scores  # every round's rows of every rank
-    texts: list[str]  # this rank's completions of every round
-    answers: list[str]  # their reference answers
-    frac_zero_std: float  # of all sampled groups, the fraction whose rewards all tie
-    rollout: Rollout  # this rank's kept groups (all it sampled without --dynamic-sampling)
-    kept_rewards: torch.Tensor  # (K*G,) total rewards of every rank's kept groups, rank after rank
-    rank_rows: slice  # this rank's rows of kept_rewards, in the order of `rollout`
-    report: SamplingReport | None  # None without --dynamic-sampling
-    timings: dict[str, float]
-
-
-def sample_groups(s: StepSetup, step: int, G: int) -> SampledGroups:
-    """Sampling rounds of N*P prompts (this rank's P), each scored; one round without --dynamic-sampling.
-
-    With it, a round whose kept groups bring the step's informative groups (over all ranks) to N*P, or the
-    last of --max-sampling-rounds, ends the sampling. Which groups are informative is read from the
-    gathered rewards, so every rank runs the same rounds and keeps the same groups: the first N*P in the
-    order they were drawn (round by round, rank by rank, as a one-process run would draw them). A rank
-    may so keep more groups than another, or none.
-    """
-    cfg, world = s.cfg, s.world
-    target = world.size * cfg.prompts_per_step
-    max_rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
-    rollouts: list[Rollout] = []  # this rank's, one per round
-    texts: list[str] = []
-    answers: list[str] = []
-    scores: list[Scores] = []  # every rank's, one per round
-    differ: list[torch.Tensor] = []  # (N*P,) bool per round: the group's rewards are not all equal
-    timings: dict[str, float] = {}
-    while True:
-        examples, rollout, times = sample(s, step, G, len(rollouts))
-        round_texts, round_answers, round_scores = score(s, examples, rollout, G)
-        rollouts.append(rollout)
-        texts += round_texts
-        answers += round_answers
-        scores.append(round_scores)
-        differ.append(rewards_differ(round_scores.total, G))
-        for k, v in times.items():
-            timings[k] = timings.get(k, 0.0) + v
-        if len(rollouts) == max_rounds or int(torch.stack(differ).sum()) >= target:
-            break
-    t = s.clock()
-    if not s.keep_engine:
-        s.engine.release_memory()
-    timings["generate"] += s.clock() - t
-
-    rounds = len(rollouts)
-    informative = torch.stack(differ).view(rounds, world.size, -1)  # (rounds, N, P)
-    keep = first_informative(informative, target) if cfg.dynamic_sampling else torch.ones_like(informative)
-    totals = torch.stack([sc.total.view(world.size, -1, G) for sc in scores], dim=1)  # (N, rounds, P, G)
-    kept_per_rank = keep.sum(dim=(0, 2))  # (N,)
-    first_row = int(kept_per_rank[:world.rank].sum()) * G
-    report = None
-    if cfg.dynamic_sampling:
-        report = SamplingReport(rounds=rounds, prompts=rounds * target, groups_dropped=int((~informative).sum()),
-                                groups_kept=int(keep.sum()))
-    return SampledGroups(
-        scores=scores_by_rank(scores, world.size), texts=texts, answers=answers,
-        frac_zero_std=float((~informative).float().mean()),
-        rollout=join_groups(rollouts, keep[:, world.rank], s.tokenizer.pad_token_id),
-        kept_rewards=totals[keep.transpose(0, 1)].reshape(-1),  # rank after rank, each round after round
-        rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * G),
-        report=report, timings=timings)
-
-
-def sample(s: StepSetup, step: int, G: int, sampling_round: int = 0
-           ) -> tuple[list[Example], Rollout, dict[str, float]]:
-    """This rank's P prompts of the step's sampling round, G completions of each, and the seconds it
-    took (with the engine's own phases as generate/*). The sampling seed is the step's, the rank's and
-    the round's."""
-    cfg, world = s.cfg, s.world
-    P = cfg.prompts_per_step
-    idx = s.stream.next()[world.rank * P:(world.rank + 1) * P]
-    examples = [s.prompts.examples[i] for i in idx]
-    t = s.clock()
-    seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank + 15_485_863 * sampling_round
-    rollout = s.engine.generate([s.prompts.prompt_ids[i] for i in idx], G, dataclasses.replace(s.sampling, seed=seed))
-    assert rollout.n == G, f"the engine returned groups of {rollout.n} completions; asked for {G}"
-    times = {"generate": s.clock() - t}
-    times.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
-    return examples, rollout, times
-
-
-def score(s: StepSetup, examples: list[Example], rollout: Rollout, G: int) -> tuple[list[str], list[str], Scores]:
-    """This rank's completion texts and answers, and every rank's rows scored: one column per reward
-    function. Advantages need only this rank's groups, but scale_rewards="batch" and the log use all."""
-    texts = s.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
-    answers = [ex.answer for ex in examples for _ in range(G)]
-    columns = grpo_data.batch_columns(examples, repeat=G)
-    rewards, names = grpo_rewards.score(texts, answers, s.reward_funcs, columns)  # (P*G, R)
-    judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
-    table = s.world.gather_rows(torch.cat([rewards, torch.tensor(judged, dtype=rewards.dtype),
-                                           rollout.lengths[:, None].to("cpu", rewards.dtype),
-                                           rollout.finished[:, None].to("cpu", rewards.dtype)], dim=1))
-    all_rewards, correct, formatted, lengths, finished = table.split([len(names), 1, 1, 1, 1], dim=1)
-    return texts, answers, Scores(all_rewards, names, correct, formatted, lengths, finished)
-
-
-# --------------------------------------------------------------------------------------------------
-# Dynamic sampling: which groups a step keeps, and the rows that hold them
-# --------------------------------------------------------------------------------------------------
-def rewards_differ(total: torch.Tensor, G: int) -> torch.Tensor:
-    """(groups,) bool from (groups*G,) rewards: True where a group's rewards are not all equal, exactly
-    as `group_advantages` tells a group with no signal (max == min)."""
-    r = total.view(-1, G)
-    return r.amax(-1) != r.amin(-1)
-
-
-def first_informative(informative: torch.Tensor, target: int) -> torch.Tensor:
-    """(rounds, N, P) bool -> the same shape, True at the first `target` informative groups in the order
-    they were drawn (round by round, rank by rank, group by group): DAPO fills its batch and stops."""
-    flat = informative.reshape(-1)
-    return (flat & (flat.cumsum(0) <= target)).view_as(informative)
-
-
-def join_groups(rollouts: list[Rollout], keep: torch.Tensor, pad_id: int) -> Rollout:
-    """One Rollout of the groups that `keep` (rounds, P) marks, round after round; completions padded
-    to the longest. Without any kept group: a Rollout of no rows."""
-    G = rollouts[0].n
-    T = max(r.completion_ids.shape[1] for r in rollouts)
-    prompt_ids, ids, mask, sampler_logp, finished = [], [], [], [], []
-    for rollout, kept in zip(rollouts, keep):
-        groups = kept.nonzero().flatten().tolist()
-        rows = torch.tensor([g * G + k for g in groups for k in range(G)], dtype=torch.long)
-        prompt_ids += [rollout.prompt_ids[g] for g in groups]
-        ids.append(right_pad(rollout.completion_ids[rows], T, pad_id))
-        mask.append(right_pad(rollout.mask[rows], T, False))
-        sampler_logp.append(right_pad(rollout.sampler_logp[rows], T, 0.0))
-        finished.append(rollout.finished[rows])
-    return Rollout(prompt_ids=prompt_ids, completion_ids=torch.cat(ids), mask=torch.cat(mask),
-                   sampler_logp=torch.cat(sampler_logp), finished=torch.cat(finished), n=G)
-
-
-def right_pad(t: torch.Tensor, T: int, fill) -> torch.Tensor:
-    """(B, t) -> (B, T), the new columns set to `fill`."""
-    out = torch.full((t.shape[0], T), fill, dtype=t.dtype, device=t.device)
-    out[:, :t.shape[1]] = t
-    return out
-
-
-def scores_by_rank(rounds: list[Scores], n_ranks: int) -> Scores:
-    """The scores of several rounds as one: each rank's rows of every round, rank after rank (so rank 0's
-    own rows come first, as `print_completions` expects)."""
-    columns = [torch.cat([r.rewards, r.correct, r.formatted, r.lengths, r.finished], dim=1) for r in rounds]
-    table = torch.cat([c.view(n_ranks, -1, c.shape[-1]) for c in columns], dim=1).reshape(-1, columns[0].shape[-1])
-    rewards, correct, formatted, lengths, finished = table.split([len(rounds[0].names), 1, 1, 1, 1], dim=1)
-    return Scores(rewards, rounds[0].names, correct, formatted, lengths, finished)
 
 
 def reference_and_old_logprobs(s: StepSetup, batch: Batch, slices: list[slice]
@@ -451,7 +193,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     # When the sampler's numerics are not ours, weight each token by pi_trainer/pi_sampler.
     correct_sampler = s.engine.needs_importance_correction and cfg.is_correction != "none"
     agg: dict[str, float] = {}
-    gap = SamplerGap()
+    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
     nonfinite = False
     grad_norm = None
     for n_pass in range(cfg.num_iterations):
@@ -462,7 +204,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
             logp = sequence_logprobs(policy, mb, cfg.temperature)
             mb_old = old_logp[sl] if old_logp is not None else logp.detach()
             if n_pass == 0:  # the policy before this step's update: what the sampler sampled from
-                gap.add(mb_old, mb.sampler_logp, mb.mask, cfg)
+                gap.add(mb_old, mb.sampler_logp, mb.mask)
             is_w = None
             if correct_sampler:
                 is_w, _ = importance_weights(mb_old, mb.sampler_logp, mb.mask, level=cfg.is_level,
@@ -470,7 +212,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
             loss, stats = clipped_surrogate(
                 logp, mb_old, adv[sl], mb.mask, ref_logp=None if ref_logp is None else ref_logp[sl],
                 beta=cfg.beta, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, delta=cfg.delta,
-                ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=s.sampling.max_new_tokens,
+                ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=s.max_completion,
                 is_weights=is_w, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
                 cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high,
                 sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg)
@@ -523,40 +265,3 @@ def accumulate_stats(agg: dict[str, float], stats: dict[str, torch.Tensor], shar
             agg[k] = max(agg.get(k, -math.inf), float(v))
         else:
             agg[k] = agg.get(k, 0.0) + float(v) * share / passes
-
-
-class SamplerGap:
-    """The sampler-trainer gap of one step: how far the sampler's log-prob of each sampled token
-    (`Rollout.sampler_logp`) is from the trainer's, before the step updates the policy.
-
-    Fed the log-probs the loss computes anyway (the first pass's, or old_logp with mu > 1), micro-batch
-    by micro-batch: no extra forward pass. Reports, over the counted tokens of all ranks:
-    `gap/logp_abs_mean` and `gap/logp_abs_max` of |log pi_train - log pi_sampler|, and `gap/is_clipped_frac`,
-    the fraction of tokens whose importance weight --is-correction with --is-cap and --is-level would
-    truncate or mask (by `clipped_by_correction`, the rule of `importance_weights`), whether or not the
-    engine asks for the correction.
-    """
-
-    def __init__(self) -> None:
-        self.abs_sum = self.abs_max = self.clipped = self.tokens = 0.0
-
-    def add(self, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cfg: Config) -> None:
-        """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask."""
-        diff = (logp.detach().double() - sampler_logp.double()).abs()[mask]  # (tokens,) a bf16 gap would round
-        clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, level=cfg.is_level,
-                                        mode=cfg.is_correction, cap=cfg.is_cap)
-        self.abs_sum += float(diff.sum())
-        if diff.numel():
-            top = float(diff.max())
-            if math.isnan(top) or top > self.abs_max:  # a NaN stays: it says more than any number would
-                self.abs_max = top
-        self.clipped += float(clipped.sum())
-        self.tokens += diff.numel()
-
-    def over_ranks(self, world: World) -> dict[str, float]:
-        """The gap over every rank's tokens; a collective: every rank calls it."""
-        total = world.reduce_stats({"abs_sum": self.abs_sum, "clipped": self.clipped, "tokens": self.tokens,
-                                    "abs_max": self.abs_max})  # keys ending in _max take the max
-        tokens = max(total["tokens"], 1.0)
-        return {"gap/logp_abs_mean": total["abs_sum"] / tokens, "gap/logp_abs_max": total["abs_max"],
-                "gap/is_clipped_frac": total["clipped"] / tokens}

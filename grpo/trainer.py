@@ -1,11 +1,14 @@
 """The GRPO run: setup, then the explicit loop, top to bottom; checkpoint and resume.
 
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
-`run()` from its first line to its last to know what a run does; each phase it calls lives in its own
-room: one GRPO step in `grpo.step` (sample, score, advantages, loss passes, optimizer), checkpoints in
-`grpo.checkpoint`, metrics, progress, clocks and signals in `grpo.runlog`, held-out accuracy in
-`grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler is any `Engine`, and what the loop
-must know of it the engine says itself; the model is the PeftModel that `grpo.model` loads.
+`run()` from its first line to its last to know what a run does: its setup as named steps (the folder
+and seeds, model-data-sampler, optimizer, start or resume, the banner), then the loop, then recovery.
+Each phase it calls lives in its own room: one GRPO step in `grpo.step` (sample, score and keep in
+`grpo.groups`, the batch's log-probs in `grpo.batch`), the optimizer and schedule in `grpo.optim`,
+checkpoints in `grpo.checkpoint`, metrics, progress and clocks in `grpo.runlog`, signals in
+`grpo.signals`, held-out accuracy in `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler
+is any `Engine`, and what the loop must know of it the engine says itself; the model is the PeftModel
+that `grpo.model` loads.
 
 Every stop saves. The output folder is claimed before anything is written (one run per folder). A
 first Ctrl-C, SIGTERM or SIGHUP finishes the step in flight and saves it; a second one, or any error,
@@ -24,12 +27,16 @@ from __future__ import annotations
 import random
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
+from grpo.answer_format import SYSTEM_PROMPT
 from grpo.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
                              new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
                              save_from_every_rank, schedule_note)
@@ -37,12 +44,15 @@ from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
-from grpo.model import default_device, load_policy, model_summary
-from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
+from grpo.model import default_device, load_policy, load_unsloth_policy, model_summary
+from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
+                          unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
-                         reset_peak_memory, step_line, step_record, synced_clock)
-from grpo.step import InFlight, StepSetup, grpo_step, make_optimizer, make_scheduler
+from grpo.runlog import (MetricsLog, ProgressBar, peak_memory_gib, print_completions, reset_peak_memory, step_line,
+                         synced_clock)
+from grpo.signals import StopOnSignal, Stopped
+from grpo.optim import make_optimizer, make_scheduler
+from grpo.step import InFlight, StepSetup, grpo_step
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
 
@@ -67,77 +77,34 @@ def run(cfg: Config, world: World) -> Path:
 
     console = Console(quiet=not world.is_main)  # rank 0 prints for all
     out = Path(cfg.output_dir)
-    moved = claim_output_dir(cfg, world)  # one run per folder: refused before anything is written
-    if moved is not None:
-        console.print(f"--overwrite: the previous run in {out} is now in {moved}")
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = default_device()
-    if device.type == "cpu" and cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
-
-    # Model, data, rewards, engine.
-    engine_name = resolve_engine_name(cfg.engine)
-    vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
-    policy, tokenizer, model_dir, engine = load_model(cfg, device, vllm_dir)
-    prompts, eval_prompts, max_completion = load_prompt_sets(cfg, tokenizer)
-    eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
-    longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
-    reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
-    if engine is None:
-        engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
-                              max_seq_len=longest_prompt + max_completion,
-                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
-                              model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
-                              work_dir=str(vllm_dir))
-    keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
-    stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
-    sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
-                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
-                        stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
-
-    # Optimizer over the adapters only; the schedule counts optimizer steps.
-    params = [p for p in policy.parameters() if p.requires_grad]
-    world.broadcast_(params)  # every rank starts from rank 0's adapters
-    if world.rank > 0:  # ... and from here draws its own dropout masks (sampling is seeded per step and rank)
-        torch.manual_seed(cfg.seed + world.rank)
-    optimizer = make_optimizer(cfg, params)
-    scheduler = make_scheduler(cfg, optimizer)
+    # Setup, step by step: the run's folder and seeds; model, data, rewards and sampler; the optimizer and
+    # schedule over the adapters; where the run starts (a checkpoint's state with --resume).
+    device = claim_and_seed(cfg, world, out, console)
+    loaded = load_model_data_and_sampler(cfg, world, device, out)
+    params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, loaded.policy)
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
-    stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
-    parts = Resumable(policy, optimizer, scheduler, stream)
-    state = RunState(world_size=world.size, run_id=world.gather_objects(new_run_id())[0])
-    saved: Path | None = None  # the checkpoint that holds the run as it stands, if any
-    if cfg.resume:
-        saved, state, notes = resume_checkpoint(cfg.resume, out, parts, world)
-        for note in [*notes, schedule_note(saved, cfg)]:
-            if note:
-                console.print(f"[yellow]{note}[/]")
-        console.print(f"[bold]resumed[/] from {saved} at step {state.step}")
-    summary = model_summary(policy)
-    ranks = f" x {world.size} ranks" if world.size > 1 else ""
-    kept = " (kept between steps)" if keep_engine else ""
-    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {engine_name}{kept} | {len(prompts)} prompts "
-                  f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
-                  f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
-                  f"{summary['total_params']:,} | completions up to {max_completion} tokens")
-    setup = StepSetup(cfg=cfg, world=world, device=device, policy=policy, params=params, optimizer=optimizer,
-                      tokenizer=tokenizer, engine=engine, keep_engine=keep_engine, sampling=sampling, prompts=prompts,
-                      stream=stream, reward_funcs=reward_funcs, clock=synced_clock(device))
+    stream = grpo_data.PromptStream(len(loaded.prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
+    parts = Resumable(loaded.policy, optimizer, scheduler, stream)
+    state, saved = start_or_resume(cfg, world, out, parts, console)  # saved: the checkpoint that holds the state
+    print_banner(console, cfg, world, device, loaded)
+    setup = StepSetup(cfg=cfg, world=world, device=device, policy=loaded.policy, params=params, optimizer=optimizer,
+                      tokenizer=loaded.tokenizer, engine=loaded.engine, keep_engine=loaded.keep_engine,
+                      sampling=loaded.sampling, max_completion=loaded.max_completion, prompts=loaded.prompts,
+                      stream=stream, reward_funcs=loaded.reward_funcs, clock=synced_clock(device))
 
     # The loop. Opened here, closed in the `finally`: the log, the progress bar, the signal handlers.
     log = MetricsLog(out, cfg, state.step) if world.is_main else None
     if log is not None and log.note:
         console.print(f"[yellow]{log.note}[/]")
     progress = ProgressBar(console, cfg.max_steps, state.step)
-    engine.progress = progress.generation  # tokens generated, shown while the engine samples (if it reports them)
+    loaded.engine.progress = progress.generation  # tokens generated, shown while the engine samples (if it says)
     stop: StopOnSignal | None = None
     in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
     stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
     try:
         progress.start()
         if state.step == 0 and cfg.eval_size > 0:
-            held_out_eval(setup, eval_prompts, 0, console, log, progress)
+            held_out_eval(setup, loaded.eval_prompts, 0, console, log, progress)
         stop = StopOnSignal(console)
         while state.step < cfg.max_steps:
             t_step = time.perf_counter()
@@ -160,8 +127,8 @@ def run(cfg: Config, world: World) -> Path:
                                             "(try a lower --learning-rate)")
 
             # Log: the batch of all ranks; time and memory are this rank's.
-            record = step_record(state.step, result, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
-                                 peak_memory_gib(device))
+            record = result.log_record(state.step, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
+                                       peak_memory_gib(device))
             if world.is_main:
                 log.write(record)
             line = step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn)
@@ -175,7 +142,7 @@ def run(cfg: Config, world: World) -> Path:
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < cfg.max_steps:
                 saved = save_from_every_rank(out, state, parts, cfg, world)
             if cfg.eval_steps and state.step % cfg.eval_steps == 0 and state.step < cfg.max_steps:
-                held_out_eval(setup, eval_prompts, state.step, console, log, progress)
+                held_out_eval(setup, loaded.eval_prompts, state.step, console, log, progress)
             if world.sum(torch.tensor(float(stop.requested))) > 0:  # all ranks stop after the same step
                 stopped = True
                 break
@@ -187,13 +154,13 @@ def run(cfg: Config, world: World) -> Path:
             saved = save_from_every_rank(out, state, parts, cfg, world)
         if stopped:  # said where it saved in the `except` below
             raise Stopped(stop.signum or signal.SIGINT)
-        if eval_prompts is not None:
+        if loaded.eval_prompts is not None:
             progress.start()  # again, for the final evaluation
-        held_out_eval(setup, eval_prompts, state.step, console, log, progress)
+        held_out_eval(setup, loaded.eval_prompts, state.step, console, log, progress)
         progress.stop()
         final = out / "adapter"
         if world.is_main:
-            save_adapter(policy, final)
+            save_adapter(loaded.policy, final)
     except KeyboardInterrupt:  # a second signal (or Ctrl-C outside the loop): keep what is consistent
         if world.is_main:  # saved first: after SIGHUP even printing may fail
             where = save_consistent_state(out, cfg, state, parts, in_flight, saved)
@@ -227,13 +194,104 @@ def run(cfg: Config, world: World) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Setup
 # --------------------------------------------------------------------------------------------------
+def claim_and_seed(cfg: Config, world: World, out: Path, console) -> torch.device:
+    """Claims the output folder (one run per folder: refused before anything is written), seeds Python's
+    and torch's RNGs, and returns the device (with --cpu-threads on CPU)."""
+    moved = claim_output_dir(cfg, world)
+    if moved is not None:
+        console.print(f"--overwrite: the previous run in {out} is now in {moved}")
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = default_device()
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    return device
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the run loaded before it trains: the model, its data and rewards, and the sampler."""
+
+    engine_name: str  # --engine resolved (auto -> native or hf)
+    policy: Any  # the PeftModel being trained
+    tokenizer: Any
+    engine: Engine
+    keep_engine: bool  # --engine-standby: the engine keeps its memory between steps
+    sampling: Sampling
+    max_completion: int  # completion tokens at most, resolved once: the sampler's budget, the constant norm's
+    prompts: grpo_data.PromptSet
+    eval_prompts: grpo_data.PromptSet | None
+    reward_funcs: list[Callable]
+
+
+def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device, out: Path) -> Loaded:
+    """The policy and tokenizer, the training and held-out prompts, the reward functions, the engine
+    (sized for the longest prompt of either set) and the run's sampling."""
+    engine_name = resolve_engine_name(cfg.engine)
+    vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
+    policy, tokenizer, model_dir, engine = load_model(cfg, device, vllm_dir)
+    prompts, eval_prompts, max_completion = load_prompt_sets(cfg, tokenizer)
+    eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
+    longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
+    reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
+    if engine is None:
+        vllm = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
+                           work_dir=str(vllm_dir))
+        engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
+                              max_seq_len=longest_prompt + max_completion,
+                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm, vllm=vllm)
+    keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
+    stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
+    sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
+                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
+                        stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
+    return Loaded(engine_name, policy, tokenizer, engine, keep_engine, sampling, max_completion, prompts,
+                  eval_prompts, reward_funcs)
+
+
+def make_optimizer_over_adapters(cfg: Config, world: World, policy
+                                 ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, Any]:
+    """(the adapters, the optimizer over them only, the schedule counting optimizer steps). Every rank
+    starts from rank 0's adapters."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    world.broadcast_(params)
+    if world.rank > 0:  # ... and from here draws its own dropout masks (sampling is seeded per step and rank)
+        torch.manual_seed(cfg.seed + world.rank)
+    optimizer = make_optimizer(cfg, params)
+    return params, optimizer, make_scheduler(cfg, optimizer)
+
+
+def start_or_resume(cfg: Config, world: World, out: Path, parts: Resumable, console) -> tuple[RunState, Path | None]:
+    """(the run's state, the checkpoint that holds it): a new run's, or with --resume the checkpoint's,
+    loaded into `parts`, with its notes printed."""
+    state = RunState(world_size=world.size, run_id=world.gather_objects(new_run_id())[0])
+    if not cfg.resume:
+        return state, None
+    saved, state, notes = resume_checkpoint(cfg.resume, out, parts, world)
+    for note in [*notes, schedule_note(saved, cfg)]:
+        if note:
+            console.print(f"[yellow]{note}[/]")
+    console.print(f"[bold]resumed[/] from {saved} at step {state.step}")
+    return state, saved
+
+
+def print_banner(console, cfg: Config, world: World, device: torch.device, loaded: Loaded) -> None:
+    """One line: the model, device, engine, prompts, P x ranks and G, trainable parameters, completion budget."""
+    summary = model_summary(loaded.policy)
+    prompts = loaded.prompts
+    ranks = f" x {world.size} ranks" if world.size > 1 else ""
+    kept = " (kept between steps)" if loaded.keep_engine else ""
+    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{kept} | {len(prompts)} prompts "
+                  f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
+                  f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
+                  f"{summary['total_params']:,} | completions up to {loaded.max_completion} tokens")
+
+
 def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
     """(policy, tokenizer, model_dir, engine). When Unsloth loads the model, it builds its vLLM engine
     with it (sampling and training share the base weights) and model_dir is None; otherwise engine is
     None and model_dir is the base checkpoint's folder."""
     if unsloth_loads_the_model(cfg.engine):
-        from grpo.rollout.vllm import load_unsloth_policy
-
         policy, tokenizer, engine = load_unsloth_policy(
             cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
@@ -249,7 +307,7 @@ def load_prompt_sets(cfg: Config, tokenizer) -> tuple[grpo_data.PromptSet, grpo_
     examples = grpo_data.load_examples(cfg.dataset, split="train", seed=cfg.seed)
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
-    system_prompt = grpo_data.SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
+    system_prompt = SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt)
     max_completion = (cfg.max_completion_length if cfg.max_completion_length is not None
                       else cfg.max_seq_length - prompts.max_prompt_length)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.rollout import Rollout
-from grpo.step import make_batch, sequence_logprobs
+from grpo.batch import make_batch, sequence_logprobs
 
 PAD = 4
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [99, 100, 101]]  # lengths 5, 2, 3

@@ -15,7 +15,7 @@ from grpo.config import Config
 from grpo.data import PromptStream
 from grpo.distributed import World
 from grpo.model import add_lora
-from grpo.step import make_optimizer, make_scheduler
+from grpo.optim import make_optimizer, make_scheduler
 
 
 def _parts(seed: int = 0) -> Resumable:

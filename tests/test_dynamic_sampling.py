@@ -19,14 +19,15 @@ import pytest
 import torch
 
 from conftest import char_tokenizer
+from grpo.batch import make_batch, sequence_logprobs
 from grpo.config import Config
 from grpo.data import Example, PromptStream, build_prompts
 from grpo.distributed import World
 from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
-from grpo.runlog import step_line, step_record
-from grpo.step import (InFlight, SamplingReport, StepSetup, first_informative, join_groups, make_batch,
-                       sample_groups, sequence_logprobs, update_policy)
+from grpo.runlog import step_line
+from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
+from grpo.step import InFlight, StepSetup, update_policy
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
 
 
@@ -66,7 +67,8 @@ def sampling_setup(pattern: str, *, P: int, dynamic: bool, rounds: int, G: int =
                  max_sampling_rounds=rounds, max_completion_length=6, seed=seed)
     return StepSetup(cfg=cfg, world=World(), device=torch.device("cpu"), policy=None, params=[], optimizer=None,
                      tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id), keep_engine=False,
-                     sampling=Sampling(max_new_tokens=6), prompts=prompts, stream=PromptStream(len(prompts), P, seed),
+                     sampling=Sampling(max_new_tokens=6), max_completion=6, prompts=prompts,
+                     stream=PromptStream(len(prompts), P, seed),
                      reward_funcs=[tie_or_hash], clock=time.perf_counter)
 
 
@@ -159,7 +161,7 @@ def test_a_step_without_an_informative_group_is_logged_as_not_trained():
 
     result = grpo_step(s, 0, InFlight(stream_at_start=s.stream.state_dict()))  # no policy: it must not train
     assert result.sampling.groups_kept == 0 and not result.skipped and result.grad_norm is None
-    record = step_record(1, result, lr=1e-3, step_time=1.0, peak_mem_gib=0.0)
+    record = result.log_record(1, lr=1e-3, step_time=1.0, peak_mem_gib=0.0)
     assert record["sampling/rounds"] == 3 and record["sampling/groups_dropped"] == 6 and "loss" not in record
     assert "no informative group, not trained" in step_line(record)
 
@@ -201,7 +203,8 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
         optimizer = _KeepGrads(params)
         s = StepSetup(cfg=cfg, world=World(), device=torch.device("cpu"), policy=policy, params=params,
                       optimizer=optimizer, tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id),
-                      keep_engine=True, sampling=sampling, prompts=None, stream=None, reward_funcs=[],
+                      keep_engine=True, sampling=sampling, max_completion=sampling.max_new_tokens, prompts=None,
+                      stream=None, reward_funcs=[],
                       clock=time.perf_counter)
         update_policy(s, batch, [slice(0, 4), slice(4, 6)], adv, None, None, InFlight(stream_at_start={}))
         policy.zero_grad(set_to_none=True)

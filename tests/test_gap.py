@@ -12,9 +12,8 @@ import torch
 
 from grpo.config import Config
 from grpo.distributed import World
-from grpo.loss.importance import clipped_by_correction, importance_weights
+from grpo.loss.importance import SamplerGap, clipped_by_correction, importance_weights
 from grpo.runlog import step_line
-from grpo.step import SamplerGap
 from grpo.trainer import train
 from test_importance import _case  # log-ratios 0.5, -0.25, 1.0 in row 0; 2.0, then padding in row 1
 
@@ -41,9 +40,9 @@ def test_clipped_by_correction_marks_the_tokens_importance_weights_truncates_or_
 def test_the_gap_of_a_tiny_rollout_equals_the_hand_computation_over_counted_tokens_and_micro_batches():
     logp, sampler_logp, mask = _case()
     cfg = Config(is_correction="truncate", is_cap=2.0, is_level="token")
-    gap = SamplerGap()
-    gap.add(logp[:1], sampler_logp[:1], mask[:1], cfg)  # two micro-batches of one row
-    gap.add(logp[1:], sampler_logp[1:], mask[1:], cfg)
+    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
+    gap.add(logp[:1], sampler_logp[:1], mask[:1])  # two micro-batches of one row
+    gap.add(logp[1:], sampler_logp[1:], mask[1:])
     got = gap.over_ranks(World())
     # |differences| of the counted tokens: 0.5, 0.25, 1.0, 2.0 (padding's 50 never counts); ratios e^1, e^2 > 2.
     assert got["gap/logp_abs_mean"] == pytest.approx((0.5 + 0.25 + 1.0 + 2.0) / 4, rel=1e-6)
@@ -89,6 +88,7 @@ class _OffsetSampler:
 
 
 def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_llama_dir, tmp_path, monkeypatch):
+    from grpo import batch as batch_module
     from grpo import step as step_module
     from grpo import trainer
     from test_train import tiny_cfg
@@ -97,7 +97,13 @@ def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_ll
                         lambda name, policy, *, pad_id, **kw: _OffsetSampler(policy, pad_id))
     forwards = []
     real = step_module.sequence_logprobs
-    monkeypatch.setattr(step_module, "sequence_logprobs", lambda *a, **kw: (forwards.append(1), real(*a, **kw))[1])
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "sequence_logprobs", counted)  # the loss passes
+    monkeypatch.setattr(batch_module, "sequence_logprobs", counted)  # batch_logprobs: the old log-probs
     T = 4
     train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.0, ignore_eos=True,
                    max_completion_length=T, min_p=0.0, is_cap=2.0, lora_rank=4, lora_alpha=8,
@@ -116,7 +122,7 @@ def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_ll
 def test_native_and_hf_engines_in_fp32_on_cpu_sample_with_the_trainers_logprobs(char_llama_dir, engine_name):
     from grpo.model import load_policy
     from grpo.rollout import Sampling, build_engine
-    from grpo.step import make_batch, sequence_logprobs
+    from grpo.batch import make_batch, sequence_logprobs
 
     cfg = Config(model=str(char_llama_dir), dtype="fp32", lora_rank=4, lora_alpha=8, temperature=0.7)
     device = torch.device("cpu")
@@ -132,8 +138,8 @@ def test_native_and_hf_engines_in_fp32_on_cpu_sample_with_the_trainers_logprobs(
     policy.eval()
     with torch.no_grad():
         logp = sequence_logprobs(policy, batch, cfg.temperature)
-    gap = SamplerGap()
-    gap.add(logp, batch.sampler_logp, batch.mask, cfg)
+    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
+    gap.add(logp, batch.sampler_logp, batch.mask)
     got = gap.over_ranks(World())
     assert batch.mask.sum() > 40
     # Seen (fp32, CPU), both engines: mean about 1.3e-6, max up to 9e-6. The trainer at temperature 1 instead,

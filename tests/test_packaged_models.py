@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from grpo import assets, packaged_models
-from grpo.data import SYSTEM_PROMPT, chat_prompt
+from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
+from grpo.data import chat_prompt
 from grpo.packaged_models import (
     PACKAGED_MODELS, QWEN25_CODER_1_5B, PackagedModel, convert_gguf, gguf_path, joined_gguf_path, packaged_model_dir,
 )
-from grpo.rewards import REASONING_START
 
 # The non-tool branch of Qwen2.5's chat template, as the Qwen2.5-Coder GGUF carries it.
 QWEN_TEMPLATE = (

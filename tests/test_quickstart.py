@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo.config import PRESET_SUMMARIES, PRESETS, Config, build_parser, list_presets
-from grpo.data import SYSTEM_PROMPT
+from grpo.answer_format import SYSTEM_PROMPT
 from grpo.quiet import HARMLESS_LOG_RECORDS, HARMLESS_WARNINGS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -256,14 +256,6 @@ def test_reward_functions_rejects_an_unknown_preset():
         reward_functions("nope")
 
 
-def test_module_exports_the_tags_that_data_uses():
-    from grpo import data
-
-    assert data.REASONING_START == rewards.REASONING_START == "<start_working_out>"
-    assert (data.REASONING_END, data.SOLUTION_START, data.SOLUTION_END) == (
-        "<end_working_out>", "<SOLUTION>", "</SOLUTION>")
-
-
 def test_score_refuses_an_infinite_reward_and_names_the_function():
     def blows_up(completions, answers, **columns):
         return [float("-inf")] * len(completions)

@@ -1,4 +1,4 @@
-"""What a run records and shows: metrics.jsonl on resume, the step record, the progress bar, Ctrl-C."""
+"""What a run records and shows: metrics.jsonl on resume, the step record, the progress bar."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import io
 import json
 import math
 import os
-import signal
 
 import pytest
 import torch
 
 from grpo.config import Config
-from grpo.runlog import MetricsLog, ProgressBar, StopOnSignal, Stopped, step_line, step_record
-from grpo.step import Scores, StepResult
+from grpo.runlog import MetricsLog, ProgressBar, step_line
+from grpo.groups import Scores
+from grpo.step import StepResult
 
 
 def test_metrics_log_starts_afresh_or_drops_the_records_past_the_resumed_step(tmp_path):
@@ -40,7 +40,7 @@ def _result(skipped: bool) -> StepResult:
 
 
 def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out_of_sums():
-    record = step_record(5, _result(skipped=False), lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    record = _result(skipped=False).log_record(5, lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
     assert list(record) == ["step", "reward", "reward_std", "rewards/a", "rewards/b", "accuracy", "format",
                             "completion_length", "frac_finished", "frac_zero_std", "lr", "grad_norm", "skipped",
                             "loss", "kl", "step_time", "time/generate", "time/train", "peak_mem_gib"]
@@ -48,7 +48,7 @@ def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out
     assert record["rewards/b"] == pytest.approx(1.0) and record["accuracy"] == 0.75 and record["format"] == 0.25
     assert record["completion_length"] == 3.0 and record["grad_norm"] == 2.0 and record["skipped"] is False
     assert "kl 0.1250" in step_line(record) and "2.50 s" in step_line(record)
-    skipped = step_record(6, _result(skipped=True), lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    skipped = _result(skipped=True).log_record(6, lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
     assert skipped["grad_norm"] is None and skipped["skipped"] is True and "loss" not in skipped
     assert "kl 0.0000" in step_line(skipped) and math.isfinite(skipped["reward"])
 
@@ -66,41 +66,6 @@ def test_the_progress_bar_stops_once_however_often_it_is_told():
     ended = text.getvalue()
     bar.stop()
     assert ended and text.getvalue() == ended
-
-
-def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts_the_old_handler_back():
-    from rich.console import Console
-
-    before = signal.getsignal(signal.SIGINT)
-    stop = StopOnSignal(Console(file=io.StringIO()))
-    try:
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    finally:
-        stop.restore()
-    assert signal.getsignal(signal.SIGINT) is before
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_and_sighup_ask_to_stop_as_ctrl_c_does_and_a_second_signal_stops_with_its_number(signum):
-    from rich.console import Console
-
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    text = io.StringIO()
-    stop = StopOnSignal(Console(file=text))
-    try:
-        os.kill(os.getpid(), signum)
-        assert stop.requested and stop.signum == signum
-        assert f"{signal.Signals(signum).name}: finishing this step" in text.getvalue()
-        with pytest.raises(Stopped) as second:
-            os.kill(os.getpid(), signal.SIGINT)
-        assert second.value.signum == signal.SIGINT and isinstance(second.value, KeyboardInterrupt)
-    finally:
-        stop.restore()
-    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_a_metrics_line_cut_short_is_dropped_with_a_note_when_the_run_resumes(tmp_path):

@@ -221,3 +221,21 @@ def test_noise_of_zero_never_picks_a_dropped_token():
     noise = torch.zeros(1, 3)  # an exact-zero Exp(1) draw everywhere
     token, _ = sample_with_noise(logits, 1.0, 1, 1.0, 0.0, noise)
     assert token.tolist() == [0]
+
+
+@pytest.mark.parametrize("top_p, min_p, refused", [(1.0, 0.0, None), (0.01, 0.99, None), (0.0, 0.1, "top_p"),
+                                                   (1.01, 0.1, "top_p"), (0.9, 1.0, "min_p"), (0.9, -0.1, "min_p")])
+def test_the_command_line_and_sampling_refuse_the_same_top_p_and_min_p(top_p, min_p, refused):
+    from grpo.config import Config
+
+    errors = []
+    for make in (lambda: Sampling(top_p=top_p, min_p=min_p), lambda: Config(top_p=top_p, min_p=min_p)):
+        try:
+            make()
+        except ValueError as err:
+            errors.append(str(err))
+    if refused is None:
+        assert errors == []
+    else:
+        assert len(errors) == 2 and errors[0].startswith(f"Sampling.{refused}=")
+        assert errors[1].startswith(f"--{refused.replace('_', '-')} ")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from grpo import assets
-from grpo.data import SYSTEM_PROMPT, build_prompts, load_examples
-from grpo.rewards import REASONING_START
+from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
+from grpo.data import build_prompts, load_examples
 
 
 @pytest.fixture(scope="module")

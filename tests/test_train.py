@@ -115,10 +115,10 @@ def test_help_lists_every_flag_with_text():
 
 
 def test_the_loss_flags_offer_exactly_what_grpo_loss_accepts():
-    # config.py stays free of torch (fast --help), so it spells the choices out; this keeps them in step.
     from grpo.config import build_parser
     from grpo.loss import KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES
-    from grpo.loss.importance import LEVELS, MODES
+    from grpo.loss.options import IS_LEVELS as LEVELS
+    from grpo.loss.options import IS_MODES as MODES
 
     choices = {a.dest: tuple(a.choices) for a in build_parser()._actions if a.choices}
     assert set(choices["loss_norm"]) == set(NORMS)

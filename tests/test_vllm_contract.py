@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import grpo.rollout.vllm as rv
+from grpo.model import load_unsloth_policy
 from grpo.rollout.base import Engine, Sampling
 
 
@@ -479,7 +480,7 @@ def _load(tmp_path, **kw):
                 target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407,
                 work_dir=str(tmp_path / "u"))
     args.update(kw)
-    return rv.load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
+    return load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
 
 
 def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, tmp_path):
@@ -556,3 +557,12 @@ def test_the_engine_flag_alone_chooses_unsloth_and_vllm_stays_plain_vllm():
     assert Config(engine="unsloth").engine == "unsloth"
     with pytest.raises(ValueError, match="Unsloth builds its engine as it loads the model"):
         build_engine("unsloth", None, pad_id=0, max_seq_len=8, max_batch=1)
+
+
+def test_build_engine_takes_the_vllm_options_as_one_value_and_says_when_they_are_missing():
+    from grpo.rollout import build_engine
+
+    with pytest.raises(ValueError, match=r"--engine vllm: build_engine needs vllm=VLLMOptions"):
+        build_engine("vllm", None, pad_id=0, max_seq_len=8, max_batch=1)
+    with pytest.raises(TypeError):  # another engine's options are not taken loose any more
+        build_engine("hf", None, pad_id=0, max_seq_len=8, max_batch=1, lora_rank=8)

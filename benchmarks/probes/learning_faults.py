@@ -87,13 +87,13 @@ class ForwardWatch:
 def _row_loss(s, mb, adv, cfg):
     """The trainer's loss for a micro-batch, as update_policy builds it (first pass, mu = 1)."""
     from grpo.loss import clipped_surrogate
-    from grpo.step import sequence_logprobs
+    from grpo.batch import sequence_logprobs
 
     logp = sequence_logprobs(s.policy, mb, cfg.temperature)
     return clipped_surrogate(
         logp, logp.detach(), adv, mb.mask, ref_logp=None, beta=cfg.beta, eps_low=cfg.epsilon,
         eps_high=cfg.epsilon_high, delta=cfg.delta, ratio_level=cfg.ratio_level, norm=cfg.loss_norm,
-        max_len=s.sampling.max_new_tokens, is_weights=None, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
+        max_len=s.max_completion, is_weights=None, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
         cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high, sapo_tau_pos=cfg.sapo_tau_pos,
         sapo_tau_neg=cfg.sapo_tau_neg)[0], logp
 
@@ -265,7 +265,7 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     from grpo.rollout.native import NativeEngine
     from grpo.rollout.native.tuning import EngineTuning
     from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-    from grpo.step import make_batch, sequence_logprobs
+    from grpo.batch import make_batch, sequence_logprobs
     from grpo.trainer import load_prompt_sets
 
     cfg, _ = parse_command_line(train_argv)
@@ -337,7 +337,7 @@ def run_replay(args, train_argv: list[str], rec: Recorder) -> None:
     flags after `--` pick the model and dtype), against the file's float32, trainer and sampler columns."""
     from grpo.config import parse_command_line
     from grpo.model import default_device, load_policy
-    from grpo.step import Batch, sequence_logprobs
+    from grpo.batch import Batch, sequence_logprobs
 
     cfg, _ = parse_command_line(train_argv)
     policy, _, _ = load_policy(cfg, default_device())

@@ -1,4 +1,5 @@
-"""Input checks shared by the loss functions: one-line ValueErrors that name the input and the fix.
+"""Tensor checks shared by the loss functions: one-line ValueErrors that name the input and the fix. The
+options' choices and number ranges are `grpo.loss.options`'.
 
 Every check here looks at metadata only (shape, dtype, Python numbers), never at tensor values, so
 none of them synchronizes with the GPU.
@@ -6,18 +7,11 @@ none of them synchronizes with the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
 def shape_str(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
-
-
-def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is unknown; choose one of {', '.join(repr(c) for c in choices)}")
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_tensor, shape_str
-
-SCALES = ("group", "batch", "none")
+from ._checks import check_tensor, shape_str
+from .options import SCALES, check_choice
 
 
 def group_advantages(

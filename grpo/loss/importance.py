@@ -22,7 +22,8 @@ row's geometric-mean ratio exp(mean over its tokens of logp - sampler_logp), as 
 policy ratio, so one odd token does not decide a row's weight alone.
 
 `clipped_by_correction` says which tokens a given correction would truncate or mask, by the same
-rule, for a trainer that reports the sampler-trainer gap even when it applies no correction.
+rule, for a trainer that reports the sampler-trainer gap even when it applies no correction;
+`SamplerGap` adds that gap up over a step's micro-batches and ranks.
 
 The weights are detached: they scale the loss, they are not optimised. This module does not
 compute the loss or any log-probabilities; `clipped_surrogate` multiplies its per-token loss by
@@ -31,10 +32,11 @@ the weights.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-LEVELS = ("token", "sequence")
-MODES = ("none", "truncate", "mask")
+from .options import IS_LEVELS, IS_MODES, check_choice, check_importance_numbers
 
 
 def importance_weights(
@@ -106,14 +108,9 @@ def clipped_by_correction(
 
 
 def _check(logp, sampler_logp, mask, level, mode, cap, cap_low) -> None:
-    if level not in LEVELS:
-        raise ValueError(f"importance_weights level={level!r}: use one of {', '.join(LEVELS)}")
-    if mode not in MODES:
-        raise ValueError(f"importance_weights mode={mode!r}: use one of {', '.join(MODES)}")
-    if not cap > 0:
-        raise ValueError(f"importance_weights cap={cap}: must be > 0 (e.g. 2.0)")
-    if cap_low is not None and not 0 <= cap_low < cap:
-        raise ValueError(f"importance_weights cap_low={cap_low}: must be in [0, cap={cap})")
+    check_choice("level", level, IS_LEVELS)
+    check_choice("mode", mode, IS_MODES)
+    check_importance_numbers(cap=cap, cap_low=cap_low)
     if logp.shape != sampler_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
         raise ValueError(
             f"importance_weights: logp {tuple(logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
@@ -148,3 +145,42 @@ def _clipped(ratio: torch.Tensor, mode: str, cap: float, cap_low: float | None) 
     if mode == "mask" and cap_low is not None:
         clipped = clipped | (ratio < cap_low)
     return clipped
+
+
+class SamplerGap:
+    """The sampler-trainer gap of one step: how far the sampler's log-prob of each sampled token
+    (`Rollout.sampler_logp`) is from the trainer's, before the step updates the policy.
+
+    Fed the log-probs the loss computes anyway (the first pass's, or old_logp with mu > 1), micro-batch
+    by micro-batch: no extra forward pass. Reports, over the counted tokens of all ranks:
+    `gap/logp_abs_mean` and `gap/logp_abs_max` of |log pi_train - log pi_sampler|, and `gap/is_clipped_frac`,
+    the fraction of tokens whose importance weight the correction of `level`, `mode` and `cap` (the run's
+    --is-level, --is-correction and --is-cap) would truncate or mask (by `clipped_by_correction`, the rule
+    of `importance_weights`), whether or not the engine asks for the correction.
+    """
+
+    def __init__(self, *, level: str = "token", mode: str = "truncate", cap: float = 2.0) -> None:
+        self.level, self.mode, self.cap = level, mode, cap
+        self.abs_sum = self.abs_max = self.clipped = self.tokens = 0.0
+
+    def add(self, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> None:
+        """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask."""
+        diff = (logp.detach().double() - sampler_logp.double()).abs()[mask]  # (tokens,) a bf16 gap would round
+        clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, level=self.level, mode=self.mode,
+                                        cap=self.cap)
+        self.abs_sum += float(diff.sum())
+        if diff.numel():
+            top = float(diff.max())
+            if math.isnan(top) or top > self.abs_max:  # a NaN stays: it says more than any number would
+                self.abs_max = top
+        self.clipped += float(clipped.sum())
+        self.tokens += diff.numel()
+
+    def over_ranks(self, world) -> dict[str, float]:
+        """The gap over every rank's tokens of `world` (a `grpo.distributed.World`: its `reduce_stats` sums,
+        and takes the max of keys ending in _max); a collective: every rank calls it."""
+        total = world.reduce_stats({"abs_sum": self.abs_sum, "clipped": self.clipped, "tokens": self.tokens,
+                                    "abs_max": self.abs_max})  # keys ending in _max take the max
+        tokens = max(total["tokens"], 1.0)
+        return {"gap/logp_abs_mean": total["abs_sum"] / tokens, "gap/logp_abs_max": total["abs_max"],
+                "gap/is_clipped_frac": total["clipped"] / tokens}

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_choice, check_logp, check_same_shape
-
-KL_KINDS = ("k1", "k2", "k3")
+from ._checks import check_logp, check_same_shape
+from .options import KL_KINDS, check_choice
 
 
 def kl_from_log_ratio(x: torch.Tensor, kind: str) -> torch.Tensor:

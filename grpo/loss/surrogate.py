@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from ._checks import (
-    check_choice,
     check_logp,
     check_mask,
     check_same_shape,
@@ -25,11 +27,9 @@ from ._checks import (
     compute_dtype,
     shape_str,
 )
-from .kl import KL_KINDS, kl_from_log_ratio
+from .kl import kl_from_log_ratio
+from .options import KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, check_choice, check_policy_numbers
 
-POLICY_LOSSES = ("clip", "cispo", "sapo")
-RATIO_LEVELS = ("token", "sequence")
-NORMS = ("sequence", "token", "constant")
 STAT_KEYS = ("policy_loss", "kl", "clip_frac_low", "clip_frac_high", "clip_frac", "clip_frac_delta",
              "ratio_mean", "ratio_min", "ratio_max", "grad_weight_mean")
 
@@ -191,54 +191,13 @@ def clipped_surrogate(
     Raises ValueError (naming the input and both shapes) on shape mismatch, a non-bool mask, an
     unknown option (listing the choices), beta > 0 without ref_logp, or an out-of-range number.
     """
-    # --- checks (metadata only: no host sync) -------------------------------------------------
-    check_logp("logp", logp)
+    check_surrogate_inputs(logp, old_logp, adv, mask, ref_logp=ref_logp, beta=beta, eps_low=eps_low,
+                           eps_high=eps_high, delta=delta, ratio_level=ratio_level, norm=norm, max_len=max_len,
+                           is_weights=is_weights, kl=kl, policy_loss=policy_loss, cispo_eps_low=cispo_eps_low,
+                           cispo_eps_high=cispo_eps_high, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg)
     B, T = logp.shape
-    if old_logp is not None:
-        check_same_shape("old_logp", old_logp, "logp", logp)
-    check_mask(mask, logp)
-    check_tensor("adv", adv)
-    if adv.shape != (B,):
-        raise ValueError(f"adv has shape {shape_str(adv)} but logp has shape {shape_str(logp)}; "
-                         f"adv must be (B,) = ({B},), one advantage per completion")
-    if ref_logp is not None:
-        check_same_shape("ref_logp", ref_logp, "logp", logp)
-    if is_weights is not None:
-        check_tensor("is_weights", is_weights)
-        if is_weights.shape not in ((B, T), (B,)):
-            raise ValueError(f"is_weights has shape {shape_str(is_weights)} but logp has shape "
-                             f"{shape_str(logp)}; is_weights must be (B, T) or (B,)")
-    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
-    check_choice("norm", norm, NORMS)
-    check_choice("kl", kl, KL_KINDS)
-    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
-    if beta < 0:
-        raise ValueError(f"beta={beta}: the KL coefficient must be >= 0")
-    if beta > 0 and ref_logp is None:
-        raise ValueError(f"beta={beta} needs ref_logp (the reference policy's log-probabilities); "
-                         "pass ref_logp or set beta=0")
     eps_high = eps_low if eps_high is None else eps_high
-    if not 0.0 <= eps_low <= 1.0:
-        raise ValueError(f"eps_low={eps_low}: must be in [0, 1] (the ratio is clipped below at 1 - eps_low)")
-    if eps_high < 0:
-        raise ValueError(f"eps_high={eps_high}: must be >= 0 (the ratio is clipped above at 1 + eps_high)")
-    if delta is not None and policy_loss != "clip":
-        raise ValueError(f"delta={delta} caps the unclipped ratio of policy_loss='clip'; "
-                         f"policy_loss={policy_loss!r} has none: pass delta=None")
-    if cispo_eps_low < 0 or cispo_eps_high < 0:
-        raise ValueError(f"cispo_eps_low={cispo_eps_low}, cispo_eps_high={cispo_eps_high}: both must be >= 0 "
-                         "(CISPO's weight is clipped to [1 - cispo_eps_low, 1 + cispo_eps_high])")
-    if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
-        raise ValueError(f"sapo_tau_pos={sapo_tau_pos}, sapo_tau_neg={sapo_tau_neg}: SAPO's gate temperatures "
-                         "must be > 0 (the paper's are 1.0 and 1.05)")
-    if delta is not None and delta < 1.0 + eps_high:
-        raise ValueError(f"delta={delta} must be >= 1 + eps_high = {1.0 + eps_high}: a smaller cap would "
-                         "zero the gradient of positive-advantage tokens inside the clip range")
-    if max_len is None:
-        max_len = T
-    elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len={max_len!r}: must be a positive int (the generation budget of "
-                         "norm='constant'), or None for T")
+    max_len = T if max_len is None else max_len
 
     # --- the loss -----------------------------------------------------------------------------
     dtype = compute_dtype(logp.dtype, *(t.dtype for t in (old_logp, ref_logp) if t is not None))
@@ -259,13 +218,8 @@ def clipped_surrogate(
         log_ratio = seq_log_ratio.unsqueeze(1).expand(B, T)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T) w
 
-    if policy_loss == "clip":
-        policy, clip_low, clip_high, grad_weight = _ppo_clip(ratio, adv, eps_low, eps_high, delta)
-    elif policy_loss == "cispo":
-        policy, clip_low, clip_high, grad_weight = _cispo(ratio, torch.where(mask, logp, 0.0), adv,
-                                                          cispo_eps_low, cispo_eps_high)
-    else:
-        policy, clip_low, clip_high, grad_weight = _sapo(ratio, adv, sapo_tau_pos, sapo_tau_neg)
+    knobs = PolicyKnobs(eps_low, eps_high, delta, cispo_eps_low, cispo_eps_high, sapo_tau_pos, sapo_tau_neg)
+    policy, clip_low, clip_high, grad_weight = POLICY_TERMS[policy_loss](ratio, logp, mask, adv, knobs)
     if is_weights is not None:
         is_w = is_weights.detach().to(dtype)
         is_w = is_w.unsqueeze(1) if is_w.dim() == 1 else is_w  # (B, 1) or (B, T)
@@ -303,6 +257,42 @@ def clipped_surrogate(
     return loss, stats
 
 
+def check_surrogate_inputs(logp, old_logp, adv, mask, *, ref_logp, beta, eps_low, eps_high, delta, ratio_level, norm,
+                           max_len, is_weights, kl, policy_loss, cispo_eps_low, cispo_eps_high, sapo_tau_pos,
+                           sapo_tau_neg) -> None:
+    """`clipped_surrogate`'s checks, metadata only (no host sync): a ValueError naming the input and both
+    shapes on a shape mismatch or a non-bool mask; the choices and number ranges of `grpo.loss.options`."""
+    check_logp("logp", logp)
+    B, T = logp.shape
+    if old_logp is not None:
+        check_same_shape("old_logp", old_logp, "logp", logp)
+    check_mask(mask, logp)
+    check_tensor("adv", adv)
+    if adv.shape != (B,):
+        raise ValueError(f"adv has shape {shape_str(adv)} but logp has shape {shape_str(logp)}; "
+                         f"adv must be (B,) = ({B},), one advantage per completion")
+    if ref_logp is not None:
+        check_same_shape("ref_logp", ref_logp, "logp", logp)
+    if is_weights is not None:
+        check_tensor("is_weights", is_weights)
+        if is_weights.shape not in ((B, T), (B,)):
+            raise ValueError(f"is_weights has shape {shape_str(is_weights)} but logp has shape "
+                             f"{shape_str(logp)}; is_weights must be (B, T) or (B,)")
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_choice("norm", norm, NORMS)
+    check_choice("kl", kl, KL_KINDS)
+    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
+    check_policy_numbers(beta=beta, eps_low=eps_low, eps_high=eps_high, delta=delta, policy_loss=policy_loss,
+                         cispo_eps_low=cispo_eps_low, cispo_eps_high=cispo_eps_high, sapo_tau_pos=sapo_tau_pos,
+                         sapo_tau_neg=sapo_tau_neg)
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"beta={beta} needs ref_logp (the reference policy's log-probabilities); "
+                         "pass ref_logp or set beta=0")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len={max_len!r}: must be a positive int (the generation budget of "
+                         "norm='constant'), or None for T")
+
+
 def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor, norm: str,
                max_len: int) -> torch.Tensor:
     """(B, T) per-token values, already 0 where the mask is False -> the scalar loss of `norm`."""
@@ -313,13 +303,30 @@ def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor
     return per_token.sum() / (per_token.shape[0] * max_len)
 
 
-# The three per-token policy terms. Each returns (policy, clip_low, clip_high, grad_weight), all (B, T):
-# the term with its gradient, then detached diagnostics for the statistics: where the ratio was clipped
-# below / above, and g with d policy / d logp = -A g (see `clipped_surrogate`).
+# The per-token policy terms, one function each, all called as term(ratio, logp, mask, adv, knobs): ratio,
+# logp and mask (B, T), adv (B, 1), knobs the numbers of every term (each reads its own). Each returns
+# (policy, clip_low, clip_high, grad_weight), all (B, T): the term with its gradient, then detached
+# diagnostics for the statistics: where the ratio was clipped below / above, and g with d policy / d logp
+# = -A g (see `clipped_surrogate`). A new variant is one function, one entry in POLICY_TERMS and its name
+# in `grpo.loss.options.POLICY_LOSSES`.
 
-def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
-              delta: float | None) -> tuple[torch.Tensor, ...]:
+@dataclass(frozen=True)
+class PolicyKnobs:
+    """The numbers of the policy terms, as `clipped_surrogate` takes them (eps_high resolved)."""
+
+    eps_low: float
+    eps_high: float
+    delta: float | None
+    cispo_eps_low: float
+    cispo_eps_high: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+
+
+def _ppo_clip(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, knobs: PolicyKnobs
+              ) -> tuple[torch.Tensor, ...]:
     """-min(u * A, clip(w, 1 - eps_low, 1 + eps_high) * A), u = w or min(w, delta)."""
+    eps_low, eps_high, delta = knobs.eps_low, knobs.eps_high, knobs.delta
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     unclipped = ratio if delta is None else ratio.clamp(max=delta)
     policy = -torch.minimum(unclipped * adv, clipped * adv)  # (B, T)
@@ -336,17 +343,21 @@ def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: 
     return policy, clip_low, clip_high, grad_weight
 
 
-def _cispo(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, eps_low: float,
-           eps_high: float) -> tuple[torch.Tensor, ...]:
-    """-sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * logp; logp already 0 where the mask is False."""
+def _cispo(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, knobs: PolicyKnobs
+           ) -> tuple[torch.Tensor, ...]:
+    """-sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * logp, eps_low and eps_high CISPO's."""
+    eps_low, eps_high = knobs.cispo_eps_low, knobs.cispo_eps_high
+    logp = torch.where(mask, logp, 0.0)  # positions that do not count may hold inf or nan
     w = ratio.detach()
     weight = w.clamp(1.0 - eps_low, 1.0 + eps_high)  # (B, T), a constant: the gradient flows via logp only
     policy = -weight * adv * logp
     return policy, w < 1.0 - eps_low, w > 1.0 + eps_high, weight
 
 
-def _sapo(ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float) -> tuple[torch.Tensor, ...]:
+def _sapo(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, knobs: PolicyKnobs
+          ) -> tuple[torch.Tensor, ...]:
     """-sigmoid(tau (w - 1)) * (4 / tau) * A, tau = tau_pos where A > 0 else tau_neg."""
+    tau_pos, tau_neg = knobs.sapo_tau_pos, knobs.sapo_tau_neg
     tau = adv.new_full(adv.shape, tau_neg).masked_fill(adv > 0, tau_pos)  # (B, 1), in the compute dtype
     gate = torch.sigmoid(tau * (ratio - 1.0))  # (B, T) s
     policy = -gate * (4.0 / tau) * adv
@@ -355,3 +366,7 @@ def _sapo(ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float
         grad_weight = 4.0 * s * (1.0 - s) * ratio.detach()
         nothing = torch.zeros_like(s, dtype=torch.bool)
     return policy, nothing, nothing, grad_weight
+
+
+# policy_loss -> its term; the names are grpo.loss.options.POLICY_LOSSES (a test keeps the two equal).
+POLICY_TERMS: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {"clip": _ppo_clip, "cispo": _cispo, "sapo": _sapo}

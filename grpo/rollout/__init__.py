@@ -1,16 +1,30 @@
 """Samplers behind one protocol: `native` (fast, in-process), `hf` (reference), `vllm` and `unsloth`
-(external)."""
+(external). `options.py` holds the sampling numbers' ranges, torch-free, for the command line too."""
 
 from __future__ import annotations
 
-import torch
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from grpo.rollout.base import Engine, Rollout, Sampling
+if TYPE_CHECKING:
+    from grpo.rollout.base import Engine
 
-__all__ = ["Engine", "Rollout", "Sampling", "build_engine", "resolve_engine_name", "unsloth_loads_the_model"]
+__all__ = ["Engine", "Rollout", "Sampling", "VLLMOptions", "build_engine", "resolve_engine_name",
+           "unsloth_loads_the_model"]
+
+
+def __getattr__(name: str):
+    # The types load on first use (`from grpo.rollout import Sampling` works as usual), so that importing
+    # grpo.rollout.options, as the command line does, does not import torch.
+    if name in ("Engine", "Rollout", "Sampling"):
+        return getattr(importlib.import_module("grpo.rollout.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_engine_name(name: str) -> str:
+    import torch
+
     if name == "auto":
         return "native" if torch.cuda.is_available() else "hf"
     return name
@@ -18,15 +32,26 @@ def resolve_engine_name(name: str) -> str:
 
 def unsloth_loads_the_model(name: str) -> bool:
     """--engine unsloth: Unsloth loads the model and its vLLM engine together
-    (`grpo.rollout.vllm.load_unsloth_policy`), so that sampling and training share the base weights."""
+    (`grpo.model.load_unsloth_policy`), so that sampling and training share the base weights."""
     return name == "unsloth"
 
 
+@dataclass(frozen=True)
+class VLLMOptions:
+    """What only the vLLM engine needs: it loads the base checkpoint itself and is sent the adapter."""
+
+    model_path: str  # the base checkpoint's folder
+    lora_rank: int  # the adapter's rank (vLLM reserves room for it)
+    dtype: str  # a dtype flag's value (auto, bf16, fp32, ...)
+    seed: int
+    work_dir: str  # where each step's adapter is written for vLLM to read
+
+
 def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
-                 **vllm_kwargs) -> Engine:
+                 vllm: VLLMOptions | None = None) -> Engine:
     """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
-    `gemm`: the native engine's decode projections (NativeEngine's `gemm`). `vllm_kwargs` go to
-    VLLMEngine (model_path, lora_rank, dtype, seed, work_dir) and are not used by the other engines."""
+    `gemm`: the native engine's decode projections (NativeEngine's `gemm`). `vllm`: what the vLLM engine
+    needs besides (required for name "vllm", not used by the others)."""
     name = resolve_engine_name(name)
     if name == "hf":
         from grpo.rollout.hf import HFEngine
@@ -39,8 +64,12 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
     if name == "vllm":
         from grpo.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(policy, max_model_len=max_seq_len, pad_id=pad_id, **vllm_kwargs)
+        if vllm is None:
+            raise ValueError("--engine vllm: build_engine needs vllm=VLLMOptions(...) (the base checkpoint's "
+                             "folder, the adapter's rank, dtype, seed and a work folder)")
+        return VLLMEngine(policy, vllm.model_path, lora_rank=vllm.lora_rank, max_model_len=max_seq_len,
+                          dtype=vllm.dtype, seed=vllm.seed, work_dir=vllm.work_dir, pad_id=pad_id)
     if name == "unsloth":
         raise ValueError("--engine unsloth: Unsloth builds its engine as it loads the model "
-                         "(grpo.rollout.vllm.load_unsloth_policy), not over a policy")
+                         "(grpo.model.load_unsloth_policy), not over a policy")
     raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf, vllm or unsloth")

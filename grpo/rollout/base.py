@@ -1,16 +1,19 @@
 """The seam between the trainer and every sampler: `Sampling`, `Rollout` and the `Engine` protocol.
 
 Engines take and give token ids; the tokenizer lives outside them. This module holds only the data
-types and the protocol, no sampling code (that is `grpo/rollout/sampling.py`).
+types, the protocol and `pad_rows` (rows of different lengths into one padded tensor, as every engine and
+the step build them), no sampling code (that is `grpo/rollout/sampling.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from grpo.rollout.options import check_sampling_numbers
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,7 @@ class Sampling:
             raise ValueError(f"Sampling.max_new_tokens={self.max_new_tokens}: must be at least 1")
         if self.temperature < 0:
             raise ValueError(f"Sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"Sampling.top_p={self.top_p}: must be in (0, 1]")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"Sampling.min_p={self.min_p}: must be in [0, 1)")
+        check_sampling_numbers(top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclass
@@ -119,3 +119,27 @@ class Engine(Protocol):
     def release_memory(self) -> None: ...
 
     def standby_bytes(self) -> int | None: ...
+
+
+def pad_rows(rows: Sequence[Sequence[float]] | torch.Tensor, fill: float, *, width: int | None = None,
+             dtype: torch.dtype | None = None, left: bool = False) -> torch.Tensor:
+    """(len(rows), width) tensor of `rows` (lists of numbers, or the rows of a 2-D tensor), each at the left
+    and padded with `fill` on the right; with `left=True`, at the right and padded on the left (as
+    decoder-only generation needs its prompts). `width` defaults to the longest row; `dtype` to a tensor's
+    own (lists need it). A tensor keeps its device."""
+    if isinstance(rows, torch.Tensor):  # (B, t) -> (B, width)
+        width = rows.shape[1] if width is None else width
+        out = torch.full((rows.shape[0], width), fill, dtype=dtype or rows.dtype, device=rows.device)
+        if left:
+            out[:, width - rows.shape[1]:] = rows
+        else:
+            out[:, :rows.shape[1]] = rows
+        return out
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        if left:
+            out[i, width - len(row):] = torch.tensor(row, dtype=dtype)
+        else:
+            out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out

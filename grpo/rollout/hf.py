@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from grpo.rollout.base import GenerationProgress, Rollout, Sampling
+from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 
 
@@ -37,12 +37,10 @@ class HFEngine:
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
         rows = [p for p in prompt_ids for _ in range(n)]  # group order: row i is prompt i // n
-        width = max(len(p) for p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(rows):  # left padding, as decoder-only generation needs
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention_mask[i, width - len(p):] = 1
+        # left padding, as decoder-only generation needs
+        input_ids = pad_rows(rows, self.pad_id, dtype=torch.long, left=True)
+        attention_mask = pad_rows([[1] * len(p) for p in rows], 0, dtype=torch.long, left=True)
+        width = input_ids.shape[1]  # the longest prompt
         greedy = sampling.temperature == 0
         # Every knob explicit: transformers fills what is left unset from the model's own generation
         # config (Llama 3 instruct: top_p 0.9, top_k 50), which would sample another distribution.

@@ -12,8 +12,8 @@ with the sampler's log-probabilities, so the trainer can weight each token by pi
   without an adapter was seen to give wrong outputs without an error). On CUDA the engine sleeps
   (level 1: weights to CPU, KV cache dropped) in `release_memory()` and wakes before generating;
   vLLM's CPU build has no sleep mode.
-- `UnslothEngine` (from `load_unsloth_policy`): Unsloth loads the model once into vLLM and trains
-  on the same weights (FP8 or bf16); only the LoRA tensors go across each step, through
+- `UnslothEngine` (from `grpo.model.load_unsloth_policy`): Unsloth loads the model once into vLLM and
+  trains on the same weights (FP8 or bf16); only the LoRA tensors go across each step, through
   `model.load_lora(..., load_tensors=True)`.
 
 Sampler log-probs. `Rollout.sampler_logp` must be log softmax(logits / T) of the sampled token
@@ -44,7 +44,6 @@ Nothing happens at import: vllm and unsloth are imported inside the functions th
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ import torch
 
 from grpo.config import DTYPES
 from grpo.fp8_checkpoint import is_fp8_checkpoint
-from grpo.rollout.base import Rollout, Sampling
+from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 
 INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'grpo[vllm]' (CUDA), or on a CPU-only machine "
@@ -248,13 +247,9 @@ def rollout_from_outputs(prompt_ids: list[list[int]], outputs: list[Any], n: int
             rows_logp.append(logp)
             finished.append(done)
     width = max(1, max(len(r) for r in rows_ids))
-    completion_ids = torch.full((len(rows_ids), width), pad_id, dtype=torch.long)  # (P*n, T)
-    mask = torch.zeros(len(rows_ids), width, dtype=torch.bool)  # (P*n, T)
-    sampler_logp = torch.zeros(len(rows_ids), width, dtype=torch.float32)  # (P*n, T)
-    for i, (ids, logp) in enumerate(zip(rows_ids, rows_logp)):
-        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, : len(ids)] = True
-        sampler_logp[i, : len(ids)] = torch.tensor(logp, dtype=torch.float32)
+    completion_ids = pad_rows(rows_ids, pad_id, width=width, dtype=torch.long)  # (P*n, T)
+    mask = pad_rows([[True] * len(ids) for ids in rows_ids], False, width=width, dtype=torch.bool)  # (P*n, T)
+    sampler_logp = pad_rows(rows_logp, 0.0, width=width, dtype=torch.float32)  # (P*n, T)
     return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion_ids, mask=mask,
                    sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), n=n)
 
@@ -422,7 +417,7 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
 class UnslothEngine(_VLLMRollout):
     """Unsloth's fast_inference engine: vLLM shares the (FP8 or bf16) base weights with training.
 
-    model: the PeftModel from `load_unsloth_policy`, with `vllm_engine`, `fast_generate` and
+    model: the PeftModel from `grpo.model.load_unsloth_policy`, with `vllm_engine`, `fast_generate` and
     `load_lora`. Each call hands vLLM the current LoRA tensors (`load_lora(..., load_tensors=True)`,
     a new id each time); nothing is written but the adapter config, once.
     """
@@ -449,57 +444,3 @@ class UnslothEngine(_VLLMRollout):
     def _generate(self, prompts: list[dict], params: list[Any], lora_request: Any) -> list[Any]:
         return self.model.fast_generate(prompts, sampling_params=params, lora_request=lora_request,
                                         use_tqdm=False)
-
-
-def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
-                        lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
-                        seed: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-                        work_dir: str = "outputs/unsloth",
-                        lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
-    """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
-
-    Loads with `fast_inference=True` (vLLM inside, standby on) and `max_lora_rank`; FP8 as the
-    checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
-    bf16 checkpoint; then adds the same rsLoRA adapter as grpo/model.py through
-    `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
-    # A pre-quantized FP8-Block checkpoint brings its own quantization_config, which decides; Unsloth's
-    # load_in_fp8 asks vLLM for per-channel FP8 on top of it, which vLLM refuses. So load_in_fp8 only
-    # ever quantizes a bf16 checkpoint.
-    prequantized = is_fp8_checkpoint(model_name)
-    check_fp8_supported(bool(load_in_fp8) or prequantized)
-    # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
-    # our trainer needs the forward pass to return logits.
-    os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
-    os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
-    try:
-        from unsloth import FastLanguageModel
-    except ImportError as err:
-        raise ImportError(f"{UNSLOTH_HINT} ({err})") from None
-    if not vllm_available():
-        raise ImportError(INSTALL_HINT)
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=model_name,
-        max_seq_length=max_seq_length,
-        load_in_4bit=False,
-        load_in_fp8=bool(load_in_fp8) and not prequantized,
-        fast_inference=True,
-        max_lora_rank=vllm_lora_rank(lora_rank),
-        gpu_memory_utilization=gpu_memory_utilization,
-        random_state=seed,
-    )
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        target_modules=list(target_modules),
-        use_rslora=use_rslora,
-        bias="none",
-        use_gradient_checkpointing=use_gradient_checkpointing,
-        random_state=seed,
-    )
-    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length)
-    return model, tokenizer, engine

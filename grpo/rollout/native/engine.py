@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm
-from grpo.rollout.base import GenerationProgress, Rollout, Sampling
+from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm, prefill_layer
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
@@ -231,10 +231,7 @@ class NativeEngine:
         decoder = lm.model
         P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
         rows = P * n
-        ids = torch.full((P, L), self.pad_id, dtype=torch.long)
-        for i, p in enumerate(prompt_ids):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)  # (P, L) right-padded: causal attention keeps padding out of real tokens
+        ids = pad_rows(prompt_ids, self.pad_id, width=L, dtype=torch.long).to(self.device)  # (P, L) right-padded: causal attention keeps padding out of real tokens
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
         x = decoder.embed_tokens(ids)  # (P, L, H)
         cos, sin = st.cos[:L][None, None], st.sin[:L][None, None]  # (1, 1, L, D)

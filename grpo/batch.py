@@ -1,0 +1,81 @@
+"""The batch a step trains on and its log-probs: prompt+completion rows right-padded into tensors on
+the device (`Batch`, `make_batch`), and the policy's log-probability of each completion token
+(`sequence_logprobs`, `batch_logprobs` micro-batch by micro-batch).
+
+What it deliberately is not: the loss or the update. It computes log-probs; `grpo.step` decides which
+policy (adapters on or off, before or during the update) and what they are for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo.kernels.logprobs import token_logprobs
+from grpo.rollout import Rollout
+
+
+@dataclass
+class Batch:
+    """Prompt+completion rows, right-padded, on the device. Completion token t of row i sits at
+    position start[i] + t, and is predicted by the hidden state at start[i] + t - 1.
+
+    No attention mask: every row starts at position 0 and its padding comes after its last token, so
+    causal attention alone keeps padding out of every token that counts (see `sequence_logprobs`)."""
+
+    input_ids: torch.Tensor  # (B, L)
+    start: torch.Tensor  # (B,) prompt lengths
+    completion_ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T) bool
+    sampler_logp: torch.Tensor  # (B, T)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, sl: slice) -> "Batch":
+        return Batch(*(t[sl] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
+                                       self.sampler_logp)))
+
+
+def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
+    rows = [p for p in rollout.prompt_ids for _ in range(rollout.n)]
+    B, T = rollout.completion_ids.shape
+    width = max((len(p) for p in rows), default=0) + T
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    for i, p in enumerate(rows):
+        input_ids[i, :len(p)] = torch.tensor(p)
+        input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
+    start = torch.tensor([len(p) for p in rows])
+    parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
+    return Batch(*(t.to(device) for t in parts))
+
+
+def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
+    """(B, T) log-probs of the completion tokens at `temperature`; 0 where mask is False.
+
+    Runs the decoder to its final hidden states and hands only the masked completion positions to the
+    fused `token_logprobs`, so a (tokens, vocab) logits tensor never exists whole.
+
+    The forward is causal with no padding mask: a counted token sees only the tokens before it in its own
+    row, none of them padding, so a mask would change no value that is read. Passing one is what broke:
+    with a mask, scaled_dot_product_attention took cuDNN's kernel on the H200, whose backward returned
+    NaN for every row that had padding (step 3 of the Qwen preset, skipped every run). Without one, attention
+    is plain causal (60 steps of the preset skipped none); the padded positions' outputs are read by nothing.
+    """
+    base = policy.get_base_model()
+    hidden = base.model(input_ids=batch.input_ids, use_cache=False).last_hidden_state
+    T = batch.completion_ids.shape[1]
+    positions = batch.start[:, None] - 1 + torch.arange(T, device=hidden.device)  # (B, T)
+    positions = positions.clamp(max=hidden.shape[1] - 1)
+    h = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
+    lm_head = base.get_output_embeddings().weight
+    logp = token_logprobs(h[batch.mask], lm_head, batch.completion_ids[batch.mask], temperature)
+    return torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(batch.mask, logp)
+
+
+def batch_logprobs(policy, batch: Batch, slices: list[slice], temperature: float) -> torch.Tensor:
+    """(B, T) `sequence_logprobs` of the whole batch, micro-batch by micro-batch; B may be 0."""
+    if not slices:
+        return batch.sampler_logp.new_zeros(batch.mask.shape)
+    return torch.cat([sequence_logprobs(policy, batch.rows(sl), temperature) for sl in slices])
