@@ -45,13 +45,13 @@ from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
 from grpo.model import default_device, load_policy, load_unsloth_policy, model_summary
+from grpo.optim import make_optimizer, make_scheduler
 from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.runlog import (MetricsLog, ProgressBar, peak_memory_gib, print_completions, reset_peak_memory, step_line,
                          synced_clock)
 from grpo.signals import StopOnSignal, Stopped
-from grpo.optim import make_optimizer, make_scheduler
 from grpo.step import InFlight, StepSetup, grpo_step
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
@@ -255,7 +255,7 @@ def make_optimizer_over_adapters(cfg: Config, world: World, policy
     starts from rank 0's adapters."""
     params = [p for p in policy.parameters() if p.requires_grad]
     world.broadcast_(params)
-    if world.rank > 0:  # ... and from here draws its own dropout masks (sampling is seeded per step and rank)
+    if world.rank > 0:  # from here each rank draws its own dropout masks (sampling is seeded per step and rank)
         torch.manual_seed(cfg.seed + world.rank)
     optimizer = make_optimizer(cfg, params)
     return params, optimizer, make_scheduler(cfg, optimizer)
