@@ -39,14 +39,10 @@ def read_records(path: str | Path) -> dict[str, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; write it with python -m grpo.eval --per-problem {path}")
+    from grpo.plots import json_lines
+
     records: dict[str, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{n}: not a JSON line; fix or delete that line") from None
+    for n, record in json_lines(path):
         if not isinstance(record, dict) or "id" not in record:
             raise ValueError(f"{path}:{n}: a record without an id; is it python -m grpo.eval --per-problem output?")
         if record["id"] in records:
