@@ -25,6 +25,8 @@ Mismatches that remain, by TRL's design: with `bf16=True` the Trainer autocasts,
 bf16 (ours in float32); TRL's vLLM log-probs are "processed" ones, renormalised over what min-p keeps, so its
 sampler-trainer difference and its importance weights carry log(kept mass) on every token (huggingface/trl#6789;
 ours are exact, docs/internals.md): they are logged as TRL's `sampling/*` keys, never as our `gap/*`.
+Without sleep mode vLLM's KV cache comes from torch's allocator, so `peak_mem_gib` includes vLLM's share of
+the GPU: compare step times and learning, not memory.
 Refused: dynamic sampling, loss types cispo and sapo (TRL's cispo caps another quantity), KL estimators other
 than k3, ignore-eos, FP8 loading.
 
