@@ -234,18 +234,28 @@ def summarize_steps(records: list[dict], warmup: int, rows: int | None = None) -
 # The peer: TRL's GRPOTrainer
 # --------------------------------------------------------------------------------------------------
 def trl_dataset_rows(tokenizer, dataset: str | Path, shape: Shape) -> list[dict]:
-    """Our prompts as TRL reads plain-text prompts. TRL tokenizes them with the tokenizer's default
-    special tokens, which prepend BOS, so the text goes without ours: the same ids reach the model."""
+    """Our prompts of a JSONL file at `shape`'s prompt length, as TRL reads them (`trl_prompt_rows`)."""
     from grpo.data import build_prompts, load_jsonl
 
-    prompts = build_prompts(tokenizer, load_jsonl(dataset), shape.prompt_len)
+    return trl_prompt_rows(tokenizer, build_prompts(tokenizer, load_jsonl(dataset), shape.prompt_len))
+
+
+def trl_prompt_rows(tokenizer, prompt_set, order: list[int] | None = None) -> list[dict]:
+    """The prompts of a `grpo.data.PromptSet` (in `order`, repeats allowed; default: as they stand) as rows
+    of plain-text prompts with their answers. TRL tokenizes a plain-text prompt with the tokenizer's
+    default special tokens, which prepend BOS, so the text goes without ours; every prompt is checked to
+    reach the model as exactly our ids."""
     bos = tokenizer.bos_token or ""
-    rows = []
-    for text, ids, ex in zip(prompts.prompts, prompts.prompt_ids, prompts.examples):
+    rows, checked = [], set()
+    for i in range(len(prompt_set)) if order is None else order:
+        text, example = prompt_set.prompts[i], prompt_set.examples[i]
         plain = text[len(bos):] if bos and text.startswith(bos) else text
-        if tokenizer(plain)["input_ids"] != ids:
-            raise RuntimeError("TRL would see other prompt ids than ours; the comparison would be unfair")
-        rows.append({"prompt": plain, "answer": ex.answer})
+        if i not in checked:
+            if tokenizer(plain)["input_ids"] != prompt_set.prompt_ids[i]:
+                raise RuntimeError(f"prompt {i}: TRL would see other token ids than ours, and the comparison would "
+                                   "be unfair; fix: a tokenizer whose default special tokens are only a BOS")
+            checked.add(i)
+        rows.append({"prompt": plain, "answer": example.answer})
     return rows
 
 
@@ -253,8 +263,6 @@ def _trl_peer_parts(tokenizer, dataset: str | Path, shape: Shape, cuda: bool):
     """What every TRL-based peer shares: the prompts as a datasets.Dataset, our four-tier reward as a TRL
     reward function, and a callback that times each optimizer step (synchronized) with its peak memory."""
     import datasets
-    import torch
-    from transformers import TrainerCallback
 
     from grpo import rewards as grpo_rewards
 
@@ -264,6 +272,15 @@ def _trl_peer_parts(tokenizer, dataset: str | Path, shape: Shape, cuda: bool):
     def four_tier(completions, answer, **_):
         columns = [fn(list(completions), list(answer)) for fn in funcs]
         return [float(sum(vals)) for vals in zip(*columns)]
+
+    return train_set, four_tier, step_clock(cuda)
+
+
+def step_clock(cuda: bool):
+    """A TrainerCallback that times each optimizer step (generation included; synchronized on CUDA) and
+    reads its peak memory: one record per step in its `records`, printed as it comes."""
+    import torch
+    from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -288,7 +305,7 @@ def _trl_peer_parts(tokenizer, dataset: str | Path, shape: Shape, cuda: bool):
             print(f"[peer] step {rec['step']}: {rec['step_time']:.3f} s", flush=True)  # a run cut short still reports
             self.records.append(rec)
 
-    return train_set, four_tier, StepClock()
+    return StepClock()
 
 
 def _grpo_config_values(shape: Shape, *, steps: int, output_dir: str | Path, cuda: bool, seed: int) -> dict:

@@ -7,12 +7,15 @@ Accuracy comes twice: strict (the answer in `<SOLUTION>`, what the reward pays f
 final answer wherever the model wrote it, `\\boxed{}` or the last number), so an untrained model's real
 ability does not read as zero. Keys: `eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`,
 `eval/greedy_format`; sampled: `eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`.
-Also `python -m grpo.eval --model M [--adapter A]` for a one-off measurement.
+Also `python -m grpo.eval --model M [--adapter A]` for a one-off measurement; `--per-problem FILE.jsonl` also
+writes one line per held-out problem (`problem_records`), so that two adapters can be compared problem by
+problem (`python -m grpo.compare_evals A.jsonl B.jsonl`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -24,13 +27,15 @@ from grpo.rollout import Sampling
 
 
 def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed: int,
-             max_rows: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+             max_rows: int | None = None, progress: Callable[[int, int], None] | None = None,
+             per_problem: list[dict] | None = None) -> dict[str, float]:
     """Greedy strict and lenient accuracy and format, and the same over `k` samples per held-out prompt
     (pass@1: the fraction of samples that are right).
 
     Generates at most `max_rows` completions per engine call, so the engine's buffers stay sized for
     training batches rather than for the whole held-out set. `progress(done, total)` hears of each
     call: prompts done, counting each prompt once per pass (greedy, then sampled when k > 0).
+    `per_problem`, when given, receives `problem_records`: one dict per held-out prompt, in order.
     """
     prompt_ids = prompt_set.prompt_ids
     answers = [ex.answer for ex in prompt_set.examples]
@@ -38,18 +43,40 @@ def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed:
     passes = _Passes(progress, len(prompt_ids) * (2 if k > 0 else 1))
     greedy = replace(sampling, temperature=0.0, seed=seed)
     texts = _generate_texts(engine, tokenizer, prompt_ids, 1, greedy, max_rows, passes)
-    strict, lenient, formatted = _score(texts, answers)
-    result["eval/greedy_accuracy"] = strict
-    result["eval/greedy_lenient_accuracy"] = lenient
-    result["eval/greedy_format"] = formatted
+    greedy_grades = _grades(texts, answers)
+    result["eval/greedy_accuracy"], result["eval/greedy_lenient_accuracy"], result["eval/greedy_format"] = \
+        _means(greedy_grades)
+    sampled_grades = None
     if k > 0:
         texts = _generate_texts(engine, tokenizer, prompt_ids, k, replace(sampling, seed=seed + 1), max_rows, passes)
-        strict, lenient, formatted = _score(texts, [a for a in answers for _ in range(k)])
-        result["eval/pass@1"] = strict
-        result["eval/pass@1_lenient"] = lenient
-        result["eval/sampled_format"] = formatted
+        sampled_grades = _grades(texts, [a for a in answers for _ in range(k)])
+        result["eval/pass@1"], result["eval/pass@1_lenient"], result["eval/sampled_format"] = _means(sampled_grades)
         result["eval/samples"] = float(k)
+    if per_problem is not None:
+        per_problem.extend(problem_records(prompt_set.examples, greedy_grades, sampled_grades, k))
     return result
+
+
+def problem_id(question: str) -> str:
+    """A held-out problem's id: the first 16 hex digits of its question's sha256, the same whatever the
+    order, the model or the run."""
+    return hashlib.sha256(question.encode()).hexdigest()[:16]
+
+
+def problem_records(examples, greedy: list[tuple[bool, bool, bool]], sampled: list[tuple[bool, bool, bool]] | None,
+                    k: int) -> list[dict]:
+    """One record per problem: its id, greedy strict/lenient correctness and exact format, and with k
+    samples per problem how many of them were right (strict, lenient) and in format."""
+    records = []
+    for i, (example, (strict, lenient, formatted)) in enumerate(zip(examples, greedy, strict=True)):
+        record = {"id": problem_id(example.question), "answer": example.answer, "greedy_strict": strict,
+                  "greedy_lenient": lenient, "greedy_format": formatted}
+        if sampled is not None:
+            mine = sampled[i * k:(i + 1) * k]
+            record.update(samples=k, sampled_strict=sum(g[0] for g in mine), sampled_lenient=sum(g[1] for g in mine),
+                          sampled_format=sum(g[2] for g in mine))
+        records.append(record)
+    return records
 
 
 class _Passes:
@@ -78,17 +105,16 @@ def _generate_texts(engine, tokenizer, prompt_ids, n: int, sampling: Sampling, m
     return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
-def _score(texts: list[str], answers: list[str]) -> tuple[float, float, float]:
-    """(strict accuracy, lenient accuracy, format compliance) of completions against their answers."""
-    pairs = list(zip(texts, answers, strict=True))
-    return (_mean(grpo_rewards.is_correct(t, a) for t, a in pairs),
-            _mean(grpo_rewards.is_correct_lenient(t, a) for t, a in pairs),
-            _mean(grpo_rewards.has_exact_format(t) for t, _ in pairs))
+def _grades(texts: list[str], answers: list[str]) -> list[tuple[bool, bool, bool]]:
+    """(strict correct, lenient correct, exact format) of each completion against its answer."""
+    return [(bool(grpo_rewards.is_correct(t, a)), bool(grpo_rewards.is_correct_lenient(t, a)),
+             bool(grpo_rewards.has_exact_format(t))) for t, a in zip(texts, answers, strict=True)]
 
 
-def _mean(values) -> float:
-    values = list(values)
-    return sum(bool(v) for v in values) / max(1, len(values))
+def _means(grades: list[tuple[bool, bool, bool]]) -> tuple[float, float, float]:
+    """(strict accuracy, lenient accuracy, format compliance) of graded completions."""
+    n = max(1, len(grades))
+    return tuple(sum(g[j] for g in grades) / n for j in range(3))
 
 
 def log_eval(console, log, step: int, result: dict[str, float]) -> None:
@@ -119,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", nargs="*", default=[], help="Stop strings, as train.py's --stop (the "
                         "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
     parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
+    parser.add_argument("--batch-rows", type=int, default=None, help="Completions per engine call (default: all "
+                        "at once). The trainer's eval uses P*G (64 in the qwen1.5b-gsm8k preset); pass the same to "
+                        "reproduce its figures, since batching moves bf16 greedy decoding slightly on a GPU.")
+    parser.add_argument("--per-problem", default=None, metavar="FILE.jsonl", help="Also write one JSON line per "
+                        "held-out problem (id, greedy strict/lenient/format, sampled counts), for "
+                        "`python -m grpo.compare_evals`.")
     parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
                         "train.py's --system-prompt (default: the recipe's; pass the run's own to compare).")
     parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
@@ -145,6 +177,8 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
     at_least = {"--eval-size": (args.eval_size, 1), "--samples": (args.samples, 0), "--seed": (args.seed, 0),
                 "--max-completion-length": (args.max_completion_length, 1),
                 "--max-prompt-length": (args.max_prompt_length, 1)}
+    if args.batch_rows is not None:
+        at_least["--batch-rows"] = (args.batch_rows, 1)
     for name, (value, low) in at_least.items():
         if value < low:
             return f"{name} {value}: must be {low} or more"
@@ -184,9 +218,23 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
     sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
                         stop_token_ids=stop_token_ids(tokenizer, base.generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, args.stop))
-    result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed)
+    per_problem: list[dict] | None = [] if args.per_problem else None
+    result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed,
+                      max_rows=args.batch_rows, per_problem=per_problem)
+    if per_problem is not None:
+        write_jsonl(args.per_problem, per_problem)
     Console(stderr=True).print(result)
     return result
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    """`records` as JSON lines in `path` (its folder created), written aside and renamed: never half-written."""
+    from pathlib import Path
+
+    from grpo.config import write_atomically
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(Path(path), "".join(json.dumps(r) + "\n" for r in records).encode())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 EVAL_SERIES = (  # key, label, marker
     ("eval/greedy_accuracy", "held-out accuracy (greedy)", "o"),
@@ -29,6 +31,18 @@ EVAL_SERIES = (  # key, label, marker
 )
 
 
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line of a JSON-lines file; a line that is not JSON is
+    one ValueError naming the file and line."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{n}: not a JSON line; fix or delete that line") from None
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) of a metrics.jsonl, each sorted by step; a step logged twice
     keeps its last record (a resumed run rewrites the steps after its checkpoint)."""
@@ -37,13 +51,7 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
         raise FileNotFoundError(f"{path}: no such metrics file; pass the metrics.jsonl of a run's --output-dir")
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{n}: not a JSON line; fix or delete that line") from None
+    for _, record in json_lines(path):
         if not isinstance(record, dict) or "step" not in record:
             continue
         if any(key in record for key, _, _ in EVAL_SERIES):

@@ -109,6 +109,41 @@ def test_eval_in_chunks_of_max_rows_gives_the_same_result(llama_tokenizer):
     assert whole.rows_per_call == [7, 21] and max(chunked.rows_per_call) <= 4 and sum(chunked.rows_per_call) == 28
 
 
+def test_per_problem_records_hold_each_problems_greedy_grades_and_sampled_counts(llama_tokenizer):
+    from grpo.data import Example
+
+    good, boxed = "2+2<end_working_out><SOLUTION>4</SOLUTION>", "so \\boxed{4}"
+    engine = ScriptedEngine(llama_tokenizer, greedy=[good, boxed], sampled=[good, boxed, boxed, "5"])
+    prompts = _Prompts(["4", "4"])
+    prompts.examples = [Example(question="What is 2+2?", answer="4", columns={}),
+                        Example(question="And 3+1?", answer="4", columns={})]
+    records: list[dict] = []
+    result = grpo_eval.evaluate(engine, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=2, seed=0,
+                                per_problem=records)
+    assert [r["id"] for r in records] == [grpo_eval.problem_id("What is 2+2?"), grpo_eval.problem_id("And 3+1?")]
+    assert records[0]["id"] != records[1]["id"] and len(records[0]["id"]) == 16
+    first, second = records
+    assert (first["greedy_strict"], first["greedy_lenient"], first["greedy_format"]) == (True, True, True)
+    assert (second["greedy_strict"], second["greedy_lenient"], second["greedy_format"]) == (False, True, False)
+    assert (first["sampled_strict"], first["sampled_lenient"], first["sampled_format"]) == (1, 2, 1)
+    assert (second["sampled_strict"], second["sampled_lenient"], second["sampled_format"]) == (0, 1, 0)
+    assert result["eval/greedy_accuracy"] == sum(r["greedy_strict"] for r in records) / 2  # the same grades
+
+
+def test_eval_cli_writes_one_line_per_held_out_problem(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "evals" / "base.jsonl"
+    assert grpo_eval.main(["--model", str(tiny_llama_dir), "--eval-size", "3", "--samples", "0",
+                           "--max-completion-length", "2", "--engine", "hf", "--batch-rows", "2",
+                           "--per-problem", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == result["eval/prompts"] == 3 and len({r["id"] for r in records}) == 3
+    assert sum(r["greedy_strict"] for r in records) / 3 == result["eval/greedy_accuracy"]
+    with pytest.raises(SystemExit):
+        grpo_eval.main(["--model", "no/such-model", "--batch-rows", "0"])
+    assert "--batch-rows 0" in capsys.readouterr().err
+
+
 def test_eval_cli_refuses_an_empty_stop_string_before_loading_anything(capsys):
     from grpo.eval import main
 

