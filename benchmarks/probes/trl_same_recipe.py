@@ -234,7 +234,7 @@ def run(cfg, args, started: float) -> Path:
     from bench_setup import step_clock
 
     from grpo.model import default_device, load_policy
-    from grpo.step import make_optimizer, make_scheduler
+    from grpo.optim import make_optimizer, make_scheduler
 
     resume = resume_point(cfg)
     out = Path(cfg.output_dir)
