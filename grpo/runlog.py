@@ -107,9 +107,11 @@ def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
     return records, dropped
 
 
-def step_record(step: int, result: StepResult, lr: float, step_time: float, peak_mem_gib: float) -> dict:
+def step_record(step: int, result: StepResult, lr: float, step_time: float, peak_mem_gib: float,
+                engine_pool_gib: float | None = None) -> dict:
     """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
-    --dynamic-sampling the batch is every completion sampled, kept or dropped."""
+    --dynamic-sampling the batch is every completion sampled, kept or dropped. `peak_mem_gib` is the
+    trainer's; `engine_pool_gib` (vLLM's share of the GPU, --engine vllm/unsloth) is logged apart."""
     scores = result.scores
     total = scores.total  # (N*P*G,)
     record = {
@@ -123,6 +125,7 @@ def step_record(step: int, result: StepResult, lr: float, step_time: float, peak
         "skipped": result.skipped, **result.loss_stats,
         "step_time": step_time, **{f"time/{k}": v for k, v in result.timings.items()},
         "peak_mem_gib": peak_mem_gib,
+        **({} if engine_pool_gib is None else {"engine_pool_gib": engine_pool_gib}),
         **result.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
     }
     if result.sampling is not None:
@@ -133,9 +136,10 @@ def step_record(step: int, result: StepResult, lr: float, step_time: float, peak
 
 
 def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
-    """The record in one line of at most 100 columns: the step (of `max_steps`), the reward (mean ± std over
+    """The record in one line of at most 100 columns (about 112 with vLLM's pool): the step (of `max_steps`), the reward (mean ± std over
     the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
-    tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size).
+    tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size),
+    then vLLM's pool apart where the engine is vLLM (`mem 5.2 GiB + vllm 7.9 GiB`).
     A second line when there is more to say: the sampler-trainer gap when its mean exceeds `gap_warn`
     (--gap-warn), and what --dynamic-sampling kept."""
     step = f"{record['step']}" if max_steps is None else f"{record['step']:>{len(str(max_steps))}}/{max_steps}"
@@ -144,6 +148,8 @@ def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = m
     line = (f"step {step}  reward {record['reward']:6.2f} ± {record['reward_std']:.2f}  acc {record['accuracy']:.2f}  "
             f"fmt {record['format']:.2f}  kl {record.get('kl', 0.0):.4f}  len {record['completion_length']:.0f}  "
             f"{took}  mem {record['peak_mem_gib']:.3g} GiB")
+    if "engine_pool_gib" in record:  # vLLM's own pool, beside ours: never added to it
+        line += f" + vllm {record['engine_pool_gib']:.3g} GiB"
     extras = []
     gap = record.get("gap/logp_abs_mean")
     if gap is not None and not gap <= gap_warn:  # NaN shows too
@@ -218,6 +224,17 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def step_memory_gib(device: torch.device, engine: Any) -> tuple[float, float | None]:
+    """(the trainer's peak this step, the engine's pool or None), in GiB. An engine with a memory pool
+    of its own (vLLM: `pool_bytes()`) has it reported apart; the part of that pool this process's torch
+    counts (`pool_bytes_in_torch()`, vLLM's engine core in this process) is taken out of the trainer's
+    peak, which is otherwise torch's (on CPU, the process's peak resident size)."""
+    peak = peak_memory_gib(device)
+    if device.type != "cuda" or not hasattr(engine, "pool_bytes"):  # vLLM's CPU build: no GPU pool
+        return peak, None
+    return peak - engine.pool_bytes_in_torch() / 2**30, engine.pool_bytes() / 2**30
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -40,8 +40,8 @@ from grpo.failures import add_note, describe
 from grpo.model import default_device, load_policy, model_summary
 from grpo.rollout import Engine, Sampling, build_engine, resolve_engine_name, unsloth_loads_the_model
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, peak_memory_gib, print_completions,
-                         reset_peak_memory, step_line, step_record, synced_clock)
+from grpo.runlog import (MetricsLog, ProgressBar, StopOnSignal, Stopped, print_completions, reset_peak_memory,
+                         step_line, step_memory_gib, step_record, synced_clock)
 from grpo.step import InFlight, StepSetup, grpo_step, make_optimizer, make_scheduler
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
@@ -89,7 +89,8 @@ def run(cfg: Config, world: World) -> Path:
                               max_seq_len=longest_prompt + max_completion,
                               max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
                               model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
-                              work_dir=str(vllm_dir))
+                              work_dir=str(vllm_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                              enforce_eager=cfg.vllm_enforce_eager)
     keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -161,7 +162,7 @@ def run(cfg: Config, world: World) -> Path:
 
             # Log: the batch of all ranks; time and memory are this rank's.
             record = step_record(state.step, result, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
-                                 peak_memory_gib(device))
+                                 *step_memory_gib(device, engine))
             if world.is_main:
                 log.write(record)
             line = step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn)
@@ -238,6 +239,7 @@ def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
             cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
             seed=cfg.seed, work_dir=str(vllm_dir), lora_dropout=cfg.lora_dropout,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.vllm_enforce_eager,
             use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False)
         return policy, tokenizer, None, engine
     policy, tokenizer, model_dir = load_policy(cfg, device)

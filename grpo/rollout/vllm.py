@@ -37,6 +37,10 @@ Stops. Token-id stop sequences have no vLLM equivalent (its `stop` takes strings
 cut after the first complete stop sequence once generation ends; the tokens vLLM made past it
 are wasted work. The model's own EOS is not added: `Sampling.stop_token_ids` is the whole stop set.
 
+Memory. vLLM takes `gpu_memory_utilization` of the GPU (`pool_bytes()`); when its engine core runs
+in this process (Unsloth's), its allocations also count in torch's allocated bytes
+(`pool_bytes_in_torch()`), which the trainer leaves out of its own peak and reports apart.
+
 Not here: building the LoRA model (grpo/model.py), choosing the engine (grpo/rollout/__init__.py).
 Nothing happens at import: vllm and unsloth are imported inside the functions that need them.
 """
@@ -52,7 +56,7 @@ from typing import Any
 
 import torch
 
-from grpo.config import DTYPES
+from grpo.config import DTYPES, VLLM_GPU_MEMORY_UTILIZATION
 from grpo.fp8_checkpoint import is_fp8_checkpoint
 from grpo.rollout.base import Rollout, Sampling
 from grpo.rollout.stops import first_stop_index
@@ -69,8 +73,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
-# (the policy, its activations and the optimizer need the rest).
-GPU_MEMORY_UTILIZATION = 0.35
+# (the policy, its activations and the optimizer need the rest): --vllm-gpu-memory-utilization's default.
+GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
 
 
 # --- availability and checks -----------------------------------------------------------------
@@ -276,6 +280,7 @@ class _VLLMRollout:
     pad_id: int
     max_model_len: int | None
     sleep_mode: bool
+    gpu_memory_utilization: float  # the share of the GPU asked of vLLM
     # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs.
     logprob_semantics: str
     # vLLM's kernels are not the trainer's: its log-probs differ a little, token by token.
@@ -337,6 +342,33 @@ class _VLLMRollout:
         """None: always released, so that vLLM sleeps and gives its memory pool back to training."""
         return None
 
+    def pool_bytes(self) -> int:
+        """vLLM's share of the GPU: gpu_memory_utilization times the device's memory, the budget vLLM sizes
+        its weights, KV cache and CUDA graphs to (read from the engine where it says, e.g. what Unsloth
+        passed). 0 off CUDA."""
+        if not torch.cuda.is_available():
+            return 0
+        cache = getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+        share = getattr(cache, "gpu_memory_utilization", None) or self.gpu_memory_utilization
+        return int(share * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+    def pool_bytes_in_torch(self) -> int:
+        """The bytes of vLLM's pool that this process's torch counts as allocated, so that the trainer can
+        leave them out of its own peak: all of vLLM's sleep-mode allocations (weights, KV cache) when the
+        engine core runs in this process (Unsloth's engine; VLLM_ENABLE_V1_MULTIPROCESSING=0), asleep or
+        awake, since sleep unmaps them behind torch's back; 0 when vLLM runs in its own process."""
+        return in_process_vllm_pool_bytes()
+
+
+def in_process_vllm_pool_bytes() -> int:
+    """What vLLM's sleep-mode allocator (CuMemAllocator) holds in this process; 0 where it never started."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    allocator = getattr(CuMemAllocator, "instance", None)  # read, not get_instance(): that would create one
+    return int(allocator.get_current_usage()) if allocator is not None else 0
+
 
 class VLLMEngine(_VLLMRollout):
     """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
@@ -347,12 +379,14 @@ class VLLMEngine(_VLLMRollout):
     llm: an already-built `vllm.LLM` (tests; it must have enable_lora and, for exact log-probs at
     temperatures other than 0 and 1, `vllm_llm_kwargs`'s logits processor and logprobs mode).
     sleep_mode: default True on CUDA, False elsewhere (vLLM's CPU build rejects it).
+    gpu_memory_utilization, enforce_eager: see `vllm_llm_kwargs` (--vllm-gpu-memory-utilization, --vllm-enforce-eager).
     llm_kwargs: passed on to `vllm.LLM`, over our defaults.
     """
 
     def __init__(self, policy: Any, model_path: str, *, lora_rank: int, max_model_len: int, dtype: str,
                  seed: int, work_dir: str, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, llm: Any = None,
-                 pad_id: int = 0, sleep_mode: bool | None = None, **llm_kwargs: Any) -> None:
+                 pad_id: int = 0, sleep_mode: bool | None = None, enforce_eager: bool = False,
+                 **llm_kwargs: Any) -> None:
         super().__init__()
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
@@ -361,6 +395,7 @@ class VLLMEngine(_VLLMRollout):
         self.pad_id = pad_id
         self.max_model_len = max_model_len
         self.work_dir = Path(work_dir)
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.sleep_mode = torch.cuda.is_available() if sleep_mode is None else sleep_mode
         self._adapter_id = 0
         self._adapter_path: Path | None = None
@@ -369,7 +404,7 @@ class VLLMEngine(_VLLMRollout):
             vllm = _import_vllm()
             kwargs = vllm_llm_kwargs(model_path, lora_rank=lora_rank, max_model_len=max_model_len,
                                      dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                                     sleep_mode=self.sleep_mode)
+                                     sleep_mode=self.sleep_mode, enforce_eager=enforce_eager)
             kwargs.update(llm_kwargs)
             llm = vllm.LLM(**kwargs)
         self.llm = llm
@@ -398,8 +433,9 @@ class VLLMEngine(_VLLMRollout):
 
 def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtype: str, seed: int,
                     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-                    sleep_mode: bool = False) -> dict[str, Any]:
-    """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests)."""
+                    sleep_mode: bool = False, enforce_eager: bool = False) -> dict[str, Any]:
+    """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests).
+    enforce_eager: no CUDA graphs or torch.compile on CUDA (the CPU build is always eager)."""
     on_cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
@@ -410,7 +446,7 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
         max_lora_rank=vllm_lora_rank(lora_rank),
         max_loras=1,  # one adapter per call, a new one each step
         gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=not on_cuda,  # CUDA graphs on CUDA; the CPU build needs eager
+        enforce_eager=enforce_eager or not on_cuda,  # CUDA graphs on CUDA; the CPU build needs eager
         logprobs_mode="processed_logits",
         logits_processors=[LOGITS_PROCESSOR],
     )
@@ -428,9 +464,11 @@ class UnslothEngine(_VLLMRollout):
     """
 
     def __init__(self, model: Any, *, work_dir: str, seed: int, max_model_len: int | None = None,
-                 pad_id: int = 0, sleep_mode: bool | None = None) -> None:
+                 pad_id: int = 0, sleep_mode: bool | None = None,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> None:
         super().__init__()
         self.model = model
+        self.gpu_memory_utilization = gpu_memory_utilization  # what was asked; pool_bytes() reads vLLM's own
         self.llm = model.vllm_engine
         self.seed = seed
         self.pad_id = pad_id
@@ -454,7 +492,7 @@ class UnslothEngine(_VLLMRollout):
 def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
                         lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
                         seed: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-                        work_dir: str = "outputs/unsloth",
+                        work_dir: str = "outputs/unsloth", enforce_eager: bool = False,
                         lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
     """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
 
@@ -462,6 +500,8 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
     checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
     bf16 checkpoint; then adds the same rsLoRA adapter as grpo/model.py through
     `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
+    vLLM takes `gpu_memory_utilization` of the GPU, standby or not; `enforce_eager` skips its
+    torch.compile and CUDA graphs (minutes of start-up).
     """
     if not torch.cuda.is_available():
         raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
@@ -473,6 +513,9 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
     # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
     # our trainer needs the forward pass to return logits.
     os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
+    # Under standby Unsloth replaces gpu_memory_utilization by its own share for the GPU (0.925 x 0.95 of
+    # a GPU of 40 GB or more with vLLM >= 0.11: unsloth_zoo.vllm_utils.load_vllm); this keeps the user's.
+    os.environ["UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE"] = "1"
     os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
     try:
         from unsloth import FastLanguageModel
@@ -488,6 +531,7 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         fast_inference=True,
         max_lora_rank=vllm_lora_rank(lora_rank),
         gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,  # one of the load_vllm arguments Unsloth passes on
         random_state=seed,
     )
     model = FastLanguageModel.get_peft_model(
@@ -501,5 +545,6 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         use_gradient_checkpointing=use_gradient_checkpointing,
         random_state=seed,
     )
-    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length)
+    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length,
+                           gpu_memory_utilization=gpu_memory_utilization)
     return model, tokenizer, engine
