@@ -136,8 +136,8 @@ def step_record(step: int, result: StepResult, lr: float, step_time: float, peak
 
 
 def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
-    """The record in one line of at most 100 columns (about 112 with vLLM's pool): the step (of `max_steps`), the reward (mean ± std over
-    the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
+    """The record in one line of at most 100 columns (about 112 with vLLM's pool): the step (of
+    `max_steps`), the reward (mean ± std over the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
     tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size),
     then vLLM's pool apart where the engine is vLLM (`mem 5.2 GiB + vllm 7.9 GiB`).
     A second line when there is more to say: the sampler-trainer gap when its mean exceeds `gap_warn`

@@ -623,3 +623,24 @@ def test_an_engine_without_a_pool_and_a_cpu_run_report_the_trainers_memory_alone
     assert step_memory_gib(torch.device("cuda"), object()) == (pytest.approx(6.0), None)  # native, hf: ours
     peak, pool = step_memory_gib(torch.device("cpu"), engine)  # vLLM's CPU build: no GPU pool to report
     assert pool is None and peak > 0
+
+
+# --- Unsloth's log-probs: raw asked for, processed ones refused where they are not the trainer's ------
+
+def test_unsloth_is_asked_for_raw_logprobs_not_its_training_default(fake_unsloth, tmp_path):
+    seen, _, _ = fake_unsloth
+    _, _, engine = _load(tmp_path)
+    # load_vllm(training=True) would report processed_logprobs: renormalised over what min_p keeps
+    assert seen["from_pretrained"]["training"] is False and engine.logprob_semantics == "raw"
+
+
+def test_an_engine_reporting_processed_logprobs_refuses_truncation_and_serves_without_it(fake_unsloth, tmp_path):
+    _, _, llm = fake_unsloth
+    llm.llm_engine.model_config.logprobs_mode = "processed_logprobs"
+    _, _, engine = _load(tmp_path)
+    assert engine.logprob_semantics == "processed"
+    for cut in (dict(min_p=0.1), dict(top_k=50), dict(top_p=0.9)):
+        with pytest.raises(ValueError, match="renormalised over the kept tokens"):
+            engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=1.0, **cut))
+    # untruncated, processed log-probs are log softmax(logits / T): any temperature
+    assert engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.7)).n == 2

@@ -24,8 +24,11 @@ truncation, which differ from the trainer's by log(kept mass) per token (hugging
 T * logsumexp(logits / T) from each row before vLLM divides by T, which changes no probability,
 and `logprobs_mode="processed_logits"` returns the shifted, temperature-scaled logit of the
 sampled token: log softmax(logits / T) at that token, whatever was truncated around it. Greedy
-(T = 0) reports log softmax(logits). Unsloth builds its own vLLM engine with the default raw
-log-probs, so `UnslothEngine` is exact at temperature 1 (the recipe's) and 0, and refuses others.
+(T = 0) reports log softmax(logits). Unsloth builds its own vLLM engine, for training with
+"processed_logprobs" (renormalised over what min_p/top-k/top-p keep: off by log(kept mass) at the
+recipe's min_p 0.1); `load_unsloth_policy` asks it for raw log-probs instead (`training=False`), so
+`UnslothEngine` is exact at temperature 1 (the recipe's) and 0, and refuses others. An engine that
+reports processed log-probs is exact only without truncation, and refuses truncation.
 
 Seeds. vLLM seeds each request's random stream from `SamplingParams.seed` (one request's n
 samples use seed, seed+1, ...), so one seed for all prompts would give every prompt the same
@@ -263,6 +266,11 @@ def rollout_from_outputs(prompt_ids: list[list[int]], outputs: list[Any], n: int
                    sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), n=n)
 
 
+def truncates(sampling: Sampling) -> bool:
+    """Whether min_p, top-k or top-p drop tokens before sampling."""
+    return sampling.min_p > 0 or sampling.top_k > 0 or sampling.top_p < 1.0
+
+
 def _engine_logprobs_mode(llm: Any) -> str | None:
     """The logprobs_mode an existing vllm.LLM was built with, where it can be read."""
     config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
@@ -281,7 +289,8 @@ class _VLLMRollout:
     max_model_len: int | None
     sleep_mode: bool
     gpu_memory_utilization: float  # the share of the GPU asked of vLLM
-    # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs.
+    # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs;
+    # "processed": log softmax(logits/T) renormalised over the tokens min_p/top-k/top-p keep.
     logprob_semantics: str
     # vLLM's kernels are not the trainer's: its log-probs differ a little, token by token.
     needs_importance_correction = True
@@ -310,6 +319,11 @@ class _VLLMRollout:
             raise ValueError(f"--temperature {t}: this vLLM engine reports log-probs at temperature 1 only "
                              "(Unsloth's engine uses raw log-probs); use --temperature 1.0, or the plain "
                              "vLLM engine")
+        if self.logprob_semantics == "processed" and truncates(sampling):
+            raise ValueError(f"--min-p {sampling.min_p} --top-k {sampling.top_k} --top-p {sampling.top_p}: this vLLM "
+                             "engine reports log-probs renormalised over the kept tokens (processed_logprobs), "
+                             "not the trainer's; use --min-p 0 --top-k 0 --top-p 1, or an engine built with "
+                             "raw log-probs (load_unsloth_policy's)")
         self._calls += 1
         timings: dict[str, float] = {}
         start = time.perf_counter()
@@ -479,7 +493,7 @@ class UnslothEngine(_VLLMRollout):
             sleep_mode = bool(getattr(config, "enable_sleep_mode", False))
         self.sleep_mode = sleep_mode
         mode = _engine_logprobs_mode(self.llm)
-        self.logprob_semantics = "exact" if mode == "processed_logits" else "raw"
+        self.logprob_semantics = {"processed_logits": "exact", "processed_logprobs": "processed"}.get(mode, "raw")
 
     def _lora_request(self) -> Any:
         return self.model.load_lora(str(self.adapter_dir), load_tensors=True)
@@ -532,6 +546,10 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         max_lora_rank=vllm_lora_rank(lora_rank),
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,  # one of the load_vllm arguments Unsloth passes on
+        # load_vllm's training=True (the default) builds vLLM with processed_logprobs, renormalised over
+        # what min_p keeps; False gives raw ones, the trainer's quantity at temperature 1. (It also leaves
+        # the gradients out of Unsloth's estimate of vLLM's batch size; vLLM's share is ours either way.)
+        training=False,
         random_state=seed,
     )
     model = FastLanguageModel.get_peft_model(
