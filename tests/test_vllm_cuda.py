@@ -244,8 +244,9 @@ def test_two_grpo_steps_on_the_unsloth_path_train_the_adapter_that_the_engine_th
           f"mem {steps[0]['peak_mem_gib']:.2f} GiB + vllm {steps[0]['engine_pool_gib']:.2f} GiB")
     assert gaps[1] < moved / 4, (gaps, moved)
 
-    # Memory: vLLM's pool is the share asked for (not Unsloth's standby 0.88), reported apart from ours.
+    # Memory: vLLM's pool is the share asked for (Unsloth takes it of the memory free at load, so at most
+    # that much; standby alone would take 0.88), reported apart from ours.
     total_gib = torch.cuda.get_device_properties(0).total_memory / GiB
-    assert all(abs(r["engine_pool_gib"] - VLLM_SHARE * total_gib) < 0.01 * total_gib for r in steps)
+    assert all(0.5 * VLLM_SHARE * total_gib < r["engine_pool_gib"] <= 1.001 * VLLM_SHARE * total_gib for r in steps)
     assert all(0 < r["peak_mem_gib"] < 4 for r in steps)  # a two-layer model's training, without vLLM's pool
     assert f"+ vllm {steps[0]['engine_pool_gib']:.3g} GiB" in output
