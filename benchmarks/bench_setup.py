@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo.config import LORA_TARGETS
+from grpo.config import LORA_TARGETS, VLLM_GPU_MEMORY_UTILIZATION
 
 GiB = 2**30
 
@@ -76,6 +76,11 @@ TRL_QUOTED = {
     "long": {"step_time_s": 67.6, "peak_alloc_gib": 9.55, "peak_reserved_gib": 14.1},
 }
 QUOTE_NOTE = "quoted: TRL 1.16 on this project's H200, same random-init model, forced lengths"
+# Every engine that samples with vLLM, ours and the peers', gets the same share of the GPU (our default), so
+# that nvidia-smi's peaks compare the trainers and not the pools. Unsloth's standby would take 0.88.
+VLLM_SHARE = VLLM_GPU_MEMORY_UTILIZATION
+# The peer that the engines of ours that sample with vLLM aim at: Unsloth's own GRPO (the seed's way).
+ENGINE_PEER = "unsloth-grpo"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,6 +226,7 @@ def summarize_steps(records: list[dict], warmup: int, rows: int | None = None) -
         # Top-level phases are disjoint; "generate/capture" and the like are parts of "generate".
         "phases_s": phases, "other_s": max(0.0, step_time - sum(v for k, v in phases.items() if "/" not in k)),
         "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),
+        **({"engine_pool_gib": steady[0]["engine_pool_gib"]} if "engine_pool_gib" in steady[0] else {}),
         "completion_length": statistics.median(r["completion_length"] for r in steady),
         # The sampler-trainer gap (|log pi_train - log pi_sampler| over the completion tokens), per engine
         "gap": {k[len("gap/"):]: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("gap/")},
@@ -375,15 +381,17 @@ def run_trl(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: 
 
 
 def run_unsloth_grpo(model_dir: str | Path, dataset: str | Path, shape: Shape, *, steps: int,
-                     output_dir: str | Path, seed: int = 3407, vllm_share: float = 0.35) -> list[dict]:
+                     output_dir: str | Path, seed: int = 3407, vllm_share: float = VLLM_SHARE) -> list[dict]:
     """Unsloth's own GRPO as the seed recipe runs it: Unsloth loads the checkpoint (FP8-Block: its own
     quantization_config decides) with its vLLM engine inside (`fast_inference=True`, standby on), adds the
     same rsLoRA adapter with Unsloth's gradient checkpointing, and TRL's GRPOTrainer (the TRL Unsloth
     supports) trains with our recipe, sampling through vLLM with min_p 0.1 and EOS ignored. Importing
-    unsloth patches transformers and TRL for the whole process: run it alone."""
+    unsloth patches transformers and TRL for the whole process: run it alone. vLLM gets `vllm_share` of the
+    GPU, as ours does: standby would raise it to its own (0.88 on an H200) without the override."""
     import os
 
     os.environ["UNSLOTH_VLLM_STANDBY"] = "1"  # read at import
+    os.environ["UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE"] = "1"  # read as Unsloth builds vLLM
     try:
         from unsloth import FastLanguageModel
     except ImportError:
@@ -541,8 +549,12 @@ class Results:
     """The records of one suite run; `add` rewrites the whole JSON file, so a run cut short keeps
     everything it finished."""
 
-    def __init__(self, directory: str | Path, command: str, smoke: bool = False, date: str | None = None):
+    def __init__(self, directory: str | Path, command: str, smoke: bool = False, date: str | None = None,
+                 join: str | Path | None = None):
         env = environment()
+        if join is not None and Path(join).exists():  # one suite run over several processes: add to it
+            self._join(Path(join), command, env)
+            return
         self.meta = {
             "date": date or datetime.date.today().isoformat(), **env, "command": command, "smoke": smoke,
             "started": datetime.datetime.now().isoformat(timespec="seconds"),  # orders runs of one day
@@ -553,7 +565,24 @@ class Results:
         while self.path.exists():  # a second run the same day gets its own file, never the first one's
             self.path = Path(directory) / f"{stem}-run{run}.json"
             run += 1
+        if join is not None:  # the first process of a joined run names the file the others add to
+            self.path = Path(join)
         self.records: list[dict] = []
+        self.process = 0  # which process of a joined run made a record: 0 is the first
+
+    def _join(self, path: Path, command: str, env: dict) -> None:
+        """Continue the run in `path`: its records and meta stay; this process's command and versions are
+        listed under "joined", and its records say which process made them ("process": 1, 2, ...)."""
+        payload = json.loads(path.read_text())
+        self.records = payload.pop("records")
+        for key in ("comparisons", "engine_comparisons"):
+            payload.pop(key, None)
+        self.meta = payload
+        joined = self.meta.setdefault("joined", [])
+        joined.append({"command": command, "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                       "versions": env["versions"]})
+        self.process = len(joined)
+        self.path = path
 
     def add(self, benchmark, *, group: str, config: str | None = None, impl: str | None = None,
             dtype: str | None = None) -> dict:
@@ -562,7 +591,8 @@ class Results:
         if stats is not None:
             timing = {k: getattr(stats, k) for k in ("median", "min", "max", "mean", "stddev", "rounds")}
         rec = {"name": benchmark.name, "group": group, "config": config, "impl": impl, "dtype": dtype,
-               "measured": True, "timing_s": timing, "extra_info": dict(benchmark.extra_info)}
+               "measured": True, "timing_s": timing, "extra_info": dict(benchmark.extra_info),
+               "process": self.process}
         self.records.append(rec)
         self.write()
         return rec
@@ -573,7 +603,8 @@ class Results:
 
     def write(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {**self.meta, "records": self.records, "comparisons": comparisons(self.records)}
+        payload = {**self.meta, "records": self.records, "comparisons": comparisons(self.records),
+                   "engine_comparisons": engine_comparisons(self.records)}
         self.path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n")
         return self.path
 
@@ -599,6 +630,7 @@ def step_rows(records: list[dict]) -> list[dict]:
         rows.append({"config": rec["config"], "impl": rec["impl"], "dtype": rec["dtype"],
                      "step_time_s": info.get("step_time_s"), "peak_alloc_gib": peak,
                      "peak_reserved_gib": info.get("peak_reserved_gib"), "measured": rec.get("measured", True),
+                     "peak_gpu_used_gib": info.get("peak_gpu_used_gib"), "engine_pool_gib": info.get("engine_pool_gib"),
                      "phases_s": info.get("phases_s", {}), "other_s": info.get("other_s"),
                      "completion_tokens_per_s": info.get("completion_tokens_per_s"),
                      "note": info.get("note")})
@@ -628,3 +660,16 @@ def comparisons(records: list[dict]) -> list[dict]:
         out.append({"config": ours["config"], "dtype": ours["dtype"], "time_ratio": t, "memory_ratio": m,
                     "speedup": None if not t else 1.0 / t, "trl_measured": peer["measured"]})
     return out
+
+
+def engine_comparisons(records: list[dict]) -> list[dict]:
+    """Each of our step rows at the bench config over Unsloth's own GRPO (ENGINE_PEER) measured in the same
+    run: step time and nvidia-smi's peak GPU memory (below 1 is better; the goal is at most 1)."""
+    rows = [r for r in step_rows(records) if r["measured"] and r["config"] == "bench"]
+    peer = next((r for r in rows if r["impl"] == ENGINE_PEER and r["step_time_s"]), None)
+    if peer is None:
+        return []
+    return [{"impl": r["impl"], "dtype": r["dtype"], "peer": ENGINE_PEER,
+             "time_ratio": ratio_to_peer(r["step_time_s"], peer["step_time_s"]),
+             "gpu_used_ratio": ratio_to_peer(r["peak_gpu_used_gib"], peer["peak_gpu_used_gib"])}
+            for r in rows if r["impl"].startswith("ours") and r["step_time_s"]]

@@ -40,6 +40,9 @@ def pytest_addoption(parser):
                          "after the session started (0: no limit).")
     group.addoption("--bench-results-dir", default=str(HERE / "results"),
                     help="Where the results JSON goes (default: benchmarks/results).")
+    group.addoption("--bench-join", default=None, metavar="PATH",
+                    help="Add this process's results to the results file PATH (made by the first process that "
+                         "names it): one suite run over the several processes that vLLM and Unsloth need.")
     group.addoption("--bench-steps", type=int, default=5, help="Optimizer steps per run at the bench config.")
     group.addoption("--bench-long-steps", type=int, default=3, help="Optimizer steps per run at the long config.")
     group.addoption("--bench-trl-steps", type=int, default=3, help="Optimizer steps of the TRL peer.")
@@ -190,7 +193,8 @@ def results(request):
 
     config = request.config
     command = " ".join(["pytest", *config.invocation_params.args])
-    res = bs.Results(config.getoption("--bench-results-dir"), command, smoke=config.getoption("--bench-smoke"))
+    res = bs.Results(config.getoption("--bench-results-dir"), command, smoke=config.getoption("--bench-smoke"),
+                     join=config.getoption("--bench-join"))
     config.stash[_RESULTS] = res
     return res
 
@@ -224,7 +228,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             star = "" if r["measured"] else "  (quoted)"
             tr.write_line(f"{r['config']:<7} {r['impl']:<5} {r['dtype']:<5} {r['step_time_s']:8.3f} "
                           f"{r['peak_alloc_gib']:15.2f} {reserved:>18}{star}")
-    from bench_setup import comparisons
+    from bench_setup import comparisons, engine_comparisons
+
+    for c in engine_comparisons(res.records):
+        if c["time_ratio"] is None:
+            continue
+        used = "-" if c["gpu_used_ratio"] is None else f"{c['gpu_used_ratio']:.2f}"
+        tr.write_line(f"{c['impl']} ({c['dtype']}) / {c['peer']} at bench: step time {c['time_ratio']:.3f}, "
+                      f"nvidia-smi peak {used}")
 
     for c in comparisons(res.records):
         if c["time_ratio"] is None:

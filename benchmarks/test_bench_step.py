@@ -179,21 +179,21 @@ def test_trl_grpo_step(benchmark, bench_env, results, tmp_path, request, config_
 @pytest.mark.bench_cost(300)
 def test_trl_grpo_step_with_vllm_colocated(benchmark, bench_env, results, tmp_path):
     """The peer sampling with vLLM: TRL's GRPOTrainer with use_vllm=True, vllm_mode="colocate" (vLLM in this
-    process, 0.3 of the GPU, asleep while training). vLLM allows one sleeping engine per process: run it
-    alone, -k vllm_colocated."""
+    process with the share ours gets, bs.VLLM_SHARE, asleep while training). vLLM allows one sleeping
+    engine per process: run it alone, -k vllm_colocated."""
     pytest.importorskip("vllm", reason="needs vLLM: pip install vllm")
     pytest.importorskip("trl", reason="the peer needs trl: pip install trl")
     _run_peer(benchmark, bench_env, results, "bench", "trl-vllm", "bf16",
               lambda shape: bs.run_trl(bench_env.model_dir(), bench_env.prompts(shape), shape,
                                        steps=bench_env.trl_steps, output_dir=tmp_path / "trl", cuda=bench_env.cuda,
-                                       vllm_share=0.3))
+                                       vllm_share=bs.VLLM_SHARE))
 
 
 @pytest.mark.bench_order(92)
 @pytest.mark.bench_cost(600)
 def test_unsloth_grpo_step(benchmark, bench_env, results, tmp_path):
     """The seed recipe's engine as Unsloth runs it: Unsloth + TRL's GRPOTrainer on the FP8-Block checkpoint of
-    the bench model, vLLM in standby sharing the weights (0.35 of the GPU). Importing unsloth patches
+    the bench model, vLLM in standby sharing the weights (bs.VLLM_SHARE of the GPU, as ours). Importing unsloth patches
     transformers and TRL for the whole process: run it alone, -k unsloth_grpo."""
     pytest.importorskip("unsloth", reason="needs unsloth and vLLM: pip install unsloth vllm")
     _run_peer(benchmark, bench_env, results, "bench", "unsloth-grpo", "fp8",

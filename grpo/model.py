@@ -158,7 +158,7 @@ def load_policy(cfg: Config, device: torch.device | None = None):
 def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
                         lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
                         seed: int, gpu_memory_utilization: float | None = None,
-                        work_dir: str = "outputs/unsloth",
+                        work_dir: str = "outputs/unsloth", enforce_eager: bool = False,
                         lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
     """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
 
@@ -166,7 +166,8 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
     checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
     bf16 checkpoint; then adds the same rsLoRA adapter as `load_policy` through
     `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
-    `gpu_memory_utilization`: vLLM's share of the GPU; None is grpo.rollout.vllm's GPU_MEMORY_UTILIZATION.
+    `gpu_memory_utilization`: vLLM's share of the GPU, standby or not; None is grpo.rollout.vllm's
+    GPU_MEMORY_UTILIZATION. `enforce_eager` skips vLLM's torch.compile and CUDA graphs (minutes of start-up).
     """
     from grpo.rollout.vllm import (GPU_MEMORY_UTILIZATION, INSTALL_HINT, UNSLOTH_HINT, UnslothEngine,
                                    check_fp8_supported, vllm_available, vllm_lora_rank)
@@ -183,6 +184,9 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
     # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
     # our trainer needs the forward pass to return logits.
     os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
+    # Under standby Unsloth replaces gpu_memory_utilization by its own share for the GPU (0.925 x 0.95 of
+    # a GPU of 40 GB or more with vLLM >= 0.11: unsloth_zoo.vllm_utils.load_vllm); this keeps the user's.
+    os.environ["UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE"] = "1"
     os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
     try:
         from unsloth import FastLanguageModel
@@ -198,6 +202,11 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         fast_inference=True,
         max_lora_rank=vllm_lora_rank(lora_rank),
         gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,  # one of the load_vllm arguments Unsloth passes on
+        # load_vllm's training=True (the default) builds vLLM with processed_logprobs, renormalised over
+        # what min_p keeps; False gives raw ones, the trainer's quantity at temperature 1. (It also leaves
+        # the gradients out of Unsloth's estimate of vLLM's batch size; vLLM's share is ours either way.)
+        training=False,
         random_state=seed,
     )
     model = FastLanguageModel.get_peft_model(
@@ -211,7 +220,8 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         use_gradient_checkpointing=use_gradient_checkpointing,
         random_state=seed,
     )
-    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length)
+    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length,
+                           gpu_memory_utilization=gpu_memory_utilization)
     return model, tokenizer, engine
 
 

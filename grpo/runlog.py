@@ -95,9 +95,10 @@ def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
 
 
 def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
-    """The record in one line of at most 100 columns: the step (of `max_steps`), the reward (mean ± std over
-    the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
-    tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size).
+    """The record in one line of at most 100 columns (about 112 with vLLM's pool): the step (of
+    `max_steps`), the reward (mean ± std over the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
+    tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size),
+    then vLLM's pool apart where the engine is vLLM (`mem 5.2 GiB + vllm 7.9 GiB`).
     A second line when there is more to say: the sampler-trainer gap when its mean exceeds `gap_warn`
     (--gap-warn), and what --dynamic-sampling kept."""
     step = f"{record['step']}" if max_steps is None else f"{record['step']:>{len(str(max_steps))}}/{max_steps}"
@@ -106,6 +107,8 @@ def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = m
     line = (f"step {step}  reward {record['reward']:6.2f} ± {record['reward_std']:.2f}  acc {record['accuracy']:.2f}  "
             f"fmt {record['format']:.2f}  kl {record.get('kl', 0.0):.4f}  len {record['completion_length']:.0f}  "
             f"{took}  mem {record['peak_mem_gib']:.3g} GiB")
+    if "engine_pool_gib" in record:  # vLLM's own pool, beside ours: never added to it
+        line += f" + vllm {record['engine_pool_gib']:.3g} GiB"
     extras = []
     gap = record.get("gap/logp_abs_mean")
     if gap is not None and not gap <= gap_warn:  # NaN shows too
@@ -181,6 +184,17 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def step_memory_gib(device: torch.device, engine: Any) -> tuple[float, float | None]:
+    """(the trainer's peak this step, the engine's pool or None), in GiB. An engine with a memory pool
+    of its own (vLLM: `pool_bytes()`) has it reported apart; the part of that pool this process's torch
+    counts (`pool_bytes_in_torch()`, vLLM's engine core in this process) is taken out of the trainer's
+    peak, which is otherwise torch's (on CPU, the process's peak resident size)."""
+    peak = peak_memory_gib(device)
+    if device.type != "cuda" or not hasattr(engine, "pool_bytes"):  # vLLM's CPU build: no GPU pool
+        return peak, None
+    return peak - engine.pool_bytes_in_torch() / 2**30, engine.pool_bytes() / 2**30
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -83,9 +83,11 @@ class StepResult:
     sampling: SamplingReport | None = None  # what --dynamic-sampling did; None without it
     gap: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler-trainer gap; {} if not trained
 
-    def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float) -> dict:
+    def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float,
+                   engine_pool_gib: float | None = None) -> dict:
         """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
-        --dynamic-sampling the batch is every completion sampled, kept or dropped."""
+        --dynamic-sampling the batch is every completion sampled, kept or dropped. `peak_mem_gib` is the
+        trainer's; `engine_pool_gib` (vLLM's share of the GPU, --engine vllm/unsloth) is logged apart."""
         scores = self.scores
         total = scores.total  # (N*P*G,)
         record = {
@@ -99,6 +101,7 @@ class StepResult:
             "skipped": self.skipped, **self.loss_stats,
             "step_time": step_time, **{f"time/{k}": v for k, v in self.timings.items()},
             "peak_mem_gib": peak_mem_gib,
+            **({} if engine_pool_gib is None else {"engine_pool_gib": engine_pool_gib}),
             **self.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
         }
         if self.sampling is not None:

@@ -49,7 +49,7 @@ from grpo.optim import make_optimizer, make_scheduler
 from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-from grpo.runlog import (MetricsLog, ProgressBar, peak_memory_gib, print_completions, reset_peak_memory, step_line,
+from grpo.runlog import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
                          synced_clock)
 from grpo.signals import StopOnSignal, Stopped
 from grpo.step import InFlight, StepSetup, grpo_step
@@ -128,7 +128,7 @@ def run(cfg: Config, world: World) -> Path:
 
             # Log: the batch of all ranks; time and memory are this rank's.
             record = result.log_record(state.step, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
-                                       peak_memory_gib(device))
+                                       *step_memory_gib(device, loaded.engine))
             if world.is_main:
                 log.write(record)
             line = step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn)
@@ -236,7 +236,8 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
     if engine is None:
         vllm = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
-                           work_dir=str(vllm_dir))
+                           work_dir=str(vllm_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           enforce_eager=cfg.vllm_enforce_eager)
         engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
                               max_seq_len=longest_prompt + max_completion,
                               max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm, vllm=vllm)
@@ -296,6 +297,7 @@ def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
             cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
             seed=cfg.seed, work_dir=str(vllm_dir), lora_dropout=cfg.lora_dropout,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.vllm_enforce_eager,
             use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False)
         return policy, tokenizer, None, engine
     policy, tokenizer, model_dir = load_policy(cfg, device)

@@ -145,6 +145,52 @@ def test_comparisons_divide_ours_by_trl_and_fall_back_to_the_quoted_figures(benc
     assert bs.comparisons(held)[0]["memory_ratio"] == pytest.approx(2.27 / 4.54)
 
 
+class _Bench:
+    """What Results.add reads of pytest-benchmark's fixture."""
+
+    def __init__(self, record):
+        self.name, self.extra_info, self.stats = record["name"], record["extra_info"], None
+
+
+def _used(record, gib):
+    record["extra_info"]["peak_gpu_used_gib"] = gib
+    return record
+
+
+def test_the_processes_of_one_suite_run_add_to_one_file_and_ours_compare_with_unsloths_grpo(bench_modules,
+                                                                                            tmp_path):
+    bs, _ = bench_modules
+    joined = tmp_path / "peers.json"
+    runs = [[_used(_step("bench", "ours", "bf16", 1.5, 5.6), 6.0), _used(_step("bench", "ours", "fp8", 1.4, 4.6), 5.0)],
+            [_used(_step("bench", "ours-vllm", "bf16", 2.8, 5.2), 56.0)],
+            [_used(_step("bench", "unsloth-grpo", "fp8", 4.0, 60.0), 70.0)]]
+    for command, records in zip(("native", "vllm", "unsloth"), runs):  # one pytest process each
+        res = bs.Results(tmp_path / "elsewhere", command, join=joined)
+        for rec in records:
+            res.add(_Bench(rec), group="step", config="bench", impl=rec["impl"], dtype=rec["dtype"])
+    data = json.loads(joined.read_text())
+    assert data["command"] == "native" and [j["command"] for j in data["joined"]] == ["vllm", "unsloth"]
+    assert [(r["impl"], r["process"]) for r in data["records"]] == [("ours", 0), ("ours", 0), ("ours-vllm", 1),
+                                                                    ("unsloth-grpo", 2)]
+    assert not (tmp_path / "elsewhere").exists()
+    comps = {(c["impl"], c["dtype"]): c for c in data["engine_comparisons"]}
+    assert set(comps) == {("ours", "bf16"), ("ours", "fp8"), ("ours-vllm", "bf16")}
+    assert comps[("ours-vllm", "bf16")]["time_ratio"] == pytest.approx(0.7)
+    assert comps[("ours-vllm", "bf16")]["gpu_used_ratio"] == pytest.approx(0.8)
+    assert comps[("ours", "fp8")]["peer"] == "unsloth-grpo"
+    assert bs.engine_comparisons(runs[0]) == []  # no peer measured: nothing to compare with
+
+
+def test_the_steady_summary_carries_vllms_pool_apart_from_the_trainers_peak(bench_modules):
+    bs, _ = bench_modules
+    records = [{"step": i, "step_time": 2.0, "peak_mem_gib": 5.0 + i, "engine_pool_gib": 49.0,
+                "completion_length": 512.0, "time/generate": 1.0} for i in range(1, 4)]
+    summary = bs.summarize_steps(records, warmup=1)
+    assert summary["peak_alloc_gib"] == 8.0 and summary["engine_pool_gib"] == 49.0
+    assert "engine_pool_gib" not in bs.summarize_steps([{k: v for k, v in r.items() if k != "engine_pool_gib"}
+                                                        for r in records], warmup=1)
+
+
 def _fake_run(date="2026-11-29"):
     phases = {"generate": 0.5, "reference": 0.05, "old_logprobs": 0.0, "train": 0.25}
     return {

@@ -53,6 +53,16 @@ def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out
     assert "kl 0.0000" in step_line(skipped) and math.isfinite(skipped["reward"])
 
 
+def test_the_step_line_shows_vllms_pool_apart_from_the_trainers_peak_never_added_to_it():
+    record = _result(skipped=False).log_record(12, lr=1e-3, step_time=2.5, peak_mem_gib=5.21, engine_pool_gib=122.5)
+    assert record["peak_mem_gib"] == 5.21 and record["engine_pool_gib"] == 122.5
+    record["completion_length"] = 1760.0
+    line = step_line(record, max_steps=500)
+    assert line.endswith("mem 5.21 GiB + vllm 122 GiB") and len(line) <= 112, line
+    ours = _result(skipped=False).log_record(12, lr=1e-3, step_time=2.5, peak_mem_gib=5.21)
+    assert "engine_pool_gib" not in ours and "vllm" not in step_line(ours)
+
+
 def test_the_progress_bar_stops_once_however_often_it_is_told():
     from rich.console import Console
 

@@ -189,8 +189,8 @@ def test_cuda_turns_on_sleep_mode_and_cuda_graphs(fake_vllm, tmp_path, monkeypat
 
 
 def test_extra_llm_kwargs_override_the_defaults(fake_vllm, tmp_path):
-    make_engine(tmp_path, enforce_eager=False, max_num_seqs=8)
-    assert fake_vllm[0].kwargs["enforce_eager"] is False and fake_vllm[0].kwargs["max_num_seqs"] == 8
+    make_engine(tmp_path, max_loras=2, max_num_seqs=8)
+    assert fake_vllm[0].kwargs["max_loras"] == 2 and fake_vllm[0].kwargs["max_num_seqs"] == 8
 
 
 def test_the_logits_processor_fqcn_resolves_to_a_vllm_logits_processor(fake_vllm):
@@ -452,6 +452,7 @@ def fake_unsloth(fake_vllm, monkeypatch):
         @staticmethod
         def from_pretrained(**kw):
             seen["from_pretrained"] = kw
+            seen["util_override_at_load"] = __import__("os").environ.get("UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE")
             return model, "tokenizer"
 
         @staticmethod
@@ -470,6 +471,7 @@ def fake_unsloth(fake_vllm, monkeypatch):
     mod.__getattr__ = module_getattr
     monkeypatch.setitem(sys.modules, "unsloth", mod)
     monkeypatch.delenv("UNSLOTH_VLLM_STANDBY", raising=False)
+    monkeypatch.delenv("UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE", raising=False)
     monkeypatch.setenv("UNSLOTH_RETURN_LOGITS", "1")  # monkeypatch restores it afterwards
     _fake_gpu(monkeypatch, (9, 0))
     return seen, model, llm
@@ -543,6 +545,7 @@ def test_unsloth_missing_says_what_to_install(fake_vllm, monkeypatch, tmp_path):
     _fake_gpu(monkeypatch, (9, 0))
     monkeypatch.setitem(sys.modules, "unsloth", None)
     monkeypatch.delenv("UNSLOTH_VLLM_STANDBY", raising=False)
+    monkeypatch.delenv("UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE", raising=False)
     monkeypatch.setenv("UNSLOTH_RETURN_LOGITS", "1")
     with pytest.raises(ImportError, match=r"grpo\[unsloth,vllm\]"):
         _load(tmp_path)
@@ -566,3 +569,88 @@ def test_build_engine_takes_the_vllm_options_as_one_value_and_says_when_they_are
         build_engine("vllm", None, pad_id=0, max_seq_len=8, max_batch=1)
     with pytest.raises(TypeError):  # another engine's options are not taken loose any more
         build_engine("hf", None, pad_id=0, max_seq_len=8, max_batch=1, lora_rank=8)
+
+
+# --- memory: the share the user chose, and vLLM's pool apart from the trainer's --------------------
+
+def test_unsloth_keeps_the_users_vllm_share_under_standby_and_can_run_eager(fake_unsloth, tmp_path):
+    seen, _, _ = fake_unsloth
+    _, _, engine = _load(tmp_path, gpu_memory_utilization=0.3, enforce_eager=True)
+    fp = seen["from_pretrained"]
+    assert fp["gpu_memory_utilization"] == 0.3 and fp["enforce_eager"] is True
+    # Without the override, Unsloth's standby replaces the share by its own (0.88 on an H200).
+    assert seen["standby_at_import"] == "1" and seen["util_override_at_load"] == "1"
+    assert engine.gpu_memory_utilization == 0.3
+    _load(tmp_path)
+    assert seen["from_pretrained"]["enforce_eager"] is False  # CUDA graphs unless asked
+
+
+def test_vllm_engine_runs_eager_on_cuda_only_when_asked(fake_vllm, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    graphs = rv.vllm_llm_kwargs("m", lora_rank=8, max_model_len=64, dtype="bf16", seed=0)
+    eager = rv.vllm_llm_kwargs("m", lora_rank=8, max_model_len=64, dtype="bf16", seed=0, enforce_eager=True)
+    assert graphs["enforce_eager"] is False and eager["enforce_eager"] is True
+
+
+def _fake_device(monkeypatch, *, total_gib: float, peak_gib: float, in_process_gib: float | None):
+    """A CUDA device of `total_gib`, torch's peak allocated, and vLLM's sleep-mode allocator in this process
+    holding `in_process_gib` (None: never started here)."""
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=total_gib * GiB))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(peak_gib * GiB))
+
+    class CuMemAllocator:
+        instance = None if in_process_gib is None else types.SimpleNamespace(
+            get_current_usage=lambda: int(in_process_gib * GiB))
+
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator", _module("vllm.device_allocator"))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", _module("vllm.device_allocator.cumem",
+                                                                            CuMemAllocator=CuMemAllocator))
+
+
+@pytest.mark.parametrize("in_process_gib, trainer_gib", [(40.0, 5.0), (None, 45.0)],
+                         ids=["engine-core-in-this-process", "engine-core-in-its-own-process"])
+def test_the_trainers_peak_leaves_out_the_part_of_vllms_pool_that_torch_counts(
+        fake_vllm, tmp_path, monkeypatch, in_process_gib, trainer_gib):
+    from grpo.runlog import step_memory_gib
+
+    engine, _ = make_engine(tmp_path, gpu_memory_utilization=0.4)
+    _fake_device(monkeypatch, total_gib=100.0, peak_gib=45.0, in_process_gib=in_process_gib)
+    assert step_memory_gib(torch.device("cuda"), engine) == pytest.approx((trainer_gib, 40.0))
+    # The share vLLM says it runs with wins over the one asked (Unsloth may have changed it).
+    engine.llm.llm_engine.vllm_config = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(gpu_memory_utilization=0.88))
+    assert step_memory_gib(torch.device("cuda"), engine)[1] == pytest.approx(88.0)
+
+
+def test_an_engine_without_a_pool_and_a_cpu_run_report_the_trainers_memory_alone(fake_vllm, tmp_path, monkeypatch):
+    from grpo.runlog import step_memory_gib
+
+    engine, _ = make_engine(tmp_path)
+    _fake_device(monkeypatch, total_gib=100.0, peak_gib=6.0, in_process_gib=None)
+    assert step_memory_gib(torch.device("cuda"), object()) == (pytest.approx(6.0), None)  # native, hf: ours
+    peak, pool = step_memory_gib(torch.device("cpu"), engine)  # vLLM's CPU build: no GPU pool to report
+    assert pool is None and peak > 0
+
+
+# --- Unsloth's log-probs: raw asked for, processed ones refused where they are not the trainer's ------
+
+def test_unsloth_is_asked_for_raw_logprobs_not_its_training_default(fake_unsloth, tmp_path):
+    seen, _, _ = fake_unsloth
+    _, _, engine = _load(tmp_path)
+    # load_vllm(training=True) would report processed_logprobs: renormalised over what min_p keeps
+    assert seen["from_pretrained"]["training"] is False and engine.logprob_semantics == "raw"
+
+
+def test_an_engine_reporting_processed_logprobs_refuses_truncation_and_serves_without_it(fake_unsloth, tmp_path):
+    _, _, llm = fake_unsloth
+    llm.llm_engine.model_config.logprobs_mode = "processed_logprobs"
+    _, _, engine = _load(tmp_path)
+    assert engine.logprob_semantics == "processed"
+    for cut in (dict(min_p=0.1), dict(top_k=50), dict(top_p=0.9)):
+        with pytest.raises(ValueError, match="renormalised over the kept tokens"):
+            engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=1.0, **cut))
+    # untruncated, processed log-probs are log softmax(logits / T): any temperature
+    assert engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.7)).n == 2

@@ -7,8 +7,13 @@ each step, and its log-probs match the trainer's at temperatures 1 and 0.7 withi
 figures are printed (run with -s) for benchmarks/RESULTS.md. vLLM's sleep mode allows one engine per
 process (its CuMem allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
 
-The Unsloth path (`--engine unsloth`) runs two GRPO steps of `train.py` on the
-FP8-Block checkpoint, in a child process: importing unsloth patches transformers for the whole process.
+The Unsloth path (`--engine unsloth`) runs two GRPO steps of `train.py` on the FP8-Block checkpoint, in a
+child process (importing unsloth patches transformers for the whole process), with a reward whose values
+differ within a group (tests/engine_runs.py) and a learning rate that moves the policy visibly: the adapter
+changes, the second step's sampler log-probs match the trainer's under the new adapter (not the base's),
+and the step line reports the trainer's memory and vLLM's pool (0.3 of the GPU, not standby's 0.88) apart.
+The FP8-Block processes run vLLM eager (no torch.compile or CUDA graphs: minutes less start-up); the
+bf16 process keeps vLLM's CUDA graphs, the path --engine vllm runs by default.
 
 Skipped without CUDA or vllm; the Unsloth test also without unsloth. On the H200 machine,
 `source .vx/kit.sh env unsloth` puts both on the path (benchmarks/README.md says how).
@@ -76,7 +81,8 @@ def served(tmp_path_factory, llama_tokenizer):
     cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
     policy, _, _ = load_policy(cfg, torch.device("cuda"))
     engine = VLLMEngine(policy, str(path), lora_rank=cfg.lora_rank, max_model_len=256, dtype="bf16", seed=1234,
-                        work_dir=str(tmp_path_factory.mktemp("vllm-work")), gpu_memory_utilization=0.2)
+                        work_dir=str(tmp_path_factory.mktemp("vllm-work")), gpu_memory_utilization=0.2,
+                        enforce_eager=CHECKPOINT != "bf16")  # the bf16 process keeps CUDA graphs, the default path
     yield engine, policy, CHECKPOINT
 
 
@@ -179,14 +185,36 @@ def test_the_fp8_block_checkpoint_passes_the_same_tests_in_its_own_process():
     assert code == 0 and "3 passed" in output, output[-3000:]
 
 
+def _logp_moved_by(policy, adapters: dict) -> float:
+    """Mean |log p| change that `adapters` make to the policy's greedy tokens after PROMPTS (from the
+    base, adapters off): how far a step's update moved the policy, which a stale adapter in the engine
+    would show as the next step's sampler-trainer gap."""
+    from peft import set_peft_model_state_dict
+
+    loaded = set_peft_model_state_dict(policy, adapters)
+    assert not loaded.unexpected_keys, loaded.unexpected_keys[:3]
+    moved = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad(), policy.disable_adapter():
+            greedy = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                     do_sample=False)
+            base = torch.log_softmax(policy(input_ids=greedy).logits[0, len(prompt) - 1: -1].float(), -1)
+        with torch.no_grad():
+            new = torch.log_softmax(policy(input_ids=greedy).logits[0, len(prompt) - 1: -1].float(), -1)
+        tokens = greedy[0, len(prompt):, None]
+        moved.append((new.gather(-1, tokens) - base.gather(-1, tokens)).abs().mean().item())
+    return sum(moved) / len(moved)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="needs unsloth: pip install 'grpo[unsloth]'")
-def test_two_grpo_steps_on_the_unsloth_path_with_an_fp8_block_checkpoint(tmp_path, llama_tokenizer):
+def test_two_grpo_steps_on_the_unsloth_path_train_the_adapter_that_the_engine_then_serves(tmp_path, llama_tokenizer):
+    from engine_runs import VLLM_SHARE, unsloth_run_flags, write_reward
+    from safetensors.torch import load_file
+
     path = _write_checkpoint("fp8-block", tmp_path / "fp8-block", llama_tokenizer)
     out = tmp_path / "run"
-    flags = ["--model", str(path), "--engine", "unsloth", "--dataset", "arithmetic", "--max-steps", "2",
-             "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "32",
-             "--max-prompt-length", "160", "--max-seq-length", "256", "--lora-rank", "8", "--lora-alpha", "16",
-             "--eval-size", "0", "--save-steps", "1", "--log-completions-steps", "0", "--output-dir", str(out)]
+    flags = unsloth_run_flags(path, out, write_reward(tmp_path))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code, output = _run_child([sys.executable, str(ROOT / "train.py"), *flags], env, timeout=1200)
     assert code == 0, output[-3000:]
@@ -196,7 +224,29 @@ def test_two_grpo_steps_on_the_unsloth_path_with_an_fp8_block_checkpoint(tmp_pat
     assert all(math.isfinite(r["loss"]) and "time/generate/adapter_sync" in r for r in steps)
     # Unsloth's engine, not plain vLLM's: no adapter files were written for it to read
     assert not list((out / "vllm").glob("adapter-*"))
-    from safetensors.torch import load_file
 
-    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # B starts at 0: it trained
+    # A signal: the rewards of a group differ, so advantages are not all 0 ...
+    assert steps[0]["reward_std"] > 0 and steps[0]["frac_zero_std"] < 1
+    # ... and each step moved the adapter (B starts at 0).
+    after_1 = load_file(str(out / "checkpoint-1" / "adapter_model.safetensors"))
+    after_2 = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in after_1.items())
+    assert any(not torch.equal(after_1[k], after_2[k]) for k in after_1)
+
+    # The engine served step 1's adapter in step 2: its log-probs stay near the trainer's, where the
+    # base's (a stale adapter) are as far off as step 1's update moved the policy.
+    cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
+    policy, _, _ = load_policy(cfg, torch.device("cuda"))
+    moved = _logp_moved_by(policy, after_1)
+    gaps = [r["gap/logp_abs_mean"] for r in steps]
+    print(f"\n[vllm-cuda] unsloth fp8-block: step 1's update moved log-probs by {moved:.3f} (mean |dlogp|); "
+          f"sampler-trainer gap step 1 {gaps[0]:.4f}, step 2 {gaps[1]:.4f}; rewards std {steps[0]['reward_std']:.3f}; "
+          f"mem {steps[0]['peak_mem_gib']:.2f} GiB + vllm {steps[0]['engine_pool_gib']:.2f} GiB")
+    assert gaps[1] < moved / 4, (gaps, moved)
+
+    # Memory: vLLM's pool is the share asked for (Unsloth takes it of the memory free at load, so at most
+    # that much; standby alone would take 0.88), reported apart from ours.
+    total_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+    assert all(0.5 * VLLM_SHARE * total_gib < r["engine_pool_gib"] <= 1.001 * VLLM_SHARE * total_gib for r in steps)
+    assert all(0 < r["peak_mem_gib"] < 4 for r in steps)  # a two-layer model's training, without vLLM's pool
+    assert f"+ vllm {steps[0]['engine_pool_gib']:.3g} GiB" in output

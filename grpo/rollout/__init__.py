@@ -45,6 +45,8 @@ class VLLMOptions:
     dtype: str  # a dtype flag's value (auto, bf16, fp32, ...)
     seed: int
     work_dir: str  # where each step's adapter is written for vLLM to read
+    gpu_memory_utilization: float | None = None  # vLLM's share of the GPU; None: grpo.rollout.vllm's default
+    enforce_eager: bool = False  # no torch.compile or CUDA graphs in vLLM (tests, tiny models)
 
 
 def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
@@ -67,8 +69,10 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
         if vllm is None:
             raise ValueError("--engine vllm: build_engine needs vllm=VLLMOptions(...) (the base checkpoint's "
                              "folder, the adapter's rank, dtype, seed and a work folder)")
+        shared = {} if vllm.gpu_memory_utilization is None else {"gpu_memory_utilization": vllm.gpu_memory_utilization}
         return VLLMEngine(policy, vllm.model_path, lora_rank=vllm.lora_rank, max_model_len=max_seq_len,
-                          dtype=vllm.dtype, seed=vllm.seed, work_dir=vllm.work_dir, pad_id=pad_id)
+                          dtype=vllm.dtype, seed=vllm.seed, work_dir=vllm.work_dir, pad_id=pad_id,
+                          enforce_eager=vllm.enforce_eager, **shared)
     if name == "unsloth":
         raise ValueError("--engine unsloth: Unsloth builds its engine as it loads the model "
                          "(grpo.model.load_unsloth_policy), not over a policy")

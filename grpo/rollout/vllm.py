@@ -24,8 +24,11 @@ truncation, which differ from the trainer's by log(kept mass) per token (hugging
 T * logsumexp(logits / T) from each row before vLLM divides by T, which changes no probability,
 and `logprobs_mode="processed_logits"` returns the shifted, temperature-scaled logit of the
 sampled token: log softmax(logits / T) at that token, whatever was truncated around it. Greedy
-(T = 0) reports log softmax(logits). Unsloth builds its own vLLM engine with the default raw
-log-probs, so `UnslothEngine` is exact at temperature 1 (the recipe's) and 0, and refuses others.
+(T = 0) reports log softmax(logits). Unsloth builds its own vLLM engine, for training with
+"processed_logprobs" (renormalised over what min_p/top-k/top-p keep: off by log(kept mass) at the
+recipe's min_p 0.1); `load_unsloth_policy` asks it for raw log-probs instead (`training=False`), so
+`UnslothEngine` is exact at temperature 1 (the recipe's) and 0, and refuses others. An engine that
+reports processed log-probs is exact only without truncation, and refuses truncation.
 
 Seeds. vLLM seeds each request's random stream from `SamplingParams.seed` (one request's n
 samples use seed, seed+1, ...), so one seed for all prompts would give every prompt the same
@@ -36,6 +39,10 @@ or the engine's seed, and call counts this engine's generate() calls.
 Stops. Token-id stop sequences have no vLLM equivalent (its `stop` takes strings), so rows are
 cut after the first complete stop sequence once generation ends; the tokens vLLM made past it
 are wasted work. The model's own EOS is not added: `Sampling.stop_token_ids` is the whole stop set.
+
+Memory. vLLM takes `gpu_memory_utilization` of the GPU (`pool_bytes()`); when its engine core runs
+in this process (Unsloth's), its allocations also count in torch's allocated bytes
+(`pool_bytes_in_torch()`), which the trainer leaves out of its own peak and reports apart.
 
 Not here: building the LoRA model (grpo/model.py), choosing the engine (grpo/rollout/__init__.py).
 Nothing happens at import: vllm and unsloth are imported inside the functions that need them.
@@ -51,7 +58,7 @@ from typing import Any
 
 import torch
 
-from grpo.config import DTYPES
+from grpo.config import DTYPES, VLLM_GPU_MEMORY_UTILIZATION
 from grpo.fp8_checkpoint import is_fp8_checkpoint
 from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
@@ -68,8 +75,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
-# (the policy, its activations and the optimizer need the rest).
-GPU_MEMORY_UTILIZATION = 0.35
+# (the policy, its activations and the optimizer need the rest): --vllm-gpu-memory-utilization's default.
+GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
 
 
 # --- availability and checks -----------------------------------------------------------------
@@ -254,6 +261,11 @@ def rollout_from_outputs(prompt_ids: list[list[int]], outputs: list[Any], n: int
                    sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), n=n)
 
 
+def truncates(sampling: Sampling) -> bool:
+    """Whether min_p, top-k or top-p drop tokens before sampling."""
+    return sampling.min_p > 0 or sampling.top_k > 0 or sampling.top_p < 1.0
+
+
 def _engine_logprobs_mode(llm: Any) -> str | None:
     """The logprobs_mode an existing vllm.LLM was built with, where it can be read."""
     config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
@@ -271,7 +283,9 @@ class _VLLMRollout:
     pad_id: int
     max_model_len: int | None
     sleep_mode: bool
-    # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs.
+    gpu_memory_utilization: float  # the share of the GPU asked of vLLM
+    # "exact": log softmax(logits/T) at any T (our logits processor); "raw": vLLM's temperature-1 log-probs;
+    # "processed": log softmax(logits/T) renormalised over the tokens min_p/top-k/top-p keep.
     logprob_semantics: str
     # vLLM's kernels are not the trainer's: its log-probs differ a little, token by token.
     needs_importance_correction = True
@@ -300,6 +314,11 @@ class _VLLMRollout:
             raise ValueError(f"--temperature {t}: this vLLM engine reports log-probs at temperature 1 only "
                              "(Unsloth's engine uses raw log-probs); use --temperature 1.0, or the plain "
                              "vLLM engine")
+        if self.logprob_semantics == "processed" and truncates(sampling):
+            raise ValueError(f"--min-p {sampling.min_p} --top-k {sampling.top_k} --top-p {sampling.top_p}: this vLLM "
+                             "engine reports log-probs renormalised over the kept tokens (processed_logprobs), "
+                             "not the trainer's; use --min-p 0 --top-k 0 --top-p 1, or an engine built with "
+                             "raw log-probs (load_unsloth_policy's)")
         self._calls += 1
         timings: dict[str, float] = {}
         start = time.perf_counter()
@@ -332,6 +351,33 @@ class _VLLMRollout:
         """None: always released, so that vLLM sleeps and gives its memory pool back to training."""
         return None
 
+    def pool_bytes(self) -> int:
+        """vLLM's share of the GPU: gpu_memory_utilization times the device's memory, the budget vLLM sizes
+        its weights, KV cache and CUDA graphs to (read from the engine where it says, e.g. what Unsloth
+        passed). 0 off CUDA."""
+        if not torch.cuda.is_available():
+            return 0
+        cache = getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+        share = getattr(cache, "gpu_memory_utilization", None) or self.gpu_memory_utilization
+        return int(share * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+    def pool_bytes_in_torch(self) -> int:
+        """The bytes of vLLM's pool that this process's torch counts as allocated, so that the trainer can
+        leave them out of its own peak: all of vLLM's sleep-mode allocations (weights, KV cache) when the
+        engine core runs in this process (Unsloth's engine; VLLM_ENABLE_V1_MULTIPROCESSING=0), asleep or
+        awake, since sleep unmaps them behind torch's back; 0 when vLLM runs in its own process."""
+        return in_process_vllm_pool_bytes()
+
+
+def in_process_vllm_pool_bytes() -> int:
+    """What vLLM's sleep-mode allocator (CuMemAllocator) holds in this process; 0 where it never started."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    allocator = getattr(CuMemAllocator, "instance", None)  # read, not get_instance(): that would create one
+    return int(allocator.get_current_usage()) if allocator is not None else 0
+
 
 class VLLMEngine(_VLLMRollout):
     """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
@@ -342,12 +388,14 @@ class VLLMEngine(_VLLMRollout):
     llm: an already-built `vllm.LLM` (tests; it must have enable_lora and, for exact log-probs at
     temperatures other than 0 and 1, `vllm_llm_kwargs`'s logits processor and logprobs mode).
     sleep_mode: default True on CUDA, False elsewhere (vLLM's CPU build rejects it).
+    gpu_memory_utilization, enforce_eager: see `vllm_llm_kwargs` (--vllm-gpu-memory-utilization, --vllm-enforce-eager).
     llm_kwargs: passed on to `vllm.LLM`, over our defaults.
     """
 
     def __init__(self, policy: Any, model_path: str, *, lora_rank: int, max_model_len: int, dtype: str,
                  seed: int, work_dir: str, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, llm: Any = None,
-                 pad_id: int = 0, sleep_mode: bool | None = None, **llm_kwargs: Any) -> None:
+                 pad_id: int = 0, sleep_mode: bool | None = None, enforce_eager: bool = False,
+                 **llm_kwargs: Any) -> None:
         super().__init__()
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
@@ -356,6 +404,7 @@ class VLLMEngine(_VLLMRollout):
         self.pad_id = pad_id
         self.max_model_len = max_model_len
         self.work_dir = Path(work_dir)
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.sleep_mode = torch.cuda.is_available() if sleep_mode is None else sleep_mode
         self._adapter_id = 0
         self._adapter_path: Path | None = None
@@ -364,7 +413,7 @@ class VLLMEngine(_VLLMRollout):
             vllm = _import_vllm()
             kwargs = vllm_llm_kwargs(model_path, lora_rank=lora_rank, max_model_len=max_model_len,
                                      dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                                     sleep_mode=self.sleep_mode)
+                                     sleep_mode=self.sleep_mode, enforce_eager=enforce_eager)
             kwargs.update(llm_kwargs)
             llm = vllm.LLM(**kwargs)
         self.llm = llm
@@ -393,8 +442,9 @@ class VLLMEngine(_VLLMRollout):
 
 def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtype: str, seed: int,
                     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-                    sleep_mode: bool = False) -> dict[str, Any]:
-    """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests)."""
+                    sleep_mode: bool = False, enforce_eager: bool = False) -> dict[str, Any]:
+    """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests).
+    enforce_eager: no CUDA graphs or torch.compile on CUDA (the CPU build is always eager)."""
     on_cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
@@ -405,7 +455,7 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
         max_lora_rank=vllm_lora_rank(lora_rank),
         max_loras=1,  # one adapter per call, a new one each step
         gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=not on_cuda,  # CUDA graphs on CUDA; the CPU build needs eager
+        enforce_eager=enforce_eager or not on_cuda,  # CUDA graphs on CUDA; the CPU build needs eager
         logprobs_mode="processed_logits",
         logits_processors=[LOGITS_PROCESSOR],
     )
@@ -423,9 +473,11 @@ class UnslothEngine(_VLLMRollout):
     """
 
     def __init__(self, model: Any, *, work_dir: str, seed: int, max_model_len: int | None = None,
-                 pad_id: int = 0, sleep_mode: bool | None = None) -> None:
+                 pad_id: int = 0, sleep_mode: bool | None = None,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> None:
         super().__init__()
         self.model = model
+        self.gpu_memory_utilization = gpu_memory_utilization  # what was asked; pool_bytes() reads vLLM's own
         self.llm = model.vllm_engine
         self.seed = seed
         self.pad_id = pad_id
@@ -436,7 +488,7 @@ class UnslothEngine(_VLLMRollout):
             sleep_mode = bool(getattr(config, "enable_sleep_mode", False))
         self.sleep_mode = sleep_mode
         mode = _engine_logprobs_mode(self.llm)
-        self.logprob_semantics = "exact" if mode == "processed_logits" else "raw"
+        self.logprob_semantics = {"processed_logits": "exact", "processed_logprobs": "processed"}.get(mode, "raw")
 
     def _lora_request(self) -> Any:
         return self.model.load_lora(str(self.adapter_dir), load_tensors=True)

@@ -1,0 +1,57 @@
+"""What tests/test_vllm_cuda.py's Unsloth run relies on, checked without a GPU: its reward differs within a
+group where the recipe's rewards tie, its flags parse into the run it means, and the trainer hands vLLM's
+share and eager mode to the engine it builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_runs import LEARNING_RATE, VLLM_SHARE, unsloth_run_flags, write_reward
+from grpo import rewards as grpo_rewards
+from grpo.config import VLLM_GPU_MEMORY_UTILIZATION, Config, parse_args
+
+
+def test_the_test_reward_separates_completions_the_recipes_rewards_score_alike(tmp_path, llama_tokenizer):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 120000, (4, 32), generator=gen)  # a random model's group of 4 completions
+    texts = llama_tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
+    answers = ["7"] * 4
+    recipe = grpo_rewards.reward_functions("dapo")
+    ours = grpo_rewards.reward_functions("dapo", [write_reward(tmp_path)])
+    tied, _ = grpo_rewards.score(texts, answers, recipe, {})
+    apart, names = grpo_rewards.score(texts, answers, ours, {})
+    assert tied.sum(1).std() == 0  # every advantage would be 0
+    assert apart.sum(1).std() > 0 and names[-1] == "longer_text"
+
+
+def test_the_unsloth_runs_flags_parse_into_two_eager_steps_on_the_chosen_share(tmp_path):
+    spec = write_reward(tmp_path)
+    cfg = parse_args(unsloth_run_flags(tmp_path / "model", tmp_path / "run", spec))
+    assert (cfg.engine, cfg.max_steps, cfg.save_steps, cfg.reward) == ("unsloth", 2, 1, (spec,))
+    assert cfg.vllm_gpu_memory_utilization == VLLM_SHARE and cfg.vllm_enforce_eager is True
+    assert cfg.learning_rate == LEARNING_RATE and cfg.warmup_ratio == 0 and cfg.lr_scheduler == "constant"
+
+
+def test_vllms_share_has_a_default_and_out_of_range_values_name_the_flag():
+    assert parse_args([]).vllm_gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION
+    assert parse_args([]).vllm_enforce_eager is False
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"--vllm-gpu-memory-utilization .*\(0, 1\)"):
+            Config(vllm_gpu_memory_utilization=bad)
+
+
+def test_the_trainer_gives_unsloth_the_share_and_eager_mode_from_the_flags(tmp_path, monkeypatch):
+    import grpo.rollout.vllm as rv
+    from grpo.trainer import load_model
+
+    seen = {}
+
+    def load_unsloth_policy(model, **kw):
+        seen.update(kw)
+        return "policy", "tokenizer", "engine"
+
+    monkeypatch.setattr(rv, "load_unsloth_policy", load_unsloth_policy)
+    cfg = Config(engine="unsloth", vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True)
+    assert load_model(cfg, torch.device("cpu"), tmp_path) == ("policy", "tokenizer", None, "engine")
+    assert seen["gpu_memory_utilization"] == 0.3 and seen["enforce_eager"] is True
