@@ -42,7 +42,7 @@ def test_vllms_share_has_a_default_and_out_of_range_values_name_the_flag():
 
 
 def test_the_trainer_gives_unsloth_the_share_and_eager_mode_from_the_flags(tmp_path, monkeypatch):
-    import grpo.rollout.vllm as rv
+    import grpo.trainer
     from grpo.trainer import load_model
 
     seen = {}
@@ -51,7 +51,7 @@ def test_the_trainer_gives_unsloth_the_share_and_eager_mode_from_the_flags(tmp_p
         seen.update(kw)
         return "policy", "tokenizer", "engine"
 
-    monkeypatch.setattr(rv, "load_unsloth_policy", load_unsloth_policy)
+    monkeypatch.setattr(grpo.trainer, "load_unsloth_policy", load_unsloth_policy)
     cfg = Config(engine="unsloth", vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True)
     assert load_model(cfg, torch.device("cpu"), tmp_path) == ("policy", "tokenizer", None, "engine")
     assert seen["gpu_memory_utilization"] == 0.3 and seen["enforce_eager"] is True
