@@ -32,8 +32,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
 import numpy as np
 
 
@@ -77,7 +75,7 @@ def gguf_file_name(gguf_type: str) -> str:
     return f"model-{gguf_type}.gguf"
 
 
-def check_convertible(config, model_dir: Path) -> None:
+def check_convertible(config, tokenizer) -> None:
     """Refuse, in one line and before anything is written, a model these files cannot describe."""
     arch = getattr(config, "model_type", None)
     if arch not in ARCHITECTURES:
@@ -86,13 +84,13 @@ def check_convertible(config, model_dir: Path) -> None:
     rope = _rope(config)
     if rope.get("rope_type", "default") not in ("default", "linear", "llama3"):
         raise ValueError(f"--gguf: rope scaling {rope.get('rope_type')!r} is not written; fix: export without --gguf")
-    bpe_pre_tokenizer(model_dir)
+    bpe_pre_tokenizer(tokenizer)
 
 
-def bpe_pre_tokenizer(model_dir: Path) -> str:
-    """llama.cpp's `tokenizer.ggml.pre` for the tokenizer in `model_dir` (Llama 3, Qwen2, SmolLM2, GPT-2)."""
-    path = Path(model_dir) / "tokenizer.json"
-    spec = json.loads(path.read_text()) if path.is_file() else {}
+def bpe_pre_tokenizer(tokenizer) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a (fast) tokenizer of Llama 3, Qwen2, SmolLM2 or GPT-2."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spec = json.loads(backend.to_str()) if backend is not None else {}
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     splits = [s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"]
@@ -105,8 +103,9 @@ def bpe_pre_tokenizer(model_dir: Path) -> str:
             return "qwen2"
         if not splits and byte_level[0].get("use_regex", True):
             return "smollm" if digits else "gpt-2"
-    raise ValueError(f"--gguf: {path} is not a byte-level BPE tokenizer of Llama 3, Qwen2, SmolLM2 or GPT-2 "
-                     "(the ones whose llama.cpp pre-tokenizer is known here); fix: export without --gguf")
+    raise ValueError(f"--gguf: the tokenizer ({type(tokenizer).__name__}) is not a byte-level BPE tokenizer of Llama 3, "
+                     "Qwen2, SmolLM2 or GPT-2 (those whose llama.cpp pre-tokenizer is known here); fix: export "
+                     "without --gguf")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,13 +290,12 @@ def _add_model_metadata(writer, config, model_dir: Path, gguf_type: str, name: s
         writer.add_rope_scaling_factor(float(rope["factor"]))
 
 
-def _add_tokenizer_metadata(writer, config, model_dir: Path) -> None:
+def _add_tokenizer_metadata(writer, config, model_dir: Path, tokenizer) -> None:
     """Tokens by id (padded to the model's vocabulary with unused [PADn]), their types, the BPE merges,
     the special ids and the chat template, as the converter's gpt2 vocabulary."""
     import gguf
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     by_id = {i: tok for tok, i in tokenizer.get_vocab().items() if i < config.vocab_size}
     added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
     tokens, types = [], []
@@ -314,7 +312,7 @@ def _add_tokenizer_metadata(writer, config, model_dir: Path) -> None:
             tokens.append(by_id[i])
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(bpe_pre_tokenizer(model_dir))
+    writer.add_tokenizer_pre(bpe_pre_tokenizer(tokenizer))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config.vocab_size)
@@ -343,15 +341,16 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
     `gguf_type` at `path`. Header first, then one tensor at a time (read, converted, written), so memory
     holds one tensor; written beside `path` and renamed, so `path` is never half a file."""
     import gguf
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     model_dir, path = Path(model_dir), Path(path)
     config = AutoConfig.from_pretrained(model_dir)
-    check_convertible(config, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    check_convertible(config, tokenizer)
     plan = plan_tensors(model_dir, config, gguf_type)
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[ARCHITECTURES[config.model_type]]])
     _add_model_metadata(writer, config, model_dir, gguf_type, name or model_dir.name)
-    _add_tokenizer_metadata(writer, config, model_dir)
+    _add_tokenizer_metadata(writer, config, model_dir, tokenizer)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for item in plan:
         qtype = gguf.GGMLQuantizationType[item.qtype]
@@ -384,11 +383,3 @@ def tensor_types_of(path: Path) -> dict[str, str]:
 
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
 
-
-def iter_planned_types(model_dir: Path, gguf_type: str) -> Iterator[tuple[str, str]]:
-    """(GGUF name, ggml type) of every tensor `write_gguf` would write, without writing anything."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    for item in plan_tensors(Path(model_dir), config, gguf_type):
-        yield item.name, item.qtype

@@ -60,7 +60,7 @@ def quantize_k(weights: np.ndarray, qtype) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------
 def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
     """Codes L in 0..nmax, scale s > 0 and offset m <= 0 with x ~ s*L + m, least squares weighted by w,
-    searched over the inverse scales (rmin + rdelta*k + nmax) / (max - min), k = 0..nstep.
+    searched over the inverse scales (rmin + rdelta*k + nmax) / (max - m), k = 0..nstep, m the best offset so far.
     x, w: (n, S) float32. Returns (s (S,), -m (S,), L (n, S) uint8); s = 0 where the sub-block is flat."""
     lo = np.minimum(x.min(axis=0), _F0)  # the offset never goes above zero
     hi = x.max(axis=0)
@@ -69,17 +69,20 @@ def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta:
     sum_w = w.sum(axis=0)
     sum_x = (w * x).sum(axis=0)
 
-    shifted = x - lo
     iscale = np.float32(nmax) / span
-    codes = _codes(iscale * shifted, nmax)
+    codes = _codes(iscale * (x - lo), nmax)
     scale = _F1 / iscale
     offset = lo
     diff = scale * codes + offset - x
     best = (w * (diff * diff)).sum(axis=0)
     trial, wl, tmp = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # in place: this loop is the cost
     for k in range(nstep + 1):
-        trial_iscale = (np.float32(rmin) + np.float32(rdelta) * np.float32(k) + np.float32(nmax)) / span
-        np.multiply(shifted, trial_iscale, out=trial)
+        # As in llama.cpp, each trial starts from the best offset so far, not from min(x).
+        trial_span = hi - offset
+        usable = trial_span > 0
+        trial_iscale = (np.float32(rmin) + np.float32(rdelta) * np.float32(k) + np.float32(nmax)) / np.where(usable, trial_span, _F1)
+        np.subtract(x, offset, out=trial)
+        trial *= trial_iscale
         np.rint(trial, out=trial)
         np.clip(trial, 0, nmax, out=trial)
         np.multiply(w, trial, out=wl)
@@ -87,7 +90,7 @@ def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta:
         sum_l2 = np.multiply(wl, trial, out=tmp).sum(axis=0)
         sum_xl = np.multiply(wl, x, out=tmp).sum(axis=0)
         det = sum_w * sum_l2 - sum_l * sum_l
-        fits = det > 0
+        fits = (det > 0) & usable
         det = np.where(fits, det, _F1)
         t_scale = (sum_w * sum_xl - sum_x * sum_l) / det
         t_offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
