@@ -121,7 +121,7 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     cfg = Config(model=model, dtype="fp32", load_in_fp8=load_in_fp8, gradient_checkpointing=False,
                  **({"lora_targets": targets} if targets else {}))
     base, model_dir = load_base_model(cfg, torch.device("cpu"))
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir) if gguf_types else None
     if gguf_types:
         check_convertible(base.config, tokenizer)  # before the merge: a model GGUF cannot hold costs nothing
     merged = merge_adapter(base, adapter_dir).to(DTYPES[dtype])
@@ -132,7 +132,7 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
 
     out_merged = out / "merged"
     merged.save_pretrained(out_merged)
-    tokenizer.save_pretrained(out_merged)
+    (tokenizer or load_tokenizer(model_dir)).save_pretrained(out_merged)
     del merged
     written = {"adapter": out_adapter, "merged": out_merged}
     for name in gguf_types:

@@ -90,13 +90,13 @@ def check_convertible(config, tokenizer) -> None:
 def bpe_pre_tokenizer(tokenizer) -> str:
     """llama.cpp's `tokenizer.ggml.pre` for a (fast) tokenizer of Llama 3, Qwen2, SmolLM2 or GPT-2."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    spec = json.loads(backend.to_str()) if backend is not None else {}
-    pre = spec.get("pre_tokenizer") or {}
+    is_bpe = backend is not None and type(backend.model).__name__ == "BPE"
+    pre = json.loads(backend.pre_tokenizer.__getstate__()) if is_bpe and backend.pre_tokenizer is not None else {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     splits = [s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"]
     byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
     digits = any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps)
-    if spec.get("model", {}).get("type") == "BPE" and byte_level:
+    if is_bpe and byte_level:
         if splits == [LLAMA3_SPLIT] and not digits:
             return "llama-bpe"
         if splits == [QWEN2_SPLIT] and not digits:

@@ -244,8 +244,7 @@ def packaged_qwen_gguf():
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["blk.3.attn_q.weight", "blk.0.attn_v.weight"])
+@pytest.mark.parametrize("name", ["blk.3.attn_k.weight", "blk.0.attn_v.weight"])  # Q4_K, Q6_K
 def test_llama_cpp_blocks_of_the_packaged_qwen_requantize_to_themselves_mostly(name):
     """Weights that llama.cpp's quantizer wrote are a fixed point a faithful re-quantizer keeps: most
     blocks come back bit-identical and the others close (measured: docs/measurements.md)."""
