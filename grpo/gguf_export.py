@@ -300,7 +300,7 @@ def _add_tokenizer_metadata(writer, config, model_dir: Path, tokenizer) -> None:
     added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
     tokens, types = [], []
     for i in range(config.vocab_size):
-        if i not in by_id:
+        if i not in by_id or by_id[i] == f"[PAD{i}]":  # the latter: padding a GGUF-born tokenizer carried over
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
         elif i in added:
@@ -318,6 +318,8 @@ def _add_tokenizer_metadata(writer, config, model_dir: Path, tokenizer) -> None:
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config.vocab_size)
     if special.chat_template is None and tokenizer.chat_template:
         special.chat_template = tokenizer.chat_template
+    if tokenizer.bos_token_id is not None:  # what the tokenizer does, where its config does not say
+        special.add_special_token.setdefault("bos", tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id])
     special.add_to_gguf(writer, quiet=True)
     ends = _end_token_ids(model_dir, GenerationConfig)
     other = [i for i in ends if i != special.special_token_ids.get("eos") and i < config.vocab_size]

@@ -128,6 +128,7 @@ def test_the_file_holds_the_keys_llama_cpps_converter_writes_for_the_arch(bpe_ll
     assert fields["llama.rope.dimension_count"] == 16 and fields["llama.rope.freq_base"] == 500000.0
     assert fields["general.file_type"] == gguf.LlamaFileType.MOSTLY_F16
     assert fields["tokenizer.ggml.bos_token_id"] == 0 and fields["tokenizer.ggml.eos_token_id"] == 2
+    assert fields["tokenizer.ggml.add_bos_token"] is False  # this tokenizer adds no BOS, so llama.cpp must not
     assert fields["tokenizer.ggml.eot_token_id"] == 1  # the turn's other end token, from generation_config
     tokens, types = reader.fields["tokenizer.ggml.tokens"], reader.fields["tokenizer.ggml.token_type"]
     assert tokens.contents(2) == "<|im_end|>" and types.contents(2) == gguf.TokenType.CONTROL
@@ -138,7 +139,7 @@ def test_the_file_holds_the_keys_llama_cpps_converter_writes_for_the_arch(bpe_ll
     theirs = {k for k in gguf.GGUFReader(smollm2_gguf_path()).fields if not k.startswith("GGUF.")}
     origin = {"general.organization", "general.finetune", "general.basename", "general.size_label",
               "general.license", "general.languages", "tokenizer.ggml.add_space_prefix",
-              "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token"}
+              "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id"}
     assert theirs - set(reader.fields) <= origin, theirs - set(reader.fields)
     names = {t.name for t in reader.tensors}
     assert {"token_embd.weight", "output_norm.weight", "blk.1.attn_q.weight", "blk.1.attn_k.weight",
