@@ -108,7 +108,7 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     src = adapter_dir.resolve()
     if (out / "adapter").resolve() == src or (out / "merged").resolve() in (src, *src.parents):
         raise ValueError(f"--out {out}: exporting there would overwrite the adapter being exported; choose a new folder")
-    claim_export_dir(out, overwrite)
+    claim_export_dir(out, overwrite, src)
 
     # The adapter, unchanged: the files training wrote are already what peft and vLLM read.
     out_adapter = out / "adapter"
@@ -133,7 +133,7 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     out_merged = out / "merged"
     merged.save_pretrained(out_merged)
     (tokenizer or load_tokenizer(model_dir)).save_pretrained(out_merged)
-    del merged
+    del base, merged  # the GGUF files are written from OUT/merged, one tensor at a time
     written = {"adapter": out_adapter, "merged": out_merged}
     for name in gguf_types:
         folder = f"gguf-{name}"
@@ -144,7 +144,7 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
 EXPORT_PARTS = ("adapter", "merged", "gguf-*")
 
 
-def claim_export_dir(out: Path, overwrite: bool) -> Path | None:
+def claim_export_dir(out: Path, overwrite: bool, adapter_dir: Path) -> Path | None:
     """Refuse an --out that holds an export already, unless --overwrite, which moves it aside to
     OUT.old-N (nothing deleted, as training's --overwrite); returns where it went, or None."""
     from grpo.checkpoint import aside_path
@@ -155,6 +155,9 @@ def claim_export_dir(out: Path, overwrite: bool) -> Path | None:
     if not overwrite:
         raise ValueError(f"--out {out} holds an export already ({', '.join(held)}); fix: pick a new --out or pass "
                          f"--overwrite to move it aside to {aside_path(out)}")
+    if out.resolve() in adapter_dir.resolve().parents:
+        raise ValueError(f"--overwrite: --out {out} holds the adapter being exported ({adapter_dir}); fix: pick a "
+                         "new --out")
     moved = aside_path(out)
     out.rename(moved)
     return moved
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="The base the adapter was trained on: local folder, hub id or smollm2-135m-instruct.")
     parser.add_argument("--adapter", required=True,
                         help="Folder with adapter_model.safetensors (OUTPUT_DIR/adapter or a checkpoint-N).")
-    parser.add_argument("--out", required=True, help="Output folder; gets adapter/, merged/ and gguf-TYPE/ per --gguf type.")
+    parser.add_argument("--out", required=True,
+                        help="Output folder; gets adapter/, merged/ and gguf-TYPE/ per --gguf type.")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the merged model.")
     parser.add_argument("--gguf", default="", metavar="TYPES",
                         help="Also write GGUF files of the merged model, one folder per type: any of "

@@ -230,8 +230,9 @@ def plan_tensors(model_dir: Path, config, gguf_type: str) -> list[PlannedTensor]
 
     def order(item):
         name = item[0]
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else (-1 if name.startswith("token_embd") else 1 << 30)
-        return layer, name.startswith("output."), name
+        if name.startswith("blk."):
+            return int(name.split(".")[1]), False, name
+        return (-1 if name.startswith("token_embd") else 1 << 30), name.startswith("output."), name
 
     plan = [PlannedTensor(name, key, shape, tensor_type(name, shape, gguf_type, config.num_hidden_layers, tied))
             for name, key, shape in sorted(found, key=order)]
@@ -358,7 +359,8 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
         qtype = gguf.GGMLQuantizationType[item.qtype]
         if item.qtype in ("F32", "F16"):
             dtype = np.float32 if item.qtype == "F32" else np.float16
-            writer.add_tensor_info(item.name, item.shape, np.dtype(dtype), math.prod(item.shape) * np.dtype(dtype).itemsize)
+            nbytes = math.prod(item.shape) * np.dtype(dtype).itemsize
+            writer.add_tensor_info(item.name, item.shape, np.dtype(dtype), nbytes)
         else:
             byte_shape = gguf.quant_shape_to_byte_shape(item.shape, qtype)
             writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)

@@ -80,7 +80,8 @@ def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta:
         # As in llama.cpp, each trial starts from the best offset so far, not from min(x).
         trial_span = hi - offset
         usable = trial_span > 0
-        trial_iscale = (np.float32(rmin) + np.float32(rdelta) * np.float32(k) + np.float32(nmax)) / np.where(usable, trial_span, _F1)
+        trial_iscale = ((np.float32(rmin) + np.float32(rdelta) * np.float32(k) + np.float32(nmax))
+                        / np.where(usable, trial_span, _F1))
         np.subtract(x, offset, out=trial)
         trial *= trial_iscale
         np.rint(trial, out=trial)

@@ -175,7 +175,8 @@ def test_k_mixes_choose_each_tensors_type_as_llama_quantize_and_load_close_to_f1
     assert tensor_types_of(path) == expected_mix_types(8, default)
     fields = gguf.GGUFReader(path).fields
     assert fields["general.architecture"].contents() == "qwen2"
-    assert fields["tokenizer.ggml.pre"].contents() == "qwen2"  # transformers loads a qwen2 folder's BPE with Qwen2's split
+    # transformers loads the BPE tokenizer of a qwen2 folder with Qwen2's split
+    assert fields["tokenizer.ggml.pre"].contents() == "qwen2"
     assert fields["general.file_type"].contents() == gguf.LlamaFileType[GGUF_TYPES[gguf_type].file_type]
     assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
     assert fields["tokenizer.chat_template"].contents().startswith("{% for m in messages %}")

@@ -167,7 +167,8 @@ def q6_k_ref(x) -> bytes:
         for i in range(32):
             ql[o + i] = (L[j + i] & 0xF) | ((L[j + i + 64] & 0xF) << 4)
             ql[o + i + 32] = (L[j + i + 32] & 0xF) | ((L[j + i + 96] & 0xF) << 4)
-            qh[h + i] = (L[j + i] >> 4) | ((L[j + i + 32] >> 4) << 2) | ((L[j + i + 64] >> 4) << 4) | ((L[j + i + 96] >> 4) << 6)
+            qh[h + i] = ((L[j + i] >> 4) | ((L[j + i + 32] >> 4) << 2) | ((L[j + i + 64] >> 4) << 4)
+                         | ((L[j + i + 96] >> 4) << 6))
     return bytes(ql) + bytes(qh) + np.array(sc, dtype=np.int8).tobytes() + d.tobytes()
 
 

@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CPU smoke run: smollm2-135m-instruct, 8 problems, 48 tokens, f16 and q4_k_m.")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.model, args.eval_size, args.max_completion_length, args.agreement_prompts = "smollm2-135m-instruct", 8, 48, 4
+        args.model, args.eval_size, args.max_completion_length = "smollm2-135m-instruct", 8, 48
+        args.agreement_prompts = 4
         args.types = "f16,q4_k_m" if args.types == parser.get_default("types") else args.types
     return args
 
@@ -108,11 +109,13 @@ def main(argv=None) -> None:
     print(f"exported in {time.perf_counter() - start:.0f} s", flush=True)
     end_tokens = PACKAGED_MODELS[args.model].end_tokens if args.model in PACKAGED_MODELS else ()
     reference, reference_completions = evaluate_checkpoint(merged, args, None)
-    results = {"merged": {**reference, "agreement": 1.0, "bytes": sum(f.stat().st_size for f in merged.glob("*.safetensors"))}}
+    merged_bytes = sum(f.stat().st_size for f in merged.glob("*.safetensors"))
+    results = {"merged": {**reference, "agreement": 1.0, "bytes": merged_bytes}}
     print(json.dumps({"type": "merged", **results["merged"]}), flush=True)
     for name, path in ggufs.items():
-        checkpoint = convert_gguf(path, out / f"checkpoint-{name}", end_tokens) if not (out / f"checkpoint-{name}").is_dir() \
-            else out / f"checkpoint-{name}"
+        checkpoint = out / f"checkpoint-{name}"
+        if not checkpoint.is_dir():  # a rerun reuses what an earlier one converted
+            convert_gguf(path, checkpoint, end_tokens)
         metrics, completions = evaluate_checkpoint(checkpoint, args, reference_completions)
         results[name] = {**metrics, "agreement": agreement(completions, reference_completions),
                          "bytes": path.stat().st_size}
