@@ -22,9 +22,9 @@ importance matrix, which is what `llama-quantize` runs when it is given none):
   against the largest, and codes are recomputed from them.
 
 Vectorised over blocks; the element axis comes first (`(n, blocks)`) so that every sum runs element by
-element in float32, in the order the C loops add, and a fit reproduces llama.cpp's on the same float32
-input except where its compiler fuses a multiply-add. Rounding is to nearest, ties to even, as
-llama.cpp's `nearest_int`. Not here: importance-matrix (imatrix) weighting, the other k-quants (Q2_K,
+element in float32, in the order the C loops add: blocks equal a one-block transcription of the C byte
+for byte (tests/test_kquants.py), and 99.8% of the Q4_K blocks that llama.cpp wrote in the packaged Qwen
+re-quantize to themselves (docs/measurements.md). Rounding is to nearest, ties to even, as `nearest_int`. Not here: importance-matrix (imatrix) weighting, the other k-quants (Q2_K,
 Q3_K, IQ*), dequantizing (the `gguf` library does that), choosing a type per tensor (grpo/gguf_export.py).
 """
 

@@ -6,13 +6,15 @@ solutions and greedy agreement with the merged 16-bit model, per `--gguf` type.
     # CPU smoke run: SmolLM2 without an adapter, 8 problems, 48 tokens (a few minutes on 2 cores)
     python benchmarks/probes/gguf_quality.py --smoke --out /tmp/gguf-quality-smoke
 
-Each GGUF is written by `grpo.export --gguf` (or from the base when no --adapter), read back by
+Each GGUF is written as `grpo.export --gguf` writes it (from the base when no --adapter), read back by
 transformers (`gguf_file=`, dequantized) and saved as a bf16 checkpoint (`grpo.packaged_models.
 convert_gguf`), so every type is evaluated by the same `grpo.eval` code and engine as the merged model.
 Per type: `eval/greedy_accuracy` (strict, in <SOLUTION>), `eval/greedy_lenient_accuracy`, format; on the
 first `--agreement-prompts` problems, the share of greedy completions token-for-token equal to the merged
 model's and the perplexity of the merged model's greedy completions under this type; the file size.
-Results: OUT/results.json, one line per type on stdout.
+Results: OUT/results.json, one line per type on stdout. Writing a k-quant type of the 1.5B model takes
+minutes of one CPU core (17 min for q4_k_m on a heavily shared 2-core machine): under a per-command time
+limit, run `--types q4_k_m` etc. one command at a time first; a rerun reuses what is already written.
 """
 
 from __future__ import annotations
@@ -45,17 +47,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def export_ggufs(args, out: Path) -> tuple[Path, dict[str, Path]]:
-    """The merged checkpoint (or the base's folder) and one GGUF per type."""
+    """The merged checkpoint (or the base's folder) and one GGUF per type, each written once: a rerun
+    reuses the merge and the files already there (so the types can be written one command at a time)."""
     from grpo.export import export
     from grpo.gguf_export import gguf_file_name, parse_gguf_types, write_gguf
     from grpo.model import resolve_model_dir
 
-    types = parse_gguf_types(args.types)
-    if args.adapter:
-        paths = export(args.model, args.adapter, out / "export", gguf=types, overwrite=True)
-        return paths["merged"], {t: paths[f"gguf-{t}"] for t in types}
-    merged = resolve_model_dir(args.model)
-    return merged, {t: write_gguf(merged, out / "export" / f"gguf-{t}" / gguf_file_name(t), t) for t in types}
+    folder = out / "export"
+    if args.adapter and not (folder / "merged" / "config.json").is_file():
+        export(args.model, args.adapter, folder, overwrite=True)  # the adapter and the merged checkpoint
+    merged = folder / "merged" if args.adapter else resolve_model_dir(args.model)
+    paths = {}
+    for name in parse_gguf_types(args.types):
+        path = folder / f"gguf-{name}" / gguf_file_name(name)
+        paths[name] = path if path.is_file() else write_gguf(merged, path, name)
+    return merged, paths
 
 
 def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None):
