@@ -81,7 +81,8 @@ def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None
     result = evaluate_from_flags(flags)
     device = default_device()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # bf16 matmuls crawl on most CPUs
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     examples = grpo_data.load_examples(args.dataset, split="test", seed=3407)[:args.agreement_prompts]
     prompts = grpo_data.build_prompts(tokenizer, examples, 1024, grpo_data.SYSTEM_PROMPT).prompt_ids
     completions = []
