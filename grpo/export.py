@@ -1,7 +1,7 @@
-"""Export a trained adapter: the PEFT adapter as it is, and a merged 16-bit model.
+"""Export a trained adapter: the PEFT adapter as it is, a merged 16-bit model, and GGUF files.
 
     python -m grpo.export --model smollm2-135m-instruct --adapter outputs/smollm2-arithmetic/adapter \\
-        --out exports/smollm2-arithmetic [--dtype bf16|fp16] [--load-in-fp8]
+        --out exports/smollm2-arithmetic [--dtype bf16|fp16] [--load-in-fp8] [--gguf f16,q8_0,q5_k_m,q4_k_m]
 
 writes
     OUT/adapter   adapter_config.json + adapter_model.safetensors: the format peft's
@@ -9,12 +9,17 @@ writes
     OUT/merged    config.json + model.safetensors + tokenizer + generation config: a plain checkpoint
                   that `AutoModelForCausalLM.from_pretrained` (and vLLM, llama.cpp converters, ...) load
                   with no peft and no quantization_config.
+    OUT/gguf-TYPE/model-TYPE.gguf   with --gguf: the merged model for llama.cpp-style runtimes (and
+                  transformers' `gguf_file=`), one folder per type, written from OUT/merged by
+                  grpo/gguf_export.py as llama.cpp's converter and quantizer would write it.
+
+An --out that holds an export already is refused; --overwrite moves it aside to OUT.old-N.
 
 The merge runs in float32 and rounds once to the 16-bit dtype: W' = W + (alpha/sqrt(r)) B A. An FP8
 base (an FP8-Block checkpoint, or --load-in-fp8 as in training) is first dequantized, FP8Linear ->
 nn.Linear holding codes x block scales, so the adapter merges onto exactly the weights it was trained
-against. What this is not: a quantizer (the merged model is dense 16-bit; re-quantize it with your
-serving stack) nor a converter to GGUF.
+against. What this is not: a quantizer of the merged checkpoint (it is dense 16-bit; the GGUF files are
+the quantized forms).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -86,19 +92,23 @@ def adapter_targets(adapter_dir: Path) -> tuple[str, ...] | None:
     return tuple(sorted(targets)) if isinstance(targets, list) and targets else None
 
 
-def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16",
-           load_in_fp8: bool = False) -> dict[str, Path]:
-    """Write OUT/adapter and OUT/merged (see the module docstring); returns both folders."""
+def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16", load_in_fp8: bool = False,
+           gguf: Sequence[str] | str = (), overwrite: bool = False) -> dict[str, Path]:
+    """Write OUT/adapter, OUT/merged and OUT/gguf-TYPE/ for each of `gguf` (see the module docstring);
+    returns the paths written, by name ("adapter", "merged", "gguf-q4_k_m", ...)."""
     from grpo.config import Config
+    from grpo.gguf_export import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
     from grpo.model import load_base_model, load_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    gguf_types = parse_gguf_types(gguf if isinstance(gguf, str) else ",".join(gguf)) if gguf else ()
     adapter_dir = find_adapter(adapter)
     out = Path(out)
     src = adapter_dir.resolve()
     if (out / "adapter").resolve() == src or (out / "merged").resolve() in (src, *src.parents):
         raise ValueError(f"--out {out}: exporting there would overwrite the adapter being exported; choose a new folder")
+    claim_export_dir(out, overwrite, src)
 
     # The adapter, unchanged: the files training wrote are already what peft and vLLM read.
     out_adapter = out / "adapter"
@@ -111,6 +121,9 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     cfg = Config(model=model, dtype="fp32", load_in_fp8=load_in_fp8, gradient_checkpointing=False,
                  **({"lora_targets": targets} if targets else {}))
     base, model_dir = load_base_model(cfg, torch.device("cpu"))
+    tokenizer = load_tokenizer(model_dir) if gguf_types else None
+    if gguf_types:
+        check_convertible(base.config, tokenizer)  # before the merge: a model GGUF cannot hold costs nothing
     merged = merge_adapter(base, adapter_dir).to(DTYPES[dtype])
     bad = [n for n, p in merged.named_parameters() if not torch.isfinite(p).all()]
     if bad:
@@ -118,11 +131,36 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     merged.config.dtype = DTYPES[dtype]
 
     out_merged = out / "merged"
-    if out_merged.exists():
-        shutil.rmtree(out_merged)
     merged.save_pretrained(out_merged)
-    load_tokenizer(model_dir).save_pretrained(out_merged)
-    return {"adapter": out_adapter, "merged": out_merged}
+    (tokenizer or load_tokenizer(model_dir)).save_pretrained(out_merged)
+    del base, merged  # the GGUF files are written from OUT/merged, one tensor at a time
+    written = {"adapter": out_adapter, "merged": out_merged}
+    for name in gguf_types:
+        folder = f"gguf-{name}"
+        written[folder] = write_gguf(out_merged, out / folder / gguf_file_name(name), name, name=out.resolve().name)
+    return written
+
+
+EXPORT_PARTS = ("adapter", "merged", "gguf-*")
+
+
+def claim_export_dir(out: Path, overwrite: bool, adapter_dir: Path) -> Path | None:
+    """Refuse an --out that holds an export already, unless --overwrite, which moves it aside to
+    OUT.old-N (nothing deleted, as training's --overwrite); returns where it went, or None."""
+    from grpo.checkpoint import aside_path
+
+    held = sorted({p.name for part in EXPORT_PARTS for p in out.glob(part)}) if out.is_dir() else []
+    if not held:
+        return None
+    if not overwrite:
+        raise ValueError(f"--out {out} holds an export already ({', '.join(held)}); fix: pick a new --out or pass "
+                         f"--overwrite to move it aside to {aside_path(out)}")
+    if out.resolve() in adapter_dir.resolve().parents:
+        raise ValueError(f"--overwrite: --out {out} holds the adapter being exported ({adapter_dir}); fix: pick a "
+                         "new --out")
+    moved = aside_path(out)
+    out.rename(moved)
+    return moved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="The base the adapter was trained on: local folder, hub id or smollm2-135m-instruct.")
     parser.add_argument("--adapter", required=True,
                         help="Folder with adapter_model.safetensors (OUTPUT_DIR/adapter or a checkpoint-N).")
-    parser.add_argument("--out", required=True, help="Output folder; gets adapter/ and merged/.")
+    parser.add_argument("--out", required=True,
+                        help="Output folder; gets adapter/, merged/ and gguf-TYPE/ per --gguf type.")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the merged model.")
+    parser.add_argument("--gguf", default="", metavar="TYPES",
+                        help="Also write GGUF files of the merged model, one folder per type: any of "
+                             "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="An --out holding an export is moved aside to OUT.old-N (never deleted); without "
+                             "it such a folder is refused.")
     parser.add_argument("--load-in-fp8", action="store_true",
                         help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
     parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
@@ -147,22 +192,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # before the libraries that warn are imported
         hide_known_warnings()
     try:
-        check_export_paths(args.adapter, args.out)
-        paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8)
+        check_export_paths(args.adapter, args.out, args.gguf)
+        paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8, args.gguf, args.overwrite)
     except Exception as err:
         message = adapter_load_error(err, args.adapter, args.model)
         short = None if isinstance(err, OSError) else write_failure(err)  # an OSError names its own path
         if message is None and short is not None:
             message = f"--out {args.out}: could not write the export ({short}); fix: free space there or another --out"
         return report(err, args.debug, message)
-    print(f"adapter: {paths['adapter']}\nmerged:  {paths['merged']}")
+    for name, path in paths.items():
+        print(f"{name + ':':<13} {path}")
     return 0
 
 
-def check_export_paths(adapter: str, out: str) -> None:
-    """Before anything loads or is written: the adapter reads back whole and --out can be a folder."""
+def check_export_paths(adapter: str, out: str, gguf: str = "") -> None:
+    """Before anything loads or is written: the --gguf types exist, the adapter reads back whole and
+    --out can be a folder."""
     from safetensors.torch import load_file
 
+    from grpo.gguf_export import parse_gguf_types
+
+    if gguf:
+        parse_gguf_types(gguf)
     load_file(find_adapter(adapter) / "adapter_model.safetensors")  # a truncated file fails here, not mid-export
     taken = next((p for p in (Path(out), *Path(out).parents) if p.exists()), None)
     if taken is not None and not taken.is_dir():

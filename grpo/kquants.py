@@ -1,0 +1,254 @@
+"""Q4_K, Q5_K and Q6_K block quantizers in numpy: the k-quants that the `gguf` library reads back but
+does not write.
+
+    data = quantize_k(weights, GGMLQuantizationType.Q4_K)   # (rows, cols) float32 -> (rows, cols/256*144) uint8
+
+A super-block holds 256 weights of one row. The formats (byte layout as llama.cpp's `block_q*_K`):
+
+    Q4_K (144 B)  d, dmin (fp16); 12 bytes of 6-bit scale and min for 8 sub-blocks of 32; 128 B of 4-bit codes
+                  x ~ d*sc[j]*q - dmin*m[j],  q in 0..15
+    Q5_K (176 B)  as Q4_K, with the fifth bit of every code in 32 bytes qh: q in 0..31
+    Q6_K (210 B)  128 B low 4 bits, 64 B high 2 bits, 16 int8 scales for sub-blocks of 16, d (fp16)
+                  x ~ d*sc[j]*(q - 32),  q in 0..63
+
+How the scales are chosen follows llama.cpp's reference quantizer (ggml-quants.c, the path without an
+importance matrix, which is what `llama-quantize` runs when it is given none):
+- Q4_K/Q5_K: per sub-block of 32, a weighted least-squares fit of scale and min (weights |x| + rms(x))
+  over a small grid of trial inverse scales (`_fit_scale_min`, llama.cpp's make_qkx2_quants); the 8
+  scales and 8 mins are then quantized to 6 bits against the largest of each, stored as fp16 d and dmin,
+  and every code is recomputed from the stored (rounded) scales.
+- Q6_K: per sub-block of 16, a symmetric fit weighted by x^2 over 18 trial scales around the one that
+  maps the largest |x| to -32 (`_fit_symmetric`, llama.cpp's make_qx_quants); the 16 scales are int8
+  against the largest, and codes are recomputed from them.
+
+Vectorised over blocks; the element axis comes first (`(n, blocks)`) so that every sum runs element by
+element in float32, in the order the C loops add: blocks equal a one-block transcription of the C byte
+for byte (tests/test_kquants.py), and 99.8% of the Q4_K blocks that llama.cpp wrote in the packaged Qwen
+re-quantize to themselves (docs/measurements.md). Rounding is to nearest, ties to even, as `nearest_int`. Not here: importance-matrix (imatrix) weighting, the other k-quants (Q2_K,
+Q3_K, IQ*), dequantizing (the `gguf` library does that), choosing a type per tensor (grpo/gguf_export.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK_K = 256  # weights in a super-block
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_CHUNK_BLOCKS = 128  # super-blocks quantized at once: working arrays of 128 KiB stay in cache (measured fastest)
+_GROUP_MAX_EPS = np.float32(1e-15)  # below this a sub-block counts as all zero (llama.cpp's GROUP_MAX_EPS)
+_F0, _F1 = np.float32(0), np.float32(1)
+
+
+def quantize_k(weights: np.ndarray, qtype) -> np.ndarray:
+    """`weights` (..., cols) with cols a multiple of 256, quantized row-wise to `qtype` (a
+    gguf.GGMLQuantizationType: Q4_K, Q5_K or Q6_K); returns uint8 (..., cols // 256 * block bytes)."""
+    name = getattr(qtype, "name", str(qtype))
+    if name not in BLOCK_BYTES:
+        raise ValueError(f"{name}: grpo.kquants writes {', '.join(BLOCK_BYTES)} only")
+    if weights.shape[-1] % QK_K:
+        raise ValueError(f"{name}: rows of {weights.shape[-1]} weights are not a whole number of {QK_K}-blocks")
+    quantize_blocks = {"Q4_K": quantize_q4_k_blocks, "Q5_K": quantize_q5_k_blocks, "Q6_K": quantize_q6_k_blocks}[name]
+    blocks = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1, QK_K)
+    out = np.empty((blocks.shape[0], BLOCK_BYTES[name]), dtype=np.uint8)
+    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+        out[start:start + _CHUNK_BLOCKS] = quantize_blocks(blocks[start:start + _CHUNK_BLOCKS])
+    return out.reshape(*weights.shape[:-1], weights.shape[-1] // QK_K * BLOCK_BYTES[name])
+
+
+# --------------------------------------------------------------------------------------------------
+# Fits for one sub-block (vectorised over sub-blocks: arrays are (n, S), S sub-blocks side by side)
+# --------------------------------------------------------------------------------------------------
+def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """Codes L in 0..nmax, scale s > 0 and offset m <= 0 with x ~ s*L + m, least squares weighted by w,
+    searched over the inverse scales (rmin + rdelta*k + nmax) / (max - m), k = 0..nstep, m the best offset so far.
+    x, w: (n, S) float32. Returns (s (S,), -m (S,), L (n, S) uint8); s = 0 where the sub-block is flat."""
+    lo = np.minimum(x.min(axis=0), _F0)  # the offset never goes above zero
+    hi = x.max(axis=0)
+    flat = hi == lo
+    span = np.where(flat, _F1, hi - lo)
+    sum_w = w.sum(axis=0)
+    sum_x = (w * x).sum(axis=0)
+
+    iscale = np.float32(nmax) / span
+    codes = _codes(iscale * (x - lo), nmax)
+    scale = _F1 / iscale
+    offset = lo
+    diff = scale * codes + offset - x
+    best = (w * (diff * diff)).sum(axis=0)
+    trial, wl, tmp = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # in place: this loop is the cost
+    for k in range(nstep + 1):
+        # As in llama.cpp, each trial starts from the best offset so far, not from min(x).
+        trial_span = hi - offset
+        usable = trial_span > 0
+        trial_iscale = ((np.float32(rmin) + np.float32(rdelta) * np.float32(k) + np.float32(nmax))
+                        / np.where(usable, trial_span, _F1))
+        np.subtract(x, offset, out=trial)
+        trial *= trial_iscale
+        np.rint(trial, out=trial)
+        np.clip(trial, 0, nmax, out=trial)
+        np.multiply(w, trial, out=wl)
+        sum_l = wl.sum(axis=0)
+        sum_l2 = np.multiply(wl, trial, out=tmp).sum(axis=0)
+        sum_xl = np.multiply(wl, x, out=tmp).sum(axis=0)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        fits = (det > 0) & usable
+        det = np.where(fits, det, _F1)
+        t_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        t_offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        positive = t_offset > 0  # an offset above zero is refitted as a pure scale
+        t_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, _F1), t_scale)
+        t_offset = np.where(positive, _F0, t_offset)
+        np.multiply(trial, t_scale, out=tmp)  # the weighted squared error of this trial
+        tmp += t_offset
+        tmp -= x
+        np.multiply(tmp, tmp, out=tmp)
+        tmp *= w
+        err = tmp.sum(axis=0)
+        better = fits & (err < best)
+        np.copyto(codes, trial, where=better)
+        best = np.where(better, err, best)
+        scale = np.where(better, t_scale, scale)
+        offset = np.where(better, t_offset, offset)
+    codes = np.where(flat, _F0, codes)
+    scale = np.where(flat, _F0, scale)
+    offset = np.where(flat, lo, offset)  # a flat sub-block is all offset (the trials above fit noise)
+    return scale, -offset, codes.astype(np.uint8)
+
+
+def _fit_symmetric(x: np.ndarray, nmax: int):
+    """Codes l in -nmax..nmax-1 and a scale s with x ~ s*l, least squares weighted by x^2, searched over
+    the inverse scales -(nmax + 0.1*k) / x_maxabs, k = -9..9 (x_maxabs signed: the extreme weight gets
+    -nmax). x: (n, S) float32. Returns (s (S,), l + nmax (n, S) uint8); s = 0 for an all-zero sub-block."""
+    cols = np.arange(x.shape[1])
+    extreme = x[np.abs(x).argmax(axis=0), cols]  # the first weight of largest magnitude, with its sign
+    zero = np.abs(extreme) < _GROUP_MAX_EPS
+    extreme = np.where(zero, _F1, extreme)
+    w = x * x
+
+    def trial(iscale):
+        lv = np.clip(np.rint(iscale * x), -nmax, nmax - 1)
+        wx = w * x
+        return lv, (wx * lv).sum(axis=0), ((w * lv) * lv).sum(axis=0)
+
+    codes, sum_lx, sum_l2 = trial(np.float32(-nmax) / extreme)
+    scale = np.where(sum_l2 != 0, sum_lx / np.where(sum_l2 != 0, sum_l2, _F1), _F0)
+    best = scale * sum_lx
+    for k in (*range(-9, 0), *range(1, 10)):
+        t_codes, t_lx, t_l2 = trial(-(np.float32(nmax) + np.float32(0.1) * np.float32(k)) / extreme)
+        better = (t_l2 > 0) & (t_lx * t_lx > best * t_l2)
+        t_scale = t_lx / np.where(t_l2 > 0, t_l2, _F1)
+        codes = np.where(better, t_codes, codes)
+        scale = np.where(better, t_scale, scale)
+        best = np.where(better, t_scale * t_lx, best)
+    codes = np.where(zero, _F0, codes + np.float32(nmax))
+    scale = np.where(zero, _F0, scale)
+    return scale, codes.astype(np.uint8)
+
+
+def _codes(v: np.ndarray, nmax: int) -> np.ndarray:
+    return np.clip(np.rint(v), 0, nmax)
+
+
+def _fp16(v: np.ndarray) -> np.ndarray:
+    """The fp16 value stored (round to nearest even), and that value back in float32."""
+    half = v.astype(np.float16)
+    return half, half.astype(np.float32)
+
+
+def _clip63(v: np.ndarray) -> np.ndarray:
+    """llama.cpp's `uint8_t l = nearest_int(v); l = MIN(63, l)`: a negative code wraps before the clip."""
+    return np.minimum(np.rint(v).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+
+
+# --------------------------------------------------------------------------------------------------
+# Q4_K and Q5_K: 8 sub-blocks of 32 with a 6-bit scale and min each
+# --------------------------------------------------------------------------------------------------
+def _scale_min_blocks(blocks: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """The shared part of Q4_K and Q5_K: returns (d fp16 (B,), dmin fp16 (B,), the 12 packed scale bytes
+    (B, 12), codes (B, 256) uint8 in 0..nmax recomputed from the stored scales)."""
+    n_blocks = blocks.shape[0]
+    x = np.ascontiguousarray(blocks.reshape(n_blocks * 8, 32).T)  # (32, B*8): element axis first
+    rms = np.sqrt((x * x).sum(axis=0) / np.float32(32))
+    w = rms + np.abs(x)
+    scales, mins, codes = _fit_scale_min(x, w, nmax, rmin, rdelta, nstep)
+    scales, mins = scales.reshape(n_blocks, 8), mins.reshape(n_blocks, 8)
+
+    max_scale = np.maximum(scales.max(axis=1), _F0)
+    max_min = np.maximum(mins.max(axis=1), _F0)
+    inv_scale = np.where(max_scale > 0, np.float32(63) / np.where(max_scale > 0, max_scale, _F1), _F0)
+    inv_min = np.where(max_min > 0, np.float32(63) / np.where(max_min > 0, max_min, _F1), _F0)
+    ls = _clip63(inv_scale[:, None] * scales)  # (B, 8)
+    lm = _clip63(inv_min[:, None] * mins)
+    d_half, d = _fp16(max_scale / np.float32(63))
+    dmin_half, dmin = _fp16(max_min / np.float32(63))
+
+    # Codes again, from the scales as stored; a sub-block whose stored scale is 0 keeps the fit's codes.
+    sub_d = (d[:, None] * ls).reshape(-1)  # (B*8,)
+    sub_m = (dmin[:, None] * lm).reshape(-1)
+    live = sub_d != 0
+    again = np.clip(np.rint((x + sub_m) / np.where(live, sub_d, _F1)), 0, nmax).astype(np.uint8)
+    codes = np.where(live, again, codes).T.reshape(n_blocks, QK_K)
+
+    packed = np.empty((n_blocks, 12), dtype=np.uint8)  # 6-bit pairs: see gguf's Q4_K.get_scale_min
+    packed[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:8] & 0x0F) | ((lm[:, 4:8] & 0x0F) << 4)
+    return d_half, dmin_half, packed, codes
+
+
+def _low_nibbles(codes: np.ndarray) -> np.ndarray:
+    """(B, 256) codes -> (B, 128): in each 64-run, byte l holds code l (low nibble) and code l+32 (high)."""
+    runs = codes.reshape(-1, 4, 2, 32) & 0x0F
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(codes.shape[0], 128)
+
+
+def quantize_q4_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """(B, 256) float32 -> (B, 144) uint8 Q4_K blocks."""
+    d, dmin, scales, codes = _scale_min_blocks(blocks, 15, -1.0, 0.1, 20)
+    return np.concatenate([_half_bytes(d), _half_bytes(dmin), scales, _low_nibbles(codes)], axis=1)
+
+
+def quantize_q5_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """(B, 256) float32 -> (B, 176) uint8 Q5_K blocks."""
+    d, dmin, scales, codes = _scale_min_blocks(blocks, 31, -0.5, 0.1, 15)
+    high = (codes >> 4).reshape(-1, 8, 32)  # bit 4 of sub-block j's codes goes to bit j of qh[l]
+    qh = np.zeros((codes.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= high[:, j] << j
+    return np.concatenate([_half_bytes(d), _half_bytes(dmin), scales, qh, _low_nibbles(codes)], axis=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Q6_K: 16 sub-blocks of 16 with an int8 scale each
+# --------------------------------------------------------------------------------------------------
+def quantize_q6_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """(B, 256) float32 -> (B, 210) uint8 Q6_K blocks."""
+    n_blocks = blocks.shape[0]
+    x = np.ascontiguousarray(blocks.reshape(n_blocks * 16, 16).T)  # (16, B*16)
+    scales, codes = _fit_symmetric(x, 32)
+    scales = scales.reshape(n_blocks, 16)
+
+    rows = np.arange(n_blocks)
+    max_scale = scales[rows, np.abs(scales).argmax(axis=1)]  # signed, the first of largest magnitude
+    empty = np.abs(max_scale) < _GROUP_MAX_EPS
+    iscale = np.float32(-128) / np.where(empty, _F1, max_scale)
+    d_half, d = _fp16(_F1 / iscale)
+    sc = np.minimum(np.rint(iscale[:, None] * scales), 127).astype(np.int8)  # (B, 16)
+
+    sub_d = (d[:, None] * sc).reshape(-1)  # (B*16,)
+    live = sub_d != 0
+    again = (np.clip(np.rint(x / np.where(live, sub_d, _F1)), -32, 31) + 32).astype(np.uint8)
+    codes = np.where(live, again, codes).T.reshape(n_blocks, QK_K)
+
+    runs = codes.reshape(n_blocks, 2, 4, 32)  # two halves of 128, each four runs of 32
+    ql = np.concatenate([(runs[:, :, 0] & 0x0F) | ((runs[:, :, 2] & 0x0F) << 4),
+                         (runs[:, :, 1] & 0x0F) | ((runs[:, :, 3] & 0x0F) << 4)], axis=2)  # (B, 2, 64)
+    qh = (runs[:, :, 0] >> 4) | ((runs[:, :, 1] >> 4) << 2) | ((runs[:, :, 2] >> 4) << 4) | ((runs[:, :, 3] >> 4) << 6)
+    out = np.concatenate([ql.reshape(n_blocks, 128), qh.reshape(n_blocks, 64), sc.view(np.uint8),
+                          _half_bytes(d_half)], axis=1)
+    out[empty] = 0  # an all-zero block is stored as zeros, d included
+    return out
+
+
+def _half_bytes(half: np.ndarray) -> np.ndarray:
+    return half.astype("<f2").view(np.uint8).reshape(-1, 2)
