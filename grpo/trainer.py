@@ -49,6 +49,7 @@ from grpo.optim import make_optimizer, make_scheduler
 from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
+from grpo.run_claim import RunClaim
 from grpo.runlog import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
                          synced_clock)
 from grpo.signals import StopOnSignal, Stopped
@@ -79,7 +80,7 @@ def run(cfg: Config, world: World) -> Path:
     out = Path(cfg.output_dir)
     # Setup, step by step: the run's folder and seeds; model, data, rewards and sampler; the optimizer and
     # schedule over the adapters; where the run starts (a checkpoint's state with --resume).
-    device = claim_and_seed(cfg, world, out, console)
+    device, claim = claim_and_seed(cfg, world, out, console)  # claim: rank 0's hold on the folder, till the end
     loaded = load_model_data_and_sampler(cfg, world, device, out)
     params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, loaded.policy)
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
@@ -182,6 +183,8 @@ def run(cfg: Config, world: World) -> Path:
             stop.restore()
         if log is not None:
             log.close()
+        if claim is not None:
+            claim.release()
     if world.is_main:
         from grpo.plots import plot_metrics
 
@@ -194,18 +197,21 @@ def run(cfg: Config, world: World) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Setup
 # --------------------------------------------------------------------------------------------------
-def claim_and_seed(cfg: Config, world: World, out: Path, console) -> torch.device:
-    """Claims the output folder (one run per folder: refused before anything is written), seeds Python's
-    and torch's RNGs, and returns the device (with --cpu-threads on CPU)."""
-    moved = claim_output_dir(cfg, world)
+def claim_and_seed(cfg: Config, world: World, out: Path, console) -> tuple[torch.device, RunClaim | None]:
+    """Claims the output folder (one run per folder: refused before anything is written, and while another
+    live run holds it), seeds Python's and torch's RNGs; returns the device (with --cpu-threads on CPU) and
+    rank 0's claim, which the run releases when it ends."""
+    moved, claim = claim_output_dir(cfg, world)
     if moved is not None:
         console.print(f"--overwrite: the previous run in {out} is now in {moved}")
+    if claim is not None and claim.note:
+        console.print(f"[yellow]{claim.note}[/]")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = default_device()
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    return device
+    return device, claim
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,9 @@ def test_an_output_dir_holding_only_a_config_from_a_run_that_never_stepped_is_re
 
     out = tmp_path / "run"
     Config(output_dir=str(out), max_steps=7).save(out)  # a run that stopped while loading its model
-    assert claim_output_dir(Config(output_dir=str(out), max_steps=9), World()) is None
+    claimed = claim_output_dir(Config(output_dir=str(out), max_steps=9), World())
+    assert claimed.moved is None
+    claimed.claim.release()
     assert json.loads((out / "config.json").read_text())["max_steps"] == 9
     (out / "metrics.jsonl").write_text("{}\n")  # now it holds something of a run
     with pytest.raises(ValueError, match="already holds a run"):
