@@ -146,6 +146,11 @@ def add_lora(model, cfg: Config):
     return policy
 
 
+def model_positions(policy) -> int | None:
+    """The most positions (prompt plus completion tokens) the model holds, where its config says."""
+    return getattr(policy.get_base_model().config, "max_position_embeddings", None)
+
+
 def load_policy(cfg: Config, device: torch.device | None = None):
     """(policy, tokenizer, model_dir): the PeftModel being trained and its tokenizer."""
     device = device or default_device()
