@@ -123,11 +123,10 @@ def log_eval(console, log, step: int, result: dict[str, float]) -> None:
     console.print(f"[bold cyan]eval[/] step {step}: " + " | ".join(parts))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
-    from grpo.config import OneLineParser
-    from grpo.quiet import add_verbose_flag, hide_known_warnings
-    from grpo.failures import adapter_load_error, report
+def build_parser():
+    """The command line of `python -m grpo.eval`."""
+    from grpo.cli import OneLineParser, add_bool_flag
+    from grpo.quiet import add_verbose_flag
 
     parser = OneLineParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Base model: local folder, hub id or smollm2-135m-instruct.")
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Held-out prompts longer than this are dropped (the default keeps all of arithmetic's).")
     parser.add_argument("--stop", nargs="*", default=[], help="Stop strings, as train.py's --stop (the "
                         "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
-    parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
+    add_bool_flag(parser, "--load-in-fp8", help="Quantize a bf16 base to FP8 blocks at load.")
     parser.add_argument("--batch-rows", type=int, default=None, help="Completions per engine call (default: all "
                         "at once). The trainer's eval uses P*G (64 in the qwen1.5b-gsm8k preset); pass the same to "
                         "reproduce its figures, since batching moves bf16 greedy decoding slightly on a GPU.")
@@ -153,8 +152,17 @@ def main(argv: list[str] | None = None) -> int:
                         "`python -m grpo.compare_evals`.")
     parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
                         "train.py's --system-prompt (default: the recipe's; pass the run's own to compare).")
-    parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
+    add_bool_flag(parser, "--debug", help="On an error, show the traceback (also GRPO_DEBUG=1).")
     add_verbose_flag(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
+    from grpo.quiet import hide_known_warnings
+    from grpo.failures import adapter_load_error, report
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
         hide_known_warnings()

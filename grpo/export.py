@@ -125,12 +125,10 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     return {"adapter": out_adapter, "merged": out_merged}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
-    line (status 1)."""
-    from grpo.config import OneLineParser
-    from grpo.quiet import add_verbose_flag, hide_known_warnings
-    from grpo.failures import adapter_load_error, report, write_failure
+def build_parser():
+    """The command line of `python -m grpo.export`."""
+    from grpo.cli import OneLineParser, add_bool_flag
+    from grpo.quiet import add_verbose_flag
 
     parser = OneLineParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
@@ -139,10 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="Folder with adapter_model.safetensors (OUTPUT_DIR/adapter or a checkpoint-N).")
     parser.add_argument("--out", required=True, help="Output folder; gets adapter/ and merged/.")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the merged model.")
-    parser.add_argument("--load-in-fp8", action="store_true",
-                        help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
-    parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
+    add_bool_flag(parser, "--load-in-fp8",
+                  help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
+    add_bool_flag(parser, "--debug", help="On an error, show the traceback (also GRPO_DEBUG=1).")
     add_verbose_flag(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
+    line (status 1)."""
+    from grpo.quiet import hide_known_warnings
+    from grpo.failures import adapter_load_error, report, write_failure
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
         hide_known_warnings()
