@@ -107,3 +107,14 @@ def add_bool_flag(container, option: str, *, help: str, default=False, dest: str
                            metavar="{true,false}", help=help)
     container.add_argument(f"--no-{option[2:]}", action="store_const", const=False, dest=dest,
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def print_to_a_pipe(text: str) -> None:
+    """print(text), quietly cut short when the reader has gone (`train.py --list-presets | head`)."""
+    import os
+    import sys
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush cannot fail

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
-from grpo.cli import OneLineParser, add_bool_flag
+from grpo.cli import OneLineParser, add_bool_flag, print_to_a_pipe
 from grpo.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
@@ -487,7 +487,7 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
     args = vars(parser.parse_args(argv))
     verbose = args.pop("verbose")
     if args.pop("list_presets"):
-        print(list_presets())
+        print_to_a_pipe(list_presets())
         raise SystemExit(0)
     preset = args.get("preset")
     values: dict[str, Any] = {}
