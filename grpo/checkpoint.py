@@ -44,6 +44,10 @@ class OutputDirError(ValueError):
     """The output folder cannot take this run (another run's files, a file in its place, unwritable)."""
 
 
+class RunFinished(Exception):
+    """--resume names a checkpoint at --max-steps or past it: nothing is left to train."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; its temporary folder is gone, earlier checkpoints are intact."""
 
@@ -137,7 +141,7 @@ def _claim(cfg: Config, claim: RunClaim | None) -> tuple[Path | None, RunClaim |
     held = sorted(p.name for p in out.iterdir() if not _left_by_a_run_that_did_nothing(p)) if out.is_dir() else []
     moved = None
     if cfg.resume is not None:
-        find_checkpoint(cfg.resume, out)  # refuses a resume with nothing to resume, before any write
+        _refuse_a_finished_run(cfg, find_checkpoint(cfg.resume, out))  # before any write: nothing to resume
         if held and cfg.resume != "latest" and Path(cfg.resume).resolve().parent != out.resolve():
             raise OutputDirError(f"--output-dir {out} holds another run than --resume {cfg.resume}; fix: resume "
                                  f"into an empty --output-dir or into the checkpoint's own folder "
@@ -161,6 +165,18 @@ def _claim(cfg: Config, claim: RunClaim | None) -> tuple[Path | None, RunClaim |
             shutil.rmtree(stale, ignore_errors=True)
     _write_or_explain(out, lambda: cfg.save(out))
     return moved, claim
+
+
+def _refuse_a_finished_run(cfg: Config, checkpoint: Path) -> None:
+    try:
+        step = int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an unreadable checkpoint is judged when it is read
+    if step >= cfg.max_steps:
+        adapter = checkpoint.parent / "adapter"
+        done = f"; its adapter is {adapter}" if (adapter / "adapter_config.json").is_file() else ""
+        raise RunFinished(f"--resume {cfg.resume}: {checkpoint} holds step {step} of --max-steps {cfg.max_steps}: the "
+                          f"run is done{done}; to train on, pass a larger --max-steps")
 
 
 def _left_by_a_run_that_did_nothing(path: Path) -> bool:

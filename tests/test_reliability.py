@@ -574,3 +574,28 @@ if __name__ == "__main__":
     summary = _kill_loop(work, count)
     summary["train_killed_by"] = _train_killed_mid_checkpoint(work / "config.json")
     (work / "summary.json").write_text(json.dumps(summary))
+
+
+# --------------------------------------------------------------------------------------------------
+# Resuming a finished run, or from another run's checkpoint
+# --------------------------------------------------------------------------------------------------
+def test_resume_latest_of_a_finished_run_says_it_is_done_and_changes_nothing(char_llama_dir, straight, tmp_path,
+                                                                              capsys):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = snapshot(out)
+    assert train_main(flags(char_llama_dir, out, resume="latest")) == 0
+    said = capsys.readouterr()
+    assert said.out.strip() == (f"nothing to do: --resume latest: {out}/checkpoint-4 holds step 4 of --max-steps 4: "
+                                f"the run is done; its adapter is {out}/adapter; to train on, pass a larger --max-steps")
+    assert snapshot(out) == before
+
+
+def test_a_new_folder_started_from_another_runs_checkpoint_trains_on_there_or_is_refused_before_anything_runs(
+        char_llama_dir, straight, tmp_path, capsys):
+    new = tmp_path / "new"
+    assert train_main(flags(char_llama_dir, new, resume=straight / "checkpoint-4")) == 0  # nothing left to train
+    assert "nothing to do: " in capsys.readouterr().out and not new.exists()
+    assert train_main(flags(char_llama_dir, new, resume=straight / "checkpoint-2", max_steps=3)) == 0
+    assert [json.loads(line)["step"] for line in (new / "metrics.jsonl").read_text().splitlines()] == [3]
+    assert (new / "adapter" / "adapter_model.safetensors").is_file() and (new / "checkpoint-3").is_dir()
