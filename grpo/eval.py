@@ -197,6 +197,24 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def run_system_prompt(adapter: Path) -> str | None:
+    """The system prompt the adapter was trained with, when it comes from a run's folder (its config.json
+    beside the adapter or the checkpoint), said on stderr; None when there is no run's config."""
+    from grpo.config import Config
+
+    for path in (adapter / "config.json", adapter.parent / "config.json"):
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(values, dict) and "num_generations" in values and "system_prompt" in values:  # a run's Config
+            prompt = Config.load(path).system_prompt
+            if prompt is not None:
+                print(f"--system-prompt: the run's, from {path}", file=sys.stderr)
+            return prompt
+    return None
+
+
 def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
     from rich.console import Console
 
@@ -218,7 +236,10 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
 
         policy = PeftModel.from_pretrained(base, adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    system_prompt = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+    system_prompt = args.system_prompt
+    if system_prompt is None and adapter is not None:
+        system_prompt = run_system_prompt(adapter)
+    system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
     prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, system_prompt)
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
                           max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,

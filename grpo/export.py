@@ -38,6 +38,11 @@ def find_adapter(path: str | Path) -> Path:
     path = Path(path)
     for folder in (path, path / "adapter"):
         if all((folder / name).is_file() for name in ADAPTER_FILES):
+            try:  # peft would say only what json says, without the file
+                json.loads((folder / "adapter_config.json").read_text())
+            except ValueError as err:
+                raise ValueError(f"--adapter {path}: {folder / 'adapter_config.json'} is not valid JSON ({err}); fix: "
+                                 "use an intact copy, e.g. a checkpoint-N folder of the run") from None
             return folder
     raise FileNotFoundError(f"--adapter {path}: no {' and '.join(ADAPTER_FILES)} there; pass a run's adapter folder "
                             "(OUTPUT_DIR/adapter) or a checkpoint-N folder")
