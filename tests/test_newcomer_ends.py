@@ -1,9 +1,8 @@
 """Ends that explain themselves (what a newcomer meets): a missing --model path, train.py outside its
-environment, --list-presets into a closed pipe, the bitsandbytes kernel-hub warning."""
+environment, --list-presets into a closed pipe (the bitsandbytes kernel-hub warning: test_quickstart)."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -45,24 +44,3 @@ def test_list_presets_into_a_pipe_closed_early_ends_quietly():
         os.close(write_end)
     assert done.stderr == "" and done.returncode == 0
 
-
-def test_the_bitsandbytes_kernel_hub_warning_is_hidden_with_the_known_ones():
-    from grpo.quiet import HARMLESS_LOG_RECORDS, hide_known_warnings
-
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")  # where bitsandbytes logs it
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
-        hide_known_warnings()
-        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
-                       "already `pip install kernels` and the kernels >= 0.11.1", "no network")
-        logger.warning("Failed to run a 4-bit kernel")
-    finally:
-        logger.removeHandler(handler)
-        for name, _ in HARMLESS_LOG_RECORDS:  # leave the loggers as the other tests expect them
-            named = logging.getLogger(name)
-            for f in [f for f in named.filters if type(f).__name__ == "DropMatching"]:
-                named.removeFilter(f)
-    assert [r.getMessage() for r in records] == ["Failed to run a 4-bit kernel"]
