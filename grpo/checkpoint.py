@@ -173,6 +173,10 @@ def _refuse_a_finished_run(cfg: Config, checkpoint: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         return  # an unreadable checkpoint is judged when it is read
     if step >= cfg.max_steps:
+        try:  # read only here, where the run would be called done: a broken one is for the resume to judge
+            read_checkpoint(checkpoint, rank=0)
+        except CheckpointUnreadable:
+            return
         adapter = checkpoint.parent / "adapter"
         done = f"; its adapter is {adapter}" if (adapter / "adapter_config.json").is_file() else ""
         raise RunFinished(f"--resume {cfg.resume}: {checkpoint} holds step {step} of --max-steps {cfg.max_steps}: the "

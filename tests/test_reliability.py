@@ -329,7 +329,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_chec
     [line] = error_lines(capsys.readouterr().err)
     assert f"could not write checkpoint {out / 'checkpoint-2'}" in line and "full disk" in line
     assert f"the last checkpoint is {out / 'checkpoint-1'}" in line
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".claim", "checkpoint-1", "config.json", "metrics.jsonl"]
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     assert train_main(flags(char_llama_dir, out, max_steps=3, save_steps=1, resume="latest")) == 0
 
