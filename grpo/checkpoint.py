@@ -9,8 +9,9 @@ failed write (a full disk) removes its temporary folder and says so in one line.
 the one just saved. On `--resume latest` an unreadable newest checkpoint is skipped, with a note, for
 the newest intact one.
 
-The output folder holds one run: `claim_output_dir` refuses a folder holding another run unless the
-run resumes it, or --overwrite moves the old run aside to OUTPUT_DIR.old-N (nothing is deleted).
+The output folder holds one run: `claim_output_dir` refuses a folder that a live run holds (its claim file,
+`grpo.run_claim`), or that holds another run unless the run resumes it, or --overwrite moves the old run
+aside to OUTPUT_DIR.old-N (nothing is deleted).
 
 What it deliberately is not: a model export (the final adapter is `policy.save_pretrained`) or a
 general state-dict framework: the four objects it saves are named in `Resumable`.
@@ -24,7 +25,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +34,7 @@ from grpo.data import PromptStream
 from grpo.distributed import World
 from grpo.durable import fill_folder, publish
 from grpo.failures import first_line, os_fault, write_failure
+from grpo.run_claim import CLAIM_FILE, RunClaim
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}"  # a checkpoint being written; never read
@@ -40,6 +42,10 @@ TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}"  # a checkpoint being written; never re
 
 class OutputDirError(ValueError):
     """The output folder cannot take this run (another run's files, a file in its place, unwritable)."""
+
+
+class RunFinished(Exception):
+    """--resume names a checkpoint at --max-steps or past it: nothing is left to train."""
 
 
 class CheckpointWriteError(OSError):
@@ -102,24 +108,32 @@ def aside_path(out: Path) -> Path:
     return out.with_name(f"{out.name}.old-{n}")
 
 
-def claim_output_dir(cfg: Config, world: World) -> Path | None:
-    """Every rank calls this before anything is written: rank 0 makes --output-dir ready for the run
-    and writes config.json; every rank raises rank 0's error if it could not (OutputDirError, or
-    FileNotFoundError for a --resume with nothing to resume). Returns where --overwrite moved an
-    older run, or None."""
-    problem = moved = None
+class ClaimedOutput(NamedTuple):
+    moved: Path | None  # where --overwrite moved an older run
+    claim: RunClaim | None  # rank 0's hold on the folder, released when the run ends; None on other ranks
+
+
+def claim_output_dir(cfg: Config, world: World) -> ClaimedOutput:
+    """Every rank calls this before anything is written: rank 0 claims --output-dir (FolderInUse while
+    another live run holds it: grpo.run_claim), makes it ready for the run and writes config.json; every
+    rank raises rank 0's error if it could not (OutputDirError, or FileNotFoundError for a --resume with
+    nothing to resume)."""
+    problem = moved = claim = None
     if world.is_main:
         try:
-            moved = _claim(cfg)
+            claim = RunClaim.take(Path(cfg.output_dir))  # first: two runs never judge the folder at once
+            moved, claim = _claim(cfg, claim)
         except Exception as err:  # every rank raises it, rather than wait for rank 0 forever
+            if claim is not None:
+                claim.abandon()
             problem = err
     problem = world.gather_objects(problem)[0]
     if problem is not None:
         raise problem
-    return moved
+    return ClaimedOutput(moved, claim)
 
 
-def _claim(cfg: Config) -> Path | None:
+def _claim(cfg: Config, claim: RunClaim | None) -> tuple[Path | None, RunClaim | None]:
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"--output-dir {out} is a file, not a folder; fix: pass the path of a folder")
@@ -127,7 +141,7 @@ def _claim(cfg: Config) -> Path | None:
     held = sorted(p.name for p in out.iterdir() if not _left_by_a_run_that_did_nothing(p)) if out.is_dir() else []
     moved = None
     if cfg.resume is not None:
-        find_checkpoint(cfg.resume, out)  # refuses a resume with nothing to resume, before any write
+        _refuse_a_finished_run(cfg, find_checkpoint(cfg.resume, out))  # before any write: nothing to resume
         if held and cfg.resume != "latest" and Path(cfg.resume).resolve().parent != out.resolve():
             raise OutputDirError(f"--output-dir {out} holds another run than --resume {cfg.resume}; fix: resume "
                                  f"into an empty --output-dir or into the checkpoint's own folder "
@@ -144,16 +158,33 @@ def _claim(cfg: Config) -> Path | None:
                                  "elsewhere or pick a new --output-dir")
         moved = aside_path(out)
         _write_or_explain(out, lambda: out.rename(moved))
+        claim = claim.moved_to(out) if claim is not None else None
     _write_or_explain(out, lambda: out.mkdir(parents=True, exist_ok=True))
     for stale in out.glob(".tmp-*"):  # a save or delete that a kill cut short
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     _write_or_explain(out, lambda: cfg.save(out))
-    return moved
+    return moved, claim
+
+
+def _refuse_a_finished_run(cfg: Config, checkpoint: Path) -> None:
+    try:
+        step = int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an unreadable checkpoint is judged when it is read
+    if step >= cfg.max_steps:
+        try:  # read only here, where the run would be called done: a broken one is for the resume to judge
+            read_checkpoint(checkpoint, rank=0)
+        except CheckpointUnreadable:
+            return
+        adapter = checkpoint.parent / "adapter"
+        done = f"; its adapter is {adapter}" if (adapter / "adapter_config.json").is_file() else ""
+        raise RunFinished(f"--resume {cfg.resume}: {checkpoint} holds step {step} of --max-steps {cfg.max_steps}: the "
+                          f"run is done{done}; to train on, pass a larger --max-steps")
 
 
 def _left_by_a_run_that_did_nothing(path: Path) -> bool:
-    return path.name == "config.json" or path.name.startswith(".tmp-")
+    return path.name in ("config.json", CLAIM_FILE) or path.name.startswith(".tmp-")
 
 
 def _write_or_explain(out: Path, write) -> None:

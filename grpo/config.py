@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
+from grpo.cli import OneLineParser, add_bool_flag, print_to_a_pipe
 from grpo.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
@@ -398,27 +399,11 @@ def list_presets(width: int = 100) -> str:
     return "\n\n".join(blocks)
 
 
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def _optional(kind: type):
     def parse(text: str):
         return None if text.lower() in ("none", "") else kind(text)
     parse.__name__ = kind.__name__
     return parse
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line with a pointer to --help, not the whole usage."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
@@ -449,9 +434,11 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
         kwargs: dict[str, Any] = dict(help=meta.pop("help"), default=argparse.SUPPRESS, dest=f.name)
         annotation = str(f.type)
-        if annotation == "bool":
-            kwargs.update(type=_parse_bool, metavar="{true,false}")
-        elif "int" in annotation and "None" in annotation:
+        if annotation == "bool":  # --flag, --no-flag, --flag true|false
+            add_bool_flag(group, flag(f.name), help=f"{kwargs['help']} (default: {format_value(shown[f.name])})",
+                          default=argparse.SUPPRESS, dest=f.name)
+            continue
+        if "int" in annotation and "None" in annotation:
             kwargs.update(type=_optional(int))
         elif "float" in annotation and "None" in annotation:
             kwargs.update(type=_optional(float))
@@ -500,7 +487,7 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
     args = vars(parser.parse_args(argv))
     verbose = args.pop("verbose")
     if args.pop("list_presets"):
-        print(list_presets())
+        print_to_a_pipe(list_presets())
         raise SystemExit(0)
     preset = args.get("preset")
     values: dict[str, Any] = {}

@@ -24,7 +24,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 from grpo.answer_format import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START, SYSTEM_PROMPT
 
@@ -32,7 +32,7 @@ __all__ = [
     "REASONING_START", "REASONING_END", "SOLUTION_START", "SOLUTION_END", "SYSTEM_PROMPT", "Example",
     "load_examples", "arithmetic_examples", "load_gsm8k", "gsm8k_heldout", "GSM8K_HELDOUT_SIZE", "gsm8k_example",
     "dapo_example", "load_jsonl", "chat_prompt",
-    "PromptSet", "build_prompts", "batch_columns", "PromptStream",
+    "PromptSet", "PromptRoom", "prompt_room", "build_prompts", "batch_columns", "PromptStream",
 ]
 
 BUILTIN = ("arithmetic", "gsm8k", "dapo")
@@ -426,11 +426,36 @@ def _percentile(values: Sequence[int], q: float) -> int:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+class PromptRoom(NamedTuple):
+    """The most prompt tokens a sequence has room for, and the limits that say so (for the messages)."""
+
+    tokens: int
+    why: str
+    fix: str
+
+
+def prompt_room(max_seq_length: int, max_completion_length: int | None, model_positions: int | None) -> PromptRoom:
+    """Room for a prompt: --max-seq-length, or the model's positions where fewer, minus the completion's
+    tokens (at least one when --max-completion-length is not set: the completion takes what is left)."""
+    seq, why, fix = max_seq_length, f"--max-seq-length {max_seq_length}", "raise --max-seq-length"
+    if model_positions is not None and model_positions < seq:
+        seq, why, fix = model_positions, f"the model's {model_positions} positions", "shorten the prompts"
+    completion = max_completion_length or 1
+    why += (f" minus --max-completion-length {max_completion_length}" if max_completion_length
+            else " minus one completion token")
+    if seq - completion < 1:
+        raise ValueError(f"{why} leave no room for a prompt; fix: lower --max-completion-length")
+    if max_completion_length:
+        fix += " or lower --max-completion-length"
+    return PromptRoom(seq - completion, why, fix)
+
+
 def build_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length: int | None = None,
-                  system_prompt: str = SYSTEM_PROMPT) -> PromptSet:
+                  system_prompt: str = SYSTEM_PROMPT, *, room: PromptRoom | None = None) -> PromptSet:
     """Tokenize every prompt and keep those of at most `max_prompt_length` tokens (default: the 90th
-    percentile of the lengths, as in the reference recipe). The text already holds the template's
-    special tokens (BOS included), so none are added."""
+    percentile of the lengths, as in the reference recipe), and never more than `room` leaves (a longer
+    prompt cannot be held with its completion). The text already holds the template's special tokens
+    (BOS included), so none are added."""
     if not examples:
         raise ValueError("build_prompts: no examples; fix: check the dataset and --num-train-examples")
     if max_prompt_length is not None and max_prompt_length < 1:
@@ -439,10 +464,12 @@ def build_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
     budget = max_prompt_length if max_prompt_length is not None else _percentile(lengths, 0.9)
+    limit, fix = f"--max-prompt-length {budget}", "raise it"
+    if room is not None and room.tokens < budget:
+        budget, limit, fix = room.tokens, f"{room.why} leave {room.tokens} tokens for a prompt", room.fix
     keep = [i for i, n in enumerate(lengths) if n <= budget]
     if not keep:
-        raise ValueError(f"--max-prompt-length {budget}: every prompt is longer (shortest {min(lengths)} "
-                         "tokens); fix: raise it")
+        raise ValueError(f"{limit}: every prompt is longer (shortest {min(lengths)} tokens); fix: {fix}")
     return PromptSet(prompt_ids=[list(ids[i]) for i in keep], prompts=[texts[i] for i in keep],
                      examples=[examples[i] for i in keep], max_prompt_length=budget,
                      dropped=len(examples) - len(keep))

@@ -123,11 +123,10 @@ def log_eval(console, log, step: int, result: dict[str, float]) -> None:
     console.print(f"[bold cyan]eval[/] step {step}: " + " | ".join(parts))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
-    from grpo.config import OneLineParser
-    from grpo.quiet import add_verbose_flag, hide_known_warnings
-    from grpo.failures import adapter_load_error, report
+def build_parser():
+    """The command line of `python -m grpo.eval`."""
+    from grpo.cli import OneLineParser, add_bool_flag
+    from grpo.quiet import add_verbose_flag
 
     parser = OneLineParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Base model: local folder, hub id or smollm2-135m-instruct.")
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Held-out prompts longer than this are dropped (the default keeps all of arithmetic's).")
     parser.add_argument("--stop", nargs="*", default=[], help="Stop strings, as train.py's --stop (the "
                         "smollm2-arithmetic preset trains with --stop '</SOLUTION>'; pass the same to compare).")
-    parser.add_argument("--load-in-fp8", action="store_true", help="Quantize a bf16 base to FP8 blocks at load.")
+    add_bool_flag(parser, "--load-in-fp8", help="Quantize a bf16 base to FP8 blocks at load.")
     parser.add_argument("--batch-rows", type=int, default=None, help="Completions per engine call (default: all "
                         "at once). The trainer's eval uses P*G (64 in the qwen1.5b-gsm8k preset); pass the same to "
                         "reproduce its figures, since batching moves bf16 greedy decoding slightly on a GPU.")
@@ -153,8 +152,17 @@ def main(argv: list[str] | None = None) -> int:
                         "`python -m grpo.compare_evals`.")
     parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
                         "train.py's --system-prompt (default: the recipe's; pass the run's own to compare).")
-    parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
+    add_bool_flag(parser, "--debug", help="On an error, show the traceback (also GRPO_DEBUG=1).")
     add_verbose_flag(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
+    from grpo.quiet import hide_known_warnings
+    from grpo.failures import adapter_load_error, report
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
         hide_known_warnings()
@@ -189,6 +197,24 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def run_system_prompt(adapter: Path) -> str | None:
+    """The system prompt the adapter was trained with, when it comes from a run's folder (its config.json
+    beside the adapter or the checkpoint), said on stderr; None when there is no run's config."""
+    from grpo.config import Config
+
+    for path in (adapter / "config.json", adapter.parent / "config.json"):
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(values, dict) and "num_generations" in values and "system_prompt" in values:  # a run's Config
+            prompt = Config.load(path).system_prompt
+            if prompt is not None:
+                print(f"--system-prompt: the run's, from {path}", file=sys.stderr)
+            return prompt
+    return None
+
+
 def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
     from rich.console import Console
 
@@ -210,7 +236,10 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
 
         policy = PeftModel.from_pretrained(base, adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    system_prompt = SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+    system_prompt = args.system_prompt
+    if system_prompt is None and adapter is not None:
+        system_prompt = run_system_prompt(adapter)
+    system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
     prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, system_prompt)
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
                           max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,

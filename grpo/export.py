@@ -44,6 +44,11 @@ def find_adapter(path: str | Path) -> Path:
     path = Path(path)
     for folder in (path, path / "adapter"):
         if all((folder / name).is_file() for name in ADAPTER_FILES):
+            try:  # peft would say only what json says, without the file
+                json.loads((folder / "adapter_config.json").read_text())
+            except ValueError as err:
+                raise ValueError(f"--adapter {path}: {folder / 'adapter_config.json'} is not valid JSON ({err}); fix: "
+                                 "use an intact copy, e.g. a checkpoint-N folder of the run") from None
             return folder
     raise FileNotFoundError(f"--adapter {path}: no {' and '.join(ADAPTER_FILES)} there; pass a run's adapter folder "
                             "(OUTPUT_DIR/adapter) or a checkpoint-N folder")
@@ -163,12 +168,10 @@ def claim_export_dir(out: Path, overwrite: bool, adapter_dir: Path) -> Path | No
     return moved
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
-    line (status 1)."""
-    from grpo.config import OneLineParser
-    from grpo.quiet import add_verbose_flag, hide_known_warnings
-    from grpo.failures import adapter_load_error, report, write_failure
+def build_parser():
+    """The command line of `python -m grpo.export`."""
+    from grpo.cli import OneLineParser, add_bool_flag
+    from grpo.quiet import add_verbose_flag
 
     parser = OneLineParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
@@ -181,13 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", default="", metavar="TYPES",
                         help="Also write GGUF files of the merged model, one folder per type: any of "
                              "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated.")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="An --out holding an export is moved aside to OUT.old-N (never deleted); without "
-                             "it such a folder is refused.")
-    parser.add_argument("--load-in-fp8", action="store_true",
-                        help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
-    parser.add_argument("--debug", action="store_true", help="On an error, show the traceback (also GRPO_DEBUG=1).")
+    add_bool_flag(parser, "--overwrite",
+                  help="An --out holding an export is moved aside to OUT.old-N (never deleted); without it such "
+                       "a folder is refused.")
+    add_bool_flag(parser, "--load-in-fp8",
+                  help="The run used --load-in-fp8: quantize the bf16 base as training did before merging.")
+    add_bool_flag(parser, "--debug", help="On an error, show the traceback (also GRPO_DEBUG=1).")
     add_verbose_flag(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
+    line (status 1)."""
+    from grpo.quiet import hide_known_warnings
+    from grpo.failures import adapter_load_error, report, write_failure
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
         hide_known_warnings()

@@ -52,6 +52,9 @@ def resolve_model_dir(name: str) -> Path:
             raise FileNotFoundError(f"--model {name}: the directory has no config.json; point it at a "
                                     "Hugging Face checkpoint folder")
         return path
+    if name.startswith(("/", ".", "~")) and not path.exists():  # a path, not a hub id (owner/name)
+        raise FileNotFoundError(f"--model {name}: no such folder; fix: check the path, or pass a hub id such as "
+                                "owner/name")
     if path.exists() or name.count("/") != 1:
         raise FileNotFoundError(f"--model {name}: not a directory holding a checkpoint; pass a local "
                                 f"checkpoint folder or a hub id such as owner/name")
@@ -144,6 +147,11 @@ def add_lora(model, cfg: Config):
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return policy
+
+
+def model_positions(policy) -> int | None:
+    """The most positions (prompt plus completion tokens) the model holds, where its config says."""
+    return getattr(policy.get_base_model().config, "max_position_embeddings", None)
 
 
 def load_policy(cfg: Config, device: torch.device | None = None):

@@ -19,8 +19,10 @@ Not here: loading checkpoints for training (`grpo/model.py`), GGUF tensors kept 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
+import random
 import shutil
 import tempfile
 import zipfile
@@ -83,10 +85,24 @@ def packaged_model_dir(name: str) -> Path:
     console = Console(stderr=True)
     with console.status(f"{model.name}: fetching and checking its GGUF (once)"):
         gguf = gguf_path(model)
-    with console.status(f"{model.name}: converting the GGUF to a bf16 checkpoint (once)"):
+    with console.status(f"{model.name}: converting the GGUF to a bf16 checkpoint (once)"), _random_state_kept():
         convert_gguf(gguf, target, model.end_tokens)
     console.print(f"converted {model.name} to bf16 in {target} (once: later runs read it there)")
     return target
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    """The conversion builds a model, whose initial weights draw random numbers; a run calls it after setting
+    its seed, so the draws are undone: a run that converts starts exactly as one that found the model converted."""
+    import torch
+
+    python_state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):  # the CPU generator: the conversion runs on the CPU
+            yield
+    finally:
+        random.setstate(python_state)
 
 
 def joined_gguf_path(model: PackagedModel) -> Path:

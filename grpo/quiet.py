@@ -36,6 +36,9 @@ HARMLESS_LOG_RECORDS: tuple[tuple[str, str], ...] = (
     # Greedy decoding (held-out eval) sets top_k=0 explicitly so that no model default leaks into sampling;
     # transformers notes that greedy ignores it, which is the point.
     ("transformers.generation.configuration_utils", r"generation flags are not valid and may be ignored: \['top_k'\]"),
+    # bitsandbytes looks for an optional 4-bit CPU kernel on the kernels hub at import (CPUs with AVX512-BF16);
+    # grpo uses its 8-bit AdamW only, and offline the lookup always fails.
+    ("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
 )
 
 

@@ -388,7 +388,23 @@ def score(completions: Sequence[str], answers: Sequence[str], funcs: Sequence[Re
                 raise RewardError(f"reward function {name} returned {as_float} for completion {i}; rewards must be "
                                   "finite (None where a function does not apply)")
             rewards[i, j] = as_float
+    _say_what_applies_to_nothing(rewards, names)
     return rewards, names
+
+
+def _say_what_applies_to_nothing(rewards: torch.Tensor, names: list[str]) -> None:
+    """A function that applies to none of the batch is said once (a warning per function, which Python shows
+    once); a batch that no function applies to is an error: every group would tie and teach nothing."""
+    import warnings
+
+    n = rewards.shape[0]
+    if n and bool(rewards.isnan().all()):
+        raise RewardError(f"no reward applies to any of the {n} completions: {', '.join(names)} returned None or NaN "
+                          "for every one; fix: return a float where a reward applies (None or NaN means it does not)")
+    for j, name in enumerate(names):
+        if n and bool(rewards[:, j].isnan().all()):
+            warnings.warn(f"reward function {name} returned None or NaN for every completion of a step (it applies to "
+                          "none of them); if it should apply, check what it returns", RuntimeWarning, stacklevel=2)
 
 
 def _locate_failure(fn: RewardFn, completions: list[str], answers: list[str],

@@ -44,11 +44,12 @@ from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
-from grpo.model import default_device, load_policy, load_unsloth_policy, model_summary
+from grpo.model import default_device, load_policy, load_unsloth_policy, model_positions, model_summary
 from grpo.optim import make_optimizer, make_scheduler
 from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
+from grpo.run_claim import RunClaim
 from grpo.runlog import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
                          synced_clock)
 from grpo.signals import StopOnSignal, Stopped
@@ -79,7 +80,7 @@ def run(cfg: Config, world: World) -> Path:
     out = Path(cfg.output_dir)
     # Setup, step by step: the run's folder and seeds; model, data, rewards and sampler; the optimizer and
     # schedule over the adapters; where the run starts (a checkpoint's state with --resume).
-    device = claim_and_seed(cfg, world, out, console)
+    device, claim = claim_and_seed(cfg, world, out, console)  # claim: rank 0's hold on the folder, till the end
     loaded = load_model_data_and_sampler(cfg, world, device, out)
     params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, loaded.policy)
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
@@ -182,6 +183,8 @@ def run(cfg: Config, world: World) -> Path:
             stop.restore()
         if log is not None:
             log.close()
+        if claim is not None:
+            claim.release()
     if world.is_main:
         from grpo.plots import plot_metrics
 
@@ -194,18 +197,21 @@ def run(cfg: Config, world: World) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Setup
 # --------------------------------------------------------------------------------------------------
-def claim_and_seed(cfg: Config, world: World, out: Path, console) -> torch.device:
-    """Claims the output folder (one run per folder: refused before anything is written), seeds Python's
-    and torch's RNGs, and returns the device (with --cpu-threads on CPU)."""
-    moved = claim_output_dir(cfg, world)
+def claim_and_seed(cfg: Config, world: World, out: Path, console) -> tuple[torch.device, RunClaim | None]:
+    """Claims the output folder (one run per folder: refused before anything is written, and while another
+    live run holds it), seeds Python's and torch's RNGs; returns the device (with --cpu-threads on CPU) and
+    rank 0's claim, which the run releases when it ends."""
+    moved, claim = claim_output_dir(cfg, world)
     if moved is not None:
         console.print(f"--overwrite: the previous run in {out} is now in {moved}")
+    if claim is not None and claim.note:
+        console.print(f"[yellow]{claim.note}[/]")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = default_device()
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
-    return device
+    return device, claim
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,7 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
     engine_name = resolve_engine_name(cfg.engine)
     vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
     policy, tokenizer, model_dir, engine = load_model(cfg, device, vllm_dir)
-    prompts, eval_prompts, max_completion = load_prompt_sets(cfg, tokenizer)
+    prompts, eval_prompts, max_completion = load_prompt_sets(cfg, tokenizer, model_positions(policy))
     eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
     longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
@@ -304,19 +310,23 @@ def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
     return policy, tokenizer, model_dir, None
 
 
-def load_prompt_sets(cfg: Config, tokenizer) -> tuple[grpo_data.PromptSet, grpo_data.PromptSet | None, int]:
-    """(training prompts, held-out prompts or None, completion tokens at most)."""
+def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None
+                     ) -> tuple[grpo_data.PromptSet, grpo_data.PromptSet | None, int]:
+    """(training prompts, held-out prompts or None, completion tokens at most). A prompt and its completion
+    fit --max-seq-length and the model's `positions`: longer prompts are dropped and counted."""
     examples = grpo_data.load_examples(cfg.dataset, split="train", seed=cfg.seed)
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
     system_prompt = SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
-    prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt)
+    room = grpo_data.prompt_room(cfg.max_seq_length, cfg.max_completion_length, positions)
+    prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt, room=room)
+    sequence = room.tokens + (cfg.max_completion_length or 1)  # --max-seq-length, or the model's positions
     max_completion = (cfg.max_completion_length if cfg.max_completion_length is not None
-                      else cfg.max_seq_length - prompts.max_prompt_length)
+                      else sequence - prompts.max_prompt_length)
     eval_prompts = None
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
-        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, cfg.max_seq_length - max_completion, system_prompt)
+        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, sequence - max_completion, system_prompt)
     return prompts, eval_prompts, max_completion
 
 

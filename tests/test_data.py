@@ -15,8 +15,10 @@ from grpo import assets, data
 from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
 from grpo.data import (
     Example, PromptStream, batch_columns, build_prompts, chat_prompt,
-    GSM8K_HELDOUT_SIZE, dapo_example, gsm8k_example, gsm8k_heldout, load_examples, load_jsonl,
+    GSM8K_HELDOUT_SIZE, PromptRoom, dapo_example, gsm8k_example, gsm8k_heldout, load_examples, load_jsonl,
+    prompt_room,
 )
+from grpo.config import Config
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +388,45 @@ def test_explicit_budget_keeps_all_or_refuses_when_nothing_fits(llama_tokenizer)
         build_prompts(llama_tokenizer, examples, max_prompt_length=5)
     with pytest.raises(ValueError, match="no examples"):
         build_prompts(llama_tokenizer, [])
+
+
+def test_no_budget_lets_a_prompt_past_the_room_its_sequence_leaves(llama_tokenizer):
+    """--max-prompt-length none takes the 90th percentile; it never exceeds --max-seq-length minus the
+    completion, nor the model's positions: longer prompts are dropped and counted."""
+    examples = _varied_examples()
+    lengths = sorted(len(ids) for ids in build_prompts(llama_tokenizer, examples, 10_000).prompt_ids)
+    middle = lengths[25]
+    room = prompt_room(max_seq_length=middle + 16, max_completion_length=16, model_positions=8192)
+    assert room == PromptRoom(middle, f"--max-seq-length {middle + 16} minus --max-completion-length 16",
+                              "raise --max-seq-length or lower --max-completion-length")
+    ps = build_prompts(llama_tokenizer, examples, None, room=room)
+    assert ps.max_prompt_length == middle < build_prompts(llama_tokenizer, examples).max_prompt_length
+    assert ps.dropped == sum(n > middle for n in lengths) >= 20 and all(len(ids) <= middle for ids in ps.prompt_ids)
+    # an explicit budget is capped the same way, here by the model's positions
+    by_model = prompt_room(max_seq_length=4096, max_completion_length=16, model_positions=middle + 16)
+    assert build_prompts(llama_tokenizer, examples, 2048, room=by_model).max_prompt_length == middle
+    with pytest.raises(ValueError, match=rf"^the model's {middle + 16} positions minus --max-completion-length 16 leave "
+                                         rf"{middle} tokens for a prompt: every prompt is longer \(shortest \d+ tokens\); "
+                                         "fix: shorten the prompts"):
+        build_prompts(llama_tokenizer, [Example("word " * 200, "1")], None, room=by_model)
+    assert prompt_room(512, None, None) == PromptRoom(511, "--max-seq-length 512 minus one completion token",
+                                                      "raise --max-seq-length")
+    with pytest.raises(ValueError, match="leave no room for a prompt"):
+        prompt_room(512, 600, None)
+
+
+def test_the_run_fits_prompt_and_completion_into_the_model_positions(llama_tokenizer, tmp_path):
+    """No budget and a --max-seq-length past the model: the run's prompts and completions fit the model."""
+    from grpo.trainer import load_prompt_sets
+
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"question": "word " * (10 + 60 * (i % 5)), "answer": "1"}) + "\n"
+                            for i in range(20)))
+    cfg = Config(dataset=str(data), max_prompt_length=None, max_seq_length=4096, max_completion_length=None,
+                 eval_size=0)
+    prompts, _, max_completion = load_prompt_sets(cfg, llama_tokenizer, positions=160)
+    assert 0 < prompts.max_prompt_length <= 159 and max_completion == 160 - prompts.max_prompt_length
+    assert prompts.dropped > 0 and all(len(ids) <= prompts.max_prompt_length for ids in prompts.prompt_ids)
 
 
 # --- the prompt stream -----------------------------------------------------------------------------

@@ -212,8 +212,9 @@ def test_rank_zero_alone_prints_logs_and_saves_with_every_ranks_rng(two_rank_run
     assert [r["step"] for r in records(run)] == [1, 2]  # not once per rank
     stdout = (two_rank_run / "stdout.txt").read_text()
     assert stdout.count("step 2/2 ") == 1 and stdout.count("done") == 1
-    assert sorted(p.name for p in run.iterdir()) == ["adapter", "checkpoint-1", "checkpoint-2", "config.json",
+    assert sorted(p.name for p in run.iterdir()) == [".claim", "adapter", "checkpoint-1", "checkpoint-2", "config.json",
                                                      "metrics.jsonl", "metrics.png"]
+    assert (run / ".claim").read_text() == ""  # rank 0's claim, released at the end
     ckpt = run / "checkpoint-1"
     assert (ckpt / "rng.pt").is_file() and (ckpt / "rng-rank1.pt").is_file()
     state = json.loads((ckpt / "trainer_state.json").read_text())

@@ -182,3 +182,45 @@ def test_eval_cli_builds_its_prompts_with_the_given_system_prompt(tiny_llama_dir
     assert grpo_eval.main(args) == 0
     assert grpo_eval.main([*args, "--system-prompt", "Answer in <SOLUTION> tags."]) == 0
     assert seen == [(grpo_data.SYSTEM_PROMPT,), ("Answer in <SOLUTION> tags.",)]
+
+
+@pytest.fixture
+def run_adapter(tiny_llama_dir, tmp_path):
+    """A run's folder: config.json with its own system prompt, and the adapter it trained in adapter/."""
+    from grpo.config import Config
+    from test_export import load_dense, trained_adapter
+
+    run = tmp_path / "run"
+    Config(model=str(tiny_llama_dir), system_prompt="The run's own prompt.", output_dir=str(run)).save(run)
+    trained_adapter(load_dense(tiny_llama_dir), run / "adapter")
+    return run
+
+
+def test_eval_of_a_run_adapter_takes_the_runs_system_prompt_unless_one_is_given(tiny_llama_dir, run_adapter,
+                                                                                 monkeypatch, capsys):
+    from grpo import data as grpo_data
+
+    seen = []
+    real = grpo_data.build_prompts
+    monkeypatch.setattr(grpo_data, "build_prompts", lambda *a, **kw: (seen.append(a[3]), real(*a, **kw))[1])
+    args = ["--model", str(tiny_llama_dir), "--eval-size", "1", "--samples", "0", "--max-completion-length", "2",
+            "--engine", "hf"]
+    assert grpo_eval.main([*args, "--adapter", str(run_adapter)]) == 0
+    assert f"--system-prompt: the run's, from {run_adapter / 'config.json'}" in capsys.readouterr().err
+    assert grpo_eval.main([*args, "--adapter", str(run_adapter / "adapter"), "--system-prompt", "Mine."]) == 0
+    assert seen == ["The run's own prompt.", "Mine."]
+
+
+def test_a_truncated_adapter_config_is_named_by_eval_and_export_and_export_writes_nothing(tiny_llama_dir, run_adapter,
+                                                                                          tmp_path, capsys):
+    from grpo.export import main as export_main
+
+    config = run_adapter / "adapter" / "adapter_config.json"
+    config.write_text(config.read_text()[:40])
+    assert grpo_eval.main(["--model", str(tiny_llama_dir), "--adapter", str(run_adapter), "--engine", "hf"]) == 1
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: --adapter {run_adapter}: {config} is not valid JSON (") and "intact copy" in line
+    out = tmp_path / "exported"
+    assert export_main(["--model", str(tiny_llama_dir), "--adapter", str(run_adapter), "--out", str(out)]) == 1
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert f"{config} is not valid JSON" in line and not out.exists()

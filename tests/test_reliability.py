@@ -171,7 +171,9 @@ def test_an_output_dir_holding_only_a_config_from_a_run_that_never_stepped_is_re
 
     out = tmp_path / "run"
     Config(output_dir=str(out), max_steps=7).save(out)  # a run that stopped while loading its model
-    assert claim_output_dir(Config(output_dir=str(out), max_steps=9), World()) is None
+    claimed = claim_output_dir(Config(output_dir=str(out), max_steps=9), World())
+    assert claimed.moved is None
+    claimed.claim.release()
     assert json.loads((out / "config.json").read_text())["max_steps"] == 9
     (out / "metrics.jsonl").write_text("{}\n")  # now it holds something of a run
     with pytest.raises(ValueError, match="already holds a run"):
@@ -327,7 +329,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_chec
     [line] = error_lines(capsys.readouterr().err)
     assert f"could not write checkpoint {out / 'checkpoint-2'}" in line and "full disk" in line
     assert f"the last checkpoint is {out / 'checkpoint-1'}" in line
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".claim", "checkpoint-1", "config.json", "metrics.jsonl"]
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     assert train_main(flags(char_llama_dir, out, max_steps=3, save_steps=1, resume="latest")) == 0
 
@@ -572,3 +574,28 @@ if __name__ == "__main__":
     summary = _kill_loop(work, count)
     summary["train_killed_by"] = _train_killed_mid_checkpoint(work / "config.json")
     (work / "summary.json").write_text(json.dumps(summary))
+
+
+# --------------------------------------------------------------------------------------------------
+# Resuming a finished run, or from another run's checkpoint
+# --------------------------------------------------------------------------------------------------
+def test_resume_latest_of_a_finished_run_says_it_is_done_and_changes_nothing(char_llama_dir, straight, tmp_path,
+                                                                              capsys):
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    before = snapshot(out)
+    assert train_main(flags(char_llama_dir, out, resume="latest")) == 0
+    said = capsys.readouterr()
+    assert said.out.strip() == (f"nothing to do: --resume latest: {out}/checkpoint-4 holds step 4 of --max-steps 4: "
+                                f"the run is done; its adapter is {out}/adapter; to train on, pass a larger --max-steps")
+    assert snapshot(out) == before
+
+
+def test_a_new_folder_started_from_another_runs_checkpoint_trains_on_there_or_is_refused_before_anything_runs(
+        char_llama_dir, straight, tmp_path, capsys):
+    new = tmp_path / "new"
+    assert train_main(flags(char_llama_dir, new, resume=straight / "checkpoint-4")) == 0  # nothing left to train
+    assert "nothing to do: " in capsys.readouterr().out and not new.exists()
+    assert train_main(flags(char_llama_dir, new, resume=straight / "checkpoint-2", max_steps=3)) == 0
+    assert [json.loads(line)["step"] for line in (new / "metrics.jsonl").read_text().splitlines()] == [3]
+    assert (new / "adapter" / "adapter_model.safetensors").is_file() and (new / "checkpoint-3").is_dir()

@@ -299,3 +299,27 @@ def test_lenient_is_never_below_strict_and_equals_it_when_a_solution_block_exist
             assert lenient or not strict, (completion, answer)
             if extract_solution(completion) is not None:
                 assert lenient == strict, (completion, answer)
+
+
+def test_a_reward_that_applies_to_no_completion_is_said_once_and_a_batch_no_reward_applies_to_stops():
+    import warnings
+
+    from grpo.rewards import RewardError, score
+
+    def never(completions, answers, **columns):
+        return [float("nan")] * len(completions)
+
+    def length(completions, answers, **columns):
+        return [float(len(text)) for text in completions]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):  # three steps
+            rewards, names = score(["a", "bb"], ["1", "2"], [never, length])
+    assert rewards[:, 1].tolist() == [1.0, 2.0] and names == ["never", "length"]
+    assert [str(w.message) for w in caught] == [
+        "reward function never returned None or NaN for every completion of a step (it applies to none of them); "
+        "if it should apply, check what it returns"]
+    with pytest.raises(RewardError, match=r"^no reward applies to any of the 2 completions: never returned None or "
+                                          r"NaN for every one; fix: return a float"):
+        score(["a", "bb"], ["1", "2"], [never])

@@ -1,0 +1,68 @@
+"""The command line people already know (grpo.cli), the same in train.py, grpo.eval and grpo.export: boolean
+flags bare, --no- and true/false; no prefix matching; TRL's snake_case spellings; the nearest flag for an
+unknown one."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo import eval as grpo_eval
+from grpo import export as grpo_export
+from grpo.config import build_parser, parse_args
+
+EVAL = ["--model", "m"]
+EXPORT = ["--model", "m", "--adapter", "a", "--out", "o"]
+
+
+def _error(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        parse(argv)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    return lines[0]
+
+
+@pytest.mark.parametrize("given, value", [(["--FLAG"], True), (["--no-FLAG"], False), (["--FLAG", "false"], False),
+                                          (["--FLAG", "true"], True), (["--FLAG=no"], False), ([], None)])
+def test_a_boolean_flag_takes_the_bare_the_no_and_the_true_false_form_in_every_command(given, value):
+    argv = [arg.replace("FLAG", "load-in-fp8") for arg in given]
+    assert parse_args(argv).load_in_fp8 is (False if value is None else value)
+    assert grpo_eval.build_parser().parse_args(EVAL + argv).load_in_fp8 is bool(value)
+    assert grpo_export.build_parser().parse_args(EXPORT + argv).load_in_fp8 is bool(value)
+    dynamic = [arg.replace("FLAG", "dynamic-sampling") for arg in given]
+    assert parse_args(dynamic).dynamic_sampling is bool(value)
+
+
+def test_a_boolean_flag_followed_by_another_flag_is_true_and_a_bad_value_is_one_line(capsys):
+    cfg = parse_args(["--dynamic-sampling", "--seed", "5", "--no-gradient-checkpointing"])
+    assert cfg.dynamic_sampling is True and cfg.seed == 5 and cfg.gradient_checkpointing is False
+    assert "expected true or false, got 'maybe'" in _error(parse_args, ["--dynamic-sampling", "maybe"], capsys)
+
+
+def test_no_flag_is_taken_for_an_abbreviation_of_another(capsys):
+    line = _error(parse_args, ["--lr", "1e-4"], capsys)  # was: --lr-scheduler, "invalid choice: '1e-4'"
+    assert line == "train.py: error: unrecognized flag --lr: here it is --learning-rate (see train.py --help)"
+    assert "did you mean --max-steps?" in _error(parse_args, ["--max-step", "3"], capsys)
+    assert "did you mean --samples?" in _error(grpo_eval.build_parser().parse_args, EVAL + ["--sample", "2"], capsys)
+
+
+def test_the_snake_case_spelling_of_every_flag_works_and_stays_out_of_help(capsys):
+    cfg = parse_args(["--learning_rate", "1e-4", "--num_generations", "8", "--max_completion_length=64",
+                      "--no_dynamic_sampling", "--use_rslora", "false", "--lora_targets", "q_proj", "v_proj"])
+    assert (cfg.learning_rate, cfg.num_generations, cfg.max_completion_length) == (1e-4, 8, 64)
+    assert cfg.dynamic_sampling is False and cfg.use_rslora is False and cfg.lora_targets == ("q_proj", "v_proj")
+    assert grpo_eval.build_parser().parse_args(EVAL + ["--eval_size", "3", "--load_in_fp8"]).eval_size == 3
+    assert grpo_export.build_parser().parse_args(EXPORT + ["--load_in_fp8"]).load_in_fp8 is True
+    text = build_parser().format_help()
+    assert "--learning-rate" in text and "--learning_rate " not in text and "--no-dynamic-sampling" not in text
+    # a value is never rewritten, only a flag
+    assert parse_args(["--system-prompt", "keep_this_text", "--reward", "my_rewards.py:snake_case"]).reward == (
+        "my_rewards.py:snake_case",)
+
+
+def test_trl_names_that_differ_and_near_misses_get_the_flag_to_use(capsys):
+    line = _error(parse_args, ["--per_device_train_batch_size", "8"], capsys)
+    assert "unrecognized flag --per_device_train_batch_size: here it is --micro-batch-size" in line
+    assert "did you mean --learning-rate?" in _error(parse_args, ["--learnin_rate", "1e-4"], capsys)
+    assert "unrecognized arguments: --zzz" in _error(parse_args, ["--zzz"], capsys)
