@@ -79,7 +79,7 @@ def format_row(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo.config import OneLineParser
+    from grpo.cli import OneLineParser
     from grpo.failures import report
 
     parser = OneLineParser(prog="python -m grpo.compare_evals", description=__doc__.splitlines()[0])

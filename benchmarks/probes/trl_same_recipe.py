@@ -269,7 +269,8 @@ def run(cfg, args, started: float) -> Path:
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     """(this probe's flags, the Config of train.py's flags after `--`)."""
-    from grpo.config import OneLineParser, parse_args
+    from grpo.cli import OneLineParser
+    from grpo.config import parse_args
 
     split = argv.index("--") if "--" in argv else len(argv)
     mine, recipe = argv[:split], argv[split + 1:]
