@@ -231,7 +231,8 @@ class NativeEngine:
         decoder = lm.model
         P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
         rows = P * n
-        ids = pad_rows(prompt_ids, self.pad_id, width=L, dtype=torch.long).to(self.device)  # (P, L) right-padded: causal attention keeps padding out of real tokens
+        # (P, L) right-padded: causal attention keeps padding out of real tokens
+        ids = pad_rows(prompt_ids, self.pad_id, width=L, dtype=torch.long).to(self.device)
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
         x = decoder.embed_tokens(ids)  # (P, L, H)
         cos, sin = st.cos[:L][None, None], st.sin[:L][None, None]  # (1, 1, L, D)
