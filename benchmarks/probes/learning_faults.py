@@ -261,6 +261,8 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
 
     from grpo.config import parse_command_line
     from grpo.model import default_device, load_policy
+    from grpo.rollout import VLLMOptions
+    from grpo.rollout.vllm import VLLMEngine
     from grpo.rollout.base import Sampling
     from grpo.rollout.native import NativeEngine
     from grpo.rollout.native.tuning import EngineTuning
@@ -286,9 +288,26 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
             "sdpa": EngineTuning(attention="sdpa")}
     chosen = args.ways.split(",") if args.ways else list(ways)
     max_seq = prompts.max_prompt_length + max_completion
+    if "vllm" in chosen:  # plain vLLM as the sampler, as `--engine vllm` builds it (eager: no compile wait)
+        ways["vllm"] = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
+                                   work_dir=str(Path(args.out) / "vllm-adapters"),
+                                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=True)
+    unknown = sorted(set(chosen) - set(ways))
+    if unknown:
+        raise SystemExit(f"--ways {','.join(unknown)}: choose from {','.join([*ways, 'vllm'])}")
     for way in chosen:
-        engine = NativeEngine(policy, max_seq_len=max_seq, max_batch=P * G, pad_id=tokenizer.pad_token_id,
-                              gemm="modules" if device.type == "cpu" else "auto", tuning=ways[way])
+        if way == "vllm":
+            # raw log-probs: at the preset's temperature 1 the sampled tokens' are the exact ones, and vLLM's
+            # prompt log-probs are then log-softmaxed (with "processed_logits" they are bare logits)
+            o = ways[way]
+            engine = VLLMEngine(policy, o.model_path, lora_rank=o.lora_rank, max_model_len=max_seq, dtype=o.dtype,
+                                seed=o.seed, work_dir=o.work_dir, pad_id=tokenizer.pad_token_id, enforce_eager=True,
+                                gpu_memory_utilization=o.gpu_memory_utilization, logprobs_mode="raw_logprobs")
+            if args.replay:
+                _score_replay_with_vllm(engine.llm, args.replay, rec)
+        else:
+            engine = NativeEngine(policy, max_seq_len=max_seq, max_batch=P * G, pad_id=tokenizer.pad_token_id,
+                                  gemm="modules" if device.type == "cpu" else "auto", tuning=ways[way])
         totals: dict[str, list] = {}
         worst: list[dict] = []
         for b in range(args.batches):
@@ -315,7 +334,7 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
                     "input_ids": batch.input_ids.cpu(),
                     "start": batch.start.cpu()}, Path(args.out) / f"gap-batch0-{way}.pt")
             rec.record("gap_batch", way=way, batch=b, tokens=int(batch.mask.sum()),
-                    decode_s=round(rollout.timings["decode"], 2),
+                    decode_s=round(rollout.timings.get("decode", rollout.timings.get("generate", 0.0)), 2),
                     sampler_trainer_max=round(float((paths["sampler"] - paths["trainer"]).abs()[batch.mask].max()), 3),
                     sampler_fp32_max=round(float((paths["sampler"] - paths["fp32"]).abs()[batch.mask].max()), 3),
                     trainer_fp32_max=round(float((paths["trainer"] - paths["fp32"]).abs()[batch.mask].max()), 3))
@@ -330,6 +349,28 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _score_replay_with_vllm(llm, replay: str, rec: Recorder) -> None:
+    """Every completion token of a `gap-batch0-<way>.pt` scored by vLLM's own forward over the same tokens
+    (prompt log-probs: one prefill per row, temperature 1, no adapter: the probe's adapters are zero), against
+    the file's float32, trainer and sampler columns: vLLM's numerics on the very rollouts ours were judged on."""
+    from vllm import SamplingParams
+
+    saved = torch.load(replay, map_location="cpu")
+    start, mask = saved["start"], saved["mask"]
+    n = mask.sum(1)
+    prompts = [{"prompt_token_ids": saved["input_ids"][r, :int(start[r] + n[r])].tolist()} for r in range(len(n))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0), use_tqdm=False)
+    scored = torch.zeros(mask.shape, dtype=torch.float32)
+    for r, out in enumerate(outs):
+        ids = prompts[r]["prompt_token_ids"]
+        for t in range(int(n[r])):
+            pos = int(start[r]) + t
+            scored[r, t] = out.prompt_logprobs[pos][ids[pos]].logprob
+    for name, other in (("vllm_prefill-saved_fp32", "fp32"), ("vllm_prefill-saved_trainer", "trainer"),
+                        ("vllm_prefill-saved_sampler", "sampler")):
+        rec.record("vllm_replay", pair=name, file=Path(replay).name, **_summary(scored, saved[other], mask))
 
 
 def run_replay(args, train_argv: list[str], rec: Recorder) -> None:
@@ -366,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=3, help="nonfinite: the 1-based step to look into")
     parser.add_argument("--batches", type=int, default=4, help="gap: batches of P x G rows per way")
     parser.add_argument("--micro", type=int, default=16, help="gap: rows per scoring forward")
-    parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all)")
+    parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all native ones): "
+                        "product, no_streams, no_graph, eager, sdpa, and vllm (plain vLLM, needs the vLLM kit)")
     parser.add_argument("--fp64-on-cpu", action="store_true", help="gap: the reference in float64 on a CPU")
-    parser.add_argument("--replay", default="", help="replay: a gap-batch0-<way>.pt written by `gap`")
+    parser.add_argument("--replay", default="", help="replay: a gap-batch0-<way>.pt written by `gap`; gap with "
+                        "the vllm way: also score that file's tokens with vLLM's prefill")
     parser.add_argument("--rows", type=int, default=8, help="replay: its first rows to score")
     add_out_argument(parser)
     args = parser.parse_args(own)
