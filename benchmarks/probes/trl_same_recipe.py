@@ -165,8 +165,10 @@ def train_rows(cfg, tokenizer) -> list[dict]:
     return trl_prompt_rows(tokenizer, prompts, order)
 
 
-def our_record(step: int, logs: dict, clock: dict) -> dict:
-    """One metrics.jsonl line: our keys where TRL's mean the same, the step's wall clock, TRL's keys as trl/*."""
+def our_record(step: int, logs: dict, clock: dict, stop_strings: bool = False) -> dict:
+    """One metrics.jsonl line: our keys where TRL's mean the same, the step's wall clock, TRL's keys as trl/*.
+    `stop_strings`: the recipe stops on strings; TRL then counts every row they ended as clipped (it calls
+    finished only a row that ends in EOS), so its clipped_ratio is not our frac_finished and is left out."""
     record: dict = {"step": step}
     for trl_key, ours in TRL_TO_OURS.items():
         if logs.get(trl_key) is not None:
@@ -174,14 +176,14 @@ def our_record(step: int, logs: dict, clock: dict) -> dict:
     for key, value in logs.items():
         if key.startswith("rewards/") and key.endswith("/mean"):
             record[key.removesuffix("/mean")] = value
-    if logs.get("completions/clipped_ratio") is not None:
+    if logs.get("completions/clipped_ratio") is not None and not stop_strings:
         record["frac_finished"] = 1.0 - logs["completions/clipped_ratio"]
     record.update({k: clock[k] for k in ("step_time", "peak_mem_gib", "peak_reserved_gib") if k in clock})
     record.update({f"trl/{k}": v for k, v in logs.items() if isinstance(v, (int, float))})
     return record
 
 
-def run_recorder(metrics: Path, clock, started: float, budget_s: float | None):
+def run_recorder(metrics: Path, clock, started: float, budget_s: float | None, stop_strings: bool = False):
     """A TrainerCallback that appends each logged step to `metrics` (our keys, `our_record`) and, with a
     budget, saves and stops after the step that leaves less than 1.5 median steps of it."""
     from transformers import TrainerCallback
@@ -202,7 +204,7 @@ def run_recorder(metrics: Path, clock, started: float, budget_s: float | None):
                 return
             timed = [r for r in clock.records if r["step"] == state.global_step]
             with metrics.open("a") as f:
-                f.write(json.dumps(our_record(state.global_step, logs, timed[-1] if timed else {})) + "\n")
+                f.write(json.dumps(our_record(state.global_step, logs, timed[-1] if timed else {}, stop_strings)) + "\n")
 
     return RunRecorder()
 
@@ -253,7 +255,7 @@ def run(cfg, args, started: float) -> Path:
     cfg.save(out)
     (out / "trl_args.json").write_text(json.dumps({**values, "trl": trl.__version__}, indent=2, default=str) + "\n")
     clock = step_clock(cuda)
-    recorder = run_recorder(out / "metrics.jsonl", clock, started, args.time_budget_s)
+    recorder = run_recorder(out / "metrics.jsonl", clock, started, args.time_budget_s, stop_strings=bool(cfg.stop))
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=trl_reward_functions(cfg), args=trl.GRPOConfig(**values),
                               train_dataset=train_set, processing_class=tokenizer, callbacks=[clock, recorder],
                               optimizers=(optimizer, make_scheduler(cfg, optimizer)))
