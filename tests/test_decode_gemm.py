@@ -36,12 +36,31 @@ def test_reference_dequantizes_like_the_fp8_module_and_adds_lora():
                                F.silu(x @ w.bfloat16().double().t()) * want, rtol=1e-4, atol=1e-3)
 
 
+def test_reference_adds_each_projections_bias_before_rounding_once():
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    plain, biased = dg.DecodeProj(w), dg.DecodeProj(w, bias=bias)
+    torch.testing.assert_close(dg.project_ref(x, [biased])[0], dg.project_ref(x, [plain])[0] + bias)
+    res = torch.randn(3, 40, generator=g)
+    torch.testing.assert_close(dg.project_ref(x, [biased], residual=res)[0], x @ w.t() + bias + res)
+    up_bias = torch.randn(40, generator=g)
+    up = dg.DecodeProj(w.flip(0).contiguous(), bias=up_bias)
+    torch.testing.assert_close(dg.project_gated_ref(x, biased, up),
+                               F.silu(x @ w.t() + bias) * (x @ w.flip(0).t() + up_bias))
+
+
 def test_bad_groups_are_refused_with_a_clear_error():
     x = torch.randn(4, 128)
     dense = dg.DecodeProj(torch.randn(64, 128, dtype=torch.bfloat16))
     codes, scale = quantize_fp8_block(torch.randn(64, 128))
     with pytest.raises(ValueError, match="all be FP8 or all dense"):
         dg.project(x, [dense, dg.DecodeProj(codes, scale)])
+    biased = dg.DecodeProj(dense.weight, bias=torch.zeros(64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="all have a bias or none"):
+        dg.project(x, [biased, dense])
+    with pytest.raises(ValueError, match=r"a bias must be contiguous \(64,\)"):
+        dg.project(x, [dg.DecodeProj(dense.weight, bias=torch.zeros(32, dtype=torch.bfloat16))])
     with pytest.raises(ValueError, match="M <= 64"):
         dg.project(torch.randn(65, 128), [dense])
     with pytest.raises(ValueError, match="expects 128"):
@@ -175,6 +194,16 @@ def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
 
     layer.self_attn.q_proj.lora_A["default"].__class__ = ScaledA
     assert layer_projections(layer, torch.float32) is None
+
+    from test_native_engine import small_qwen2
+
+    qwen = small_qwen2(seed=0)  # q/k/v with biases: the kernels add them (the module's own tensors)
+    attn = qwen.model.layers[0].self_attn
+    plan = layer_projections(qwen.model.layers[0], torch.float32)
+    assert plan is not None and plan.q.bias is attn.q_proj.bias and plan.v.bias is attn.v_proj.bias
+    assert plan.o.bias is None and plan.gate.bias is None
+    attn.k_proj.bias = None  # biases on some of q/k/v only: one launch cannot mix them
+    assert layer_projections(qwen.model.layers[0], torch.float32) is None
 
 
 def test_engine_warns_once_when_layers_fall_back_to_their_modules(monkeypatch):

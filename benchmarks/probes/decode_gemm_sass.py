@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-POINTERS = re.compile(r"(_ptr|^[wsyb][0-2gu]$)")  # x_ptr, w0, s1, y2, b0, wg, su, ...
+POINTERS = re.compile(r"(_ptr|^[wsybe][0-2gu]$)")  # x_ptr, w0, s1, y2, b0, e1, wg, su, eu, ...
 FLOATS = {"c0", "c1", "c2", "cg", "cu"}  # LoRA scales
 
 
@@ -50,7 +50,7 @@ def _import_triton():
 
 
 def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
-                   unpack: str = "bits", split_k: int = 1):
+                   unpack: str = "bits", split_k: int = 1, bias: bool = False):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
     compiled kernel (asm: ttgir, ptx, cubin)."""
     triton = _import_triton()
@@ -63,7 +63,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     fn = kernels.proj_kernel if kind == "proj" else kernels.gated_kernel
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
-                 HAS_LORA=lora, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False,
+                 HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False,
                  UNPACK=_UNPACK_MODES[unpack] if fp8 else 0)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)
@@ -81,7 +81,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
         elif name == "count_ptr":  # split-K's arrival counts
             sig[name] = "*i32"
         elif POINTERS.search(name):  # scales, weights and LoRA B, or activations
-            sig[name] = "*fp32" if name[0] == "s" else weight if name[0] in "wb" else "*bf16"
+            sig[name] = "*fp32" if name[0] == "s" else weight if name[0] in "wb" else "*bf16"  # e: biases
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     divisible = [n for n in names if sig[n].startswith("*") or n in ("stride_xm", "K", "N", "N0", "N1", "N2")]
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--unpack", choices=["convert", "bits"], default="bits",
                     help="how FP8 codes become bf16 (decode_gemm.Tuning.unpack, set by decode_gemm.tuning(unpack=...))")
     ap.add_argument("--split-k", type=int, default=1, help="K slices of a proj launch (TileConfig.split_k)")
+    ap.add_argument("--bias", action="store_true", help="projections with a bias (Qwen2's q/k/v)")
     ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
                     metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")
     ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64], help="the row tile (BLOCK_M)")
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
     args = ap.parse_args()
     compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, unpack=args.unpack,
-                              split_k=args.split_k)
+                              split_k=args.split_k, bias=args.bias)
     if args.json:
         print(json.dumps(sass_loops(compiled.asm["cubin"])))
         return

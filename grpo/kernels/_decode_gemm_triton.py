@@ -84,23 +84,30 @@ def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R
     return acc + _dot32(xa, tl.trans(b.to(tl.float32)), EXACT) * scale
 
 @triton.jit
-def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, res_ptr, BLOCK_M: tl.constexpr,
-                 HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                 EXACT: tl.constexpr):
-    # the whole K's sums in: LoRA's up-projection, the residual, one rounding, the store
+def _add_bias(acc, bias_ptr, N, rn):
+    # acc (BLOCK_M, BLOCK_N) + the projection's bias at features rn, in float32
+    return acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+
+@triton.jit
+def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M: tl.constexpr,
+                 HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
+                 SPLIT: tl.constexpr, EXACT: tl.constexpr):
+    # the whole K's sums in: LoRA's up-projection, the bias, the residual, one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias_ptr, N, rn)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_RES:  # residual (M, N), contiguous
         acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, res_ptr,
-              part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-              BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
+def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, bias_ptr,
+              res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
               UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,48 +127,49 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
             for s in tl.static_range(1, SPLIT_K):
                 acc += tl.load(at + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
-            _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, res_ptr, BLOCK_M, HAS_LORA, HAS_RES,
-                         BLOCK_R, SPLIT, EXACT)
+            _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
+                         HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, EXACT)
     else:
-        _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, res_ptr, BLOCK_M, HAS_LORA, HAS_RES,
-                     BLOCK_R, SPLIT, EXACT)
+        _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
+                     HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, EXACT)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
-                w0, s0, y0, b0, N0, c0, w1, s1, y1, b1, N1, c1, w2, s2, y2, b2, N2, c2,
+                w0, s0, y0, b0, e0, N0, c0, w1, s1, y1, b1, e1, N1, c1, w2, s2, y2, b2, e2, N2, c2,
                 xa_ptr, R, res_ptr, part_ptr, count_ptr,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-                BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
                 EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
-    # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice
+    # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
+    # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = SPLIT * BLOCK_M * BLOCK_R
     if pid < t0:
-        _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, res_ptr, part_ptr, count_ptr,
-                  BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT,
-                  UNPACK, SPLIT_K)
+        _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
+                  count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, SPLIT,
+                  STAGES, EXACT, UNPACK, SPLIT_K)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
-                _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1,
+                _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
                           res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
-                          HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK, SPLIT_K)
+                          HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK, SPLIT_K)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
-                              xa_ptr + 2 * xa_stride, R, c2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
-                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK,
-                              SPLIT_K)
+                              xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
+                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT,
+                              UNPACK, SPLIT_K)
 
 @triton.jit
-def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
+def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
-    # y = silu(x Wg^T) * (x Wu^T) for one tile of N
+                 HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
+    # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     g = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
@@ -172,6 +180,9 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)
         u = _lora_up(u, xa_ptr + SPLIT * BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, SPLIT,
                      EXACT)
+    if HAS_BIAS:
+        g = _add_bias(g, eg, N, rn)
+        u = _add_bias(u, eu, N, rn)
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))

@@ -67,6 +67,7 @@ class DecodeProj:
     weight: (N, K) in the activations' dtype, or float8_e4m3fn codes with `scale_inv`
         (ceil(N/128), ceil(K/128)) float32 block scales.
     lora_a (R, K), lora_b (N, R), lora_scale: an active LoRA adapter, y += lora_scale * x A^T B^T.
+    bias (N,): the projection's bias, y += bias (Qwen2's q/k/v), added in float32 before the one rounding.
     """
 
     weight: torch.Tensor
@@ -74,6 +75,7 @@ class DecodeProj:
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
     lora_scale: float = 1.0
+    bias: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -106,16 +108,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def _proj_ref(x2: torch.Tensor, proj: DecodeProj) -> torch.Tensor:
-    """float32 x W^T (+ scale * x A^T B^T)."""
+    """float32 x W^T (+ scale * x A^T B^T) (+ bias)."""
     y = x2.float() @ _dense_ref(proj).t()
     if proj.lora_a is not None:
         y = y + (x2.float() @ proj.lora_a.float().t()) @ proj.lora_b.float().t() * proj.lora_scale
+    if proj.bias is not None:
+        y = y + proj.bias.float()
     return y
 
 
 def project_ref(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
                 ) -> list[torch.Tensor]:
-    """[x W_i^T (+ LoRA_i) (+ residual)] for each projection, in float32, rounded once to x's dtype."""
+    """[x W_i^T (+ LoRA_i) (+ bias_i) (+ residual)] for each projection, in float32, rounded once to x's dtype."""
     outs = [_proj_ref(x2, p) for p in projs]
     if residual is not None:
         outs = [y + residual.float() for y in outs]
@@ -123,7 +127,7 @@ def project_ref(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.T
 
 
 def project_gated_ref(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T), LoRA included, in float32, rounded once."""
+    """silu(x Wg^T) * (x Wu^T), LoRA and biases included, in float32, rounded once."""
     return (F.silu(_proj_ref(x2, gate)) * _proj_ref(x2, up)).to(x2.dtype)
 
 
@@ -212,10 +216,19 @@ def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | Non
         _TUNING.reset(token)
 
 
+def _untuned_tiles(kind: str, n: int, k: int) -> TileConfig:
+    """Tiles for a shape no sweep has tuned (Qwen2.5-1.5B's: hidden 1536, MLP 8960), after the pattern of
+    the tuned Llama ones: 32 outputs a tile from 2048 outputs, 16 below; a projection with fewer tiles than
+    the H200 has SMs (132) and a long K splits K in 4, as the tuned o, down and FP8 q/k/v launches do."""
+    block_n = 32 if n >= 2048 else 16
+    split_k = 4 if kind == "proj" and -(-n // block_n) < 132 and k >= 1024 else 1
+    return TileConfig(block_n, 256, 4, 4, split_k=split_k)
+
+
 def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
     """The tiles for one launch. `kind` is "proj" or "gated"; n the group's output features in all."""
     key = (kind, n, k, fp8)
-    cfg = _TUNING.get().tiles.get(key) or _TUNED.get(key) or TileConfig(32 if n >= 2048 else 16, 256, 4, 4)
+    cfg = _TUNING.get().tiles.get(key) or _TUNED.get(key) or _untuned_tiles(kind, n, k)
     if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
         raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
     if cfg.split_k != 1 and (kind != "proj" or cfg.split_k < 1):
@@ -298,6 +311,8 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
     fp8 = {p.scale_inv is not None for p in projs}
     if len(fp8) != 1:
         raise ValueError("decode_gemm: projections of one launch must all be FP8 or all dense")
+    if len({p.bias is None for p in projs}) != 1:
+        raise ValueError("decode_gemm: projections of one launch must all have a bias or none")
     if x2.stride(1) != 1:
         raise ValueError("decode_gemm: x must have contiguous rows (x.stride(1) == 1); pass x.contiguous()")
     for p in projs:
@@ -309,6 +324,8 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
                 -(-p.out_features // FP8_BLOCK), -(-p.in_features // FP8_BLOCK))):
             raise ValueError(f"decode_gemm: FP8 scales must be contiguous (ceil(N/128), ceil(K/128)), got "
                              f"{tuple(p.scale_inv.shape)} for a weight of {tuple(p.weight.shape)}")
+        if p.bias is not None and (tuple(p.bias.shape) != (p.out_features,) or not p.bias.is_contiguous()):
+            raise ValueError(f"decode_gemm: a bias must be contiguous ({p.out_features},), got {tuple(p.bias.shape)}")
         if p.lora_a is not None and (
                 p.lora_b is None or tuple(p.lora_a.shape) != (p.rank, p.in_features)
                 or tuple(p.lora_b.shape) != (p.out_features, p.rank)
@@ -349,7 +366,7 @@ def _block_r(rank: int) -> int:
 
 def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
             ) -> list[torch.Tensor]:
-    """[x W_i^T + LoRA_i (+ residual)] for 1-3 projections of the same input, one launch (plus one for
+    """[x W_i^T + LoRA_i (+ bias_i) (+ residual)] for 1-3 projections of the same input, one launch (plus one for
     the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
     if not 1 <= len(projs) <= 3:
         raise ValueError(f"decode_gemm.project takes 1 to 3 projections, got {len(projs)}")
@@ -359,6 +376,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     rank = _lora_group(projs)
     block_r = _block_r(rank)
     fp8 = projs[0].scale_inv is not None
+    has_bias = projs[0].bias is not None
     if residual is not None and (len(projs) != 1 or tuple(residual.shape) != (m, projs[0].out_features)
                                  or not residual.is_contiguous()):
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
@@ -369,8 +387,8 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     args = []
     for i in range(3):
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
-        args += [p.weight, p.scale_inv if fp8 else p.weight, y, p.lora_b if rank else p.weight, p.out_features,
-                 float(p.lora_scale)]
+        args += [p.weight, p.scale_inv if fp8 else p.weight, y, p.lora_b if rank else p.weight,
+                 p.bias if has_bias else p.weight, p.out_features, float(p.lora_scale)]
 
     def launch(cfg: TileConfig) -> None:
         tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
@@ -383,17 +401,18 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
             x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
-            BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
+            HAS_BIAS=has_bias, BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
             EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
-    _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, _block_m(m), x2.dtype, unpack),
-                    cfg, launch)
+    _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, has_bias, _block_m(m), x2.dtype,
+                     unpack), cfg, launch)
     return outs
 
 
 def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
-    """silu(x Wg^T + LoRA_g) * (x Wu^T + LoRA_u), one launch (plus one for the LoRA down-projections)."""
+    """silu(x Wg^T + LoRA_g (+ bias_g)) * (x Wu^T + LoRA_u (+ bias_u)), one launch (plus one for the LoRA
+    down-projections)."""
     _check_group(x2, [gate, up])
     if gate.out_features != up.out_features:
         raise ValueError(f"decode_gemm.project_gated: gate has {gate.out_features} outputs, up {up.out_features}")
@@ -403,6 +422,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     rank = _lora_group([gate, up])
     block_r = _block_r(rank)
     fp8 = gate.scale_inv is not None
+    has_bias = gate.bias is not None
     xa = lora_down(x2, [gate.lora_a, up.lora_a], block_r) if rank else x2
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = tile_config("gated", 2 * n, k, fp8)  # keyed by the group's outputs in all, gate and up
@@ -412,13 +432,13 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             x2, x2.stride(0), m, k,
             gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight,
             float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
-            float(up.lora_scale), y, n, xa, rank,
+            float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
-            HAS_SCALE=fp8, HAS_LORA=rank > 0, BLOCK_R=block_r, SPLIT=lora_split(k),
+            HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, SPLIT=lora_split(k),
             STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
-    _launch_fitting(("gated", 2 * n, k, fp8, rank, _block_m(m), x2.dtype, unpack), cfg, launch)
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack), cfg, launch)
     return y
 
 

@@ -19,7 +19,7 @@ from grpo.kernels.fp8 import quantize_fp8_block
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_native_engine's helpers
 
 
-def proj(n: int, k: int, fp8: bool, rank: int, seed: int, scale: float = 2.0) -> dg.DecodeProj:
+def proj(n: int, k: int, fp8: bool, rank: int, seed: int, scale: float = 2.0, bias: bool = False) -> dg.DecodeProj:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) / k**0.5
     weight, s = quantize_fp8_block(w) if fp8 else (w.to(torch.bfloat16), None)
@@ -27,7 +27,7 @@ def proj(n: int, k: int, fp8: bool, rank: int, seed: int, scale: float = 2.0) ->
     if rank:
         a = torch.randn(rank, k, generator=g) / k**0.5
         b = torch.randn(n, rank, generator=g) / rank**0.5
-    return dg.DecodeProj(weight, s, a, b, scale)
+    return dg.DecodeProj(weight, s, a, b, scale, torch.randn(n, generator=g) if bias else None)
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -55,6 +55,22 @@ def test_residual_and_gated_match_reference(fp8, rank, m):
     res = torch.randn(m, 200)
     close(dg.project(x, [p], residual=res)[0], dg.project_ref(x, [p], residual=res)[0])
     gate, up = proj(96, 384, fp8, rank, seed=4), proj(96, 384, fp8, rank, seed=5)
+    close(dg.project_gated(x, gate, up), dg.project_gated_ref(x, gate, up))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_biases_are_added_to_each_projection_with_lora_and_split_k(fp8, split_k):
+    # Qwen2's q/k/v (three widths in one launch), o with a residual, and a gated MLP with biases
+    x = torch.randn(6, 640)
+    projs = [proj(n, 640, fp8, 4, seed=i, bias=True) for i, n in enumerate([96, 32, 32])]
+    with dg.tuning(tiles={("proj", 160, 640, fp8): dg.TileConfig(16, 128, 4, 2, split_k)}):
+        for got, want in zip(dg.project(x, projs), dg.project_ref(x, projs)):
+            close(got, want)
+    res = torch.randn(6, 96)
+    with dg.tuning(tiles={("proj", 96, 640, fp8): dg.TileConfig(16, 128, 4, 2, split_k)}):
+        close(dg.project(x, projs[:1], residual=res)[0], dg.project_ref(x, projs[:1], residual=res)[0])
+    gate, up = proj(48, 640, fp8, 4, seed=7, bias=True), proj(48, 640, fp8, 4, seed=8, bias=True)
     close(dg.project_gated(x, gate, up), dg.project_gated_ref(x, gate, up))
 
 
@@ -147,6 +163,32 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     out = engine.generate(PROMPTS, 2, sampling)
     # the kernels did run, with LoRA (and FP8 codes)
     assert all(plan is not None and plan.q.rank == 4 and (plan.q.scale_inv is not None) == fp8
+               for plan in engine._projections)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fp8", [False])  # FP8 codes with biases: test_biases_are_added_to_each_projection_...
+def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules(fp8):
+    # Qwen2.5 (the packaged Qwen): q/k/v biases, which the kernels add; LoRA on every projection
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from grpo.kernels.fp8 import quantize_linears_
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_qwen2
+
+    base = small_qwen2(seed=2)
+    if fp8:
+        quantize_linears_(base, list(LORA_TARGETS))
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                           init_lora_weights=False))
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=4)
+    ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
+    engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
+    out = engine.generate(PROMPTS, 2, sampling)
+    assert all(plan is not None and plan.q.bias is not None and (plan.q.scale_inv is not None) == fp8
                for plan in engine._projections)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
@@ -254,3 +296,19 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unp
     conversions = any(op.startswith(("F2F", "F2FP")) for op in ops)
     assert conversions == (unpack == "convert")
     assert ("PRMT" in ops and "SHF.R.U32.HI" in ops) == (unpack == "bits")
+
+
+def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90():
+    # the q/k/v launch of Qwen2 (biases, FP8 codes, split K) compiles for the H200, with tensor-core products
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "decode_gemm_sass.py"), "--kernel",
+                           "proj", "--fp8", "--bias", "--split-k", "4", "--tile", "32", "256", "4", "3", "--json"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loops = json.loads(proc.stdout.splitlines()[-1])
+    assert any(op.startswith("HMMA") for loop in loops for op in loop["ops"])

@@ -161,8 +161,9 @@ class NativeEngine:
                 self._warned_fallback = True
                 warnings.warn(f"NativeEngine: the decode GEMM kernels cover {covered} of {len(layers)} layers; "
                               "the others call their modules (slower). The kernels need nn.Linear or FP8Linear "
-                              "projections without bias, LoRA with one rank on q/k/v and one on gate/up (or none), "
-                              "no DoRA, and weights in the activations' dtype", stacklevel=4)
+                              "projections (biases on all or none of q/k/v, and of gate/up), LoRA with one rank on "
+                              "q/k/v and one on gate/up (or none), no DoRA, and weights in the activations' dtype",
+                              stacklevel=4)
         self._projections = projections
         self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams)
                         for layer, proj in zip(layers, projections)]

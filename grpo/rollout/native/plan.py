@@ -2,7 +2,7 @@
 
 The kernels (`grpo.kernels.decode_gemm`) read a projection's tensors instead of calling its module, so
 they may stand in only where the module's forward is exactly what they compute: an nn.Linear or an
-FP8Linear without bias, bare or inside peft's LoRA Linear with at most one active plain adapter (not
+FP8Linear (with or without a bias: Qwen2's q/k/v have one), bare or inside peft's LoRA Linear with at most one active plain adapter (not
 merged, no DoRA or other variant, no LoRA bias) whose A and B layers compute x @ W^T. Deciding that
 means reading peft's layer attributes (`base_layer`, `lora_A`, `active_adapters`, `scaling`, ...);
 this module is the one place that does. Anything else returns None, and the engine calls the module.
@@ -69,8 +69,11 @@ def decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
             if not (lora_a.is_contiguous() and lora_b.is_contiguous()):
                 return None
         base = module.base_layer
-    if type(base) not in (nn.Linear, FP8Linear) or base.bias is not None:
+    if type(base) not in (nn.Linear, FP8Linear):
         return None  # a subclass may override forward: call it instead
+    bias = base.bias
+    if bias is not None and (bias.dim() != 1 or not bias.is_contiguous()):
+        return None
     weight = base.weight
     scale_inv = getattr(base, "weight_scale_inv", None)
     if scale_inv is None and weight.dtype != dtype:
@@ -79,13 +82,13 @@ def decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
         return None
     if not weight.is_contiguous():
         return None
-    return DecodeProj(weight, scale_inv, lora_a, lora_b, scale)
+    return DecodeProj(weight, scale_inv, lora_a, lora_b, scale, bias)
 
 
 def layer_projections(layer: nn.Module, dtype: torch.dtype) -> LayerProjections | None:
     """The kernels' view of `layer`'s projections, or None when they cannot run the whole layer (a
     projection they cannot take, an MLP that is not SiLU-gated, q/k/v or gate/up that differ in LoRA
-    rank or weight format: each group is one launch)."""
+    rank, weight format or having a bias: each group is one launch)."""
     attn, mlp = layer.self_attn, layer.mlp
     act = getattr(mlp, "act_fn", None)
     if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):  # transformers' own SiLU
@@ -96,6 +99,7 @@ def layer_projections(layer: nn.Module, dtype: torch.dtype) -> LayerProjections 
     if any(p is None for p in projs.values()):
         return None
     for group in ([projs["q"], projs["k"], projs["v"]], [projs["gate"], projs["up"]]):
-        if len({p.rank for p in group}) != 1 or len({p.scale_inv is None for p in group}) != 1:
+        if any(len({key(p) for p in group}) != 1 for key in (lambda p: p.rank, lambda p: p.scale_inv is None,
+                                                               lambda p: p.bias is None)):
             return None
     return LayerProjections(**projs)
