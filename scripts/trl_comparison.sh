@@ -19,7 +19,13 @@
 #   calls 20-29 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 29 also carries .vx/SHA and
 #                                                                              .vx/kit.sh, and installs the kit)
 #   calls 30-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
-# Every call copies what the chain has written so far to $OUT, so a hold cut short still returns its results.
+# Every call copies what the chain has written so far to $OUT (results.tgz), so a hold cut short still returns
+# its results.
+#
+# CHAIN=full STEPS=200 on the qwen-part calls (calls 2-19) runs `full` instead: the preset's whole schedule
+# (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem, after the gap
+# probe's look at Qwen's decode on the kernels against its modules. No vLLM: the status calls follow call 19
+# (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -74,20 +80,18 @@ record = {"step": int(sys.argv[2]), **json.loads(open(sys.argv[3]).read().strip(
 open(sys.argv[1], "a").write(json.dumps(record) + "\n")' "$@"
 }
 
-collect() {  # what the chain has written so far, to $OUT (small files only)
+collect() {  # what the chain has written so far, to $OUT as one results.tgz (a call returns only a few files)
   if [ -z "${OUT:-}" ] || [ ! -d $CMP ]; then return 0; fi
-  local run f
-  for run in ours trl; do
-    for f in metrics.jsonl metrics.png; do
-      if [ -f $CMP/$run/$f ]; then cp $CMP/$run/$f "$OUT/$run.$f"; fi
-    done
+  local f list=()
+  for f in $CMP/ours/metrics.jsonl $CMP/ours/metrics.png $CMP/trl/metrics.jsonl $CMP/trl/metrics.png \
+           $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl; do
+    if [ -f "$f" ]; then list+=("${f#$CMP/}"); fi
   done
-  for f in $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl; do
-    if [ -f "$f" ]; then cp "$f" "$OUT/"; fi
-  done
+  mkdir -p $CMP/tails
   for f in $CMP/*.log; do
-    if [ -f "$f" ]; then tail -c 20000 "$f" > "$OUT/tail-$(basename "$f")"; fi
+    if [ -f "$f" ]; then tail -c 20000 "$f" > "$CMP/tails/$(basename "$f")"; list+=("tails/$(basename "$f")"); fi
   done
+  tar -czf "$OUT/results.tgz" -C $CMP "${list[@]}"
 }
 
 vllm_gap() {  # issue 26 part 2's last path: plain vLLM as the sampler on the preset's batches (as the gap
@@ -133,6 +137,19 @@ chain() {  # the GPU work, in order; runs in the background from a snapshot of t
   echo "$(date -u +%T) chain done (compared at step $s)" >> $CMP/stages.log
 }
 
+full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a look at its decode on the kernels
+  cd $CMP/src
+  trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
+  export PYTHONPATH=$PWD:/tmp/site
+  stage convert python3 -m grpo.packaged_models $QWEN
+  # the decode kernels (Qwen's biased q/k/v) against its modules on the same batches: speed and log-probs
+  stage gap-kernels timeout 300 python3 benchmarks/probes/learning_faults.py gap --batches 2 --ways product,modules \
+    --out $CMP/gap -- --preset qwen1.5b-gsm8k || true
+  stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-steps $(( STEPS / 2 )) \
+    --eval-samples 4 --output-dir $CMP/ours
+  echo "$(date -u +%T) chain done" >> $CMP/stages.log
+}
+
 case "${1:-}" in
   pack)  # needs a checkout whose .git is a folder (vllm-kit.sh fetch writes .git/info/exclude), e.g. the main one
     cache=${GRPO_CACHE_HERE:-$HOME/.cache/grpo}
@@ -163,8 +180,8 @@ case "${1:-}" in
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
       cp "$0" $CMP/chain.sh
-      setsid nohup bash $CMP/chain.sh chain > $CMP/chain.log 2>&1 < /dev/null &
-      echo "chain started"
+      setsid nohup env STEPS=$STEPS bash $CMP/chain.sh ${CHAIN:-chain} > $CMP/chain.log 2>&1 < /dev/null &
+      echo "chain ${CHAIN:-chain} started"
     fi
     collect ;;
   vllm-part)  # calls 20-29
@@ -187,5 +204,6 @@ print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t)
     done
     collect ;;
   chain) chain ;;
+  full) full ;;
   *) sed -n '2,38p' "$0"; exit 2 ;;
 esac

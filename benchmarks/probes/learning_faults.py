@@ -14,8 +14,8 @@ advantages are saved (`nonfinite-batch.pt`) so the row can be replayed on a CPU.
 as the trainer runs it.
 
 `gap` samples `--batches` batches of the run's prompts (P x G rows each, the run's sampling) through the
-native engine in several ways (the product's: CUDA graphs, compiled step, parallel streams; without the
-streams; eager), and scores every sampled token with the trainer's path (`sequence_logprobs`, bf16, the
+native engine in several ways (the product's: CUDA graphs, compiled step, the decode GEMM kernels where
+they take the model; its modules instead; without the streams; eager), or plain vLLM, and scores every sampled token with the trainer's path (`sequence_logprobs`, bf16, the
 fused kernel), the same hidden states through unfused bf16 logits, and a float32 copy of the model. Each
 pair's |difference| per token is summarised (quantiles, counts over 1 and 5 nats), the worst tokens listed
 with their context, and the first batch's tensors saved (`gap-batch0-<way>.pt`) for `replay`: the same
@@ -285,7 +285,7 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     ways = {"product": EngineTuning(), "no_streams": EngineTuning(streams=False),
             "no_graph": EngineTuning(use_cuda_graph=False), "eager": EngineTuning(use_cuda_graph=False, compile=None,
                                                                                    streams=False),
-            "sdpa": EngineTuning(attention="sdpa")}
+            "sdpa": EngineTuning(attention="sdpa"), "modules": EngineTuning()}  # modules: the product, gemm="modules"
     chosen = args.ways.split(",") if args.ways else list(ways)
     max_seq = prompts.max_prompt_length + max_completion
     if "vllm" in chosen:  # plain vLLM as the sampler, as `--engine vllm` builds it (eager: no compile wait)
@@ -306,8 +306,9 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
             if args.replay:
                 _score_replay_with_vllm(engine.llm, args.replay, rec)
         else:
+            gemm = "modules" if device.type == "cpu" or way == "modules" else "auto"  # auto: the decode kernels
             engine = NativeEngine(policy, max_seq_len=max_seq, max_batch=P * G, pad_id=tokenizer.pad_token_id,
-                                  gemm="modules" if device.type == "cpu" else "auto", tuning=ways[way])
+                                  gemm=gemm, tuning=ways[way])
         totals: dict[str, list] = {}
         worst: list[dict] = []
         for b in range(args.batches):
@@ -333,7 +334,9 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
                     "completion_ids": batch.completion_ids.cpu(), "mask": batch.mask.cpu(),
                     "input_ids": batch.input_ids.cpu(),
                     "start": batch.start.cpu()}, Path(args.out) / f"gap-batch0-{way}.pt")
+            planned = getattr(engine, "_projections", None) or []  # native: each layer's kernel plan, or None
             rec.record("gap_batch", way=way, batch=b, tokens=int(batch.mask.sum()),
+                    kernel_layers=sum(p is not None for p in planned),
                     decode_s=round(rollout.timings.get("decode", rollout.timings.get("generate", 0.0)), 2),
                     sampler_trainer_max=round(float((paths["sampler"] - paths["trainer"]).abs()[batch.mask].max()), 3),
                     sampler_fp32_max=round(float((paths["sampler"] - paths["fp32"]).abs()[batch.mask].max()), 3),
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=4, help="gap: batches of P x G rows per way")
     parser.add_argument("--micro", type=int, default=16, help="gap: rows per scoring forward")
     parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all native ones): "
-                        "product, no_streams, no_graph, eager, sdpa, and vllm (plain vLLM, needs the vLLM kit)")
+                        "product, modules, no_streams, no_graph, eager, sdpa, and vllm (plain vLLM, needs the vLLM kit)")
     parser.add_argument("--fp64-on-cpu", action="store_true", help="gap: the reference in float64 on a CPU")
     parser.add_argument("--replay", default="", help="replay: a gap-batch0-<way>.pt written by `gap`; gap with "
                         "the vllm way: also score that file's tokens with vLLM's prefill")
