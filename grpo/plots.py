@@ -7,10 +7,11 @@ held-out evaluations (`eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`, `e
 `eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`; the lenient ones only where the records carry
 them) as markers joined by lines, step 0 being the untrained model.
 
-Also `python -m grpo.plots METRICS_JSONL [PNG]`; `--compare LABEL=METRICS_JSONL ... PNG` draws several runs of one
-recipe on shared axes (`plot_side_by_side`: reward, train and held-out accuracy, step time). What this is not: a dashboard; use --report-to
-tensorboard or wandb for live curves. matplotlib is imported inside `plot_metrics` and draws on an
-Agg canvas without pyplot (no display, no global backend switch), so importing this module costs nothing.
+Also `python -m grpo.plots METRICS_JSONL [PNG]`; `--compare LABEL=METRICS_JSONL ... PNG` draws several runs
+of one recipe on shared axes (`plot_side_by_side`: reward, train and held-out accuracy, step time). What
+this is not: a dashboard; use --report-to tensorboard or wandb for live curves. matplotlib is imported
+inside the plotting functions and draws on an Agg canvas without pyplot (no display, no global backend
+switch), so importing this module costs nothing.
 """
 
 from __future__ import annotations

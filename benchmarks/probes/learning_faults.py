@@ -15,8 +15,9 @@ as the trainer runs it.
 
 `gap` samples `--batches` batches of the run's prompts (P x G rows each, the run's sampling) through the
 native engine in several ways (the product's: CUDA graphs, compiled step, the decode GEMM kernels where
-they take the model; its modules instead; without the streams; eager), or plain vLLM, and scores every sampled token with the trainer's path (`sequence_logprobs`, bf16, the
-fused kernel), the same hidden states through unfused bf16 logits, and a float32 copy of the model. Each
+they take the model; its modules instead; without the streams; eager), or plain vLLM, and scores every
+sampled token with the trainer's path (`sequence_logprobs`, bf16, the fused kernel), the same hidden
+states through unfused bf16 logits, and a float32 copy of the model. Each
 pair's |difference| per token is summarised (quantiles, counts over 1 and 5 nats), the worst tokens listed
 with their context, and the first batch's tensors saved (`gap-batch0-<way>.pt`) for `replay`: the same
 tokens scored by the trainer's path on another machine (a CPU), against the saved columns.
@@ -410,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=3, help="nonfinite: the 1-based step to look into")
     parser.add_argument("--batches", type=int, default=4, help="gap: batches of P x G rows per way")
     parser.add_argument("--micro", type=int, default=16, help="gap: rows per scoring forward")
-    parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all native ones): "
-                        "product, modules, no_streams, no_graph, eager, sdpa, and vllm (plain vLLM, needs the vLLM kit)")
+    parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all native "
+                        "ones): product, modules, no_streams, no_graph, eager, sdpa, and vllm (plain vLLM: the "
+                        "vLLM kit)")
     parser.add_argument("--fp64-on-cpu", action="store_true", help="gap: the reference in float64 on a CPU")
     parser.add_argument("--replay", default="", help="replay: a gap-batch0-<way>.pt written by `gap`; gap with "
                         "the vllm way: also score that file's tokens with vLLM's prefill")

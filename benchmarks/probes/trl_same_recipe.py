@@ -204,7 +204,8 @@ def run_recorder(metrics: Path, clock, started: float, budget_s: float | None, s
                 return
             timed = [r for r in clock.records if r["step"] == state.global_step]
             with metrics.open("a") as f:
-                f.write(json.dumps(our_record(state.global_step, logs, timed[-1] if timed else {}, stop_strings)) + "\n")
+                record = our_record(state.global_step, logs, timed[-1] if timed else {}, stop_strings)
+                f.write(json.dumps(record) + "\n")
 
     return RunRecorder()
 

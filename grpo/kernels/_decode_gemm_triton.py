@@ -107,8 +107,8 @@ def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, r
 def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, bias_ptr,
               res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
-              UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
+              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K

@@ -2,10 +2,11 @@
 
 The kernels (`grpo.kernels.decode_gemm`) read a projection's tensors instead of calling its module, so
 they may stand in only where the module's forward is exactly what they compute: an nn.Linear or an
-FP8Linear (with or without a bias: Qwen2's q/k/v have one), bare or inside peft's LoRA Linear with at most one active plain adapter (not
-merged, no DoRA or other variant, no LoRA bias) whose A and B layers compute x @ W^T. Deciding that
-means reading peft's layer attributes (`base_layer`, `lora_A`, `active_adapters`, `scaling`, ...);
-this module is the one place that does. Anything else returns None, and the engine calls the module.
+FP8Linear (with or without a bias: Qwen2's q/k/v have one), bare or inside peft's LoRA Linear with at
+most one active plain adapter (not merged, no DoRA or other variant, no LoRA bias) whose A and B layers
+compute x @ W^T. Deciding that means reading peft's layer attributes (`base_layer`, `lora_A`,
+`active_adapters`, `scaling`, ...); this module is the one place that does. Anything else returns None,
+and the engine calls the module.
 
 Not here: running the kernels (`layer.py`), or when the engine uses them (`engine.py`: steps of at
 most `EngineTuning.kernel_rows` rows, `gemm="kernels"`).
