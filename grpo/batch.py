@@ -33,9 +33,22 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def lengths(self) -> torch.Tensor:
+        """(B,) each row's real length, prompt and counted completion tokens (its padding comes after)."""
+        return self.start + self.mask.sum(1)
+
     def rows(self, sl: slice) -> "Batch":
-        return Batch(*(t[sl] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
-                                       self.sampler_logp)))
+        """Rows `sl`, their input cut to the longest of them: the positions past every row's end hold only
+        padding, which no counted token reads (causal), so a micro-batch of short rows runs a shorter
+        forward. The completion columns stay whole, aligned with the step's (B, T) tensors."""
+        width = int(self.lengths()[sl].max()) if len(self.input_ids[sl]) else 0
+        return Batch(self.input_ids[sl, :width], *(t[sl] for t in (self.start, self.completion_ids, self.mask,
+                                                                     self.sampler_logp)))
+
+    def take(self, order: torch.Tensor) -> "Batch":
+        """The rows in `order` (a permutation of 0..B-1)."""
+        return Batch(*(t[order] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
+                                          self.sampler_logp)))
 
 
 def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
@@ -49,6 +62,19 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
     start = torch.tensor([len(p) for p in rows])
     parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
     return Batch(*(t.to(device) for t in parts))
+
+
+def micro_batches(batch: Batch, adv: torch.Tensor, micro: int) -> tuple[Batch, torch.Tensor, list[slice]]:
+    """The step's rows in micro-batches of `micro` rows. With more than one, the rows are first sorted by
+    length (`adv` along with them), so that each micro-batch holds rows of like length and its forward runs
+    only as wide as its longest (`Batch.rows`): on a batch of the Qwen preset (64 rows of 90-175 prompt and
+    102-384 completion tokens) real tokens were 69% of one padded forward, 90% of four sorted ones. Every
+    statistic of the step is a sum over rows or tokens, so the order changes none of them."""
+    slices = [slice(i, i + micro) for i in range(0, len(batch), micro)]
+    if len(slices) > 1:
+        order = torch.argsort(batch.lengths(), stable=True)
+        batch, adv = batch.take(order), adv[order]
+    return batch, adv, slices
 
 
 def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:

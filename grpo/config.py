@@ -90,7 +90,8 @@ class Config:
     prompts_per_step: int = _f(4, "P: prompts per optimizer step; a step trains on P*G completions.",
                                "grpo")
     micro_batch_size: int | None = _f(None, "Completions per forward/backward pass (gradient "
-                                      "accumulation within a step). Default: P*G.", "grpo")
+                                      "accumulation within a step; rows of like length together, each pass "
+                                      "only as long as its longest row). Default: P*G.", "grpo")
     num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
     beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
                      "grpo")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from grpo.batch import Batch, batch_logprobs, make_batch, sequence_logprobs
+from grpo.batch import Batch, batch_logprobs, make_batch, micro_batches, sequence_logprobs
 from grpo.config import Config
 from grpo.data import PromptSet, PromptStream
 from grpo.distributed import World
@@ -138,8 +138,7 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     s.policy.eval()
     batch = make_batch(groups.rollout, s.tokenizer.pad_token_id, s.device)
     adv = adv.to(s.device)
-    micro = cfg.micro_batch_size or cfg.batch_size
-    slices = [slice(i, i + micro) for i in range(0, len(batch), micro)]
+    batch, adv, slices = micro_batches(batch, adv, cfg.micro_batch_size or cfg.batch_size)  # like lengths together
     ref_logp, old_logp, logp_times = reference_and_old_logprobs(s, batch, slices)
 
     # 4. mu passes of clipped-surrogate steps over the rollout, in micro-batches; clip; optimizer step.

@@ -96,3 +96,23 @@ def test_gradient_stays_finite_under_an_attention_backend_that_breaks_padded_row
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert masks_seen and not any(masks_seen)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logprobs():
+    from grpo.batch import micro_batches
+
+    policy = small_policy().eval()
+    batch = make_batch(ragged_rollout(), PAD, torch.device("cpu"))  # real lengths 11, 8, 3, 7, 3, 7 of 11
+    assert batch.lengths().tolist() == [11, 8, 3, 7, 3, 7] and batch.input_ids.shape[1] == 11
+    with torch.no_grad():
+        whole = sequence_logprobs(policy, batch, temperature=0.7)
+        part = batch.rows(slice(2, 5))
+        assert part.input_ids.shape == (3, 7)  # cut to its longest row
+        torch.testing.assert_close(sequence_logprobs(policy, part, temperature=0.7), whole[2:5], rtol=0, atol=1e-5)
+    adv = torch.arange(6.0)
+    same, same_adv, one = micro_batches(batch, adv, 6)  # one micro-batch: the rows as they came
+    assert same is batch and same_adv is adv and one == [slice(0, 6)]
+    ordered, ordered_adv, slices = micro_batches(batch, adv, 2)
+    assert ordered.lengths().tolist() == [3, 3, 7, 7, 8, 11] and ordered_adv.tolist() == [2, 4, 3, 5, 1, 0]
+    assert torch.equal(ordered.input_ids[0], batch.input_ids[2])  # each row keeps its advantage
+    assert sum(ordered.rows(sl).input_ids.numel() for sl in slices) == 2 * (3 + 7 + 11) < batch.input_ids.numel()

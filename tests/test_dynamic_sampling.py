@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import char_tokenizer
-from grpo.batch import make_batch, sequence_logprobs
+from grpo.batch import make_batch, micro_batches, sequence_logprobs
 from grpo.config import Config
 from grpo.data import Example, PromptStream, build_prompts
 from grpo.distributed import World
@@ -207,13 +207,19 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
                       stream=None, reward_funcs=[],
                       clock=time.perf_counter)
         update_policy(s, batch, [slice(0, 4), slice(4, 6)], adv, None, None, InFlight(stream_at_start={}))
+        in_order = optimizer.grads
+        # as grpo_step runs them: the rows sorted by length, each micro-batch cut to its longest row
+        by_length, by_length_adv, slices = micro_batches(batch, adv, 4)
+        assert by_length.lengths().tolist() == sorted(batch.lengths().tolist()) != batch.lengths().tolist()
+        update_policy(s, by_length, slices, by_length_adv, None, None, InFlight(stream_at_start={}))
         policy.zero_grad(set_to_none=True)
         loss, _ = clipped_surrogate(sequence_logprobs(policy, batch, cfg.temperature), None, adv, batch.mask,
                                     norm=norm, max_len=sampling.max_new_tokens)
         loss.backward()
-        assert any(float(g.abs().max()) > 0 for g in optimizer.grads)
-        for got, p in zip(optimizer.grads, params):
+        assert any(float(g.abs().max()) > 0 for g in in_order)
+        for got, sorted_got, p in zip(in_order, optimizer.grads, params):
             torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7, msg=norm)
+            torch.testing.assert_close(sorted_got, p.grad, rtol=1e-4, atol=1e-7, msg=f"{norm}, sorted")
 
 
 # --------------------------------------------------------------------------------------------------
