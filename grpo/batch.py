@@ -52,7 +52,7 @@ class Batch:
 
 
 def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
-    rows = [p for p in rollout.prompt_ids for _ in range(rollout.n)]
+    rows = [p for p in rollout.prompt_ids for _ in range(rollout.num_generations)]
     B, T = rollout.completion_ids.shape
     width = max((len(p) for p in rows), default=0) + T
     input_ids = torch.full((B, width), pad_id, dtype=torch.long)

@@ -95,9 +95,9 @@ class Config:
     num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
     beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
                      "grpo")
-    epsilon: float = _f(0.2, "Lower clip range eps_low of the ratio.", "grpo")
-    epsilon_high: float | None = _f(None, "Upper clip range eps_high (DAPO uses 0.28). Default: epsilon.",
-                                    "grpo")
+    epsilon: float = _f(0.2, "Lower clip range of the ratio: it is clipped below at 1 - epsilon.", "grpo")
+    epsilon_high: float | None = _f(None, "Upper clip range: the ratio is clipped above at 1 + epsilon_high "
+                                    "(DAPO uses 0.28). Default: epsilon.", "grpo")
     delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping). Default: off.", "grpo")
     loss_type: str = _f("clip", "Per-token policy loss: clip (PPO's clipped ratio, as GRPO, DAPO and GSPO use it; "
                         "--epsilon, --epsilon-high and --delta apply to it only), cispo (MiniMax-M1: the importance "
@@ -256,11 +256,11 @@ class Config:
             raise ValueError(f"--num-generations {self.num_generations}: GRPO needs at least 2 completions "
                              "per prompt to compare; use 2 or more")
         # The loss's numbers, by the loss's own rules (grpo.loss.options), in the flags' spelling.
-        check_policy_numbers(beta=self.beta, eps_low=self.epsilon, eps_high=self.epsilon_high, delta=self.delta,
-                             policy_loss=self.loss_type, cispo_eps_low=self.cispo_eps_low,
+        check_policy_numbers(beta=self.beta, epsilon=self.epsilon, epsilon_high=self.epsilon_high, delta=self.delta,
+                             loss_type=self.loss_type, cispo_eps_low=self.cispo_eps_low,
                              cispo_eps_high=self.cispo_eps_high, sapo_tau_pos=self.sapo_tau_pos,
                              sapo_tau_neg=self.sapo_tau_neg, spell=spell_flag)
-        check_importance_numbers(cap=self.is_cap, spell=spell_flag)
+        check_importance_numbers(is_cap=self.is_cap, spell=spell_flag)
         check_sampling_numbers(top_p=self.top_p, min_p=self.min_p, spell=lambda name, value: f"{flag(name)} {value}")
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "

@@ -81,7 +81,7 @@ class SampledGroups:
     timings: dict[str, float]
 
 
-def sample_groups(s: StepSetup, step: int, G: int) -> SampledGroups:
+def sample_groups(s: StepSetup, step: int, num_generations: int) -> SampledGroups:
     """Sampling rounds of N*P prompts (this rank's P), each scored; one round without --dynamic-sampling.
 
     With it, a round whose kept groups bring the step's informative groups (over all ranks) to N*P, or the
@@ -100,13 +100,13 @@ def sample_groups(s: StepSetup, step: int, G: int) -> SampledGroups:
     differ: list[torch.Tensor] = []  # (N*P,) bool per round: the group's rewards are not all equal
     timings: dict[str, float] = {}
     while True:
-        examples, rollout, times = sample(s, step, G, len(rollouts))
-        round_texts, round_answers, round_scores = score(s, examples, rollout, G)
+        examples, rollout, times = sample(s, step, num_generations, len(rollouts))
+        round_texts, round_answers, round_scores = score(s, examples, rollout, num_generations)
         rollouts.append(rollout)
         texts += round_texts
         answers += round_answers
         scores.append(round_scores)
-        differ.append(rewards_differ(round_scores.total, G))
+        differ.append(rewards_differ(round_scores.total, num_generations))
         for k, v in times.items():
             timings[k] = timings.get(k, 0.0) + v
         if len(rollouts) == max_rounds or int(torch.stack(differ).sum()) >= target:
@@ -119,9 +119,9 @@ def sample_groups(s: StepSetup, step: int, G: int) -> SampledGroups:
     rounds = len(rollouts)
     informative = torch.stack(differ).view(rounds, world.size, -1)  # (rounds, N, P)
     keep = first_informative(informative, target) if cfg.dynamic_sampling else torch.ones_like(informative)
-    totals = torch.stack([sc.total.view(world.size, -1, G) for sc in scores], dim=1)  # (N, rounds, P, G)
+    totals = torch.stack([sc.total.view(world.size, -1, num_generations) for sc in scores], dim=1)  # (N, rounds, P, G)
     kept_per_rank = keep.sum(dim=(0, 2))  # (N,)
-    first_row = int(kept_per_rank[:world.rank].sum()) * G
+    first_row = int(kept_per_rank[:world.rank].sum()) * num_generations
     report = None
     if cfg.dynamic_sampling:
         report = SamplingReport(rounds=rounds, prompts=rounds * target, groups_dropped=int((~informative).sum()),
@@ -131,11 +131,11 @@ def sample_groups(s: StepSetup, step: int, G: int) -> SampledGroups:
         frac_zero_std=float((~informative).float().mean()),
         rollout=join_groups(rollouts, keep[:, world.rank], s.tokenizer.pad_token_id),
         kept_rewards=totals[keep.transpose(0, 1)].reshape(-1),  # rank after rank, each round after round
-        rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * G),
+        rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * num_generations),
         report=report, timings=timings)
 
 
-def sample(s: StepSetup, step: int, G: int, sampling_round: int = 0
+def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 0
            ) -> tuple[list[Example], Rollout, dict[str, float]]:
     """This rank's P prompts of the step's sampling round, G completions of each, and the seconds it
     took (with the engine's own phases as generate/*). The sampling seed is the step's, the rank's and
@@ -146,19 +146,22 @@ def sample(s: StepSetup, step: int, G: int, sampling_round: int = 0
     examples = [s.prompts.examples[i] for i in idx]
     t = s.clock()
     seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank + 15_485_863 * sampling_round
-    rollout = s.engine.generate([s.prompts.prompt_ids[i] for i in idx], G, dataclasses.replace(s.sampling, seed=seed))
-    assert rollout.n == G, f"the engine returned groups of {rollout.n} completions; asked for {G}"
+    rollout = s.engine.generate([s.prompts.prompt_ids[i] for i in idx], num_generations,
+                                dataclasses.replace(s.sampling, seed=seed))
+    assert rollout.num_generations == num_generations, (
+        f"the engine returned groups of {rollout.num_generations} completions; asked for {num_generations}")
     times = {"generate": s.clock() - t}
     times.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
     return examples, rollout, times
 
 
-def score(s: StepSetup, examples: list[Example], rollout: Rollout, G: int) -> tuple[list[str], list[str], Scores]:
+def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generations: int
+          ) -> tuple[list[str], list[str], Scores]:
     """This rank's completion texts and answers, and every rank's rows scored: one column per reward
     function. Advantages need only this rank's groups, but scale_rewards="batch" and the log use all."""
     texts = s.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
-    answers = [ex.answer for ex in examples for _ in range(G)]
-    columns = grpo_data.batch_columns(examples, repeat=G)
+    answers = [ex.answer for ex in examples for _ in range(num_generations)]
+    columns = grpo_data.batch_columns(examples, repeat=num_generations)
     rewards, names = grpo_rewards.score(texts, answers, s.reward_funcs, columns)  # (P*G, R)
     judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
     judged = torch.tensor(judged, dtype=rewards.dtype).view(-1, 2)  # (P*G, 2) correct, formatted
@@ -170,10 +173,10 @@ def score(s: StepSetup, examples: list[Example], rollout: Rollout, G: int) -> tu
 # --------------------------------------------------------------------------------------------------
 # Dynamic sampling: which groups a step keeps, and the rows that hold them
 # --------------------------------------------------------------------------------------------------
-def rewards_differ(total: torch.Tensor, G: int) -> torch.Tensor:
+def rewards_differ(total: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(groups,) bool from (groups*G,) rewards: True where a group's rewards are not all equal, exactly
     as `group_advantages` tells a group with no signal (max == min)."""
-    r = total.view(-1, G)
+    r = total.view(-1, num_generations)
     return r.amax(-1) != r.amin(-1)
 
 
@@ -187,19 +190,19 @@ def first_informative(informative: torch.Tensor, target: int) -> torch.Tensor:
 def join_groups(rollouts: list[Rollout], keep: torch.Tensor, pad_id: int) -> Rollout:
     """One Rollout of the groups that `keep` (rounds, P) marks, round after round; completions padded
     to the longest. Without any kept group: a Rollout of no rows."""
-    G = rollouts[0].n
+    num_generations = rollouts[0].num_generations
     T = max(r.completion_ids.shape[1] for r in rollouts)
     prompt_ids, ids, mask, sampler_logp, finished = [], [], [], [], []
     for rollout, kept in zip(rollouts, keep):
         groups = kept.nonzero().flatten().tolist()
-        rows = torch.tensor([g * G + k for g in groups for k in range(G)], dtype=torch.long)
+        rows = torch.tensor([g * num_generations + k for g in groups for k in range(num_generations)], dtype=torch.long)
         prompt_ids += [rollout.prompt_ids[g] for g in groups]
         ids.append(pad_rows(rollout.completion_ids[rows], pad_id, width=T))
         mask.append(pad_rows(rollout.mask[rows], False, width=T))
         sampler_logp.append(pad_rows(rollout.sampler_logp[rows], 0.0, width=T))
         finished.append(rollout.finished[rows])
     return Rollout(prompt_ids=prompt_ids, completion_ids=torch.cat(ids), mask=torch.cat(mask),
-                   sampler_logp=torch.cat(sampler_logp), finished=torch.cat(finished), n=G)
+                   sampler_logp=torch.cat(sampler_logp), finished=torch.cat(finished), num_generations=num_generations)
 
 
 def scores_by_rank(rounds: list[Scores], n_ranks: int) -> Scores:

@@ -126,7 +126,7 @@ def print_completions(console, result, groups: int = 2) -> None:
     """The first completion of this rank's first `groups` prompts of a step's result (`grpo.step.StepResult`),
     with its answer and reward."""
     total = result.scores.total  # this rank's rows come first only on rank 0, the one that prints
-    for j in range(0, len(result.texts), result.group_size)[:groups]:
+    for j in range(0, len(result.texts), result.num_generations)[:groups]:
         console.print(f"  [dim]answer {result.answers[j]!r} reward {float(total[j]):.2f}:[/] {result.texts[j][:400]!r}")
 
 

@@ -49,7 +49,7 @@ class StepSetup:
     engine: Engine
     keep_engine: bool  # --engine-standby: the engine keeps its memory between steps (no release_memory)
     sampling: Sampling  # the run's sampling; each step seeds its own copy
-    max_completion: int  # completion tokens at most (sampling.max_new_tokens): the constant norm's max_len
+    max_completion_length: int  # completion tokens at most (sampling.max_new_tokens): the constant loss_norm's length
     prompts: PromptSet
     stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
     reward_funcs: list[Callable]
@@ -74,7 +74,7 @@ class StepResult:
     scores: Scores
     texts: list[str]  # this rank's P*G completions (of every sampling round)
     answers: list[str]  # their reference answers
-    group_size: int  # G: completions per prompt
+    num_generations: int  # G: completions per prompt
     frac_zero_std: float  # of the groups sampled, those whose rewards are all equal (no signal)
     loss_stats: dict[str, float]  # weighted means over the step (all ranks), true extremes of the ratio
     grad_norm: float | None  # before clipping, of the last pass; None when skipped
@@ -118,20 +118,20 @@ class StepResult:
 def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     """Step `step` (0-based) of the run: this rank's P prompts, G completions each, one update."""
     cfg = s.cfg
-    G = cfg.num_generations  # the group size, here and wherever a rollout is split into groups
+    num_generations = cfg.num_generations  # G, the group size: its one name wherever a rollout is split in groups
 
     # 1. Sample P prompts x G completions with the current policy (this rank's P of the N*P) and score
     #    them (every rank gathers all N*P*G rows). With --dynamic-sampling, the groups whose rewards
     #    tie are dropped and the next prompts sampled, round after round, until N*P groups are kept.
-    groups = sample_groups(s, step, G)
-    result = StepResult(scores=groups.scores, texts=groups.texts, answers=groups.answers, group_size=G,
-                        frac_zero_std=groups.frac_zero_std, loss_stats={}, grad_norm=None, skipped=False,
-                        timings=groups.timings, sampling=groups.report)
+    groups = sample_groups(s, step, num_generations)
+    result = StepResult(scores=groups.scores, texts=groups.texts, answers=groups.answers,
+                        num_generations=num_generations, frac_zero_std=groups.frac_zero_std, loss_stats={},
+                        grad_norm=None, skipped=False, timings=groups.timings, sampling=groups.report)
     if len(groups.kept_rewards) == 0:  # no rank kept a group (all know it): nothing to learn from
         return result
 
     # 2. Advantages within each kept group; this rank's rows.
-    adv, _ = group_advantages(groups.kept_rewards, G, scale=cfg.scale_rewards)
+    adv, _ = group_advantages(groups.kept_rewards, num_generations, scale_rewards=cfg.scale_rewards)
     adv = adv[groups.rank_rows]  # (this rank's kept groups * G,)
 
     # 3. Reference and old log-probs, only when something uses them (eval mode: no dropout).
@@ -195,7 +195,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     # When the sampler's numerics are not ours, weight each token by pi_trainer/pi_sampler.
     correct_sampler = s.engine.needs_importance_correction and cfg.is_correction != "none"
     agg: dict[str, float] = {}
-    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
+    gap = SamplerGap(is_level=cfg.is_level, is_correction=cfg.is_correction, is_cap=cfg.is_cap)
     nonfinite = False
     grad_norm = None
     for n_pass in range(cfg.num_iterations):
@@ -209,13 +209,13 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
                 gap.add(mb_old, mb.sampler_logp, mb.mask)
             is_w = None
             if correct_sampler:
-                is_w, _ = importance_weights(mb_old, mb.sampler_logp, mb.mask, level=cfg.is_level,
-                                             mode=cfg.is_correction, cap=cfg.is_cap)
+                is_w, _ = importance_weights(mb_old, mb.sampler_logp, mb.mask, is_level=cfg.is_level,
+                                             is_correction=cfg.is_correction, is_cap=cfg.is_cap)
             loss, stats = clipped_surrogate(
                 logp, mb_old, adv[sl], mb.mask, ref_logp=None if ref_logp is None else ref_logp[sl],
-                beta=cfg.beta, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, delta=cfg.delta,
-                ratio_level=cfg.ratio_level, norm=cfg.loss_norm, max_len=s.max_completion,
-                is_weights=is_w, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
+                beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
+                ratio_level=cfg.ratio_level, loss_norm=cfg.loss_norm, max_completion_length=s.max_completion_length,
+                is_weights=is_w, kl_estimator=cfg.kl_estimator, loss_type=cfg.loss_type,
                 cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high,
                 sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg)
             # Each micro-batch's loss is normalised within itself; weight it by its share of the

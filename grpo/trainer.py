@@ -90,8 +90,8 @@ def run(cfg: Config, world: World) -> Path:
     print_banner(console, cfg, world, device, loaded)
     setup = StepSetup(cfg=cfg, world=world, device=device, policy=loaded.policy, params=params, optimizer=optimizer,
                       tokenizer=loaded.tokenizer, engine=loaded.engine, keep_engine=loaded.keep_engine,
-                      sampling=loaded.sampling, max_completion=loaded.max_completion, prompts=loaded.prompts,
-                      stream=stream, reward_funcs=loaded.reward_funcs, clock=synced_clock(device))
+                      sampling=loaded.sampling, max_completion_length=loaded.max_completion_length,
+                      prompts=loaded.prompts, stream=stream, reward_funcs=loaded.reward_funcs, clock=synced_clock(device))
 
     # The loop. Opened here, closed in the `finally`: the log, the progress bar, the signal handlers.
     log = MetricsLog(out, cfg, state.step) if world.is_main else None
@@ -224,7 +224,7 @@ class Loaded:
     engine: Engine
     keep_engine: bool  # --engine-standby: the engine keeps its memory between steps
     sampling: Sampling
-    max_completion: int  # completion tokens at most, resolved once: the sampler's budget, the constant norm's
+    max_completion_length: int  # completion tokens at most, resolved once: the sampler's budget, the constant norm's
     prompts: grpo_data.PromptSet
     eval_prompts: grpo_data.PromptSet | None
     reward_funcs: list[Callable]
@@ -236,7 +236,7 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
     engine_name = resolve_engine_name(cfg.engine)
     vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
     policy, tokenizer, model_dir, engine = load_model(cfg, device, vllm_dir)
-    prompts, eval_prompts, max_completion = load_prompt_sets(cfg, tokenizer, model_positions(policy))
+    prompts, eval_prompts, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy))
     eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
     longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
@@ -245,14 +245,14 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
                            work_dir=str(vllm_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            enforce_eager=cfg.vllm_enforce_eager)
         engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
-                              max_seq_len=longest_prompt + max_completion,
+                              max_seq_len=longest_prompt + max_completion_length,
                               max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm, vllm=vllm)
     keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
-    sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p,
+    sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
                         stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
-    return Loaded(engine_name, policy, tokenizer, engine, keep_engine, sampling, max_completion, prompts,
+    return Loaded(engine_name, policy, tokenizer, engine, keep_engine, sampling, max_completion_length, prompts,
                   eval_prompts, reward_funcs)
 
 
@@ -291,7 +291,7 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{kept} | {len(prompts)} prompts "
                   f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
                   f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
-                  f"{summary['total_params']:,} | completions up to {loaded.max_completion} tokens")
+                  f"{summary['total_params']:,} | completions up to {loaded.max_completion_length} tokens")
 
 
 def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
@@ -321,13 +321,13 @@ def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None
     room = grpo_data.prompt_room(cfg.max_seq_length, cfg.max_completion_length, positions)
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt, room=room)
     sequence = room.tokens + (cfg.max_completion_length or 1)  # --max-seq-length, or the model's positions
-    max_completion = (cfg.max_completion_length if cfg.max_completion_length is not None
+    max_completion_length = (cfg.max_completion_length if cfg.max_completion_length is not None
                       else sequence - prompts.max_prompt_length)
     eval_prompts = None
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
-        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, sequence - max_completion, system_prompt)
-    return prompts, eval_prompts, max_completion
+        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, sequence - max_completion_length, system_prompt)
+    return prompts, eval_prompts, max_completion_length
 
 
 def keeps_memory_between_steps(standby: str, engine: Engine) -> bool:

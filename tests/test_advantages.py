@@ -43,7 +43,7 @@ def test_hand_derived_G2_all_scales():
         "none": [-1.0, 1.0, 0.0, 0.0],
     }
     for scale, values in expected.items():
-        adv, stats = group_advantages(rewards, 2, scale=scale, eps=eps)
+        adv, stats = group_advantages(rewards, 2, scale_rewards=scale, eps=eps)
         torch.testing.assert_close(adv, torch.tensor(values), rtol=1e-6, atol=1e-7)
         assert float(stats["frac_zero_std"]) == 0.5
         assert float(stats["reward_mean"]) == 2.0
@@ -65,7 +65,7 @@ def test_matches_float64_loop_reference(scale, G):
     # integer-valued rewards, like a tiered reward, so that some groups come out constant
     rewards = torch.randint(-2, 3, (P * G,), generator=g).to(F64) * 1.5
     rewards[:G] = 0.7  # one constant group for sure
-    adv, stats = group_advantages(rewards, G, scale=scale, eps=1e-4)
+    adv, stats = group_advantages(rewards, G, scale_rewards=scale, eps=1e-4)
     expected, frac = advantages_loop(rewards.tolist(), G, scale, 1e-4)
     assert adv.dtype == F64 and adv.shape == (P * G,)
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=F64), rtol=1e-12, atol=1e-12)
@@ -77,13 +77,13 @@ def test_matches_float64_loop_reference(scale, G):
 def test_each_group_has_zero_mean_and_group_scale_gives_unit_unbiased_std(scale):
     g = torch.Generator().manual_seed(1)
     rewards = torch.randn(5 * 4, generator=g, dtype=F64) * 3 + 2
-    adv, _ = group_advantages(rewards, 4, scale=scale, eps=0.0)
+    adv, _ = group_advantages(rewards, 4, scale_rewards=scale, eps=0.0)
     per_group = adv.view(5, 4)
     torch.testing.assert_close(per_group.mean(-1), torch.zeros(5, dtype=F64), rtol=0, atol=1e-12)
     if scale == "group":
         torch.testing.assert_close(per_group.std(-1), torch.ones(5, dtype=F64), rtol=1e-12, atol=0)
     # shifting every reward by a constant changes nothing
-    shifted, _ = group_advantages(rewards + 10.0, 4, scale=scale, eps=0.0)
+    shifted, _ = group_advantages(rewards + 10.0, 4, scale_rewards=scale, eps=0.0)
     torch.testing.assert_close(shifted, adv, rtol=1e-9, atol=1e-9)
 
 
@@ -96,7 +96,7 @@ def test_constant_groups_get_exactly_zero_even_when_the_mean_rounds(scale):
         rewards = torch.tensor([0.7] * 7 + [0.0] * 6 + [1.0], dtype=dtype)
         group = rewards[:7]
         assert (group - group.mean() != 0).all()  # the premise
-        adv, stats = group_advantages(rewards, 7, scale=scale, eps=1e-12)
+        adv, stats = group_advantages(rewards, 7, scale_rewards=scale, eps=1e-12)
         assert (adv[:7] == 0).all()
         assert (adv[7:] != 0).all()
         assert float(stats["frac_zero_std"]) == 0.5
@@ -104,7 +104,7 @@ def test_constant_groups_get_exactly_zero_even_when_the_mean_rounds(scale):
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_a_fully_constant_batch_gives_zeros_without_nan(scale):
-    adv, stats = group_advantages(torch.full((8,), 3.0), 4, scale=scale, eps=0.0)
+    adv, stats = group_advantages(torch.full((8,), 3.0), 4, scale_rewards=scale, eps=0.0)
     assert (adv == 0).all() and not adv.isnan().any()
     assert float(stats["frac_zero_std"]) == 1.0
 
@@ -123,15 +123,15 @@ def test_dtypes_detach_and_no_mutation():
 
 
 def test_input_checks_raise_valueerror():
-    with pytest.raises(ValueError, match=r"rewards has shape \(5,\) but group_size is 2"):
+    with pytest.raises(ValueError, match=r"rewards has shape \(5,\) but num_generations is 2"):
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match=r"rewards has shape \(4, 3\)"):
         group_advantages(torch.zeros(4, 3), 2)  # one column per reward function: sum them first
     with pytest.raises(ValueError, match=r"rewards has shape \(0,\)"):
         group_advantages(torch.zeros(0), 2)
-    with pytest.raises(ValueError, match="group_size=1"):
+    with pytest.raises(ValueError, match="num_generations=1"):
         group_advantages(torch.zeros(4), 1)
     with pytest.raises(ValueError, match="'group', 'batch', 'none'"):
-        group_advantages(torch.zeros(4), 2, scale="std")
+        group_advantages(torch.zeros(4), 2, scale_rewards="std")
     with pytest.raises(ValueError, match="eps=-1"):
         group_advantages(torch.zeros(4), 2, eps=-1)

@@ -38,7 +38,7 @@ def ragged_rollout() -> Rollout:
     mask = torch.arange(6)[None, :] < torch.tensor(counted)[:, None]
     ids = ids.masked_fill(~mask, PAD)
     return Rollout(prompt_ids=PROMPTS, completion_ids=ids, mask=mask, sampler_logp=torch.zeros(ids.shape),
-                   finished=torch.ones(len(counted), dtype=torch.bool), n=G)
+                   finished=torch.ones(len(counted), dtype=torch.bool), num_generations=G)
 
 
 class _NaNGradOnPaddedRows(torch.autograd.Function):

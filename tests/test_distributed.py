@@ -56,7 +56,7 @@ class PromptHashEngine:
         mask = torch.arange(T) < lengths_t[:, None]  # (P*n, T)
         completion_ids = torch.stack(ids).masked_fill(~mask, self.pad_id)  # (P*n, T)
         return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion_ids, mask=mask,
-                       sampler_logp=torch.zeros(mask.shape), finished=lengths_t < T, n=n)
+                       sampler_logp=torch.zeros(mask.shape), finished=lengths_t < T, num_generations=n)
 
 
 def prompt_hash_engine(name, policy, *, pad_id, **kwargs) -> PromptHashEngine:

@@ -67,7 +67,7 @@ def sampling_setup(pattern: str, *, P: int, dynamic: bool, rounds: int, G: int =
                  max_sampling_rounds=rounds, max_completion_length=6, seed=seed)
     return StepSetup(cfg=cfg, world=World(), device=torch.device("cpu"), policy=None, params=[], optimizer=None,
                      tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id), keep_engine=False,
-                     sampling=Sampling(max_new_tokens=6), max_completion=6, prompts=prompts,
+                     sampling=Sampling(max_new_tokens=6), max_completion_length=6, prompts=prompts,
                      stream=PromptStream(len(prompts), P, seed),
                      reward_funcs=[tie_or_hash], clock=time.perf_counter)
 
@@ -96,7 +96,7 @@ def by_hand(pattern: str, P: int, dynamic: bool, rounds: int) -> tuple[list[int]
 def test_the_kept_groups_are_the_first_informative_ones_in_draw_order(pattern, P, dynamic, rounds):
     s = sampling_setup(pattern, P=P, dynamic=dynamic, rounds=rounds)
     G = s.cfg.num_generations
-    groups = sample_groups(s, step=0, G=G)
+    groups = sample_groups(s, step=0, num_generations=G)
     kept, n_rounds = by_hand(pattern, P, dynamic, rounds)
     order = drawn_in_order(len(pattern), P, s.cfg.seed)
     kept_prompts = [s.prompts.prompt_ids[order[j]] for j in kept]
@@ -141,12 +141,12 @@ def test_over_ranks_the_first_informative_groups_are_taken_round_by_round_then_r
 def test_groups_of_rounds_with_different_completion_widths_join_right_padded():
     a = Rollout(prompt_ids=[[1], [2]], completion_ids=torch.tensor([[5, 6], [7, 8], [9, 9], [3, 4]]),
                 mask=torch.tensor([[True, True], [True, False], [True, True], [True, True]]),
-                sampler_logp=-torch.ones(4, 2), finished=torch.tensor([True, False, True, True]), n=2)
+                sampler_logp=-torch.ones(4, 2), finished=torch.tensor([True, False, True, True]), num_generations=2)
     b = Rollout(prompt_ids=[[3]], completion_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]),
                 mask=torch.ones(2, 3, dtype=torch.bool), sampler_logp=-2 * torch.ones(2, 3),
-                finished=torch.tensor([False, True]), n=2)
+                finished=torch.tensor([False, True]), num_generations=2)
     joined = join_groups([a, b], torch.tensor([[False, True], [True, False]]), pad_id=0)
-    assert joined.prompt_ids == [[2], [3]] and joined.n == 2
+    assert joined.prompt_ids == [[2], [3]] and joined.num_generations == 2
     assert joined.completion_ids.tolist() == [[9, 9, 0], [3, 4, 0], [1, 2, 3], [4, 5, 6]]
     assert joined.mask.tolist() == [[True, True, False], [True, True, False], [True] * 3, [True] * 3]
     assert joined.sampler_logp.tolist() == [[-1, -1, 0], [-1, -1, 0], [-2] * 3, [-2] * 3]
@@ -203,7 +203,7 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
         optimizer = _KeepGrads(params)
         s = StepSetup(cfg=cfg, world=World(), device=torch.device("cpu"), policy=policy, params=params,
                       optimizer=optimizer, tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id),
-                      keep_engine=True, sampling=sampling, max_completion=sampling.max_new_tokens, prompts=None,
+                      keep_engine=True, sampling=sampling, max_completion_length=sampling.max_new_tokens, prompts=None,
                       stream=None, reward_funcs=[],
                       clock=time.perf_counter)
         update_policy(s, batch, [slice(0, 4), slice(4, 6)], adv, None, None, InFlight(stream_at_start={}))
@@ -214,7 +214,7 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
         update_policy(s, by_length, slices, by_length_adv, None, None, InFlight(stream_at_start={}))
         policy.zero_grad(set_to_none=True)
         loss, _ = clipped_surrogate(sequence_logprobs(policy, batch, cfg.temperature), None, adv, batch.mask,
-                                    norm=norm, max_len=sampling.max_new_tokens)
+                                    loss_norm=norm, max_completion_length=sampling.max_new_tokens)
         loss.backward()
         assert any(float(g.abs().max()) > 0 for g in in_order)
         for got, sorted_got, p in zip(in_order, optimizer.grads, params):

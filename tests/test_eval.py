@@ -28,7 +28,8 @@ class ScriptedEngine:
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
         for i, r in enumerate(rows):
             ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), True
-        return Rollout(prompt_ids, ids, mask, torch.zeros(ids.shape), torch.ones(len(rows), dtype=torch.bool), n=n)
+        return Rollout(prompt_ids, ids, mask, torch.zeros(ids.shape), torch.ones(len(rows), dtype=torch.bool),
+                       num_generations=n)
 
 
 class _Prompts:

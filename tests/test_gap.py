@@ -29,9 +29,11 @@ from test_importance import _case  # log-ratios 0.5, -0.25, 1.0 in row 0; 2.0, t
 def test_clipped_by_correction_marks_the_tokens_importance_weights_truncates_or_masks(level, mode, cap, cap_low,
                                                                                        expected):
     logp, sampler_logp, mask = _case()
-    clipped = clipped_by_correction(logp, sampler_logp, mask, level=level, mode=mode, cap=cap, cap_low=cap_low)
+    clipped = clipped_by_correction(logp, sampler_logp, mask, is_level=level, is_correction=mode, is_cap=cap,
+                                    is_cap_low=cap_low)
     assert clipped.tolist() == expected
-    weights, stats = importance_weights(logp, sampler_logp, mask, level=level, mode=mode, cap=cap, cap_low=cap_low)
+    weights, stats = importance_weights(logp, sampler_logp, mask, is_level=level, is_correction=mode, is_cap=cap,
+                                        is_cap_low=cap_low)
     assert stats["is_clipped_frac"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
     if mode == "mask":  # a masked token weighs nothing; every other counted one does
         assert ((weights == 0) & mask).tolist() == clipped.tolist()
@@ -40,7 +42,7 @@ def test_clipped_by_correction_marks_the_tokens_importance_weights_truncates_or_
 def test_the_gap_of_a_tiny_rollout_equals_the_hand_computation_over_counted_tokens_and_micro_batches():
     logp, sampler_logp, mask = _case()
     cfg = Config(is_correction="truncate", is_cap=2.0, is_level="token")
-    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
+    gap = SamplerGap(is_level=cfg.is_level, is_correction=cfg.is_correction, is_cap=cfg.is_cap)
     gap.add(logp[:1], sampler_logp[:1], mask[:1])  # two micro-batches of one row
     gap.add(logp[1:], sampler_logp[1:], mask[1:])
     got = gap.over_ranks(World())
@@ -138,7 +140,7 @@ def test_native_and_hf_engines_in_fp32_on_cpu_sample_with_the_trainers_logprobs(
     policy.eval()
     with torch.no_grad():
         logp = sequence_logprobs(policy, batch, cfg.temperature)
-    gap = SamplerGap(level=cfg.is_level, mode=cfg.is_correction, cap=cfg.is_cap)
+    gap = SamplerGap(is_level=cfg.is_level, is_correction=cfg.is_correction, is_cap=cfg.is_cap)
     gap.add(logp, batch.sampler_logp, batch.mask)
     got = gap.over_ranks(World())
     assert batch.mask.sum() > 40

@@ -28,13 +28,13 @@ LN = math.log
 # The reference: one token at a time, Python control flow for every min/clip, float64 autograd.
 # It reads only positions where mask is True, so garbage elsewhere must not change the result.
 # ----------------------------------------------------------------------------------------------
-def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_low=0.2, eps_high=None,
-                   delta=None, ratio_level="token", norm="sequence", max_len=None, is_weights=None,
-                   kl="k3", policy_loss="clip", cispo_eps_low=1.0, cispo_eps_high=4.0, sapo_tau_pos=1.0,
+def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, epsilon=0.2, epsilon_high=None,
+                   delta=None, ratio_level="token", loss_norm="sequence", max_completion_length=None, is_weights=None,
+                   kl_estimator="k3", loss_type="clip", cispo_eps_low=1.0, cispo_eps_high=4.0, sapo_tau_pos=1.0,
                    sapo_tau_neg=1.05):
     B, T = logp.shape
-    eps_high = eps_low if eps_high is None else eps_high
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    lo, hi = 1.0 - epsilon, 1.0 + epsilon_high
     cispo_lo, cispo_hi = 1.0 - cispo_eps_low, 1.0 + cispo_eps_high
     rows, policy_rows, counts = [], [], []
     kl_sum, n_low, n_high, n_delta, ratios, grad_weights = 0.0, 0, 0, 0, [], []
@@ -50,7 +50,7 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
             w = torch.exp(x)
             wv = float(w.detach())
             ratios.append(wv)
-            if policy_loss == "clip":
+            if loss_type == "clip":
                 # unclipped branch, capped at delta (a constant once capped: no gradient)
                 u = w if (delta is None or wv <= delta) else torch.tensor(float(delta), dtype=F64)
                 # clipped branch
@@ -68,7 +68,7 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
                 # the picked branch passes d w / d logp = w unless it is a constant
                 passes = (delta is None or wv <= delta) if picks_u else lo <= wv <= hi
                 grad_weights.append(wv if passes else 0.0)
-            elif policy_loss == "cispo":
+            elif loss_type == "cispo":
                 c = min(max(wv, cispo_lo), cispo_hi)  # a Python float: no gradient through the weight
                 term = -(c * a) * logp[i, t]
                 n_low += wv < cispo_lo
@@ -85,7 +85,7 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
             policy_row = policy_row + term
             if ref_logp is not None:
                 d = float(ref_logp[i, t]) - logp[i, t]  # log(pi_ref / pi_theta)
-                k = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1.0}[kl]
+                k = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1.0}[kl_estimator]
                 kl_sum += float(k.detach())
                 if beta > 0:
                     term = term + beta * k
@@ -95,11 +95,11 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, eps_lo
         counts.append(len(idx))
 
     def normalize(values):
-        if norm == "sequence":
+        if loss_norm == "sequence":
             return sum(v / max(n, 1) for v, n in zip(values, counts)) / B
-        if norm == "token":
+        if loss_norm == "token":
             return sum(values) / max(sum(counts), 1)
-        return sum(values) / (B * (max_len if max_len is not None else T))
+        return sum(values) / (B * (max_completion_length if max_completion_length is not None else T))
 
     n = max(sum(counts), 1)
     stats = {
@@ -182,18 +182,18 @@ def test_hand_derived_token_ratio_all_three_norms_and_stats():
     cases = {
         "sequence": (-2.7 / 3 + 2.3 / 2) / 2,  # (-0.9 + 1.15) / 2 = 0.125
         "token": -0.4 / 5,  # -0.08
-        "constant": -0.4 / (2 * 3),  # max_len None -> T = 3
+        "constant": -0.4 / (2 * 3),  # max_completion_length None -> T = 3
     }
-    for norm, expected in cases.items():
-        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm=norm)
-        assert float(loss.detach()) == pytest.approx(expected, abs=1e-12), norm
-    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, norm="constant", max_len=4)
+    for loss_norm, expected in cases.items():
+        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm=loss_norm)
+        assert float(loss.detach()) == pytest.approx(expected, abs=1e-12), loss_norm
+    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="constant", max_completion_length=4)
     assert float(loss.detach()) == pytest.approx(-0.4 / (2 * 4), abs=1e-12)  # -0.05
 
     # stats: clipped low: (0.5, A<0) once; clipped high: (1.5, A>0) once; of 5 tokens.
     # ratio mean (1.5 + 0.5 + 1.0 + 0.5 + 1.5) / 5 = 1.0, min 0.5, max 1.5 (the padding's 1.0 is not read).
     # gradient weights: the two clipped tokens 0, the others their w: (0.5 + 1.0 + 1.5) / 5 = 0.6.
-    _, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token")
+    _, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token")
     expected_stats = dict(policy_loss=-0.08, kl=0.0, clip_frac_low=0.2, clip_frac_high=0.2, clip_frac=0.4,
                           clip_frac_delta=0.0, ratio_mean=1.0, ratio_min=0.5, ratio_max=1.5, grad_weight_mean=0.6)
     assert_stats_close(stats, expected_stats, 1e-12)
@@ -205,7 +205,7 @@ def test_hand_derived_gradient_is_zero_on_clipped_tokens_and_minus_A_w_over_N_el
     #   row 0: [0 (clipped), -(+1)(0.5)/5 = -0.1, -(+1)(1.0)/5 = -0.2]
     #   row 1: [0 (clipped), -(-1)(1.5)/5 = +0.3, 0 (padding)]
     logp, old_logp, adv, mask = hand_batch()
-    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, norm="token")
+    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token")
     loss.backward()
     expected = torch.tensor([[0.0, -0.1, -0.2], [0.0, 0.3, 0.0]], dtype=F64)
     torch.testing.assert_close(logp.grad, expected, rtol=0, atol=1e-12)
@@ -213,16 +213,16 @@ def test_hand_derived_gradient_is_zero_on_clipped_tokens_and_minus_A_w_over_N_el
 
 def test_hand_derived_clip_higher_and_delta():
     logp, old_logp, adv, mask = hand_batch()
-    # DAPO clip-higher eps_high = 0.28: row 0's w = 1.5 now clips at 1.28 instead of 1.2:
+    # DAPO clip-higher epsilon_high = 0.28: row 0's w = 1.5 now clips at 1.28 instead of 1.2:
     # total = -1.28 - 0.5 - 1.0 + 0.8 + 1.5 = -0.48, token mean -0.48 / 5 = -0.096.
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", eps_high=0.28)
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", epsilon_high=0.28)
     assert float(loss.detach()) == pytest.approx(-0.096, abs=1e-12)
     assert float(stats["clip_frac_high"]) == pytest.approx(0.2)
     # delta = 1.4 caps the unclipped branch: row 1's w = 1.5 with A = -1 gives
     # -min(min(1.5, 1.4) * -1, 1.2 * -1) = -min(-1.4, -1.2) = 1.4 instead of 1.5;
     # row 0's w = 1.5 with A = +1 is unchanged: -min(1.4, 1.2) = -1.2.
     # total = -2.7 + 0.8 + 1.4 = -0.5, token mean -0.1; the capped token has zero gradient.
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", delta=1.4)
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", delta=1.4)
     assert float(loss.detach()) == pytest.approx(-0.1, abs=1e-12)
     assert float(stats["clip_frac_delta"]) == pytest.approx(0.2)
     loss.backward()
@@ -240,7 +240,7 @@ def test_hand_derived_sequence_level_ratio_gspo():
     logp = torch.tensor([[LN(2.0), 0.0], [LN(0.5), 0.0]], dtype=F64, requires_grad=True)
     adv = torch.tensor([1.0, 1.0], dtype=F64)
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, ratio_level="sequence", norm="sequence")
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, ratio_level="sequence", loss_norm="sequence")
     r2 = math.sqrt(2.0)
     assert float(loss.detach()) == pytest.approx((-1.2 - 1 / r2) / 2, abs=1e-12)
     loss.backward()
@@ -288,7 +288,7 @@ def test_hand_derived_cispo_clips_the_weight_but_every_token_keeps_its_gradient(
     # value: -(1/N) sum c A logp with logp = -1 + log w; the pairs (1.5, 0.5) of the two rows cancel,
     # leaving -(1.0 * 1 * -1) / 5 = 0.2.
     logp, old_logp, adv, mask = hand_batch()
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss="cispo",
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type="cispo",
                                     cispo_eps_low=0.2, cispo_eps_high=0.2)
     loss.backward()
     cispo_grad = logp.grad.clone()
@@ -301,14 +301,14 @@ def test_hand_derived_cispo_clips_the_weight_but_every_token_keeps_its_gradient(
     assert_stats_close(stats, expected_stats, 1e-12)
 
     logp.grad = None
-    clip_loss, _ = clipped_surrogate(logp, old_logp, adv, mask, norm="token")
+    clip_loss, _ = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token")
     clip_loss.backward()
     clipped = torch.tensor([[True, False, False], [True, False, False]])
     assert (logp.grad[clipped] == 0).all() and (cispo_grad[clipped] != 0).all()
 
     # The defaults (no lower bound, cap 5) clip nothing here: the weight is w itself, -A w / N.
     logp.grad = None
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss="cispo")
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type="cispo")
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.3, -0.1, -0.2], [0.1, 0.3, 0.0]], dtype=F64),
                                rtol=0, atol=1e-12)
@@ -320,7 +320,7 @@ def test_hand_derived_cispo_caps_a_runaway_weight_at_one_plus_eps_high():
     old_logp = torch.zeros(1, 1, dtype=F64)
     logp = torch.full((1, 1), LN(10.0), dtype=F64, requires_grad=True)
     adv, mask = torch.ones(1, dtype=F64), torch.ones(1, 1, dtype=torch.bool)
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, policy_loss="cispo")
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_type="cispo")
     loss.backward()
     assert float(logp.grad) == pytest.approx(-5.0, abs=1e-12)
     assert float(stats["clip_frac_high"]) == 1.0 and float(stats["grad_weight_mean"]) == pytest.approx(5.0)
@@ -340,11 +340,11 @@ def test_hand_derived_sapo_gate_is_smooth_where_the_hard_clip_gives_zero_gradien
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     mask = torch.ones(2, 1, dtype=torch.bool)
     grads = {}
-    for policy_loss in ("clip", "sapo"):
+    for loss_type in ("clip", "sapo"):
         logp = torch.tensor([[LN(1.25)], [LN(0.75)]], dtype=F64, requires_grad=True)
-        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss=policy_loss)
+        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type=loss_type)
         loss.backward()
-        grads[policy_loss] = logp.grad
+        grads[loss_type] = logp.grad
     assert (grads["clip"] == 0).all()
     expected = torch.tensor([[-sapo_weight(1.25, 1.0) / 2], [sapo_weight(0.75, 1.05) / 2]], dtype=F64)
     torch.testing.assert_close(grads["sapo"], expected, rtol=1e-12, atol=0)
@@ -363,7 +363,7 @@ def test_sapo_gate_decays_away_from_ratio_one_and_faster_for_negative_advantages
     logp = torch.tensor([ws, ws], dtype=F64).log().requires_grad_()
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     mask = torch.ones(2, len(ws), dtype=torch.bool)
-    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, norm="token", policy_loss="sapo",
+    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type="sapo",
                                 sapo_tau_pos=1.0, sapo_tau_neg=3.0)
     loss.backward()
     n = 2 * len(ws)
@@ -379,18 +379,19 @@ def test_sapo_gate_decays_away_from_ratio_one_and_faster_for_negative_advantages
 # ----------------------------------------------------------------------------------------------
 # Against the loop reference, every option
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ratio_level,norm,kl", list(itertools.product(RATIO_LEVELS, NORMS, KL_KINDS)))
-def test_matches_float64_loop_reference_values_stats_and_gradients(ratio_level, norm, kl):
-    for variant, (beta, delta, weights, eps_high) in enumerate(
+@pytest.mark.parametrize("ratio_level,loss_norm,kl_estimator", list(itertools.product(RATIO_LEVELS, NORMS, KL_KINDS)))
+def test_matches_float64_loop_reference_values_stats_and_gradients(ratio_level, loss_norm, kl_estimator):
+    for variant, (beta, delta, weights, epsilon_high) in enumerate(
         itertools.product((0.0, 0.05), (None, 1.5), (None, "row", "token"), (None, 0.28))
     ):
         logp, old_logp, ref_logp, adv, mask, is_tok, is_row = random_batch(seed=variant)
         is_weights = {None: None, "row": is_row, "token": is_tok}[weights]
-        max_len = 9 if variant % 2 else None
-        kw = dict(ref_logp=ref_logp, beta=beta, eps_high=eps_high, delta=delta, ratio_level=ratio_level,
-                  norm=norm, max_len=max_len, is_weights=is_weights, kl=kl)
+        max_completion_length = 9 if variant % 2 else None
+        kw = dict(ref_logp=ref_logp, beta=beta, epsilon_high=epsilon_high, delta=delta, ratio_level=ratio_level,
+                  loss_norm=loss_norm, max_completion_length=max_completion_length, is_weights=is_weights,
+                  kl_estimator=kl_estimator)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
-        where = f"variant {variant}: beta={beta} delta={delta} is_weights={weights} eps_high={eps_high}"
+        where = f"variant {variant}: beta={beta} delta={delta} is_weights={weights} epsilon_high={epsilon_high}"
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12), where
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12, msg=where)
         assert_stats_close(stats, ref_stats, 1e-12)
@@ -415,18 +416,19 @@ VARIANT_PARAMS = {
 }
 
 
-@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
-@pytest.mark.parametrize("ratio_level,norm,kl", list(itertools.product(RATIO_LEVELS, NORMS, KL_KINDS)))
-def test_cispo_and_sapo_match_float64_loop_reference_values_stats_and_gradients(policy_loss, ratio_level, norm,
-                                                                                kl):
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("ratio_level,loss_norm,kl_estimator", list(itertools.product(RATIO_LEVELS, NORMS, KL_KINDS)))
+def test_cispo_and_sapo_match_float64_loop_reference_values_stats_and_gradients(loss_type, ratio_level, loss_norm,
+                                                                                kl_estimator):
     for variant, (beta, weights, params) in enumerate(
-        itertools.product((0.0, 0.05), (None, "row", "token"), VARIANT_PARAMS[policy_loss])
+        itertools.product((0.0, 0.05), (None, "row", "token"), VARIANT_PARAMS[loss_type])
     ):
         logp, old_logp, ref_logp, adv, mask, is_tok, is_row = random_batch(seed=variant)
         is_weights = {None: None, "row": is_row, "token": is_tok}[weights]
-        max_len = 9 if variant % 2 else None
-        kw = dict(ref_logp=ref_logp, beta=beta, ratio_level=ratio_level, norm=norm, max_len=max_len,
-                  is_weights=is_weights, kl=kl, policy_loss=policy_loss, **params)
+        max_completion_length = 9 if variant % 2 else None
+        kw = dict(ref_logp=ref_logp, beta=beta, ratio_level=ratio_level, loss_norm=loss_norm,
+                  max_completion_length=max_completion_length, is_weights=is_weights, kl_estimator=kl_estimator,
+                  loss_type=loss_type, **params)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         where = f"variant {variant}: beta={beta} is_weights={weights} {params}"
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12), where
@@ -440,25 +442,25 @@ def test_the_reference_cases_exercise_cispo_clipping_and_sapo_gating():
     seen = dict(low=0.0, high=0.0, gate=0.0)
     for seed in range(12):
         logp, old_logp, _, adv, mask, _, _ = random_batch(seed)
-        _, stats = clipped_surrogate(logp, old_logp, adv, mask, policy_loss="cispo",
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_type="cispo",
                                      **VARIANT_PARAMS["cispo"][1])
         seen["low"] += float(stats["clip_frac_low"])
         seen["high"] += float(stats["clip_frac_high"])
-        _, stats = clipped_surrogate(logp, old_logp, adv, mask, policy_loss="sapo", **VARIANT_PARAMS["sapo"][1])
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_type="sapo", **VARIANT_PARAMS["sapo"][1])
         seen["gate"] += float(stats["ratio_mean"] - stats["grad_weight_mean"])
     assert all(v > 0.05 for v in seen.values()), seen
 
 
-@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(policy_loss, ratio_level):
+def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(loss_type, ratio_level):
     # w = 1: CISPO's weight is 1 and SAPO's gate slope 4 s (1 - s) w is 1 whatever tau (the 4 / tau
     # is what makes it so: non-default taus here), so both give -(1/N) sum_it mask_it A_i logp_it's gradient.
     logp, _, _, adv, mask, _, _ = random_batch(seed=5)
     logp = torch.where(mask, logp, -1.0)
     x = logp.clone().requires_grad_()
-    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, norm="token", ratio_level=ratio_level,
-                                    policy_loss=policy_loss, sapo_tau_pos=2.0, sapo_tau_neg=3.0)
+    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, loss_norm="token", ratio_level=ratio_level,
+                                    loss_type=loss_type, sapo_tau_pos=2.0, sapo_tau_neg=3.0)
     loss.backward()
     y = logp.clone().requires_grad_()
     pg_loss = -(adv[:, None] * y * mask).sum() / mask.sum()
@@ -466,7 +468,7 @@ def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(policy_l
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-15)
     assert float(stats["grad_weight_mean"]) == pytest.approx(1.0, abs=1e-12)
     assert float(stats["clip_frac"]) == 0.0
-    if policy_loss == "cispo":  # the value is the policy-gradient loss itself
+    if loss_type == "cispo":  # the value is the policy-gradient loss itself
         assert float(loss.detach()) == pytest.approx(float(pg_loss.detach()), abs=1e-12)
     else:  # -A f(1) = -A * (1/2) * 4 / tau = -2 A / tau per token
         tau = torch.where(adv > 0, 2.0, 3.0).to(F64)
@@ -474,14 +476,14 @@ def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(policy_l
         assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-12)
 
 
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-6)])
-def test_low_precision_inputs_are_computed_in_float32(dtype, tol, policy_loss):
+def test_low_precision_inputs_are_computed_in_float32(dtype, tol, loss_type):
     # bf16 inputs are upcast, so the result equals the float64 reference on the same (rounded) values
     # to float32 precision, not to bf16 precision.
     logp, old_logp, ref_logp, adv, mask, is_tok, _ = random_batch(seed=3)
-    kw = dict(beta=0.05, delta=1.5 if policy_loss == "clip" else None, ratio_level="token", norm="token",
-              is_weights=is_tok, policy_loss=policy_loss)
+    kw = dict(beta=0.05, delta=1.5 if loss_type == "clip" else None, ratio_level="token", loss_norm="token",
+              is_weights=is_tok, loss_type=loss_type)
     lo = [t.to(dtype) for t in (logp, old_logp, ref_logp)]
     x = lo[0].clone().requires_grad_()
     loss, stats = clipped_surrogate(x, lo[1], adv.to(dtype), mask, ref_logp=lo[2], **kw)
@@ -499,16 +501,16 @@ def test_low_precision_inputs_are_computed_in_float32(dtype, tol, policy_loss):
 # ----------------------------------------------------------------------------------------------
 # Edge cases
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-@pytest.mark.parametrize("norm", NORMS)
-def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, norm, policy_loss):
+@pytest.mark.parametrize("loss_norm", NORMS)
+def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, loss_norm, loss_type):
     logp, old_logp, ref_logp, adv, mask, is_tok, _ = random_batch(seed=7)
     assert not mask[1].any()  # row 1 is empty and holds garbage (inf log-ratio, nan ref, nan weights)
     x = logp.clone().requires_grad_()
     loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1,
-                                    delta=2.0 if policy_loss == "clip" else None, ratio_level=ratio_level,
-                                    norm=norm, is_weights=is_tok, policy_loss=policy_loss)
+                                    delta=2.0 if loss_type == "clip" else None, ratio_level=ratio_level,
+                                    loss_norm=loss_norm, is_weights=is_tok, loss_type=loss_type)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(v) for v in stats.values())
@@ -516,15 +518,16 @@ def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, norm, policy
     assert (x.grad[0] != 0).any()  # the full row does get a gradient
 
 
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-@pytest.mark.parametrize("norm", NORMS)
-def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(ratio_level, norm, policy_loss):
+@pytest.mark.parametrize("loss_norm", NORMS)
+def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(ratio_level, loss_norm, loss_type):
     logp, old_logp, ref_logp, adv, _, is_tok, _ = random_batch(seed=1)
     mask = torch.zeros_like(logp, dtype=torch.bool)
     x = logp.clone().requires_grad_()
     loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1,
-                                    ratio_level=ratio_level, norm=norm, is_weights=is_tok, policy_loss=policy_loss)
+                                    ratio_level=ratio_level, loss_norm=loss_norm, is_weights=is_tok,
+                                    loss_type=loss_type)
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert (x.grad == 0).all()
@@ -533,7 +536,7 @@ def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(
 
 def test_sequence_norm_averages_over_all_rows_counting_empty_ones():
     # Decision: an empty row contributes 0 but counts in B. Appending one empty row to a batch of B
-    # rows multiplies the sequence-norm loss by B / (B + 1); the token norm is unchanged.
+    # rows multiplies the sequence-loss_norm loss by B / (B + 1); the token norm is unchanged.
     logp, old_logp, ref_logp, adv, mask, _, _ = random_batch(seed=11)
     keep = mask.any(-1)
     logp, old_logp, ref_logp, adv, mask = (t[keep] for t in (logp, old_logp, ref_logp, adv, mask))
@@ -543,28 +546,28 @@ def test_sequence_norm_averages_over_all_rows_counting_empty_ones():
     wider = (pad(old_logp, -1.0), pad(adv, 2.0), pad(mask, False))
     kw = dict(ref_logp=ref_logp, beta=0.05)
     kw_wider = dict(ref_logp=pad(ref_logp, -1.0), beta=0.05)
-    seq, _ = clipped_surrogate(logp, *args, norm="sequence", **kw)
-    seq_wider, _ = clipped_surrogate(pad(logp, -0.5), *wider, norm="sequence", **kw_wider)
+    seq, _ = clipped_surrogate(logp, *args, loss_norm="sequence", **kw)
+    seq_wider, _ = clipped_surrogate(pad(logp, -0.5), *wider, loss_norm="sequence", **kw_wider)
     assert float(seq_wider.detach()) == pytest.approx(float(seq.detach()) * B / (B + 1), abs=1e-12)
-    tok, _ = clipped_surrogate(logp, *args, norm="token", **kw)
-    tok_wider, _ = clipped_surrogate(pad(logp, -0.5), *wider, norm="token", **kw_wider)
+    tok, _ = clipped_surrogate(logp, *args, loss_norm="token", **kw)
+    tok_wider, _ = clipped_surrogate(pad(logp, -0.5), *wider, loss_norm="token", **kw_wider)
     assert float(tok_wider.detach()) == pytest.approx(float(tok.detach()), abs=1e-12)
 
 
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_level, policy_loss):
+def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_level, loss_type):
     # End to end at the smallest shapes: 3 prompts x G=2, one token each.
     rewards = torch.tensor([1.0, 0.0, 2.0, 2.0, -1.0, 3.0], dtype=F64)
-    adv, adv_stats = group_advantages(rewards, group_size=2)
+    adv, adv_stats = group_advantages(rewards, num_generations=2)
     assert float(adv_stats["frac_zero_std"]) == pytest.approx(1 / 3)
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(6, 1, generator=g, dtype=F64)
     old_logp = logp + 0.4 * torch.randn(6, 1, generator=g, dtype=F64)
     ref_logp = logp + 0.2 * torch.randn(6, 1, generator=g, dtype=F64)
     mask = torch.tensor([[True], [True], [True], [False], [True], [True]])
-    for norm in NORMS:
-        kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, norm=norm, policy_loss=policy_loss)
+    for loss_norm in NORMS:
+        kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, loss_norm=loss_norm, loss_type=loss_type)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -579,7 +582,7 @@ def test_on_policy_token_norm_gradient_equals_plain_policy_gradient(ratio_level)
     logp, _, _, adv, mask, _, _ = random_batch(seed=5)
     logp = torch.where(mask, logp, -1.0)
     x = logp.clone().requires_grad_()
-    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, norm="token", ratio_level=ratio_level)
+    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, loss_norm="token", ratio_level=ratio_level)
     loss.backward()
     y = logp.clone().requires_grad_()
     pg_loss = -(adv[:, None] * y * mask).sum() / mask.sum()
@@ -696,8 +699,8 @@ def test_kl_penalty_and_logp_shape_checks():
         clipped_surrogate(torch.zeros(6), torch.zeros(6), torch.zeros(6), torch.ones(6, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("option,choices", [("norm", NORMS), ("ratio_level", RATIO_LEVELS), ("kl", KL_KINDS),
-                                            ("policy_loss", POLICY_LOSSES)])
+@pytest.mark.parametrize("option,choices", [("loss_norm", NORMS), ("ratio_level", RATIO_LEVELS),
+                                            ("kl_estimator", KL_KINDS), ("loss_type", POLICY_LOSSES)])
 def test_unknown_option_raises_valueerror_listing_the_choices(option, choices):
     kw = _ok_inputs()
     with pytest.raises(ValueError) as err:
@@ -716,27 +719,27 @@ def test_bad_numbers_and_dtypes_raise_valueerror():
     with pytest.raises(ValueError, match="mask has dtype torch.int64"):
         clipped_surrogate(**{**kw, "mask": torch.ones(2, 3, dtype=torch.long)})
     with pytest.raises(ValueError, match="delta=1.1"):
-        clipped_surrogate(**kw, delta=1.1)  # below 1 + eps_high = 1.2
-    with pytest.raises(ValueError, match="eps_low"):
-        clipped_surrogate(**kw, eps_low=-0.1)
-    with pytest.raises(ValueError, match="max_len"):
-        clipped_surrogate(**kw, norm="constant", max_len=0)
+        clipped_surrogate(**kw, delta=1.1)  # below 1 + epsilon_high = 1.2
+    with pytest.raises(ValueError, match="epsilon=-0.1"):
+        clipped_surrogate(**kw, epsilon=-0.1)
+    with pytest.raises(ValueError, match="max_completion_length=0"):
+        clipped_surrogate(**kw, loss_norm="constant", max_completion_length=0)
     with pytest.raises(ValueError, match="floating dtype"):
         clipped_surrogate(**{**kw, "logp": torch.zeros(2, 3, dtype=torch.long)})
-    clipped_surrogate(**kw, delta=1.2)  # the boundary 1 + eps_high is allowed
+    clipped_surrogate(**kw, delta=1.2)  # the boundary 1 + epsilon_high is allowed
 
 
 def test_cispo_and_sapo_reject_delta_and_out_of_range_parameters():
     kw = _ok_inputs()
-    for policy_loss in ("cispo", "sapo"):
-        with pytest.raises(ValueError, match="delta=3.0 caps the unclipped ratio of policy_loss='clip'"):
-            clipped_surrogate(**kw, policy_loss=policy_loss, delta=3.0)
+    for loss_type in ("cispo", "sapo"):
+        with pytest.raises(ValueError, match="delta=3.0 caps the unclipped ratio of loss_type='clip'"):
+            clipped_surrogate(**kw, loss_type=loss_type, delta=3.0)
     with pytest.raises(ValueError, match="cispo_eps_low=-0.1"):
-        clipped_surrogate(**kw, policy_loss="cispo", cispo_eps_low=-0.1)
+        clipped_surrogate(**kw, loss_type="cispo", cispo_eps_low=-0.1)
     with pytest.raises(ValueError, match="cispo_eps_high=-1"):
-        clipped_surrogate(**kw, policy_loss="cispo", cispo_eps_high=-1)
+        clipped_surrogate(**kw, loss_type="cispo", cispo_eps_high=-1)
     with pytest.raises(ValueError, match="sapo_tau_pos=0"):
-        clipped_surrogate(**kw, policy_loss="sapo", sapo_tau_pos=0)
+        clipped_surrogate(**kw, loss_type="sapo", sapo_tau_pos=0)
     with pytest.raises(ValueError, match="sapo_tau_neg=-1"):
-        clipped_surrogate(**kw, policy_loss="sapo", sapo_tau_neg=-1)
-    clipped_surrogate(**kw, policy_loss="cispo", cispo_eps_low=0.0, cispo_eps_high=0.0)  # a weight of 1: allowed
+        clipped_surrogate(**kw, loss_type="sapo", sapo_tau_neg=-1)
+    clipped_surrogate(**kw, loss_type="cispo", cispo_eps_low=0.0, cispo_eps_high=0.0)  # a weight of 1: allowed

@@ -235,7 +235,7 @@ class _OneTokenEngine:
 
         rows = len(prompt_ids) * n
         return Rollout(prompt_ids, torch.full((rows, 1), 19), torch.ones((rows, 1), dtype=torch.bool),
-                       torch.zeros((rows, 1)), torch.ones(rows, dtype=torch.bool), n=n)
+                       torch.zeros((rows, 1)), torch.ones(rows, dtype=torch.bool), num_generations=n)
 
 
 def test_evaluate_reports_prompts_done_over_its_passes(llama_tokenizer):

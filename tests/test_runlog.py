@@ -34,7 +34,7 @@ def _result(skipped: bool) -> StepResult:
     rewards = torch.tensor([[1.0, float("nan")], [3.0, 1.0], [0.0, 0.0], [2.0, 2.0]])  # (N*P*G, R)
     column = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
     scores = Scores(rewards, ["a", "b"], correct=column, formatted=1 - column, lengths=4 * column, finished=column)
-    return StepResult(scores=scores, texts=["x"] * 4, answers=["1"] * 4, group_size=2, frac_zero_std=0.5,
+    return StepResult(scores=scores, texts=["x"] * 4, answers=["1"] * 4, num_generations=2, frac_zero_std=0.5,
                       loss_stats={} if skipped else {"loss": 0.25, "kl": 0.125}, grad_norm=None if skipped else 2.0,
                       skipped=skipped, timings={"generate": 1.0, "train": 0.5})
 

@@ -143,7 +143,7 @@ def test_loss_type_flags_reach_the_config_and_delta_is_refused_without_the_clip(
     # One source for every default: the config's match the loss function's.
     defaults = inspect.signature(clipped_surrogate).parameters
     plain = Config()
-    assert plain.loss_type == defaults["policy_loss"].default == "clip"
+    assert plain.loss_type == defaults["loss_type"].default == "clip"
     for name in ("cispo_eps_low", "cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
         assert getattr(plain, name) == defaults[name].default, name
     with pytest.raises(SystemExit):
@@ -385,7 +385,7 @@ def test_the_loss_type_and_its_parameters_reach_the_loss(char_llama_dir, tmp_pat
     monkeypatch.setattr(step_module, "clipped_surrogate", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
     train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, loss_type=loss_type, lora_rank=4, lora_alpha=8,
                    log_completions_steps=0, **flags))
-    assert calls and all(kw["policy_loss"] == loss_type for kw in calls)
+    assert calls and all(kw["loss_type"] == loss_type for kw in calls)
     assert all(kw[k] == v for kw in calls for k, v in flags.items())
 
 

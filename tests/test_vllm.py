@@ -52,7 +52,7 @@ def _trainer_logp(policy, rollout, temperature: float) -> torch.Tensor:
     t = temperature if temperature > 0 else 1.0
     rows = []
     for i, completion in enumerate(rollout.completions()):
-        prompt = rollout.prompt_ids[i // rollout.n]
+        prompt = rollout.prompt_ids[i // rollout.num_generations]
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
             logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()  # (L, V)

@@ -223,7 +223,7 @@ def test_generate_sends_token_prompts_one_seeded_params_per_prompt_and_one_adapt
     assert seeds == [rv.prompt_seed(3407, 1, i) for i in range(3)]
     assert len(set(seeds)) == 3  # identical prompts still get their own stream
 
-    assert rollout.completion_ids.shape == (6, 5) and rollout.n == 2
+    assert rollout.completion_ids.shape == (6, 5) and rollout.num_generations == 2
     assert rollout.prompt_ids == prompts
     # Group order: row 2*i + k is prompt i's k-th sample (the fake returned them reversed).
     for i in range(3):
@@ -653,4 +653,4 @@ def test_an_engine_reporting_processed_logprobs_refuses_truncation_and_serves_wi
         with pytest.raises(ValueError, match="renormalised over the kept tokens"):
             engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=1.0, **cut))
     # untruncated, processed log-probs are log softmax(logits / T): any temperature
-    assert engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.7)).n == 2
+    assert engine.generate([[1]], 2, Sampling(max_new_tokens=2, temperature=0.7)).num_generations == 2

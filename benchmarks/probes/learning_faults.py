@@ -92,9 +92,10 @@ def _row_loss(s, mb, adv, cfg):
 
     logp = sequence_logprobs(s.policy, mb, cfg.temperature)
     return clipped_surrogate(
-        logp, logp.detach(), adv, mb.mask, ref_logp=None, beta=cfg.beta, eps_low=cfg.epsilon,
-        eps_high=cfg.epsilon_high, delta=cfg.delta, ratio_level=cfg.ratio_level, norm=cfg.loss_norm,
-        max_len=s.max_completion, is_weights=None, kl=cfg.kl_estimator, policy_loss=cfg.loss_type,
+        logp, logp.detach(), adv, mb.mask, ref_logp=None, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, delta=cfg.delta, ratio_level=cfg.ratio_level, loss_norm=cfg.loss_norm,
+        max_completion_length=s.max_completion_length, is_weights=None, kl_estimator=cfg.kl_estimator,
+        loss_type=cfg.loss_type,
         cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high, sapo_tau_pos=cfg.sapo_tau_pos,
         sapo_tau_neg=cfg.sapo_tau_neg)[0], logp
 
@@ -276,9 +277,9 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     device = default_device()
     policy, tokenizer, model_dir = load_policy(cfg, device)
     policy.eval()
-    prompts, _, max_completion = load_prompt_sets(dataclasses.replace(cfg, eval_size=0), tokenizer)
-    sampling = Sampling(max_new_tokens=max_completion, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                        min_p=cfg.min_p, stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
+    prompts, _, max_completion_length = load_prompt_sets(dataclasses.replace(cfg, eval_size=0), tokenizer)
+    sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
     ref_dtype = torch.float64 if device.type == "cpu" and args.fp64_on_cpu else torch.float32
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=ref_dtype).to(device).eval()
@@ -288,7 +289,7 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
                                                                                    streams=False),
             "sdpa": EngineTuning(attention="sdpa"), "modules": EngineTuning()}  # modules: the product, gemm="modules"
     chosen = args.ways.split(",") if args.ways else list(ways)
-    max_seq = prompts.max_prompt_length + max_completion
+    max_seq = prompts.max_prompt_length + max_completion_length
     if "vllm" in chosen:  # plain vLLM as the sampler, as `--engine vllm` builds it (eager: no compile wait)
         ways["vllm"] = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
                                    work_dir=str(Path(args.out) / "vllm-adapters"),

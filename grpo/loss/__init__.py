@@ -2,13 +2,13 @@
 
     from grpo.loss import clipped_surrogate, group_advantages, kl_penalty
 
-    adv, adv_stats = group_advantages(rewards, group_size=G)             # (P*G,)
+    adv, adv_stats = group_advantages(rewards, num_generations=G)        # (P*G,)
     loss, stats = clipped_surrogate(logp, old_logp, adv, mask,           # (B, T) each; adv (B,)
                                     ref_logp=ref_logp, beta=0.04)
     loss.backward()
 
 - `clipped_surrogate` (surrogate.py): GRPO's clipped ratio objective with DAPO, Dr. GRPO, GSPO and
-  two-sided-clipping options, CISPO and SAPO in place of the clip (`policy_loss=`), a KL penalty,
+  two-sided-clipping options, CISPO and SAPO in place of the clip (`loss_type=`), a KL penalty,
   sampler importance weights; returns (loss, stats).
 - `group_advantages` (advantages.py): (r - group mean) / (std + eps), or Dr. GRPO's unscaled version;
   returns (adv, stats) with the fraction of groups that carry no signal.

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_tensor, shape_str
-from .options import SCALES, check_choice
+from .options import SCALES, check_choice, takes_old_keywords
 
 
+@takes_old_keywords
 def group_advantages(
     rewards: torch.Tensor,
-    group_size: int,
-    scale: str = "group",
+    num_generations: int,
+    scale_rewards: str = "group",
     eps: float = 1e-4,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Advantages A = (r - group mean) / (std + eps), one per completion, and a few statistics.
@@ -25,8 +26,8 @@ def group_advantages(
     Args:
         rewards: (P*G,) one total reward per completion, in group order: rows g*G ... g*G + G-1 are
             the G completions of prompt g (the order of `Rollout`).
-        group_size: G, completions per prompt (at least 2: GRPO compares completions of one prompt).
-        scale: what to divide by after subtracting the group mean:
+        num_generations: G, completions per prompt (at least 2: GRPO compares completions of one prompt).
+        scale_rewards: what to divide by after subtracting the group mean:
             "group": the std of the group (GRPO, DeepSeekMath, Shao et al. 2024, sec. 4.1.2);
             "batch": the std of all P*G rewards (batch-level scaling, as in TRL's scale_rewards="batch");
             "none":  nothing, A = r - group mean (Dr. GRPO, Liu et al. 2025: dividing by the group std
@@ -47,7 +48,7 @@ def group_advantages(
     (G-1)/G, a constant factor sqrt(G/(G-1)) (1.15 at G=4, 1.41 at G=2) that Adam largely absorbs.
 
     A group whose G rewards are all equal carries no signal; its advantages are set to exactly 0
-    for every `scale` (not merely close to 0 after rounding: the mean of three 0.1s is not 0.1 in
+    for every `scale_rewards` (not merely close to 0 after rounding: the mean of three 0.1s is not 0.1 in
     floating point). Such groups are detected exactly (max == min), and their fraction is reported:
     a high frac_zero_std means most prompts are too easy or too hard for the current policy.
 
@@ -59,22 +60,23 @@ def group_advantages(
             Call float() on a stat to log it.
     """
     check_tensor("rewards", rewards)
-    check_choice("scale", scale, SCALES)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"group_size={group_size!r}: GRPO compares completions of one prompt; use an int >= 2")
-    if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards has shape {shape_str(rewards)} but group_size is {group_size}; rewards must "
-                         "be (P*G,), one total reward per completion, a non-zero multiple of group_size "
+    check_choice("scale_rewards", scale_rewards, SCALES)
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
+        raise ValueError(f"num_generations={num_generations!r}: GRPO compares completions of one prompt; use an "
+                         "int >= 2")
+    if rewards.dim() != 1 or rewards.numel() == 0 or rewards.numel() % num_generations != 0:
+        raise ValueError(f"rewards has shape {shape_str(rewards)} but num_generations is {num_generations}; rewards "
+                         "must be (P*G,), one total reward per completion, a non-zero multiple of num_generations "
                          "(sum reward columns first, e.g. rewards.sum(-1))")
     if eps < 0:
         raise ValueError(f"eps={eps}: must be >= 0")
 
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    r = rewards.detach().to(dtype).view(-1, group_size)  # (P, G)
+    r = rewards.detach().to(dtype).view(-1, num_generations)  # (P, G)
     centered = r - r.mean(-1, keepdim=True)  # (P, G)
-    if scale == "group":
+    if scale_rewards == "group":
         adv = centered / (r.std(-1, keepdim=True) + eps)
-    elif scale == "batch":
+    elif scale_rewards == "batch":
         adv = centered / (r.std() + eps)
     else:
         adv = centered

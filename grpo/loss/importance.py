@@ -6,18 +6,18 @@ trainer computes (`logp`). Training on the sampler's tokens as if they were on-p
 little off-policy; the fix is to weight each token's loss by pi_trainer / pi_sampler, bounded
 so that rare large ratios cannot blow the gradient up:
 
-- `mode="truncate"` (TIS): w = min(ratio, cap). Yao et al. 2025, "Your efficient RL framework
+- `is_correction="truncate"` (TIS): w = min(ratio, is_cap). Yao et al. 2025, "Your efficient RL framework
   secretly brings you off-policy RL training" (the truncated importance sampling they add to verl;
   TRL's `vllm_importance_sampling_correction` is the same).
-- `mode="mask"` (MIS): w = ratio where ratio <= cap, else 0: a token (or sequence) the trainer
+- `is_correction="mask"` (MIS): w = ratio where ratio <= is_cap, else 0: a token (or sequence) the trainer
   likes far more than the sampler did is dropped instead of clipped, since such a token is more
   likely a numerical fault than a signal (Liu, Li et al. 2025, "When speed kills stability:
   demystifying RL collapse from the training-inference mismatch", masked importance sampling;
-  TRL's `token_mask` / `sequence_mask`). `cap_low` also drops ratios below it (two-sided, as in
+  TRL's `token_mask` / `sequence_mask`). `is_cap_low` also drops ratios below it (two-sided, as in
   IcePop from Ling Team 2025); off by default, because a ratio below 1 already shrinks its token.
-- `mode="none"`: all ones.
+- `is_correction="none"`: all ones.
 
-`level="token"` uses each token's own ratio; `level="sequence"` gives every token of a row the
+`is_level="token"` uses each token's own ratio; `is_level="sequence"` gives every token of a row the
 row's geometric-mean ratio exp(mean over its tokens of logp - sampler_logp), as GSPO does for the
 policy ratio, so one odd token does not decide a row's weight alone.
 
@@ -36,20 +36,21 @@ import math
 
 import torch
 
-from .options import IS_LEVELS, IS_MODES, check_choice, check_importance_numbers
+from .options import IS_LEVELS, IS_MODES, check_choice, check_importance_numbers, takes_old_keywords
 
 
+@takes_old_keywords
 def importance_weights(
     logp: torch.Tensor,
     sampler_logp: torch.Tensor,
     mask: torch.Tensor,
     *,
-    level: str = "token",
-    mode: str = "truncate",
-    cap: float = 2.0,
-    cap_low: float | None = None,
+    is_level: str = "token",
+    is_correction: str = "truncate",
+    is_cap: float = 2.0,
+    is_cap_low: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token weights pi_trainer / pi_sampler, truncated or masked at `cap`.
+    """Per-token weights pi_trainer / pi_sampler, truncated or masked at `is_cap`.
 
     logp, sampler_logp: (B, T) log-probabilities of the sampled tokens under the trainer and under
     the sampler; mask: (B, T) bool, True where a token counts. Returns `(weights, stats)`:
@@ -57,21 +58,21 @@ def importance_weights(
     `is_ratio_mean` (mean raw ratio over counted tokens, or over rows at sequence level),
     `is_ratio_max`, `is_ratio_min`, and `is_clipped_frac` (fraction of tokens truncated or masked).
     """
-    _check(logp, sampler_logp, mask, level, mode, cap, cap_low)
+    _check(logp, sampler_logp, mask, is_level, is_correction, is_cap, is_cap_low)
     dtype = _dtype(logp, sampler_logp)
     mask = mask.bool()
     maskf = mask.to(dtype)
     zero = logp.new_zeros((), dtype=dtype)
     n_tokens = maskf.sum()
 
-    if mode == "none":
+    if is_correction == "none":
         stats = {"is_ratio_mean": zero + 1, "is_ratio_max": zero + 1, "is_ratio_min": zero + 1,
                  "is_clipped_frac": zero}
         return maskf, stats
 
-    ratio, samples = _ratios(logp, sampler_logp, mask, level)
-    clipped = _clipped(ratio, mode, cap, cap_low)
-    weights = ratio.clamp(max=cap) if mode == "truncate" else torch.where(clipped, zero, ratio)
+    ratio, samples = _ratios(logp, sampler_logp, mask, is_level)
+    clipped = _clipped(ratio, is_correction, is_cap, is_cap_low)
+    weights = ratio.clamp(max=is_cap) if is_correction == "truncate" else torch.where(clipped, zero, ratio)
     weights = (weights * maskf).detach()  # (B, T)
 
     clipped_tokens = (clipped & mask).to(dtype).sum()
@@ -86,31 +87,32 @@ def importance_weights(
     return weights, stats
 
 
+@takes_old_keywords
 def clipped_by_correction(
     logp: torch.Tensor,
     sampler_logp: torch.Tensor,
     mask: torch.Tensor,
     *,
-    level: str = "token",
-    mode: str = "truncate",
-    cap: float = 2.0,
-    cap_low: float | None = None,
+    is_level: str = "token",
+    is_correction: str = "truncate",
+    is_cap: float = 2.0,
+    is_cap_low: float | None = None,
 ) -> torch.Tensor:
     """(B, T) bool, True at the counted tokens whose weight `importance_weights` with the same arguments
-    truncates or masks (none for mode="none"). The trainer counts them every step, whether or not its
+    truncates or masks (none for is_correction="none"). The trainer counts them every step, whether or not its
     engine asks for the correction, to report how far the sampler is from the trainer."""
-    _check(logp, sampler_logp, mask, level, mode, cap, cap_low)
+    _check(logp, sampler_logp, mask, is_level, is_correction, is_cap, is_cap_low)
     mask = mask.bool()
-    if mode == "none":
+    if is_correction == "none":
         return torch.zeros_like(mask)
-    ratio, _ = _ratios(logp, sampler_logp, mask, level)
-    return _clipped(ratio, mode, cap, cap_low) & mask
+    ratio, _ = _ratios(logp, sampler_logp, mask, is_level)
+    return _clipped(ratio, is_correction, is_cap, is_cap_low) & mask
 
 
-def _check(logp, sampler_logp, mask, level, mode, cap, cap_low) -> None:
-    check_choice("level", level, IS_LEVELS)
-    check_choice("mode", mode, IS_MODES)
-    check_importance_numbers(cap=cap, cap_low=cap_low)
+def _check(logp, sampler_logp, mask, is_level, is_correction, is_cap, is_cap_low) -> None:
+    check_choice("is_level", is_level, IS_LEVELS)
+    check_choice("is_correction", is_correction, IS_MODES)
+    check_importance_numbers(is_cap=is_cap, is_cap_low=is_cap_low)
     if logp.shape != sampler_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
         raise ValueError(
             f"importance_weights: logp {tuple(logp.shape)}, sampler_logp {tuple(sampler_logp.shape)} "
@@ -123,7 +125,7 @@ def _dtype(logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(logp.dtype, sampler_logp.dtype), torch.float32)
 
 
-def _ratios(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, level: str
+def _ratios(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, is_level: str
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio (B, T), samples): the ratio each token is weighted by (its own, or its row's geometric
     mean), and one ratio per counted token (per non-empty row at sequence level) for the statistics."""
@@ -131,7 +133,7 @@ def _ratios(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, 
     logp, sampler_logp = logp.detach().to(dtype), sampler_logp.detach().to(dtype)
     # Masked positions get log-ratio 0 so padding never overflows exp().
     log_ratio = torch.where(mask, logp - sampler_logp, 0.0)  # (B, T)
-    if level == "token":
+    if is_level == "token":
         ratio = log_ratio.exp()  # (B, T)
         return ratio, ratio[mask]
     lengths = mask.to(dtype).sum(-1)  # (B,)
@@ -139,11 +141,12 @@ def _ratios(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, 
     return seq_ratio.unsqueeze(-1).expand_as(log_ratio), seq_ratio[lengths > 0]
 
 
-def _clipped(ratio: torch.Tensor, mode: str, cap: float, cap_low: float | None) -> torch.Tensor:
-    """(B, T) bool: where `mode` truncates (ratio above cap) or masks (above cap, or below cap_low)."""
-    clipped = ratio > cap
-    if mode == "mask" and cap_low is not None:
-        clipped = clipped | (ratio < cap_low)
+def _clipped(ratio: torch.Tensor, is_correction: str, is_cap: float, is_cap_low: float | None) -> torch.Tensor:
+    """(B, T) bool: where `is_correction` truncates (ratio above is_cap) or masks (above is_cap, or below
+    is_cap_low)."""
+    clipped = ratio > is_cap
+    if is_correction == "mask" and is_cap_low is not None:
+        clipped = clipped | (ratio < is_cap_low)
     return clipped
 
 
@@ -154,20 +157,20 @@ class SamplerGap:
     Fed the log-probs the loss computes anyway (the first pass's, or old_logp with mu > 1), micro-batch
     by micro-batch: no extra forward pass. Reports, over the counted tokens of all ranks:
     `gap/logp_abs_mean` and `gap/logp_abs_max` of |log pi_train - log pi_sampler|, and `gap/is_clipped_frac`,
-    the fraction of tokens whose importance weight the correction of `level`, `mode` and `cap` (the run's
-    --is-level, --is-correction and --is-cap) would truncate or mask (by `clipped_by_correction`, the rule
+    the fraction of tokens whose importance weight the correction of `is_level`, `is_correction` and `is_cap`
+    (the run's --is-level, --is-correction and --is-cap) would truncate or mask (by `clipped_by_correction`, the rule
     of `importance_weights`), whether or not the engine asks for the correction.
     """
 
-    def __init__(self, *, level: str = "token", mode: str = "truncate", cap: float = 2.0) -> None:
-        self.level, self.mode, self.cap = level, mode, cap
+    def __init__(self, *, is_level: str = "token", is_correction: str = "truncate", is_cap: float = 2.0) -> None:
+        self.is_level, self.is_correction, self.is_cap = is_level, is_correction, is_cap
         self.abs_sum = self.abs_max = self.clipped = self.tokens = 0.0
 
     def add(self, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> None:
         """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask."""
         diff = (logp.detach().double() - sampler_logp.double()).abs()[mask]  # (tokens,) a bf16 gap would round
-        clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, level=self.level, mode=self.mode,
-                                        cap=self.cap)
+        clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, is_level=self.is_level,
+                                        is_correction=self.is_correction, is_cap=self.is_cap)
         self.abs_sum += float(diff.sum())
         if diff.numel():
             top = float(diff.max())

@@ -27,28 +27,29 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_logp, check_same_shape
-from .options import KL_KINDS, check_choice
+from .options import KL_KINDS, check_choice, takes_old_keywords
 
 
-def kl_from_log_ratio(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The estimator `kind` from x = ref_logp - logp, elementwise (no checks; used by the loss)."""
-    if kind == "k1":
+def kl_from_log_ratio(x: torch.Tensor, kl_estimator: str) -> torch.Tensor:
+    """The estimator `kl_estimator` from x = ref_logp - logp, elementwise (no checks; used by the loss)."""
+    if kl_estimator == "k1":
         return -x
-    if kind == "k2":
+    if kl_estimator == "k2":
         return 0.5 * x * x
-    if kind == "k3":
+    if kl_estimator == "k3":
         # exp(x) - 1 - x, written with expm1 so that it stays accurate (and >= 0) for tiny x.
         return torch.expm1(x) - x
-    raise ValueError(f"kl={kind!r} is unknown; choose one of {', '.join(repr(k) for k in KL_KINDS)}")
+    raise ValueError(f"kl_estimator={kl_estimator!r} is unknown; choose one of {', '.join(repr(k) for k in KL_KINDS)}")
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+@takes_old_keywords
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate from the policy to the reference, shape (B, T).
 
     Args:
         logp: (B, T) log-probabilities of the sampled tokens under the policy (gradients flow here).
         ref_logp: (B, T) log-probabilities of the same tokens under the reference policy.
-        kind: "k1" = logp - ref_logp; "k2" = (logp - ref_logp)^2 / 2;
+        kl_estimator: "k1" = logp - ref_logp; "k2" = (logp - ref_logp)^2 / 2;
             "k3" = exp(ref_logp - logp) - (ref_logp - logp) - 1 (GRPO's choice). See the module
             docstring for the sources and for what each one's gradient estimates.
 
@@ -57,5 +58,5 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
     """
     check_logp("logp", logp)
     check_same_shape("ref_logp", ref_logp, "logp", logp)
-    check_choice("kind", kind, KL_KINDS)
-    return kl_from_log_ratio(ref_logp - logp, kind)
+    check_choice("kind", kl_estimator, KL_KINDS)
+    return kl_from_log_ratio(ref_logp - logp, kl_estimator)

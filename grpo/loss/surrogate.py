@@ -28,12 +28,14 @@ from ._checks import (
     shape_str,
 )
 from .kl import kl_from_log_ratio
-from .options import KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, check_choice, check_policy_numbers
+from .options import (KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, check_choice, check_policy_numbers,
+                      takes_old_keywords)
 
 STAT_KEYS = ("policy_loss", "kl", "clip_frac_low", "clip_frac_high", "clip_frac", "clip_frac_delta",
              "ratio_mean", "ratio_min", "ratio_max", "grad_weight_mean")
 
 
+@takes_old_keywords
 def clipped_surrogate(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
@@ -42,15 +44,15 @@ def clipped_surrogate(
     *,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
     delta: float | None = None,
     ratio_level: str = "token",
-    norm: str = "sequence",
-    max_len: int | None = None,
+    loss_norm: str = "sequence",
+    max_completion_length: int | None = None,
     is_weights: torch.Tensor | None = None,
-    kl: str = "k3",
-    policy_loss: str = "clip",
+    kl_estimator: str = "k3",
+    loss_type: str = "clip",
     cispo_eps_low: float = 1.0,
     cispo_eps_high: float = 4.0,
     sapo_tau_pos: float = 1.0,
@@ -70,18 +72,18 @@ def clipped_surrogate(
         ref_logp: (B, T) log-probabilities under the reference policy, or None. Needed when beta > 0;
             with beta == 0 it is used only for the "kl" statistic.
         beta: KL coefficient (>= 0).
-        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] of policy_loss="clip";
-            eps_high defaults to eps_low.
-        delta: cap on the unclipped ratio (two-sided clipping), >= 1 + eps_high, or None for off.
-            Only with policy_loss="clip".
+        epsilon, epsilon_high: the clip range [1 - epsilon, 1 + epsilon_high] of loss_type="clip";
+            epsilon_high defaults to epsilon.
+        delta: cap on the unclipped ratio (two-sided clipping), >= 1 + epsilon_high, or None for off.
+            Only with loss_type="clip".
         ratio_level: "token" (GRPO, DAPO) or "sequence" (GSPO).
-        norm: "sequence" (GRPO), "token" (DAPO) or "constant" (Dr. GRPO).
-        max_len: the constant of norm="constant" (the generation budget); None means T. Ignored by
-            the other norms.
+        loss_norm: "sequence" (GRPO), "token" (DAPO) or "constant" (Dr. GRPO).
+        max_completion_length: the constant of loss_norm="constant" (the generation budget); None means
+            T. Ignored by the other norms.
         is_weights: (B, T) or (B,) importance weights pi_old / pi_sampler for a sampler that differs
             from the trainer (see `grpo.loss.importance`), or None.
-        kl: KL estimator: "k1", "k2" or "k3" (see `grpo.loss.kl`).
-        policy_loss: the per-token policy term: "clip" (PPO's clipped min, GRPO), "cispo" (a clipped,
+        kl_estimator: KL estimator: "k1", "k2" or "k3" (see `grpo.loss.kl`).
+        loss_type: the per-token policy term: "clip" (PPO's clipped min, GRPO), "cispo" (a clipped,
             detached importance weight times the log-probability, MiniMax-M1) or "sapo" (a sigmoid
             gate on the ratio in place of the clip, Qwen). Formulas below.
         cispo_eps_low, cispo_eps_high: CISPO's weight range [1 - cispo_eps_low, 1 + cispo_eps_high]
@@ -93,12 +95,12 @@ def clipped_surrogate(
         loss: 0-dim tensor, float32 (float64 if a log-probability input is float64): bf16 inputs are
             upcast, and so is the arithmetic.
         stats: dict of detached 0-dim tensors, keys STAT_KEYS (all present, always finite):
-            "policy_loss": the policy term alone, normalized by `norm` (loss minus the KL term);
-            "kl": masked token mean of the per-token KL (0 without ref_logp), whatever `norm` is;
-            "clip_frac_low": fraction of masked tokens with w < 1 - eps_low and A < 0 (clipped below);
+            "policy_loss": the policy term alone, normalized by `loss_norm` (loss minus the KL term);
+            "kl": masked token mean of the per-token KL (0 without ref_logp), whatever `loss_norm` is;
+            "clip_frac_low": fraction of masked tokens with w < 1 - epsilon and A < 0 (clipped below);
                 with "cispo", with w < 1 - cispo_eps_low whatever A (the weight is raised to the
                 floor); 0 with "sapo" (nothing is clipped);
-            "clip_frac_high": fraction of masked tokens with w > 1 + eps_high and A > 0 (clipped above);
+            "clip_frac_high": fraction of masked tokens with w > 1 + epsilon_high and A > 0 (clipped above);
                 with "cispo", with w > 1 + cispo_eps_high whatever A (the weight is capped); 0 with "sapo";
             "clip_frac": their sum (the two cannot overlap);
             "clip_frac_delta": fraction of masked tokens with w > delta and A < 0 (0 without delta);
@@ -121,25 +123,25 @@ def clipped_surrogate(
 
         w_i = (pi_theta(y_i | x) / pi_old(y_i | x))^(1 / n_i) = exp((1/n_i) sum_t mask_it (logp_it - old_logp_it))
 
-    A row with n_i = 0 gets w_i = 1 and contributes nothing. GSPO pairs it with norm="sequence" (then
-    the loss is exactly GSPO's objective) and with a much narrower clip range (eps_low=3e-4,
-    eps_high=4e-4 in the paper).
+    A row with n_i = 0 gets w_i = 1 and contributes nothing. GSPO pairs it with loss_norm="sequence" (then
+    the loss is exactly GSPO's objective) and with a much narrower clip range (epsilon=3e-4,
+    epsilon_high=4e-4 in the paper).
 
     The per-token policy term (PPO's clipped surrogate as used by GRPO, sign flipped to a loss)::
 
-        policy_it = -min(u_it * A_i, clip(w_it, 1 - eps_low, 1 + eps_high) * A_i) * is_it
+        policy_it = -min(u_it * A_i, clip(w_it, 1 - epsilon, 1 + epsilon_high) * A_i) * is_it
         u_it      = w_it                  (delta None)
                   = min(w_it, delta)      (two-sided clipping, INTELLECT-2, Prime Intellect 2025)
 
-    eps_high > eps_low is DAPO's "clip-higher" (Yu et al. 2025: eps_low = 0.2, eps_high = 0.28).
+    epsilon_high > epsilon is DAPO's "clip-higher" (Yu et al. 2025: epsilon = 0.2, epsilon_high = 0.28).
     Why delta: the min() above leaves the ratio unbounded when A < 0 (the pessimistic branch is the
     unclipped one), so one token that became much more likely than under pi_old, with a negative
     advantage, can dominate the batch. Capping only the unclipped branch at delta bounds that term at
     delta * |A| (and zeroes its gradient past delta) while leaving A > 0 unchanged, since there
-    clip() already caps at 1 + eps_high <= delta. This is how TRL applies its `delta` argument.
+    clip() already caps at 1 + epsilon_high <= delta. This is how TRL applies its `delta` argument.
     is_it are the sampler importance weights (1 when is_weights is None), constants here (detached).
 
-    policy_loss="cispo" (MiniMax-M1, arXiv 2506.13585, eq. 4-5: Clipped IS-weight Policy Optimization)
+    loss_type="cispo" (MiniMax-M1, arXiv 2506.13585, eq. 4-5: Clipped IS-weight Policy Optimization)
     clips the importance weight instead of the update and stops its gradient::
 
         policy_it = -sg(clip(w_it, 1 - cispo_eps_low, 1 + cispo_eps_high)) * A_i * logp_it * is_it
@@ -151,9 +153,9 @@ def clipped_surrogate(
     only eps_high^IS without publishing it; peers default to caps of 4 to 6 (Tinker: w <= 4; slime:
     eps_high 4; SkyRL: 5), hence cispo_eps_low = 1 (a floor of 0, below every ratio) and
     cispo_eps_high = 4 (a cap of 5). TRL's loss_type="cispo" caps w at epsilon_high itself, not at
-    1 + epsilon_high. MiniMax normalizes over all tokens of the group (norm="token").
+    1 + epsilon_high. MiniMax normalizes over all tokens of the group (loss_norm="token").
 
-    policy_loss="sapo" (Soft Adaptive Policy Optimization, Gao et al., Qwen, arXiv 2511.20347) replaces
+    loss_type="sapo" (Soft Adaptive Policy Optimization, Gao et al., Qwen, arXiv 2511.20347) replaces
     the clipped min with a smooth gate of the ratio, with a steeper one for negative advantages::
 
         policy_it = -f(w_it) * A_i * is_it,   f(w) = sigmoid(tau_i (w - 1)) * 4 / tau_i,
@@ -164,7 +166,7 @@ def clipped_surrogate(
     leaves 1, faster for larger tau, where the hard clip drops it to 0 at 1 +- eps. The value is
     -2 A / tau at w = 1, not -A. The paper sets tau_pos = 1.0, tau_neg = 1.05 (tau_neg > tau_pos: a
     negative update raises the logits of the whole unsampled vocabulary, so it is damped sooner), as
-    do TRL (sapo_temperature_pos/neg), verl and Trinity-RFT; it averages like GRPO (norm="sequence").
+    do TRL (sapo_temperature_pos/neg), verl and Trinity-RFT; it averages like GRPO (loss_norm="sequence").
 
     Both take the ratio of `ratio_level` (a GSPO sequence ratio gives a sequence-level weight or gate)
     and the KL term, norms and importance weights below unchanged.
@@ -179,7 +181,7 @@ def clipped_surrogate(
 
         "sequence":  (1/B) sum_i (1/max(n_i,1)) sum_t mask_it loss_it     GRPO (DeepSeekMath eq. 3)
         "token":     (1/max(N,1)) sum_it mask_it loss_it                   DAPO (Yu et al. 2025)
-        "constant":  (1/(B * max_len)) sum_it mask_it loss_it              Dr. GRPO (Liu et al. 2025)
+        "constant":  (1/(B * L)) sum_it mask_it loss_it, L = max_completion_length   Dr. GRPO (Liu et al. 2025)
 
     With "sequence", the mean is over all B rows and an empty row (n_i = 0) contributes 0 but still
     counts in B. Two reasons: a row's weight is then always 1/B, so averaging the losses of equal-size
@@ -191,13 +193,14 @@ def clipped_surrogate(
     Raises ValueError (naming the input and both shapes) on shape mismatch, a non-bool mask, an
     unknown option (listing the choices), beta > 0 without ref_logp, or an out-of-range number.
     """
-    check_surrogate_inputs(logp, old_logp, adv, mask, ref_logp=ref_logp, beta=beta, eps_low=eps_low,
-                           eps_high=eps_high, delta=delta, ratio_level=ratio_level, norm=norm, max_len=max_len,
-                           is_weights=is_weights, kl=kl, policy_loss=policy_loss, cispo_eps_low=cispo_eps_low,
+    check_surrogate_inputs(logp, old_logp, adv, mask, ref_logp=ref_logp, beta=beta, epsilon=epsilon,
+                           epsilon_high=epsilon_high, delta=delta, ratio_level=ratio_level, loss_norm=loss_norm,
+                           max_completion_length=max_completion_length, is_weights=is_weights,
+                           kl_estimator=kl_estimator, loss_type=loss_type, cispo_eps_low=cispo_eps_low,
                            cispo_eps_high=cispo_eps_high, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg)
     B, T = logp.shape
-    eps_high = eps_low if eps_high is None else eps_high
-    max_len = T if max_len is None else max_len
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    max_completion_length = T if max_completion_length is None else max_completion_length
 
     # --- the loss -----------------------------------------------------------------------------
     dtype = compute_dtype(logp.dtype, *(t.dtype for t in (old_logp, ref_logp) if t is not None))
@@ -218,8 +221,8 @@ def clipped_surrogate(
         log_ratio = seq_log_ratio.unsqueeze(1).expand(B, T)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T) w
 
-    knobs = PolicyKnobs(eps_low, eps_high, delta, cispo_eps_low, cispo_eps_high, sapo_tau_pos, sapo_tau_neg)
-    policy, clip_low, clip_high, grad_weight = POLICY_TERMS[policy_loss](ratio, logp, mask, adv, knobs)
+    knobs = PolicyKnobs(epsilon, epsilon_high, delta, cispo_eps_low, cispo_eps_high, sapo_tau_pos, sapo_tau_neg)
+    policy, clip_low, clip_high, grad_weight = POLICY_TERMS[loss_type](ratio, logp, mask, adv, knobs)
     if is_weights is not None:
         is_w = is_weights.detach().to(dtype)
         is_w = is_w.unsqueeze(1) if is_w.dim() == 1 else is_w  # (B, 1) or (B, T)
@@ -229,10 +232,11 @@ def clipped_surrogate(
     kl_tok = None
     if ref_logp is not None:
         with torch.set_grad_enabled(beta > 0 and torch.is_grad_enabled()):
-            kl_tok = kl_from_log_ratio(torch.where(mask, ref_logp.detach().to(dtype) - logp, 0.0), kl)  # (B, T)
+            kl_tok = kl_from_log_ratio(torch.where(mask, ref_logp.detach().to(dtype) - logp, 0.0),
+                                       kl_estimator)  # (B, T)
     per_token = policy + beta * kl_tok if beta > 0 else policy  # (B, T), 0 where mask is False
 
-    loss = _normalize(per_token, n_tok, n_all, norm, max_len)
+    loss = _normalize(per_token, n_tok, n_all, loss_norm, max_completion_length)
 
     # --- statistics (detached; no host sync) --------------------------------------------------
     with torch.no_grad():
@@ -243,7 +247,7 @@ def clipped_surrogate(
         high = mask & clip_high
         capped = mask & (ratio > delta) & (adv < 0) if delta is not None else None
         stats = {
-            "policy_loss": _normalize(policy, n_tok, n_all, norm, max_len).detach(),
+            "policy_loss": _normalize(policy, n_tok, n_all, loss_norm, max_completion_length).detach(),
             "kl": kl_tok.detach().sum() / count if kl_tok is not None else zero,
             "clip_frac_low": low.sum() / count,
             "clip_frac_high": high.sum() / count,
@@ -257,9 +261,9 @@ def clipped_surrogate(
     return loss, stats
 
 
-def check_surrogate_inputs(logp, old_logp, adv, mask, *, ref_logp, beta, eps_low, eps_high, delta, ratio_level, norm,
-                           max_len, is_weights, kl, policy_loss, cispo_eps_low, cispo_eps_high, sapo_tau_pos,
-                           sapo_tau_neg) -> None:
+def check_surrogate_inputs(logp, old_logp, adv, mask, *, ref_logp, beta, epsilon, epsilon_high, delta, ratio_level,
+                           loss_norm, max_completion_length, is_weights, kl_estimator, loss_type, cispo_eps_low,
+                           cispo_eps_high, sapo_tau_pos, sapo_tau_neg) -> None:
     """`clipped_surrogate`'s checks, metadata only (no host sync): a ValueError naming the input and both
     shapes on a shape mismatch or a non-bool mask; the choices and number ranges of `grpo.loss.options`."""
     check_logp("logp", logp)
@@ -279,28 +283,29 @@ def check_surrogate_inputs(logp, old_logp, adv, mask, *, ref_logp, beta, eps_low
             raise ValueError(f"is_weights has shape {shape_str(is_weights)} but logp has shape "
                              f"{shape_str(logp)}; is_weights must be (B, T) or (B,)")
     check_choice("ratio_level", ratio_level, RATIO_LEVELS)
-    check_choice("norm", norm, NORMS)
-    check_choice("kl", kl, KL_KINDS)
-    check_choice("policy_loss", policy_loss, POLICY_LOSSES)
-    check_policy_numbers(beta=beta, eps_low=eps_low, eps_high=eps_high, delta=delta, policy_loss=policy_loss,
+    check_choice("loss_norm", loss_norm, NORMS)
+    check_choice("kl_estimator", kl_estimator, KL_KINDS)
+    check_choice("loss_type", loss_type, POLICY_LOSSES)
+    check_policy_numbers(beta=beta, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                          cispo_eps_low=cispo_eps_low, cispo_eps_high=cispo_eps_high, sapo_tau_pos=sapo_tau_pos,
                          sapo_tau_neg=sapo_tau_neg)
     if beta > 0 and ref_logp is None:
         raise ValueError(f"beta={beta} needs ref_logp (the reference policy's log-probabilities); "
                          "pass ref_logp or set beta=0")
-    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
-        raise ValueError(f"max_len={max_len!r}: must be a positive int (the generation budget of "
-                         "norm='constant'), or None for T")
+    length = max_completion_length
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        raise ValueError(f"max_completion_length={length!r}: must be a positive int (the generation budget of "
+                         "loss_norm='constant'), or None for T")
 
 
-def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor, norm: str,
-               max_len: int) -> torch.Tensor:
-    """(B, T) per-token values, already 0 where the mask is False -> the scalar loss of `norm`."""
-    if norm == "sequence":
+def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor, loss_norm: str,
+               max_completion_length: int) -> torch.Tensor:
+    """(B, T) per-token values, already 0 where the mask is False -> the scalar loss of `loss_norm`."""
+    if loss_norm == "sequence":
         return (per_token.sum(-1) / n_tok.clamp(min=1)).mean()
-    if norm == "token":
+    if loss_norm == "token":
         return per_token.sum() / n_all.clamp(min=1)
-    return per_token.sum() / (per_token.shape[0] * max_len)
+    return per_token.sum() / (per_token.shape[0] * max_completion_length)
 
 
 # The per-token policy terms, one function each, all called as term(ratio, logp, mask, adv, knobs): ratio,
@@ -312,10 +317,10 @@ def _normalize(per_token: torch.Tensor, n_tok: torch.Tensor, n_all: torch.Tensor
 
 @dataclass(frozen=True)
 class PolicyKnobs:
-    """The numbers of the policy terms, as `clipped_surrogate` takes them (eps_high resolved)."""
+    """The numbers of the policy terms, as `clipped_surrogate` takes them (epsilon_high resolved)."""
 
-    eps_low: float
-    eps_high: float
+    epsilon: float
+    epsilon_high: float
     delta: float | None
     cispo_eps_low: float
     cispo_eps_high: float
@@ -325,9 +330,9 @@ class PolicyKnobs:
 
 def _ppo_clip(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, knobs: PolicyKnobs
               ) -> tuple[torch.Tensor, ...]:
-    """-min(u * A, clip(w, 1 - eps_low, 1 + eps_high) * A), u = w or min(w, delta)."""
-    eps_low, eps_high, delta = knobs.eps_low, knobs.eps_high, knobs.delta
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    """-min(u * A, clip(w, 1 - epsilon, 1 + epsilon_high) * A), u = w or min(w, delta)."""
+    epsilon, epsilon_high, delta = knobs.epsilon, knobs.epsilon_high, knobs.delta
+    clipped = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
     unclipped = ratio if delta is None else ratio.clamp(max=delta)
     policy = -torch.minimum(unclipped * adv, clipped * adv)  # (B, T)
     with torch.no_grad():
@@ -335,23 +340,23 @@ def _ppo_clip(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: 
         # The gradient follows the branch the min picked, and that branch passes it only while it is
         # not a constant (clipped, or capped at delta).
         unclipped_passes = w <= delta if delta is not None else torch.ones_like(w, dtype=torch.bool)
-        clipped_passes = (w >= 1.0 - eps_low) & (w <= 1.0 + eps_high)
+        clipped_passes = (w >= 1.0 - epsilon) & (w <= 1.0 + epsilon_high)
         picks_unclipped = unclipped * adv <= clipped * adv
         grad_weight = w * torch.where(picks_unclipped, unclipped_passes, clipped_passes)
-        clip_low = (w < 1.0 - eps_low) & (adv < 0)
-        clip_high = (w > 1.0 + eps_high) & (adv > 0)
+        clip_low = (w < 1.0 - epsilon) & (adv < 0)
+        clip_high = (w > 1.0 + epsilon_high) & (adv > 0)
     return policy, clip_low, clip_high, grad_weight
 
 
 def _cispo(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, knobs: PolicyKnobs
            ) -> tuple[torch.Tensor, ...]:
-    """-sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * logp, eps_low and eps_high CISPO's."""
-    eps_low, eps_high = knobs.cispo_eps_low, knobs.cispo_eps_high
+    """-sg(clip(w, 1 - cispo_eps_low, 1 + cispo_eps_high)) * A * logp."""
+    low, high = knobs.cispo_eps_low, knobs.cispo_eps_high
     logp = torch.where(mask, logp, 0.0)  # positions that do not count may hold inf or nan
     w = ratio.detach()
-    weight = w.clamp(1.0 - eps_low, 1.0 + eps_high)  # (B, T), a constant: the gradient flows via logp only
+    weight = w.clamp(1.0 - low, 1.0 + high)  # (B, T), a constant: the gradient flows via logp only
     policy = -weight * adv * logp
-    return policy, w < 1.0 - eps_low, w > 1.0 + eps_high, weight
+    return policy, w < 1.0 - low, w > 1.0 + high, weight
 
 
 def _sapo(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, knobs: PolicyKnobs
@@ -368,5 +373,5 @@ def _sapo(ratio: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, adv: torc
     return policy, nothing, nothing, grad_weight
 
 
-# policy_loss -> its term; the names are grpo.loss.options.POLICY_LOSSES (a test keeps the two equal).
+# loss_type -> its term; the names are grpo.loss.options.POLICY_LOSSES (a test keeps the two equal).
 POLICY_TERMS: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {"clip": _ppo_clip, "cispo": _cispo, "sapo": _sapo}

@@ -46,7 +46,7 @@ class Sampling:
 
 @dataclass
 class Rollout:
-    """P prompts times n completions, in group order: row i belongs to prompt i // n.
+    """P prompts times num_generations (G) completions, in group order: row i belongs to prompt i // G.
 
     `completion_ids` is right-padded with `pad_id`; `mask` is True where a completion token counts
     (up to and including the stop token). `sampler_logp` holds the sampler's log-probability of each
@@ -55,15 +55,15 @@ class Rollout:
     """
 
     prompt_ids: list[list[int]]  # P prompts
-    completion_ids: torch.Tensor  # (P*n, T) long
-    mask: torch.Tensor  # (P*n, T) bool
-    sampler_logp: torch.Tensor  # (P*n, T) float32
-    finished: torch.Tensor  # (P*n,) bool: stopped by EOS or a stop sequence, not by length
-    n: int = 1
+    completion_ids: torch.Tensor  # (P*G, T) long
+    mask: torch.Tensor  # (P*G, T) bool
+    sampler_logp: torch.Tensor  # (P*G, T) float32
+    finished: torch.Tensor  # (P*G,) bool: stopped by EOS or a stop sequence, not by length
+    num_generations: int = 1
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for logging
 
     def __post_init__(self) -> None:
-        rows = len(self.prompt_ids) * self.n
+        rows = len(self.prompt_ids) * self.num_generations
         for name in ("completion_ids", "mask", "sampler_logp"):
             t = getattr(self, name)
             if t.dim() != 2 or t.shape[0] != rows:
@@ -75,7 +75,7 @@ class Rollout:
             )
 
     @property
-    def lengths(self) -> torch.Tensor:  # (P*n,)
+    def lengths(self) -> torch.Tensor:  # (P*G,)
         return self.mask.sum(-1)
 
     def completions(self) -> list[list[int]]:
@@ -114,7 +114,7 @@ class Engine(Protocol):
 
     needs_importance_correction: bool
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout: ...
 
     def release_memory(self) -> None: ...
 

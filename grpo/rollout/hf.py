@@ -42,12 +42,12 @@ class HFEngine:
         return None
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
         from transformers import GenerationConfig, StoppingCriteriaList
 
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
-        rows = [p for p in prompt_ids for _ in range(n)]  # group order: row i is prompt i // n
+        rows = [p for p in prompt_ids for _ in range(num_generations)]  # group order: row i is prompt i // G
         # left padding, as decoder-only generation needs
         input_ids = pad_rows(rows, self.pad_id, dtype=torch.long, left=True)
         attention_mask = pad_rows([[1] * len(p) for p in rows], 0, dtype=torch.long, left=True)
@@ -85,12 +85,12 @@ class HFEngine:
                                       stopping_criteria=StoppingCriteriaList(stops))
         finally:
             self.model.train(was_training)
-        completion_ids = out.sequences[:, width:]  # (P*n, T)
-        # One step at a time: a (P*n, T, V) fp32 tensor would be gigabytes at Llama's vocabulary.
+        completion_ids = out.sequences[:, width:]  # (P*G, T)
+        # One step at a time: a (P*G, T, V) fp32 tensor would be gigabytes at Llama's vocabulary.
         inv_t = 1.0 / (sampling.temperature or 1.0)
         sampler_logp = torch.stack([
             torch.log_softmax(step_logits.float() * inv_t, dim=-1).gather(-1, completion_ids[:, t, None]).squeeze(-1)
-            for t, step_logits in enumerate(out.logits)], dim=1).cpu()  # (P*n, T)
+            for t, step_logits in enumerate(out.logits)], dim=1).cpu()  # (P*G, T)
         completion_ids = completion_ids.cpu()
         mask, finished = _stop_mask(completion_ids, sampling)
         return Rollout(
@@ -99,7 +99,7 @@ class HFEngine:
             mask=mask,
             sampler_logp=sampler_logp.masked_fill(~mask, 0.0),
             finished=finished,
-            n=n,
+            num_generations=num_generations,
             timings={"generate": time.perf_counter() - t0},
         )
 

@@ -258,7 +258,7 @@ def rollout_from_outputs(prompt_ids: list[list[int]], outputs: list[Any], n: int
     mask = pad_rows([[True] * len(ids) for ids in rows_ids], False, width=width, dtype=torch.bool)  # (P*n, T)
     sampler_logp = pad_rows(rows_logp, 0.0, width=width, dtype=torch.float32)  # (P*n, T)
     return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion_ids, mask=mask,
-                   sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), n=n)
+                   sampler_logp=sampler_logp, finished=torch.tensor(finished, dtype=torch.bool), num_generations=n)
 
 
 def truncates(sampling: Sampling) -> bool:
@@ -300,11 +300,11 @@ class _VLLMRollout:
     def _generate(self, prompts: list[dict], params: list[Any], lora_request: Any) -> list[Any]:
         return self.llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate(prompt_ids=...): give at least one prompt, each with at least one token")
-        if n < 1:
-            raise ValueError(f"generate(n={n}): use 1 or more completions per prompt")
+        if num_generations < 1:
+            raise ValueError(f"generate(num_generations={num_generations}): use 1 or more completions per prompt")
         longest = max(len(p) for p in prompt_ids)
         if self.max_model_len is not None and longest >= self.max_model_len:
             raise ValueError(f"a prompt has {longest} tokens, at least max_model_len={self.max_model_len}: "
@@ -330,14 +330,14 @@ class _VLLMRollout:
             self._asleep = False
             timings["wake_up"] = time.perf_counter() - start
         base, call = (sampling.seed, None) if sampling.seed is not None else (self.seed, self._calls)
-        copies = n if t < _GREEDY_EPS else 1  # vLLM allows greedy only with n=1: send a prompt n times
-        params = [sampling_params(sampling, n // copies, prompt_seed(base, call, i))
+        copies = num_generations if t < _GREEDY_EPS else 1  # vLLM allows greedy only with n=1: send a prompt G times
+        params = [sampling_params(sampling, num_generations // copies, prompt_seed(base, call, i))
                   for i in range(len(prompt_ids)) for _ in range(copies)]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids for _ in range(copies)]
         start = time.perf_counter()
         outputs = self._generate(prompts, params, lora_request)
         timings["generate"] = time.perf_counter() - start
-        rollout = rollout_from_outputs(prompt_ids, outputs, n, sampling, self.pad_id)
+        rollout = rollout_from_outputs(prompt_ids, outputs, num_generations, sampling, self.pad_id)
         rollout.timings.update(timings)
         return rollout
 

@@ -7,7 +7,7 @@ by the decode kernels, never copied, so the sampler always samples the current p
 package writes by hand is the rest of a Llama decoder (`layer.py`: rotary embeddings, the attention
 over its own static KV cache) and the loop here.
 
-One `generate(prompt_ids, n, sampling)`:
+One `generate(prompt_ids, num_generations, sampling)`:
 
 1. allocates the KV cache once, `(max_batch, kv_heads, max_seq_len, head_dim)` per layer, and the
    per-row state beside it (`state.py`);
@@ -271,14 +271,14 @@ class NativeEngine:
             if len(s) == 0:
                 raise ValueError("Sampling.stop_sequences holds an empty sequence; remove it")
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
-        """P prompts times n completions, sampled from the model as it is now. See `Rollout`."""
-        self._check(prompt_ids, n, sampling)
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
+        """P prompts times num_generations (G) completions, sampled from the model as it is now. See `Rollout`."""
+        self._check(prompt_ids, num_generations, sampling)
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
             with torch.no_grad():
-                return self._generate(prompt_ids, n, sampling)
+                return self._generate(prompt_ids, num_generations, sampling)
         finally:
             for m, mode in modes:
                 m.training = mode
@@ -354,6 +354,6 @@ class NativeEngine:
             mask=st.out_mask[:rows, :width].clone(),
             sampler_logp=st.out_logp[:rows, :width].clone(),
             finished=st.finished[:rows].clone(),
-            n=n,
+            num_generations=n,
             timings={"capture": t1 - t0, "prefill": t2 - t1, "decode": t3 - t2, "decode_steps": float(steps)},
         )
