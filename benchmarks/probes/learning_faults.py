@@ -258,6 +258,9 @@ def _worst(tokenizer, batch, paths: dict[str, torch.Tensor], a: str, b: str, k: 
     return rows
 
 
+GAP_WAYS = ("product", "modules", "no_streams", "no_graph", "eager", "sdpa", "vllm")
+
+
 def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -294,9 +297,6 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
         ways["vllm"] = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
                                    work_dir=str(Path(args.out) / "vllm-adapters"),
                                    gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=True)
-    unknown = sorted(set(chosen) - set(ways))
-    if unknown:
-        raise SystemExit(f"--ways {','.join(unknown)}: choose from {','.join([*ways, 'vllm'])}")
     for way in chosen:
         if way == "vllm":
             # raw log-probs: at the preset's temperature 1 the sampled tokens' are the exact ones, and vLLM's
@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=8, help="replay: its first rows to score")
     add_out_argument(parser)
     args = parser.parse_args(own)
+    unknown = sorted(set(args.ways.split(",")) - set(GAP_WAYS)) if args.ways else []
+    if unknown:  # before any model loads
+        parser.error(f"--ways {','.join(unknown)}: choose from {','.join(GAP_WAYS)}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rec = Recorder(f"learning_faults-{args.what}", args.out)
     rec.say(f"train.py flags: {' '.join(train_argv)}")
