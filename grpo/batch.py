@@ -29,26 +29,31 @@ class Batch:
     completion_ids: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) bool
     sampler_logp: torch.Tensor  # (B, T)
+    # Each row's real length (prompt and counted completion tokens; its padding comes after), kept on the
+    # host so that cutting a micro-batch to its longest row never waits for the device. None: read once
+    # from `start` and `mask`.
+    lengths: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            self.lengths = tuple((self.start + self.mask.sum(1)).tolist())
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
-
-    def lengths(self) -> torch.Tensor:
-        """(B,) each row's real length, prompt and counted completion tokens (its padding comes after)."""
-        return self.start + self.mask.sum(1)
 
     def rows(self, sl: slice) -> "Batch":
         """Rows `sl`, their input cut to the longest of them: the positions past every row's end hold only
         padding, which no counted token reads (causal), so a micro-batch of short rows runs a shorter
         forward. The completion columns stay whole, aligned with the step's (B, T) tensors."""
-        width = int(self.lengths()[sl].max()) if len(self.input_ids[sl]) else 0
-        return Batch(self.input_ids[sl, :width], *(t[sl] for t in (self.start, self.completion_ids, self.mask,
-                                                                     self.sampler_logp)))
+        lengths = self.lengths[sl]
+        return Batch(self.input_ids[sl, :max(lengths, default=0)],
+                     *(t[sl] for t in (self.start, self.completion_ids, self.mask, self.sampler_logp)), lengths)
 
-    def take(self, order: torch.Tensor) -> "Batch":
+    def take(self, order: list[int]) -> "Batch":
         """The rows in `order` (a permutation of 0..B-1)."""
-        return Batch(*(t[order] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
-                                          self.sampler_logp)))
+        at = torch.tensor(order, device=self.input_ids.device)
+        return Batch(*(t[at] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
+                                       self.sampler_logp)), tuple(self.lengths[i] for i in order))
 
 
 def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
@@ -61,7 +66,8 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
         input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
     start = torch.tensor([len(p) for p in rows])
     parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
-    return Batch(*(t.to(device) for t in parts))
+    lengths = tuple((start + rollout.mask.sum(1)).tolist())  # on the host, before the tensors move
+    return Batch(*(t.to(device) for t in parts), lengths)
 
 
 def micro_batches(batch: Batch, adv: torch.Tensor, micro: int) -> tuple[Batch, torch.Tensor, list[slice]]:
@@ -72,8 +78,9 @@ def micro_batches(batch: Batch, adv: torch.Tensor, micro: int) -> tuple[Batch, t
     statistic of the step is a sum over rows or tokens, so the order changes none of them."""
     slices = [slice(i, i + micro) for i in range(0, len(batch), micro)]
     if len(slices) > 1:
-        order = torch.argsort(batch.lengths(), stable=True)
-        batch, adv = batch.take(order), adv[order]
+        order = sorted(range(len(batch)), key=batch.lengths.__getitem__)  # stable
+        batch = batch.take(order)
+        adv = adv[torch.tensor(order, device=adv.device)]
     return batch, adv, slices
 
 

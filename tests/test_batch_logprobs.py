@@ -103,7 +103,8 @@ def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logpro
 
     policy = small_policy().eval()
     batch = make_batch(ragged_rollout(), PAD, torch.device("cpu"))  # real lengths 11, 8, 3, 7, 3, 7 of 11
-    assert batch.lengths().tolist() == [11, 8, 3, 7, 3, 7] and batch.input_ids.shape[1] == 11
+    assert batch.lengths == (11, 8, 3, 7, 3, 7) and batch.input_ids.shape[1] == 11
+    assert list(batch.lengths) == (batch.start + batch.mask.sum(1)).tolist()  # the host copy is the tensors'
     with torch.no_grad():
         whole = sequence_logprobs(policy, batch, temperature=0.7)
         part = batch.rows(slice(2, 5))
@@ -113,6 +114,7 @@ def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logpro
     same, same_adv, one = micro_batches(batch, adv, 6)  # one micro-batch: the rows as they came
     assert same is batch and same_adv is adv and one == [slice(0, 6)]
     ordered, ordered_adv, slices = micro_batches(batch, adv, 2)
-    assert ordered.lengths().tolist() == [3, 3, 7, 7, 8, 11] and ordered_adv.tolist() == [2, 4, 3, 5, 1, 0]
+    assert ordered.lengths == (3, 3, 7, 7, 8, 11) and ordered_adv.tolist() == [2, 4, 3, 5, 1, 0]
+    assert list(ordered.lengths) == (ordered.start + ordered.mask.sum(1)).tolist()
     assert torch.equal(ordered.input_ids[0], batch.input_ids[2])  # each row keeps its advantage
     assert sum(ordered.rows(sl).input_ids.numel() for sl in slices) == 2 * (3 + 7 + 11) < batch.input_ids.numel()

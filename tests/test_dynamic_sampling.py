@@ -210,7 +210,7 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
         in_order = optimizer.grads
         # as grpo_step runs them: the rows sorted by length, each micro-batch cut to its longest row
         by_length, by_length_adv, slices = micro_batches(batch, adv, 4)
-        assert by_length.lengths().tolist() == sorted(batch.lengths().tolist()) != batch.lengths().tolist()
+        assert list(by_length.lengths) == sorted(batch.lengths) != list(batch.lengths)
         update_policy(s, by_length, slices, by_length_adv, None, None, InFlight(stream_at_start={}))
         policy.zero_grad(set_to_none=True)
         loss, _ = clipped_surrogate(sequence_logprobs(policy, batch, cfg.temperature), None, adv, batch.mask,
