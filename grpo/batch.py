@@ -66,7 +66,8 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
         input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
     start = torch.tensor([len(p) for p in rows])
     parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
-    lengths = tuple((start + rollout.mask.sum(1)).tolist())  # on the host, before the tensors move
+    # On the host: the prompts' lengths are, the counted tokens come from the rollout (on the sampler's device)
+    lengths = tuple(len(p) + n for p, n in zip(rows, rollout.mask.sum(1).tolist()))
     return Batch(*(t.to(device) for t in parts), lengths)
 
 
