@@ -81,12 +81,17 @@ def run(cfg: Config, world: World) -> Path:
     # Setup, step by step: the run's folder and seeds; model, data, rewards and sampler; the optimizer and
     # schedule over the adapters; where the run starts (a checkpoint's state with --resume).
     device, claim = claim_and_seed(cfg, world, out, console)  # claim: rank 0's hold on the folder, till the end
-    loaded = load_model_data_and_sampler(cfg, world, device, out)
-    params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, loaded.policy)
-    # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
-    stream = grpo_data.PromptStream(len(loaded.prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
-    parts = Resumable(loaded.policy, optimizer, scheduler, stream)
-    state, saved = start_or_resume(cfg, world, out, parts, console)  # saved: the checkpoint that holds the state
+    try:
+        loaded = load_model_data_and_sampler(cfg, world, device, out)
+        params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, loaded.policy)
+        # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
+        stream = grpo_data.PromptStream(len(loaded.prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
+        parts = Resumable(loaded.policy, optimizer, scheduler, stream)
+        state, saved = start_or_resume(cfg, world, out, parts, console)  # saved: the checkpoint holding the state
+    except BaseException:  # a setup that fails leaves the folder free, not claimed by a run that never ran
+        if claim is not None:
+            claim.release()
+        raise
     print_banner(console, cfg, world, device, loaded)
     setup = StepSetup(cfg=cfg, world=world, device=device, policy=loaded.policy, params=params, optimizer=optimizer,
                       tokenizer=loaded.tokenizer, engine=loaded.engine, keep_engine=loaded.keep_engine,

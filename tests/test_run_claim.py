@@ -101,3 +101,15 @@ def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
     with pytest.raises(FileNotFoundError):
         claim_output_dir(Config(output_dir=str(out), resume="latest"), World())
     assert not out.exists()
+
+
+def test_a_run_whose_setup_fails_releases_its_claim(tmp_path):
+    from grpo.trainer import train
+
+    out = tmp_path / "run"
+    with pytest.raises(Exception):  # the model cannot be loaded: setup fails after the folder was claimed
+        train(Config(model=str(tmp_path / "no-model"), output_dir=str(out)))
+    assert (out / CLAIM_FILE).read_text() == ""  # released: the next run takes it without a "killed" note
+    again = RunClaim.take(out)
+    assert again.note is None
+    again.release()
