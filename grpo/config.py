@@ -261,7 +261,7 @@ class Config:
                              cispo_eps_high=self.cispo_eps_high, sapo_tau_pos=self.sapo_tau_pos,
                              sapo_tau_neg=self.sapo_tau_neg, spell=spell_flag)
         check_importance_numbers(is_cap=self.is_cap, spell=spell_flag)
-        check_sampling_numbers(top_p=self.top_p, min_p=self.min_p, spell=lambda name, value: f"{flag(name)} {value}")
+        check_sampling_numbers(top_p=self.top_p, min_p=self.min_p, spell=spell_flag)
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
                              "completion at once; remove it")

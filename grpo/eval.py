@@ -200,15 +200,13 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
 def run_system_prompt(adapter: Path) -> str | None:
     """The system prompt the adapter was trained with, when it comes from a run's folder (its config.json
     beside the adapter or the checkpoint), said on stderr; None when there is no run's config."""
-    from grpo.config import Config
-
     for path in (adapter / "config.json", adapter.parent / "config.json"):
         try:
             values = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         if isinstance(values, dict) and "num_generations" in values and "system_prompt" in values:  # a run's Config
-            prompt = Config.load(path).system_prompt
+            prompt = values["system_prompt"]
             if prompt is not None:
                 print(f"--system-prompt: the run's, from {path}", file=sys.stderr)
             return prompt
@@ -260,7 +258,7 @@ def write_jsonl(path: str, records: list[dict]) -> None:
     """`records` as JSON lines in `path` (its folder created), written aside and renamed: never half-written."""
     from pathlib import Path
 
-    from grpo.config import write_atomically
+    from grpo.durable import write_atomically
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomically(Path(path), "".join(json.dumps(r) + "\n" for r in records).encode())

@@ -16,6 +16,7 @@ switch), so importing this module costs nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -155,7 +156,8 @@ def plot_side_by_side(runs: dict[str, str | Path], png_path: str | Path, title: 
     FigureCanvasAgg(fig)
     ax_r, ax_a, ax_t = fig.subplots(3, 1, sharex=True)
     medians = []  # of the step times: the axis stops at 2.5x the largest, past a first step's compile
-    for (label, path), color in zip(runs.items(), ("tab:blue", "tab:red", "tab:green", "tab:purple")):
+    colors = itertools.cycle(("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"))
+    for (label, path), color in zip(runs.items(), colors):
         train, evals = read_metrics(path)
         window = max(1, len(train) // 20)
         for ax, key in ((ax_r, "reward"), (ax_a, "accuracy"), (ax_t, "step_time")):

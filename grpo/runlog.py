@@ -17,6 +17,7 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 

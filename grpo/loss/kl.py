@@ -58,5 +58,5 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str = "
     """
     check_logp("logp", logp)
     check_same_shape("ref_logp", ref_logp, "logp", logp)
-    check_choice("kind", kl_estimator, KL_KINDS)
+    check_choice("kl_estimator", kl_estimator, KL_KINDS)
     return kl_from_log_ratio(ref_logp - logp, kl_estimator)
