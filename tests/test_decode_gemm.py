@@ -282,3 +282,11 @@ def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8):
     out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
     assert out.completion_ids.shape[0] == 3
     assert engine._projections == [None] * len(model.model.layers)
+
+
+@pytest.mark.parametrize("n,k", [(2048, 1536), (1536, 1536), (1536, 8960), (2048, 1024), (1024, 4096)])
+def test_untuned_projections_split_k_into_slices_that_each_hold_work(n, k):
+    # Qwen2.5-1.5B's shapes: K = 1536 is 6 steps of 256, so 4 slices of 2 steps would leave the last one empty
+    cfg = dg.tile_config("proj", n, k, False)
+    per = -(-(-(-k // cfg.split_k)) // cfg.block_k) * cfg.block_k  # the kernel's slice width
+    assert 1 < cfg.split_k <= 4 and per * (cfg.split_k - 1) < k

@@ -361,7 +361,7 @@ def test_invalid_requests_raise_value_error(model):
         engine.generate([[1], [2], [3]], 2, s)
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[1], []], 1, s)
-    with pytest.raises(ValueError, match="n=0"):
+    with pytest.raises(ValueError, match="num_generations=0"):
         engine.generate([[1]], 0, s)
     with pytest.raises(ValueError, match="token id"):
         engine.generate([[1, 128256]], 1, s)

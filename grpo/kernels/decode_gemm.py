@@ -217,12 +217,16 @@ def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | Non
 
 
 def _untuned_tiles(kind: str, n: int, k: int) -> TileConfig:
-    """Tiles for a shape no sweep has tuned (Qwen2.5-1.5B's: hidden 1536, MLP 8960), after the pattern of
-    the tuned Llama ones: 32 outputs a tile from 2048 outputs, 16 below; a projection with fewer tiles than
-    the H200 has SMs (132) and a long K splits K in 4, as the tuned o, down and FP8 q/k/v launches do."""
-    block_n = 32 if n >= 2048 else 16
-    split_k = 4 if kind == "proj" and -(-n // block_n) < 132 and k >= 1024 else 1
-    return TileConfig(block_n, 256, 4, 4, split_k=split_k)
+    """Tiles for a shape no sweep has tuned (Qwen2.5-1.5B's: hidden 1536, MLP 8960; not yet swept on the
+    H200): 32 outputs a tile from 2048 outputs, 16 below; a projection with fewer tiles than the H200 has SMs
+    (132) and a long K (1024 or more) splits K in up to 4 slices of whole K steps, none left empty (the tuned
+    o and down launches split in 4). A guess until `benchmarks/probes/decode_gemm_tiles.py` sweeps these."""
+    block_n, block_k = (32 if n >= 2048 else 16), 256
+    split_k = 1
+    if kind == "proj" and -(-n // block_n) < 132 and k >= 1024:
+        steps = -(-k // block_k)
+        split_k = -(-steps // -(-steps // min(4, steps)))  # as many slices as the K steps fill: 6 steps -> 3
+    return TileConfig(block_n, block_k, 4, 4, split_k=split_k)
 
 
 def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:

@@ -255,9 +255,9 @@ class NativeEngine:
         if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
             raise ValueError("prompt_ids is empty; pass a list of prompts, each a non-empty list of token ids")
         if n < 1:
-            raise ValueError(f"n={n}: completions per prompt must be at least 1")
+            raise ValueError(f"num_generations={n}: completions per prompt must be at least 1")
         if len(prompt_ids) * n > self.max_batch:
-            raise ValueError(f"{len(prompt_ids)} prompts x n={n} = {len(prompt_ids) * n} rows exceed "
+            raise ValueError(f"{len(prompt_ids)} prompts x num_generations={n} = {len(prompt_ids) * n} rows exceed "
                              f"max_batch={self.max_batch}; build the engine with a larger max_batch")
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:

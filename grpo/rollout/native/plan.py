@@ -100,7 +100,6 @@ def layer_projections(layer: nn.Module, dtype: torch.dtype) -> LayerProjections 
     if any(p is None for p in projs.values()):
         return None
     for group in ([projs["q"], projs["k"], projs["v"]], [projs["gate"], projs["up"]]):
-        if any(len({key(p) for p in group}) != 1 for key in (lambda p: p.rank, lambda p: p.scale_inv is None,
-                                                               lambda p: p.bias is None)):
+        if len({(p.rank, p.scale_inv is None, p.bias is None) for p in group}) != 1:
             return None
     return LayerProjections(**projs)
