@@ -63,10 +63,12 @@ EVAL=(--model $QWEN --dataset gsm8k --eval-size 319 --samples 1 --max-completion
 stage() {  # stage NAME COMMAND...: run it with its output in $CMP/NAME.log, its start and end in stages.log
   local name=$1; shift
   echo "$(date -u +%T) start $name" >> $CMP/stages.log
-  if "$@" > $CMP/$name.log 2>&1; then
+  local rc=0
+  "$@" > $CMP/$name.log 2>&1 || rc=$?
+  if [ $rc -eq 0 ]; then
     echo "$(date -u +%T) end   $name" >> $CMP/stages.log
   else
-    echo "$(date -u +%T) FAILED $name (exit $?): tail of $CMP/$name.log follows" >> $CMP/stages.log
+    echo "$(date -u +%T) FAILED $name (exit $rc): tail of $CMP/$name.log follows" >> $CMP/stages.log
     tail -5 $CMP/$name.log >> $CMP/stages.log
     return 1
   fi
@@ -91,15 +93,17 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   for f in $CMP/*.log; do
     if [ -f "$f" ]; then tail -c 20000 "$f" > "$CMP/tails/$(basename "$f")"; list+=("tails/$(basename "$f")"); fi
   done
-  tar -czf "$OUT/results.tgz" -C $CMP "${list[@]}"
+  if [ ${#list[@]} -gt 0 ]; then tar -czf "$OUT/results.tgz" -C $CMP "${list[@]}"; fi
 }
 
 vllm_gap() {  # issue 26 part 2's last path: plain vLLM as the sampler on the preset's batches (as the gap
   # probe scored ours), and vLLM's prefill on the very tokens of our sampler's saved batch
   while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
+  local replay=()
+  if [ -f $CMP/gap-batch0-sdpa.pt ]; then replay=(--replay $CMP/gap-batch0-sdpa.pt); fi  # when pack carried one
   (source $CMP/kit.sh env > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site &&
    stage vllm-gap timeout 360 python3 benchmarks/probes/learning_faults.py gap --batches 3 --ways vllm \
-     --replay $CMP/gap-batch0-sdpa.pt --out $CMP/gap -- --preset qwen1.5b-gsm8k) || true
+     "${replay[@]}" --out $CMP/gap -- --preset qwen1.5b-gsm8k) || true
 }
 
 chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
@@ -191,7 +195,7 @@ case "${1:-}" in
     fi
     tail -3 $CMP/stages.log 2>/dev/null || true
     collect ;;
-  status)  # polls: wait up to 540 s (less if the chain ends), then show where it is
+  status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $CMP/stages.log 2>/dev/null; do sleep 5; done
     cat $CMP/stages.log
@@ -205,5 +209,5 @@ print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t)
     collect ;;
   chain) chain ;;
   full) full ;;
-  *) sed -n '2,38p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

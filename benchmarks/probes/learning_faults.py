@@ -15,7 +15,8 @@ as the trainer runs it.
 
 `gap` samples `--batches` batches of the run's prompts (P x G rows each, the run's sampling) through the
 native engine in several ways (the product's: CUDA graphs, compiled step, the decode GEMM kernels where
-they take the model; its modules instead; without the streams; eager), or plain vLLM, and scores every
+they take the model; its modules instead; without the streams; eager; attention by two float32 matmuls
+instead of torch's fused kernel), or plain vLLM, and scores every
 sampled token with the trainer's path (`sequence_logprobs`, bf16, the fused kernel), the same hidden
 states through unfused bf16 logits, and a float32 copy of the model. Each
 pair's |difference| per token is summarised (quantiles, counts over 1 and 5 nats), the worst tokens listed
@@ -235,7 +236,11 @@ def _full_logprobs(lm, batch, micro: int, padding_mask: bool = False) -> torch.T
 
 
 def _summary(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
-    d = (a.double() - b.double()).abs()[mask]
+    return _distances((a.double() - b.double()).abs()[mask])
+
+
+def _distances(d: torch.Tensor) -> dict:
+    """Quantiles, mean, max and counts over 1 and 5 nats of per-token |differences| d (tokens,)."""
     if d.numel() == 0:
         return {"tokens": 0}
     q = torch.quantile(d.float().cpu(), torch.tensor([0.5, 0.99, 0.999, 0.9999]))
@@ -258,7 +263,7 @@ def _worst(tokenizer, batch, paths: dict[str, torch.Tensor], a: str, b: str, k: 
     return rows
 
 
-GAP_WAYS = ("product", "modules", "no_streams", "no_graph", "eager", "sdpa", "vllm")
+GAP_WAYS = ("product", "modules", "no_streams", "no_graph", "eager", "matmul", "vllm")
 
 
 def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
@@ -266,7 +271,6 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
 
     from grpo.config import parse_command_line
     from grpo.model import default_device, load_policy
-    from grpo.rollout import VLLMOptions
     from grpo.rollout.vllm import VLLMEngine
     from grpo.rollout.base import Sampling
     from grpo.rollout.native import NativeEngine
@@ -290,21 +294,18 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     ways = {"product": EngineTuning(), "no_streams": EngineTuning(streams=False),
             "no_graph": EngineTuning(use_cuda_graph=False), "eager": EngineTuning(use_cuda_graph=False, compile=None,
                                                                                    streams=False),
-            "sdpa": EngineTuning(attention="sdpa"), "modules": EngineTuning()}  # modules: the product, gemm="modules"
+            "matmul": EngineTuning(attention="matmul"), "modules": EngineTuning()}  # modules: the product, gemm="modules"
     chosen = args.ways.split(",") if args.ways else list(ways)
     max_seq = prompts.max_prompt_length + max_completion_length
-    if "vllm" in chosen:  # plain vLLM as the sampler, as `--engine vllm` builds it (eager: no compile wait)
-        ways["vllm"] = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
-                                   work_dir=str(Path(args.out) / "vllm-adapters"),
-                                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=True)
     for way in chosen:
         if way == "vllm":
-            # raw log-probs: at the preset's temperature 1 the sampled tokens' are the exact ones, and vLLM's
-            # prompt log-probs are then log-softmaxed (with "processed_logits" they are bare logits)
-            o = ways[way]
-            engine = VLLMEngine(policy, o.model_path, lora_rank=o.lora_rank, max_model_len=max_seq, dtype=o.dtype,
-                                seed=o.seed, work_dir=o.work_dir, pad_id=tokenizer.pad_token_id, enforce_eager=True,
-                                gpu_memory_utilization=o.gpu_memory_utilization, logprobs_mode="raw_logprobs")
+            # Plain vLLM with the adapter sent each call, eager (no compile wait), and raw log-probs: at the
+            # preset's temperature 1 the sampled tokens' are the exact ones, and its prompt log-probs are then
+            # log-softmaxed (with --engine vllm's "processed_logits" they would be bare logits).
+            engine = VLLMEngine(policy, str(model_dir), lora_rank=cfg.lora_rank, max_model_len=max_seq,
+                                dtype=cfg.dtype, seed=cfg.seed, work_dir=str(Path(args.out) / "vllm-adapters"),
+                                pad_id=tokenizer.pad_token_id, enforce_eager=True,
+                                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, logprobs_mode="raw_logprobs")
             if args.replay:
                 _score_replay_with_vllm(engine.llm, args.replay, rec)
         else:
@@ -344,11 +345,7 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
                     sampler_fp32_max=round(float((paths["sampler"] - paths["fp32"]).abs()[batch.mask].max()), 3),
                     trainer_fp32_max=round(float((paths["trainer"] - paths["fp32"]).abs()[batch.mask].max()), 3))
         for pair, chunks in totals.items():
-            d = torch.cat(chunks)
-            q = torch.quantile(d.float(), torch.tensor([0.5, 0.99, 0.999, 0.9999]))
-            rec.record("gap_summary", way=way, pair=pair, tokens=d.numel(), mean=float(d.mean()), p50=float(q[0]),
-                    p99=float(q[1]), p999=float(q[2]), p9999=float(q[3]), max=float(d.max()),
-                    over_1=int((d > 1).sum()), over_5=int((d > 5).sum()))
+            rec.record("gap_summary", way=way, pair=pair, **_distances(torch.cat(chunks)))
         worst.sort(key=lambda w: -w["gap"])
         rec.record("gap_worst", way=way, tokens=worst[:12])
         del engine
@@ -413,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=4, help="gap: batches of P x G rows per way")
     parser.add_argument("--micro", type=int, default=16, help="gap: rows per scoring forward")
     parser.add_argument("--ways", default="", help="gap: comma-separated engine ways (default all native "
-                        "ones): product, modules, no_streams, no_graph, eager, sdpa, and vllm (plain vLLM: the "
+                        "ones): product, modules, no_streams, no_graph, eager, matmul, and vllm (plain vLLM: the "
                         "vLLM kit)")
     parser.add_argument("--fp64-on-cpu", action="store_true", help="gap: the reference in float64 on a CPU")
     parser.add_argument("--replay", default="", help="replay: a gap-batch0-<way>.pt written by `gap`; gap with "
