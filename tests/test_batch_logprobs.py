@@ -18,13 +18,10 @@ G = 2
 def small_policy():
     """A tiny random Qwen2 (biases on q/k/v, as the packaged Qwen) under LoRA adapters that change the output."""
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    base = Qwen2ForCausalLM(cfg)
+    from test_native_engine import small_qwen2
+
+    base = small_qwen2(seed=0)
     base.requires_grad_(False)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))

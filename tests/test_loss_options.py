@@ -86,7 +86,10 @@ def test_the_loss_functions_old_keywords_still_work_with_a_warning_naming_the_ne
     with pytest.warns(FutureWarning, match="is now kl_estimator="):
         assert torch.equal(kl_penalty(inputs["logp"], inputs["old_logp"], kind="k1"),
                            kl_penalty(inputs["logp"], inputs["old_logp"], kl_estimator="k1"))
+    logp, sampler_logp = torch.tensor([[0.0, 0.0]]), torch.tensor([[-0.9163, 0.0]])  # ratios 2.5 and 1
     with pytest.warns(FutureWarning, match="is now is_cap="):
-        importance_weights(inputs["logp"], inputs["old_logp"], inputs["mask"], cap=3.0)
+        old_w, _ = importance_weights(logp, sampler_logp, inputs["mask"], cap=3.0)
+    new_w, _ = importance_weights(logp, sampler_logp, inputs["mask"], is_cap=3.0)
+    assert torch.equal(old_w, new_w) and old_w[0, 0] > 2.4  # the cap given, not the default 2
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         clipped_surrogate(**inputs, bogus=1)
