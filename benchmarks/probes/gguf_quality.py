@@ -77,7 +77,7 @@ def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None
     flags = argparse.Namespace(model=str(model_dir), adapter=None, dataset=args.dataset, eval_size=args.eval_size,
                                samples=0, max_completion_length=args.max_completion_length, temperature=1.0,
                                min_p=0.1, engine="auto", seed=3407, max_prompt_length=1024, stop=[],
-                               load_in_fp8=False, system_prompt=None)
+                               load_in_fp8=False, system_prompt=None, per_problem=None, batch_rows=64)
     result = evaluate_from_flags(flags)
     device = default_device()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
