@@ -396,6 +396,27 @@ def test_the_engine_probe_gives_gemm_to_the_engine_and_every_other_knob_to_its_t
         probe.make_engine(model, kernel_rows=probe.decode_gemm.MAX_ROWS + 1)
 
 
+def test_the_engine_probes_qwen_plan_is_the_packaged_qwen_on_the_products_engine(monkeypatch):
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.rollout.native import EngineTuning
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("native_engine")
+    with torch.device("meta"):
+        qwen = AutoModelForCausalLM.from_config(probe.qwen_1_5b_config())
+    assert sum(p.numel() for p in qwen.parameters()) == 1_777_088_000  # the trainer's count for the packaged model
+    assert qwen.model.layers[0].self_attn.q_proj.bias is not None
+    tiny = Qwen2ForCausalLM(Qwen2Config(vocab_size=probe.PAD + 1, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+    engine = probe.make_engine(tiny, max_batch=2, max_seq_len=16, use_cuda_graph=False, **probe.product_engine_kw())
+    assert engine.gemm == probe.NativeEngine(tiny, max_seq_len=16, max_batch=2, pad_id=probe.PAD).gemm  # its default
+    assert engine.tuning == replace(EngineTuning(), use_cuda_graph=False).resolved(torch.device("cpu"), True)
+
+
 def test_probe_timer_takes_the_median_and_the_recorder_keeps_rows_on_disk_as_they_come(monkeypatch, tmp_path):
     import time
 
@@ -417,3 +438,38 @@ def test_probe_timer_takes_the_median_and_the_recorder_keeps_rows_on_disk_as_the
     assert [json.loads(line)["kind"] for line in rec.path.read_text().splitlines()] == ["engine", "error"]
     assert rec.log_path.read_text() == "a table\n" and rec.path.parent == tmp_path / "out"
     assert rec.path.name.startswith("probe-") and rec.path.suffix == ".jsonl"
+
+
+def test_the_gguf_probe_evaluates_through_grpo_evals_own_flags(monkeypatch, char_llama_dir):
+    """The probe once built grpo.eval's flags by hand and missed two it reads (a 5-minute GPU call lost)."""
+    monkeypatch.syspath_prepend(str(PROBES))
+    gguf_quality = importlib.import_module("gguf_quality")
+    from grpo.eval import evaluate_from_flags
+
+    args = gguf_quality.parse_args(["--out", "unused", "--dataset", "arithmetic", "--eval-size", "2",
+                                    "--max-completion-length", "4"])
+    flags = gguf_quality.eval_flags(char_llama_dir, args)
+    assert (flags.samples, flags.stop, flags.batch_rows) == (0, ["</SOLUTION>"], 64)
+    result = evaluate_from_flags(flags)
+    assert result["eval/prompts"] == 2 and 0 <= result["eval/greedy_accuracy"] <= 1
+
+
+def test_the_gguf_probe_batches_greedy_completions_as_one_prompt_at_a_time_would(monkeypatch, char_llama_dir):
+    monkeypatch.syspath_prepend(str(PROBES))
+    gguf_quality = importlib.import_module("gguf_quality")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(char_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(char_llama_dir, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]]
+    # A row that ends at once: its first greedy token made the end token
+    with torch.no_grad():
+        end = int(model(torch.tensor([prompts[0]])).logits[0, -1].argmax())
+    model.generation_config.eos_token_id = end
+    batched = gguf_quality.greedy_completions(model, tokenizer, prompts, 12)
+    one_by_one = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)[0, len(p):].tolist() for p in prompts]
+    cut = [row[:row.index(end) + 1] if end in row else row for row in one_by_one]
+    assert batched == cut
+    assert batched[0] == [end] and max(len(row) for row in batched) > 1

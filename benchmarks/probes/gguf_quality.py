@@ -34,8 +34,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="Work folder (the export and the converted checkpoints).")
     parser.add_argument("--dataset", default="gsm8k", help="Held-out split evaluated (grpo.data).")
     parser.add_argument("--eval-size", type=int, default=319, help="Held-out problems (GSM8K holds out 319).")
-    parser.add_argument("--max-completion-length", type=int, default=768, help="Completion tokens at most.")
+    parser.add_argument("--max-completion-length", type=int, default=384,
+                        help="Completion tokens at most (the qwen1.5b-gsm8k preset's).")
     parser.add_argument("--agreement-prompts", type=int, default=32, help="Prompts whose greedy tokens are compared.")
+    parser.add_argument("--stop", nargs="*", default=["</SOLUTION>"],
+                        help="Stop strings of the held-out evaluation (default: the recipes' '</SOLUTION>').")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke run: smollm2-135m-instruct, 8 problems, 48 tokens, f16 and q4_k_m.")
     args = parser.parse_args(argv)
@@ -64,6 +67,33 @@ def export_ggufs(args, out: Path) -> tuple[Path, dict[str, Path]]:
     return merged, paths
 
 
+def eval_flags(model_dir: Path, args) -> argparse.Namespace:
+    """The flags of `python -m grpo.eval` for one checkpoint, parsed by its own parser (so they cannot drift
+    from what it reads): greedy only, the trainer's decoding (its stop string, 64 completions a call)."""
+    from grpo.eval import build_parser
+
+    return build_parser().parse_args(
+        ["--model", str(model_dir), "--dataset", args.dataset, "--eval-size", str(args.eval_size), "--samples", "0",
+         "--max-completion-length", str(args.max_completion_length), "--batch-rows", "64",
+         "--stop", *args.stop])
+
+
+def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy completion from one left-padded `generate` (not one call a prompt: minutes
+    on a GPU), each cut after its first end token."""
+    import torch
+
+    pad = tokenizer.pad_token_id
+    eos = model.generation_config.eos_token_id
+    ends = set(eos if isinstance(eos, list) else [eos])
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad)[:, width:].tolist()
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in ends), len(row))] for row in out]
+
+
 def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None):
     """grpo.eval's greedy metrics, this model's first greedy completions, and the perplexity of the
     merged model's greedy completions under this model (`reference`; its own when None)."""
@@ -74,23 +104,15 @@ def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None
     from grpo.model import default_device
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    flags = argparse.Namespace(model=str(model_dir), adapter=None, dataset=args.dataset, eval_size=args.eval_size,
-                               samples=0, max_completion_length=args.max_completion_length, temperature=1.0,
-                               min_p=0.1, engine="auto", seed=3407, max_prompt_length=1024, stop=[],
-                               load_in_fp8=False, system_prompt=None, per_problem=None, batch_rows=64)
-    result = evaluate_from_flags(flags)
+    result = evaluate_from_flags(eval_flags(model_dir, args))
     device = default_device()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # bf16 matmuls crawl on most CPUs
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     examples = grpo_data.load_examples(args.dataset, split="test", seed=3407)[:args.agreement_prompts]
     prompts = grpo_data.build_prompts(tokenizer, examples, 1024, grpo_data.SYSTEM_PROMPT).prompt_ids
-    completions = []
     with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=args.max_completion_length,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            completions.append(out[0, len(prompt):].tolist())
+        completions = greedy_completions(model, tokenizer, prompts, args.max_completion_length)
         nll = count = 0.0
         for prompt, target in zip(prompts, reference if reference is not None else completions):
             ids = torch.tensor([prompt + target], device=device)
@@ -119,6 +141,7 @@ def main(argv=None) -> None:
     merged_bytes = sum(f.stat().st_size for f in merged.glob("*.safetensors"))
     results = {"merged": {**reference, "agreement": 1.0, "bytes": merged_bytes}}
     print(json.dumps({"type": "merged", **results["merged"]}), flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))  # kept as it comes: a cut run keeps it
     for name, path in ggufs.items():
         checkpoint = out / f"checkpoint-{name}"
         if not checkpoint.is_dir():  # a rerun reuses what an earlier one converted

@@ -13,6 +13,8 @@ Plans (`--variants` picks steps by name instead):
             time goes in the compiled step (the default)
   gemm      the decode GEMM kernels against the module path, every model kind
   rows      the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
+  qwen      Qwen2.5-Coder-1.5B shapes with rsLoRA r=32 at the qwen1.5b-gsm8k preset's 64 rows: the product's
+            step (kernels, compiled, graph) against the modules, and where a token step's GPU time goes
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
 each step is skipped, not failed, when the time budget runs out.
@@ -25,7 +27,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -60,15 +62,27 @@ def llama_1b_config():
         return LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
 
 
-def build_model(seed: int = 0):
-    from transformers import LlamaForCausalLM
+def qwen_1_5b_config():
+    """The packaged Qwen2.5-Coder-1.5B-Instruct's shapes: q/k/v with biases, 2 kv heads of 128, and (as its
+    GGUF has it) an output layer of its own: 1,777,088,000 parameters."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0, pad_token_id=PAD,
+                       eos_token_id=151645)
+
+
+def build_model(seed: int = 0, config=None):
+    """A random bf16 model on the GPU: Llama-3.2-1B's shapes unless `config` is given."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = LlamaForCausalLM(llama_1b_config())
+            model = AutoModelForCausalLM.from_config(config or llama_1b_config())
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
@@ -170,22 +184,22 @@ def hf_generate_ms(model) -> float:
     return (times[40] - times[8]) / 32 * 1e3
 
 
-def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None) -> None:
-    """GPU time per kernel family in one eager (ungraphed) decode step."""
+def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int = ROWS) -> None:
+    """GPU time per kernel family in one eager (ungraphed) decode step of `rows` rows."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = make_engine(model, use_cuda_graph=False, **(engine_kw or {}))
+    engine = make_engine(model, use_cuda_graph=False, max_batch=rows, **(engine_kw or {}))
     s = sampling(max_new_tokens=3)
-    engine.generate(prompts(), G, s)  # allocates the state and plans the step for ROWS rows; both stay
+    engine.generate(prompts(), rows // P, s)  # allocates the state and plans the step for `rows` rows; both stay
     steps = 5
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        engine._step(ROWS, 256, s, StopRule())  # warm-up; no stop rule: every row stays alive
+        engine._step(rows, 256, s, StopRule())  # warm-up; no stop rule: every row stays alive
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                engine._step(ROWS, 256, s, StopRule())
+                engine._step(rows, 256, s, StopRule())
             torch.cuda.synchronize()
     model.train(was_training)
     fams: dict[str, float] = {}
@@ -213,7 +227,7 @@ def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None) -> None:
         fams[fam] = fams.get(fam, 0.0) + us / steps
         count[fam] = count.get(fam, 0) + e.count // steps
         top.append((us / steps, e.count // steps, e.key[:90]))
-    rec.record("kernels", variant=label, per_step_us={k: round(v) for k, v in fams.items()},
+    rec.record("kernels", variant=label, rows=rows, per_step_us={k: round(v) for k, v in fams.items()},
         per_step_launches=count, sum_us=round(sum(fams.values())), sum_launches=sum(count.values()))
     for us, c, key in sorted(top, reverse=True)[:10]:
         rec.record("kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
@@ -337,7 +351,35 @@ PLANS = {
              "lora_compiled", "lora_gemm", "kernels_lora_gemm", "fp8_lora_compiled", "fp8_lora_gemm"],
     # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
+    # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
+    "qwen": ["qwen_product", "qwen_modules", "qwen_kernels"],
 }
+
+QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
+
+
+def product_engine_kw() -> dict:
+    """make_engine's arguments for the engine as the trainer builds it: EngineTuning's defaults, the decode
+    kernels where they apply (run_engine and kernel_breakdown say whether to graph)."""
+    kw = {f.name: getattr(EngineTuning(), f.name) for f in fields(EngineTuning) if f.name != "use_cuda_graph"}
+    return kw | {"gemm": "auto"}
+
+
+def qwen_steps(rec: Recorder, step) -> None:
+    """The `qwen` plan: the product's engine (EngineTuning's defaults: decode kernels, compiled, CUDA graph)
+    on Qwen2.5-Coder-1.5B shapes with rsLoRA r=32, against the same step through the modules, and the kernel
+    families of one token step at 64 rows (eager: the graph replays these same kernels)."""
+    if not any(v.startswith("qwen_") for v in step.chosen):
+        return
+    model = add_lora(build_model(config=qwen_1_5b_config()))
+    wb = weight_bytes(model)
+    rec.record("model", variant="qwen1.5b+LoRA", params=sum(p.numel() for p in model.parameters()),
+               weight_gib=round(wb / 2**30, 3))
+    product = product_engine_kw()
+    for name, kw in (("qwen_product", product), ("qwen_modules", product | {"gemm": "modules"})):
+        step(name, lambda kw=kw, name=name: run_engine(rec, name, model, wb, engine_kw=kw, rows=QWEN_ROWS,
+                                                       new=QWEN_NEW))
+    step("qwen_kernels", lambda: kernel_breakdown(rec, "qwen_product", model, engine_kw=product, rows=QWEN_ROWS))
 
 
 @dataclass
@@ -398,6 +440,10 @@ def main() -> None:
     for row in gemm_table():
         rec.record(**row)
 
+    qwen_steps(rec, step)
+    if all(v.startswith("qwen_") for v in variants):
+        print_summary(rec)
+        return
     mode = args.compile_mode
     model = build_model()
     wb = weight_bytes(model)
