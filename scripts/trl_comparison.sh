@@ -26,7 +26,14 @@
 # (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem, after the gap
 # probe's look at Qwen's decode on the kernels against its modules (the run takes the modules when the
 # kernels' log-probs are further from float32 than theirs). No vLLM: the status calls follow call 19
-# (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes).
+# (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes;
+# measured 2026-12-01: the run's stage, evaluations included, 14 min 56 s).
+#
+# CHAIN=gguf (STEPS=60 suggested) runs `gguf` instead: issue 29's measurement. STEPS steps of the preset, then
+# benchmarks/probes/gguf_quality.py on their adapter: the merge and f16, the k-quant types written side by
+# side on a core each, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json).
+# Estimated ~23 minutes with the carrying: convert 2.5, 60 steps 4.5, merge 1, the k-quant writes ~6 (q4_k_m of
+# 1.55 B weights: 6 min of one unloaded core here, 2026-12-02), five evaluations ~6.5. Not yet run.
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -87,7 +94,8 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   if [ -z "${OUT:-}" ] || [ ! -d $CMP ]; then return 0; fi
   local f list=()
   for f in $CMP/ours/metrics.jsonl $CMP/ours/metrics.png $CMP/trl/metrics.jsonl $CMP/trl/metrics.png \
-           $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl; do
+           $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl \
+           $CMP/gguf/results.json; do
     if [ -f "$f" ]; then list+=("${f#$CMP/}"); fi
   done
   mkdir -p $CMP/tails
@@ -168,6 +176,23 @@ full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a loo
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
+gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adapter on GSM8K's 319 held-out
+  cd $CMP/src
+  trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
+  export PYTHONPATH=$PWD:/tmp/site
+  stage convert python3 -m grpo.packaged_models $QWEN
+  stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --output-dir $CMP/ours
+  local probe=(python3 benchmarks/probes/gguf_quality.py --adapter $CMP/ours/adapter --out $CMP/gguf)
+  stage gguf-merge "${probe[@]}" --types f16 --write-only   # the merge once, before the writers share it
+  local t
+  for t in q8_0 q5_k_m q4_k_m; do   # numpy on one core each: side by side
+    stage gguf-write-$t "${probe[@]}" --types $t --write-only &
+  done
+  wait
+  stage gguf-eval "${probe[@]}" --types f16,q8_0,q5_k_m,q4_k_m
+  echo "$(date -u +%T) chain done" >> $CMP/stages.log
+}
+
 case "${1:-}" in
   pack)  # needs a checkout whose .git is a folder (vllm-kit.sh fetch writes .git/info/exclude), e.g. the main one
     cache=${GRPO_CACHE_HERE:-$HOME/.cache/grpo}
@@ -223,5 +248,6 @@ print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t)
     collect ;;
   chain) chain ;;
   full) full ;;
+  gguf) gguf ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -14,7 +14,8 @@ first `--agreement-prompts` problems, the share of greedy completions token-for-
 model's and the perplexity of the merged model's greedy completions under this type; the file size.
 Results: OUT/results.json, one line per type on stdout. Writing a k-quant type of the 1.5B model takes
 minutes of one CPU core (17 min for q4_k_m on a heavily shared 2-core machine): under a per-command time
-limit, run `--types q4_k_m` etc. one command at a time first; a rerun reuses what is already written.
+limit, run `--types q4_k_m --write-only` etc. first, one command each (in parallel where there are cores:
+the merge first, alone); a rerun reuses what is already written.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--agreement-prompts", type=int, default=32, help="Prompts whose greedy tokens are compared.")
     parser.add_argument("--stop", nargs="*", default=["</SOLUTION>"],
                         help="Stop strings of the held-out evaluation (default: the recipes' '</SOLUTION>').")
+    parser.add_argument("--write-only", action="store_true",
+                        help="Export and write the GGUF files, evaluate nothing: the k-quant types of one model "
+                             "can then be written by parallel commands (one core each) before one evaluating run.")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke run: smollm2-135m-instruct, 8 problems, 48 tokens, f16 and q4_k_m.")
     args = parser.parse_args(argv)
@@ -136,6 +140,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     merged, ggufs = export_ggufs(args, out)
     print(f"exported in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.write_only:
+        return
     end_tokens = PACKAGED_MODELS[args.model].end_tokens if args.model in PACKAGED_MODELS else ()
     reference, reference_completions = evaluate_checkpoint(merged, args, None)
     merged_bytes = sum(f.stat().st_size for f in merged.glob("*.safetensors"))
