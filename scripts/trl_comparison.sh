@@ -24,8 +24,8 @@
 #
 # CHAIN=full STEPS=200 on the qwen-part calls (calls 2-19) runs `full` instead: the preset's whole schedule
 # (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem, after the gap
-# probe's look at Qwen's decode on the kernels against its modules (the run takes the modules when the
-# kernels' log-probs are further from float32 than theirs). No vLLM: the status calls follow call 19
+# probe's look at Qwen's decode on the kernels against its modules (the run takes the modules unless the
+# kernels' sampler is about as close to float32: `kernels_or_modules`). No vLLM: the status calls follow call 19
 # (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes;
 # measured 2026-12-01: the run's stage, evaluations included, 14 min 56 s).
 #
@@ -168,7 +168,7 @@ full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a loo
   local gemm=modules   # the kernels' first run on the GPU with Qwen: kept only if they match the modules
   if stage gap-kernels timeout 300 python3 benchmarks/probes/learning_faults.py gap --batches 2 \
        --ways product,modules --out $CMP/gap -- --preset qwen1.5b-gsm8k; then
-    gemm=$(kernels_or_modules $CMP/gap/learning_faults-gap-*.jsonl)
+    gemm=$(kernels_or_modules "$(ls $CMP/gap/learning_faults-gap-*.jsonl | tail -n 1)") || gemm=modules
   fi
   echo "$(date -u +%T) ours decodes with --engine-gemm $gemm" >> $CMP/stages.log
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-steps $(( STEPS / 2 )) \
@@ -184,11 +184,11 @@ gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adap
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --output-dir $CMP/ours
   local probe=(python3 benchmarks/probes/gguf_quality.py --adapter $CMP/ours/adapter --out $CMP/gguf)
   stage gguf-merge "${probe[@]}" --types f16 --write-only   # the merge once, before the writers share it
-  local t
+  local t writers=()
   for t in q8_0 q5_k_m q4_k_m; do   # numpy on one core each: side by side
-    stage gguf-write-$t "${probe[@]}" --types $t --write-only &
+    stage gguf-write-$t "${probe[@]}" --types $t --write-only & writers+=($!)
   done
-  wait
+  for t in "${writers[@]}"; do wait $t || return 1; done   # a type not written would be written (slowly) below
   stage gguf-eval "${probe[@]}" --types f16,q8_0,q5_k_m,q4_k_m
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }

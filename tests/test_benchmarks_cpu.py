@@ -397,6 +397,7 @@ def test_the_engine_probe_gives_gemm_to_the_engine_and_every_other_knob_to_its_t
 
 
 def test_the_engine_probes_qwen_plan_is_the_packaged_qwen_on_the_products_engine(monkeypatch):
+    import inspect
     from dataclasses import replace
 
     import torch
@@ -413,7 +414,7 @@ def test_the_engine_probes_qwen_plan_is_the_packaged_qwen_on_the_products_engine
     tiny = Qwen2ForCausalLM(Qwen2Config(vocab_size=probe.PAD + 1, hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
     engine = probe.make_engine(tiny, max_batch=2, max_seq_len=16, use_cuda_graph=False, **probe.product_engine_kw())
-    assert engine.gemm == probe.NativeEngine(tiny, max_seq_len=16, max_batch=2, pad_id=probe.PAD).gemm  # its default
+    assert probe.product_engine_kw()["gemm"] == inspect.signature(probe.NativeEngine).parameters["gemm"].default
     assert engine.tuning == replace(EngineTuning(), use_cuda_graph=False).resolved(torch.device("cpu"), True)
 
 
@@ -447,9 +448,10 @@ def test_the_gguf_probe_evaluates_through_grpo_evals_own_flags(monkeypatch, char
     from grpo.eval import evaluate_from_flags
 
     args = gguf_quality.parse_args(["--out", "unused", "--dataset", "arithmetic", "--eval-size", "2",
-                                    "--max-completion-length", "4"])
+                                    "--max-completion-length", "4", "--max-prompt-length", "4096"])
     flags = gguf_quality.eval_flags(char_llama_dir, args)
-    assert (flags.samples, flags.stop, flags.batch_rows) == (0, ["</SOLUTION>"], 64)
+    assert (flags.samples, flags.stop, flags.batch_rows, flags.max_prompt_length) == (0, ["</SOLUTION>"], 64, 4096)
+    assert gguf_quality.parse_args(["--out", "unused"]).max_prompt_length == 288  # the preset's, by default
     result = evaluate_from_flags(flags)
     assert result["eval/prompts"] == 2 and 0 <= result["eval/greedy_accuracy"] <= 1
 

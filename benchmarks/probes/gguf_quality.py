@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-completion-length", type=int, default=384,
                         help="Completion tokens at most (the qwen1.5b-gsm8k preset's).")
     parser.add_argument("--agreement-prompts", type=int, default=32, help="Prompts whose greedy tokens are compared.")
+    parser.add_argument("--max-prompt-length", type=int, default=288,
+                        help="Held-out prompts longer than this are dropped (the qwen1.5b-gsm8k preset's).")
     parser.add_argument("--stop", nargs="*", default=["</SOLUTION>"],
                         help="Stop strings of the held-out evaluation (default: the recipes' '</SOLUTION>').")
     parser.add_argument("--write-only", action="store_true",
@@ -73,23 +75,26 @@ def export_ggufs(args, out: Path) -> tuple[Path, dict[str, Path]]:
 
 def eval_flags(model_dir: Path, args) -> argparse.Namespace:
     """The flags of `python -m grpo.eval` for one checkpoint, parsed by its own parser (so they cannot drift
-    from what it reads): greedy only, the trainer's decoding (its stop string, 64 completions a call)."""
+    from what it reads): greedy only, as the qwen1.5b-gsm8k preset's trainer evaluates by default (its stop
+    string, prompts up to 288 tokens, 64 completions a call)."""
     from grpo.eval import build_parser
 
     return build_parser().parse_args(
         ["--model", str(model_dir), "--dataset", args.dataset, "--eval-size", str(args.eval_size), "--samples", "0",
-         "--max-completion-length", str(args.max_completion_length), "--batch-rows", "64",
+         "--max-completion-length", str(args.max_completion_length),
+         "--max-prompt-length", str(args.max_prompt_length), "--batch-rows", "64", "--seed", "3407",
          "--stop", *args.stop])
 
 
 def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Every prompt's greedy completion from one left-padded `generate` (not one call a prompt: minutes
-    on a GPU), each cut after its first end token."""
+    on a GPU), each cut after its first end token (not at the stop string: the agreement is the models'
+    whole greedy text)."""
     import torch
 
-    pad = tokenizer.pad_token_id
     eos = model.generation_config.eos_token_id
     ends = set(eos if isinstance(eos, list) else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(ends)  # masked: any id does
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
