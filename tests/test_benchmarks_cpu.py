@@ -373,10 +373,12 @@ def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
     for name in tiles.GROUPS:
         for fp8 in (False, True):
             key = tiles.tile_key(name, fp8)
-            assert key in dg._TUNED  # the groups the probe tunes are the ones the table holds
+            # Llama's groups are the ones the table holds; Qwen's get the untuned guess until swept
+            assert (key in dg._TUNED) == (name in tiles.LLAMA_GROUPS)
+            untouched = dg.tile_config(*key)
             with dg.tuning(tiles={key: swept}):
                 assert dg.tile_config(*key) == swept
-            assert dg.tile_config(*key) == dg._TUNED[key]
+            assert dg.tile_config(*key) == dg._TUNED.get(key, untouched)
 
 
 def test_the_engine_probe_gives_gemm_to_the_engine_and_every_other_knob_to_its_tuning(monkeypatch):

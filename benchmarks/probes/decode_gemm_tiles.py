@@ -5,7 +5,9 @@ the residual (2048 -> 2048), gate/up with the SiLU product (2048 -> 2 x 8192), d
 residual (8192 -> 2048); bf16 and FP8 block weights; without and with rsLoRA r=32 (float32 adapters,
 as peft keeps them). Each timing is a CUDA graph of 16 calls that rotate over copies of the weights
 (more bytes than the 60 MB L2), replayed 20 times: the median per call, so launch gaps between
-kernels count as they do inside the engine's graph.
+kernels count as they do inside the engine's graph. `--groups qwen_gate_up qwen_down qwen_qkv qwen_o` take the
+packaged Qwen2.5-Coder-1.5B's shapes instead (hidden 1536, MLP 8960; untuned so far), `--sweep-rows 64` the
+rows its preset decodes.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/decode_gemm_tiles.py [--budget-s 300] [--engine]
 
@@ -29,12 +31,19 @@ from grpo.kernels.fp8 import dequantize_fp8_block, fp8_linear, quantize_fp8_bloc
 from timing import Recorder, add_out_argument, graph_us  # beside this file
 
 ROWS = 16
-GROUPS = {  # name: (kind, K, output widths, residual)
+LLAMA_GROUPS = {  # name: (kind, K, output widths, residual)
     "gate_up": ("gated", 2048, [8192, 8192], False),
     "down": ("proj", 8192, [2048], True),
     "qkv": ("proj", 2048, [2048, 512, 512], False),
     "o": ("proj", 2048, [2048], True),
 }
+QWEN_GROUPS = {  # the packaged Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960, 2 kv heads of 128): untuned so far
+    "qwen_gate_up": ("gated", 1536, [8960, 8960], False),
+    "qwen_down": ("proj", 8960, [1536], True),
+    "qwen_qkv": ("proj", 1536, [1536, 256, 256], False),
+    "qwen_o": ("proj", 1536, [1536], True),
+}
+GROUPS = LLAMA_GROUPS | QWEN_GROUPS
 
 
 def tile_key(name: str, fp8: bool) -> tuple:
@@ -107,17 +116,18 @@ def configs(kind: str, fp8: bool, full: bool) -> list[dg.TileConfig]:
     return out
 
 
-def check_group(rec: Recorder, name: str, fp8: bool, rank: int) -> None:
+def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS) -> None:
     kind, k, widths, residual = GROUPS[name]
     projs = make_projs(k, widths, fp8, rank, seed=1)
-    x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     got = run_kernels(kind, x, projs, res).float()
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
     cfg = dg.tile_config(*tile_key(name, fp8))
-    rec.record("check", group=name, fp8=fp8, rank=rank, cfg=cfg.__dict__, rel_err=round(rel, 6), ok=rel < 1e-2)
+    rec.record("check", group=name, fp8=fp8, rank=rank, rows=rows, cfg=cfg.__dict__, rel_err=round(rel, 6),
+               ok=rel < 1e-2)
 
 
 def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
@@ -165,15 +175,15 @@ def compare_unpack(rec: Recorder, name: str, modes: list[str]) -> None:
     rec.record(**row)
 
 
-def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool) -> dg.TileConfig | None:
-    """Time each config of the sweep on one group and format; the fastest is timed against cuBLAS and with
-    rsLoRA, and returned (None when none ran). Each config is in force only while it is timed."""
+def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool, rows: int = ROWS) -> dg.TileConfig | None:
+    """Time each config of the sweep on one group and format at `rows` rows; the fastest is timed against
+    cuBLAS and with rsLoRA, and returned (None when none ran). Each config is in force only while it is timed."""
     kind, k, widths, residual = GROUPS[name]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
     copies = [make_projs(k, widths, fp8, 0, seed=i) for i in range(n_copies)]
-    x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(ROWS, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     key = tile_key(name, fp8)
     best = None
     for cfg in configs(kind, fp8, full):
@@ -186,14 +196,15 @@ def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool) -> d
         except Exception as exc:  # a config the compiler refuses (shared memory) is skipped, not fatal
             rec.record("config_error", group=name, fp8=fp8, cfg=cfg.__dict__, error=repr(exc)[:200])
             continue
-        rec.record("config", group=name, fp8=fp8, cfg=cfg.__dict__, us=round(us, 2), tbps=round(one / us / 1e6, 2))
+        rec.record("config", group=name, fp8=fp8, rows=rows, cfg=cfg.__dict__, us=round(us, 2),
+                   tbps=round(one / us / 1e6, 2))
         if best is None or us < best[0]:
             best = (us, cfg)
     if best is None:
         return None
     best_us, best_cfg = best
     cublas = graph_us(lambda c: run_modules(kind, x, c, res), copies) if not fp8 else None
-    rec.record("best", group=name, fp8=fp8, cfg=best_cfg.__dict__, us=round(best_us, 2),
+    rec.record("best", group=name, fp8=fp8, rows=rows, cfg=best_cfg.__dict__, us=round(best_us, 2),
         tbps=round(one / best_us / 1e6, 2), cublas_us=None if cublas is None else round(cublas, 2), bytes=one)
     # with LoRA r32, kernels (best config) against the module path
     lcopies = [make_projs(k, widths, fp8, 32, seed=i) for i in range(n_copies)]
@@ -264,7 +275,10 @@ def engine_rows(rec: Recorder, rows_list: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
-    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--groups", nargs="+", default=list(LLAMA_GROUPS), choices=list(GROUPS),
+                    help="the projection groups (default: Llama-3.2-1B's; qwen_*: the packaged Qwen2.5-Coder-1.5B's)")
+    ap.add_argument("--sweep-rows", type=int, default=ROWS, choices=[16, 32, 64],
+                    help="rows of the checks and the sweep (the qwen1.5b-gsm8k preset decodes 64)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--pairs", nargs="+", default=None, metavar="GROUP:FORMAT",
                     help="sweep only these, e.g. gate_up:bf16 down:fp8 (default: every group x format)")
@@ -310,18 +324,18 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
     for name in args.groups:
         for fp8 in (False, True):
             for rank in (0, 32):
-                check_group(rec, name, fp8, rank)
+                check_group(rec, name, fp8, rank, args.sweep_rows)
     pairs = [p.split(":") for p in args.pairs] if args.pairs else [
         (name, fmt) for name in args.groups for fmt in args.formats]
     picked: dict[tuple, dg.TileConfig] = {}  # tile_key -> the sweep's fastest config
     for name, fmt in pairs:
-        cfg = sweep(rec, name, fmt == "fp8", args.budget_s, args.full)
+        cfg = sweep(rec, name, fmt == "fp8", args.budget_s, args.full, args.sweep_rows)
         if cfg is not None:
             picked[tile_key(name, fmt == "fp8")] = cfg
     with dg.tuning(tiles=picked):
         for name, fmt in pairs:  # the picked configs, checked against the reference too
             for rank in (0, 32):
-                check_group(rec, name, fmt == "fp8", rank)
+                check_group(rec, name, fmt == "fp8", rank, args.sweep_rows)
         print("\nCONFIG =", {k: v.__dict__ for k, v in picked.items()})
         if args.engine:
             engine_with_configs(rec)
