@@ -96,7 +96,8 @@ def run(cfg: Config, world: World) -> Path:
     setup = StepSetup(cfg=cfg, world=world, device=device, policy=loaded.policy, params=params, optimizer=optimizer,
                       tokenizer=loaded.tokenizer, engine=loaded.engine, keep_engine=loaded.keep_engine,
                       sampling=loaded.sampling, max_completion_length=loaded.max_completion_length,
-                      prompts=loaded.prompts, stream=stream, reward_funcs=loaded.reward_funcs, clock=synced_clock(device))
+                      prompts=loaded.prompts, stream=stream, reward_funcs=loaded.reward_funcs,
+                      clock=synced_clock(device))
 
     # The loop. Opened here, closed in the `finally`: the log, the progress bar, the signal handlers.
     log = MetricsLog(out, cfg, state.step) if world.is_main else None
@@ -327,7 +328,7 @@ def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt, room=room)
     sequence = room.tokens + (cfg.max_completion_length or 1)  # --max-seq-length, or the model's positions
     max_completion_length = (cfg.max_completion_length if cfg.max_completion_length is not None
-                      else sequence - prompts.max_prompt_length)
+                             else sequence - prompts.max_prompt_length)
     eval_prompts = None
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]

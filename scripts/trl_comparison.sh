@@ -115,11 +115,15 @@ vllm_gap() {  # issue 26 part 2's last path: plain vLLM as the sampler on the pr
      "${replay[@]}" --out $CMP/gap -- --preset qwen1.5b-gsm8k) || true
 }
 
-chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
+begin_chain() {  # what every chain starts with: the tree's snapshot, its end noted, the packaged Qwen converted
   cd $CMP/src
   trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
   export PYTHONPATH=$PWD:/tmp/site
   stage convert python3 -m grpo.packaged_models $QWEN
+}
+
+chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
+  begin_chain
   vllm_gap & local gap=$!   # beside the evaluation of the untrained model: neither is timed
   stage eval-base python3 -m grpo.eval "${EVAL[@]}" --per-problem $CMP/eval-base.jsonl
   last_json_line $CMP/eval-base.log > $CMP/eval-base.json
@@ -160,10 +164,7 @@ print("auto" if ok else "modules")' "$1"
 }
 
 full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a look at its decode on the kernels
-  cd $CMP/src
-  trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
-  export PYTHONPATH=$PWD:/tmp/site
-  stage convert python3 -m grpo.packaged_models $QWEN
+  begin_chain
   # the decode kernels (Qwen's biased q/k/v) against its modules on the same batches: speed and log-probs
   local gemm=modules   # the kernels' first run on the GPU with Qwen: kept only if they match the modules
   if stage gap-kernels timeout 300 python3 benchmarks/probes/learning_faults.py gap --batches 2 \
@@ -177,10 +178,7 @@ full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a loo
 }
 
 gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adapter on GSM8K's 319 held-out
-  cd $CMP/src
-  trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
-  export PYTHONPATH=$PWD:/tmp/site
-  stage convert python3 -m grpo.packaged_models $QWEN
+  begin_chain
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --output-dir $CMP/ours
   local probe=(python3 benchmarks/probes/gguf_quality.py --adapter $CMP/ours/adapter --out $CMP/gguf)
   stage gguf-merge "${probe[@]}" --types f16 --write-only   # the merge once, before the writers share it

@@ -472,8 +472,9 @@ def test_the_gguf_probe_batches_greedy_completions_as_one_prompt_at_a_time_would
         end = int(model(torch.tensor([prompts[0]])).logits[0, -1].argmax())
     model.generation_config.eos_token_id = end
     batched = gguf_quality.greedy_completions(model, tokenizer, prompts, 12)
-    one_by_one = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+    ends = [end, tokenizer.eos_token_id]  # the model's end token and the tokenizer's
+    one_by_one = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=ends,
                                  pad_token_id=tokenizer.pad_token_id)[0, len(p):].tolist() for p in prompts]
-    cut = [row[:row.index(end) + 1] if end in row else row for row in one_by_one]
+    cut = [row[:min([row.index(e) + 1 for e in ends if e in row], default=len(row))] for row in one_by_one]
     assert batched == cut
     assert batched[0] == [end] and max(len(row) for row in batched) > 1

@@ -87,20 +87,17 @@ def eval_flags(model_dir: Path, args) -> argparse.Namespace:
 
 
 def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Every prompt's greedy completion from one left-padded `generate` (not one call a prompt: minutes
-    on a GPU), each cut after its first end token (not at the stop string: the agreement is the models'
-    whole greedy text)."""
-    import torch
+    """Every prompt's greedy completion, all in one batched `generate` (grpo's HFEngine: left-padded; one
+    call a prompt took minutes on a GPU), each cut after its first end token (not at the stop string: the
+    agreement is the models' whole greedy text)."""
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.hf import HFEngine
+    from grpo.rollout.stops import stop_token_ids
 
-    eos = model.generation_config.eos_token_id
-    ends = set(eos if isinstance(eos, list) else [eos])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(ends)  # masked: any id does
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad)[:, width:].tolist()
-    return [row[:next((i + 1 for i, t in enumerate(row) if t in ends), len(row))] for row in out]
+    ends = stop_token_ids(tokenizer, model.generation_config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]  # masked: any id does
+    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=ends)
+    return HFEngine(model, pad_id=pad).generate(prompts, 1, sampling).completions()
 
 
 def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None):

@@ -285,8 +285,9 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     policy, tokenizer, model_dir = load_policy(cfg, device)
     policy.eval()
     prompts, _, max_completion_length = load_prompt_sets(dataclasses.replace(cfg, eval_size=0), tokenizer)
+    stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
+                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
                         stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
     ref_dtype = torch.float64 if device.type == "cpu" and args.fp64_on_cpu else torch.float32
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=ref_dtype).to(device).eval()
@@ -294,7 +295,8 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     ways = {"product": EngineTuning(), "no_streams": EngineTuning(streams=False),
             "no_graph": EngineTuning(use_cuda_graph=False), "eager": EngineTuning(use_cuda_graph=False, compile=None,
                                                                                    streams=False),
-            "matmul": EngineTuning(attention="matmul"), "modules": EngineTuning()}  # modules: the product, gemm="modules"
+            "matmul": EngineTuning(attention="matmul"),
+            "modules": EngineTuning()}  # modules: the product's tuning, with gemm="modules"
     chosen = args.ways.split(",") if args.ways else list(ways)
     max_seq = prompts.max_prompt_length + max_completion_length
     for way in chosen:
