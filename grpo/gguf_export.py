@@ -29,7 +29,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
@@ -135,8 +139,9 @@ def tensor_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layer: int,
     return "F16" if cols % 32 else qtype
 
 
-def encode(data: np.ndarray, qtype: str) -> np.ndarray:
-    """float32 `data` in ggml type `qtype`: F32/F16 arrays, or the raw bytes of a block type."""
+def encode(data: np.ndarray, qtype: str, pool: ProcessPoolExecutor | None = None) -> np.ndarray:
+    """float32 `data` in ggml type `qtype`: F32/F16 arrays, or the raw bytes of a block type (the
+    k-quants on `pool`'s workers when there is one)."""
     import gguf
 
     from grpo.kquants import BLOCK_BYTES, quantize_k
@@ -144,7 +149,7 @@ def encode(data: np.ndarray, qtype: str) -> np.ndarray:
     if qtype == "F32":
         return data.astype(np.float32)
     if qtype in BLOCK_BYTES:
-        return quantize_k(data, gguf.GGMLQuantizationType[qtype])
+        return quantize_k(data, gguf.GGMLQuantizationType[qtype], pool)
     return gguf.quants.quantize(data, gguf.GGMLQuantizationType[qtype])
 
 
@@ -339,10 +344,13 @@ def _end_token_ids(model_dir: Path, generation_config_cls) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 # The file
 # --------------------------------------------------------------------------------------------------
-def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = None) -> Path:
+def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = None,
+               workers: int | None = None) -> Path:
     """Write the checkpoint in `model_dir` (config.json, *.safetensors, tokenizer) as one GGUF of
     `gguf_type` at `path`. Header first, then one tensor at a time (read, converted, written), so memory
-    holds one tensor; written beside `path` and renamed, so `path` is never half a file."""
+    holds one tensor; written beside `path` and renamed, so `path` is never half a file. The k-quants run
+    on `workers` processes (default: every core this process may use; the numpy arithmetic is one core's
+    and takes minutes a billion weights)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -367,18 +375,38 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    try:
+    with ExitStack() as cleanup:
+        cleanup.callback(partial.unlink, missing_ok=True)
+        cleanup.callback(writer.close)
+        pool = _kquant_pool(plan, workers, cleanup)
         writer.write_header_to_file(path=partial)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for item in plan:
-            writer.write_tensor_data(encode(_tensor_data(model_dir, config, item), item.qtype))
+            try:
+                writer.write_tensor_data(encode(_tensor_data(model_dir, config, item), item.qtype, pool))
+            except BrokenProcessPool as e:  # the child said why on stderr; this says what to do
+                raise RuntimeError(
+                    f"{path.name}: the k-quant worker processes stopped (each starts by importing the "
+                    "__main__ script: a script that exports must keep its work under `if __name__ == "
+                    "'__main__':`); fix: add that guard, or pass workers=1") from e
         writer.close()
         partial.replace(path)
-    finally:
-        writer.close()
-        partial.unlink(missing_ok=True)
     return path
+
+
+def _kquant_pool(plan: list[PlannedTensor], workers: int | None, cleanup: ExitStack) -> ProcessPoolExecutor | None:
+    """Worker processes for the k-quants of `plan`, shut down with `cleanup`; None when there are none
+    to write or one worker. Spawned, not forked: the caller may hold CUDA and torch's threads."""
+    from grpo.kquants import BLOCK_BYTES
+
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers < 2 or not any(item.qtype in BLOCK_BYTES for item in plan):
+        return None
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    cleanup.callback(pool.shutdown, cancel_futures=True)
+    return pool
 
 
 def tensor_types_of(path: Path) -> dict[str, str]:

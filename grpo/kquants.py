@@ -30,29 +30,45 @@ Q3_K, IQ*), dequantizing (the `gguf` library does that), choosing a type per ten
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
+from itertools import repeat
+
 import numpy as np
 
 QK_K = 256  # weights in a super-block
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 _CHUNK_BLOCKS = 128  # super-blocks quantized at once: working arrays of 128 KiB stay in cache (measured fastest)
+_PIECE_BLOCKS = 16 * _CHUNK_BLOCKS  # a pool worker's unit: ~0.1 s of work, so the cores finish together
 _GROUP_MAX_EPS = np.float32(1e-15)  # below this a sub-block counts as all zero (llama.cpp's GROUP_MAX_EPS)
 _F0, _F1 = np.float32(0), np.float32(1)
 
 
-def quantize_k(weights: np.ndarray, qtype) -> np.ndarray:
+def quantize_k(weights: np.ndarray, qtype, pool: ProcessPoolExecutor | None = None) -> np.ndarray:
     """`weights` (..., cols) with cols a multiple of 256, quantized row-wise to `qtype` (a
-    gguf.GGMLQuantizationType: Q4_K, Q5_K or Q6_K); returns uint8 (..., cols // 256 * block bytes)."""
+    gguf.GGMLQuantizationType: Q4_K, Q5_K or Q6_K); returns uint8 (..., cols // 256 * block bytes).
+    With a `pool`, its workers quantize pieces of the blocks side by side (the same bytes: blocks are
+    independent)."""
     name = getattr(qtype, "name", str(qtype))
     if name not in BLOCK_BYTES:
         raise ValueError(f"{name}: grpo.kquants writes {', '.join(BLOCK_BYTES)} only")
     if weights.shape[-1] % QK_K:
         raise ValueError(f"{name}: rows of {weights.shape[-1]} weights are not a whole number of {QK_K}-blocks")
-    quantize_blocks = {"Q4_K": quantize_q4_k_blocks, "Q5_K": quantize_q5_k_blocks, "Q6_K": quantize_q6_k_blocks}[name]
     blocks = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1, QK_K)
+    if pool is None:
+        out = _quantize_blocks(blocks, name)
+    else:
+        pieces = [blocks[start:start + _PIECE_BLOCKS] for start in range(0, blocks.shape[0], _PIECE_BLOCKS)]
+        out = np.concatenate(list(pool.map(_quantize_blocks, pieces, repeat(name))))
+    return out.reshape(*weights.shape[:-1], weights.shape[-1] // QK_K * BLOCK_BYTES[name])
+
+
+def _quantize_blocks(blocks: np.ndarray, name: str) -> np.ndarray:
+    """(B, 256) float32 -> (B, block bytes) uint8, a cache-sized chunk at a time (a pool's unit of work)."""
+    quantize_blocks = {"Q4_K": quantize_q4_k_blocks, "Q5_K": quantize_q5_k_blocks, "Q6_K": quantize_q6_k_blocks}[name]
     out = np.empty((blocks.shape[0], BLOCK_BYTES[name]), dtype=np.uint8)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         out[start:start + _CHUNK_BLOCKS] = quantize_blocks(blocks[start:start + _CHUNK_BLOCKS])
-    return out.reshape(*weights.shape[:-1], weights.shape[-1] // QK_K * BLOCK_BYTES[name])
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,9 +30,9 @@
 # measured 2026-12-01: the run's stage, evaluations included, 14 min 56 s).
 #
 # CHAIN=gguf (STEPS=60 suggested) runs `gguf` instead: issue 29's measurement. STEPS steps of the preset, then
-# benchmarks/probes/gguf_quality.py on their adapter: the merge and f16, the k-quant types written side by
-# side on a core each, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json).
-# Estimated ~23 minutes with the carrying: convert 2.5, 60 steps 4.5, merge 1, the k-quant writes ~6 (q4_k_m of
+# benchmarks/probes/gguf_quality.py on their adapter: the merge and f16, each k-quant type written on all
+# 16 cores, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json).
+# Estimated ~19 minutes with the carrying: convert 2.5, 60 steps 4.5, merge 1, the k-quant writes ~2 (q4_k_m of
 # 1.55 B weights: 6 min of one unloaded core here, 2026-12-02), five evaluations ~6.5. Not yet run.
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
@@ -181,12 +181,11 @@ gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adap
   begin_chain
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --output-dir $CMP/ours
   local probe=(python3 benchmarks/probes/gguf_quality.py --adapter $CMP/ours/adapter --out $CMP/gguf)
-  stage gguf-merge "${probe[@]}" --types f16 --write-only   # the merge once, before the writers share it
-  local t writers=()
-  for t in q8_0 q5_k_m q4_k_m; do   # numpy on one core each: side by side
-    stage gguf-write-$t "${probe[@]}" --types $t --write-only & writers+=($!)
+  stage gguf-merge "${probe[@]}" --types f16 --write-only   # timed apart: the merge and f16
+  local t
+  for t in q8_0 q5_k_m q4_k_m; do   # one at a time, each on every core
+    stage gguf-write-$t "${probe[@]}" --types $t --write-only
   done
-  for t in "${writers[@]}"; do wait $t || return 1; done   # a type not written would be written (slowly) below
   stage gguf-eval "${probe[@]}" --types f16,q8_0,q5_k_m,q4_k_m
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }

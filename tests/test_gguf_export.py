@@ -238,3 +238,23 @@ def test_bad_inputs_are_refused_in_one_line_before_anything_is_written(bpe_llama
     paths = export(str(bpe_llama_dir), tmp_path / "adapter", out, gguf="f16", overwrite=True)
     assert (tmp_path / "out.old-1" / "merged" / "model.safetensors").read_bytes() == first  # moved, not deleted
     assert paths["gguf-f16"].is_file() and json.loads((out / "merged" / "config.json").read_text())
+
+
+def test_k_quants_written_by_a_pool_equal_one_process_and_an_unguarded_script_gets_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from grpo.gguf_export import write_gguf
+
+    model_dir = tiny_qwen2_dir(tmp_path / "qwen2", layers=2)
+    one = write_gguf(model_dir, tmp_path / "one.gguf", "q4_k_m", workers=1)
+    two = write_gguf(model_dir, tmp_path / "two.gguf", "q4_k_m", workers=2)
+    assert one.read_bytes() == two.read_bytes()
+
+    # Spawned workers import the __main__ script: one without the guard re-runs the export in each
+    script = tmp_path / "unguarded.py"
+    script.write_text("from grpo.gguf_export import write_gguf\n"
+                      f"write_gguf({str(model_dir)!r}, {str(tmp_path / 'three.gguf')!r}, 'q4_k_m', workers=2)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and not list(tmp_path.glob("three.gguf*"))  # nor a partial file
+    assert "fix: add that guard, or pass workers=1" in run.stderr.splitlines()[-1]

@@ -229,6 +229,21 @@ def test_a_zero_block_is_stored_as_zeros_and_reads_back_as_zeros(qtype):
     assert not gguf.quants.dequantize(data, T[qtype]).any()
 
 
+def test_a_pool_of_workers_writes_the_same_bytes_as_one_process():
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from grpo.kquants import _PIECE_BLOCKS
+
+    rng = np.random.default_rng(1)
+    weights = (rng.standard_normal((_PIECE_BLOCKS * 2 + 37, QK_K)) * 0.02).astype(np.float32)  # 3 pieces, one short
+    weights[5] = 0  # a zero block in the first piece, an awkward row among the others
+    weights[-1] = awkward_blocks()[0]
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        for qtype in ("Q4_K", "Q6_K"):
+            assert np.array_equal(quantize_k(weights, T[qtype], pool), quantize_k(weights, T[qtype])), qtype
+
+
 def test_rows_that_are_not_whole_blocks_are_refused_by_name():
     with pytest.raises(ValueError, match="Q4_K: rows of 100 weights"):
         quantize_k(np.zeros((2, 100), dtype=np.float32), T.Q4_K)

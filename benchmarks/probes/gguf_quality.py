@@ -13,9 +13,8 @@ Per type: `eval/greedy_accuracy` (strict, in <SOLUTION>), `eval/greedy_lenient_a
 first `--agreement-prompts` problems, the share of greedy completions token-for-token equal to the merged
 model's and the perplexity of the merged model's greedy completions under this type; the file size.
 Results: OUT/results.json, one line per type on stdout. Writing a k-quant type of the 1.5B model takes
-minutes of one CPU core (17 min for q4_k_m on a heavily shared 2-core machine): under a per-command time
-limit, run `--types q4_k_m --write-only` etc. first, one command each (in parallel where there are cores:
-the merge first, alone); a rerun reuses what is already written.
+about 6 minutes of CPU, spread over every core (grpo.gguf_export's worker processes): under a per-command
+time limit, run `--write-only` first; a rerun reuses the merge and the files already written.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stop", nargs="*", default=["</SOLUTION>"],
                         help="Stop strings of the held-out evaluation (default: the recipes' '</SOLUTION>').")
     parser.add_argument("--write-only", action="store_true",
-                        help="Export and write the GGUF files, evaluate nothing: the k-quant types of one model "
-                             "can then be written by parallel commands (one core each) before one evaluating run.")
+                        help="Export and write the GGUF files, evaluate nothing (a later run without it reuses "
+                             "them): the writing and the evaluation can then go in separate commands.")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke run: smollm2-135m-instruct, 8 problems, 48 tokens, f16 and q4_k_m.")
     args = parser.parse_args(argv)
