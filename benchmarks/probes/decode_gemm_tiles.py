@@ -6,8 +6,8 @@ residual (8192 -> 2048); bf16 and FP8 block weights; without and with rsLoRA r=3
 as peft keeps them). Each timing is a CUDA graph of 16 calls that rotate over copies of the weights
 (more bytes than the 60 MB L2), replayed 20 times: the median per call, so launch gaps between
 kernels count as they do inside the engine's graph. `--groups qwen_gate_up qwen_down qwen_qkv qwen_o` take the
-packaged Qwen2.5-Coder-1.5B's shapes instead (hidden 1536, MLP 8960; untuned so far), `--sweep-rows 64` the
-rows its preset decodes.
+packaged Qwen2.5-Coder-1.5B's shapes instead (hidden 1536, MLP 8960; bf16 tuned at 64 rows), `--sweep-rows 64`
+the rows its preset decodes.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/decode_gemm_tiles.py [--budget-s 300] [--engine]
 
@@ -37,7 +37,7 @@ LLAMA_GROUPS = {  # name: (kind, K, output widths, residual)
     "qkv": ("proj", 2048, [2048, 512, 512], False),
     "o": ("proj", 2048, [2048], True),
 }
-QWEN_GROUPS = {  # the packaged Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960, 2 kv heads of 128): untuned so far
+QWEN_GROUPS = {  # the packaged Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960, 2 kv heads of 128): bf16 tuned
     "qwen_gate_up": ("gated", 1536, [8960, 8960], False),
     "qwen_down": ("proj", 8960, [1536], True),
     "qwen_qkv": ("proj", 1536, [1536, 256, 256], False),

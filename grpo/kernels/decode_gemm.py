@@ -178,6 +178,12 @@ _TUNED = {
     ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 3, split_k=4),
     ("proj", 2048, 2048, False): TileConfig(32, 128, 4, 6, split_k=4),
     ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 3, split_k=4),
+    # Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960), bf16, picked at the qwen1.5b-gsm8k preset's 64 rows
+    # (2026-12-02, benchmarks/RESULTS.md): gate/up 24.8 us against the guess below's 28.1
+    ("gated", 17920, 1536, False): TileConfig(32, 128, 4, 4),
+    ("proj", 1536, 8960, False): TileConfig(32, 128, 4, 6, split_k=2),
+    ("proj", 2048, 1536, False): TileConfig(32, 128, 4, 6, split_k=2),
+    ("proj", 1536, 1536, False): TileConfig(16, 256, 4, 4),
 }
 
 
@@ -217,10 +223,10 @@ def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | Non
 
 
 def _untuned_tiles(kind: str, n: int, k: int) -> TileConfig:
-    """Tiles for a shape no sweep has tuned (Qwen2.5-1.5B's: hidden 1536, MLP 8960; not yet swept on the
-    H200): 32 outputs a tile from 2048 outputs, 16 below; a projection with fewer tiles than the H200 has SMs
+    """Tiles for a shape no sweep has tuned (the models users bring; Qwen2.5-1.5B's bf16 shapes are tuned):
+    32 outputs a tile from 2048 outputs, 16 below; a projection with fewer tiles than the H200 has SMs
     (132) and a long K (1024 or more) splits K in up to 4 slices of whole K steps, none left empty (the tuned
-    o and down launches split in 4). A guess until `benchmarks/probes/decode_gemm_tiles.py` sweeps these."""
+    o and down launches split in 4). A guess until `benchmarks/probes/decode_gemm_tiles.py` sweeps the shape."""
     block_n, block_k = (32 if n >= 2048 else 16), 256
     split_k = 1
     if kind == "proj" and -(-n // block_n) < 132 and k >= 1024:
