@@ -3,7 +3,7 @@
 # qwen1.5b-gsm8k recipe for 60 steps, both adapters evaluated by `python -m grpo.eval` on the same 319 held-out
 # problems with the same decoding, compared problem by problem (McNemar's exact test).
 #
-# The machine has no network, takes at most 64 MiB per call (working tree included, ~3 MB), is handed back
+# The machine has no network, takes at most 64 MiB per call (working tree included, ~4 MB), is handed back
 # 30 s after a call ends and after 30 minutes held, and runs a command for at most 10 minutes. So everything
 # is carried in parts, one call after another with no pause, and the GPU work runs as one background chain
 # (setsid) started by the call that completes the model; later calls carry the vLLM kit and then poll.
@@ -15,25 +15,26 @@
 #                                      GAP_BATCH=gap-batch0-sdpa.pt (from learning_faults.py gap) rides in .whl/
 # There, in this order, each a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl             scripts/trl_comparison.sh wheels       installs .whl, GSM8K into the cache
-#   calls 2-19  carry .qw/part-NN      scripts/trl_comparison.sh qwen-part    the 18th joins, checks, starts `chain`
-#   calls 20-29 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 29 also carries .vx/SHA and
+#   calls 2-23  carry .qw/part-NN      scripts/trl_comparison.sh qwen-part    the 22nd joins, checks, starts `chain`
+#   calls 24-33 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 33 also carries .vx/SHA and
 #                                                                              .vx/kit.sh, and installs the kit)
-#   calls 30-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
+#   calls 34-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
+# (Parts of 60 MiB no longer fit beside the tree: 2026-12-02 the call was refused, so 50 MiB.)
 # Every call copies what the chain has written so far to $OUT (results.tgz), so a hold cut short still returns
 # its results.
 #
-# CHAIN=full STEPS=200 on the qwen-part calls (calls 2-19) runs `full` instead: the preset's whole schedule
+# CHAIN=full STEPS=200 on the qwen-part calls (calls 2-23) runs `full` instead: the preset's whole schedule
 # (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem, after the gap
 # probe's look at Qwen's decode on the kernels against its modules (the run takes the modules unless the
-# kernels' sampler is about as close to float32: `kernels_or_modules`). No vLLM: the status calls follow call 19
+# kernels' sampler is about as close to float32: `kernels_or_modules`). No vLLM: the status calls follow call 23
 # (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes;
 # measured 2026-12-01: the run's stage, evaluations included, 14 min 56 s).
 #
 # CHAIN=gguf (STEPS=60 suggested) runs `gguf` instead: issue 29's measurement. STEPS steps of the preset, then
 # benchmarks/probes/gguf_quality.py on their adapter: the merge and f16, each k-quant type written on all
 # 16 cores, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json).
-# Estimated ~19 minutes with the carrying: convert 2.5, 60 steps 4.5, merge 1, the k-quant writes ~2 (q4_k_m of
-# 1.55 B weights: 6 min of one unloaded core here, 2026-12-02), five evaluations ~6.5. Not yet run.
+# Measured 2026-12-02 (01:18-01:40 UTC after ~2.5 min of carrying): convert 3.0, 60 steps 4.4, merge and f16
+# 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
