@@ -133,6 +133,16 @@ def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_di
     assert all(w.dtype == torch.float16 for w in merged.state_dict().values())
     torch.testing.assert_close(logits(merged), expected, atol=5e-3, rtol=0)
 
+    if source == "fp8_block_checkpoint":  # GGUF is written from the merged, dequantized weights
+        pytest.importorskip("gguf")
+        from transformers import AutoModelForCausalLM
+
+        gguf_path = export(str(model_dir), tmp_path / "adapter", tmp_path / "out", dtype="fp16", gguf="f16",
+                           overwrite=True)["gguf-f16"]
+        from_gguf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32).eval()
+        torch.testing.assert_close(logits(from_gguf), logits(load_dense(paths["merged"])), atol=1e-6, rtol=0)
+
 
 def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(tiny_llama_dir):
     model = quantize_and_return(load_dense(tiny_llama_dir))
