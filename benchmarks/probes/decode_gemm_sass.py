@@ -63,7 +63,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     fn = kernels.proj_kernel if kind == "proj" else kernels.gated_kernel
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
-                 HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, SPLIT=8, STAGES=stages, EXACT=False,
+                 HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, STAGES=stages, EXACT=False,
                  UNPACK=_UNPACK_MODES[unpack] if fp8 else 0)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)

@@ -73,13 +73,11 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
 
 @triton.jit
 def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-             SPLIT: tl.constexpr, EXACT: tl.constexpr):
-    # acc += scale * (x A^T) B^T; x A^T arrives as SPLIT float32 partial sums (SPLIT, BLOCK_M, BLOCK_R)
+             EXACT: tl.constexpr):
+    # acc += scale * (x A^T) B^T; x A^T arrives whole, float32 (BLOCK_M, BLOCK_R), from lora_down_kernel
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
-    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        xa += tl.load(xa_ptr + (s * BLOCK_M + rm[:, None]) * BLOCK_R + rr[None, :])
+    xa = tl.load(xa_ptr + rm[:, None] * BLOCK_R + rr[None, :])
     b = tl.load(b_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
     return acc + _dot32(xa, tl.trans(b.to(tl.float32)), EXACT) * scale
 
@@ -91,11 +89,11 @@ def _add_bias(acc, bias_ptr, N, rn):
 @triton.jit
 def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M: tl.constexpr,
                  HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-                 SPLIT: tl.constexpr, EXACT: tl.constexpr):
+                 EXACT: tl.constexpr):
     # the whole K's sums in: LoRA's up-projection, the bias, the residual, one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
-        acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, SPLIT, EXACT)
+        acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, EXACT)
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, rn)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -107,7 +105,7 @@ def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, r
 def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, bias_ptr,
               res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
               EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,10 +126,10 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
                 acc += tl.load(at + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
             _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
-                         HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, EXACT)
+                         HAS_BIAS, HAS_RES, BLOCK_R, EXACT)
     else:
         _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
-                     HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, EXACT)
+                     HAS_BIAS, HAS_RES, BLOCK_R, EXACT)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
@@ -139,16 +137,16 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 xa_ptr, R, res_ptr, part_ptr, count_ptr,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
                 EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
     # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
-    xa_stride = SPLIT * BLOCK_M * BLOCK_R
+    xa_stride = BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
-                  count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, SPLIT,
+                  count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
                   STAGES, EXACT, UNPACK, SPLIT_K)
     else:
         if NUM >= 2:
@@ -156,19 +154,19 @@ def proj_kernel(x_ptr, stride_xm, M, K,
             if pid < t0 + t1:
                 _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
                           res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
-                          HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT, UNPACK, SPLIT_K)
+                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
                               xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
-                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, SPLIT, STAGES, EXACT,
+                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT,
                               UNPACK, SPLIT_K)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 SPLIT: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
     # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -177,9 +175,8 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
     u = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
     if HAS_LORA:
-        g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, SPLIT, EXACT)
-        u = _lora_up(u, xa_ptr + SPLIT * BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, SPLIT,
-                     EXACT)
+        g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, EXACT)
+        u = _lora_up(u, xa_ptr + BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, EXACT)
     if HAS_BIAS:
         g = _add_bias(g, eg, N, rn)
         u = _add_bias(u, eu, N, rn)
@@ -203,9 +200,12 @@ def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constex
     return acc
 
 @triton.jit
-def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, R, BLOCK_M: tl.constexpr,
+def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
-    # out[i, s] = x[:, slice s] A_i[:, slice s]^T: partial sums over SPLIT slices of K
+    # out[i] = x A_i^T, over SPLIT slices of K in programs of their own; the slice that arrives last adds
+    # the partial sums in slice order (deterministic) and re-arms the counter, as _one_proj's split K does.
+    # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
+    # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows).
     i = tl.program_id(0)
     s = tl.program_id(1)
     per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
@@ -217,9 +217,19 @@ def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, R, BLOCK_M: tl
         acc = _down_part(x_ptr, stride_xm, M, K, a1, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     else:
         acc = _down_part(x_ptr, stride_xm, M, K, a2, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
-    rm = tl.arange(0, BLOCK_M)
-    rr = tl.arange(0, BLOCK_R)
-    tl.store(out_ptr + ((i * SPLIT + s) * BLOCK_M + rm[:, None]) * BLOCK_R + rr[None, :], acc)
+    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, acc)
+    else:
+        at = part_ptr + i * SPLIT * BLOCK_M * BLOCK_R + tile
+        tl.store(at + s * BLOCK_M * BLOCK_R, acc)
+        tl.debug_barrier()  # all of this program's partial sums are written before the count says so
+        if tl.atomic_add(count_ptr + i, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for t in tl.static_range(SPLIT):
+                total += tl.load(at + t * BLOCK_M * BLOCK_R, cache_modifier=".cg")  # .cg: from L2
+            tl.atomic_xchg(count_ptr + i, 0, sem="relaxed", scope="gpu")
+            tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, total)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ decode layer does around its projections:
 - Split-K for projections with few output tiles (down, o): K slices in separate programs, the last one
   to finish adding the partial sums in a fixed order (deterministic) and finishing the tile.
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
-  over K into partial sums that the consumer adds, so no atomics and the result is deterministic).
+  over K as the projections are: partial sums added in a fixed order, so the result is deterministic).
 - up to three projections that read the same input (q/k/v) in one launch;
 - the gated MLP, `silu(x Wg^T) * (x Wu^T)`, in one launch;
 - a residual add (`o_proj`, `down_proj`);
@@ -344,17 +344,22 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
 
 
 def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> torch.Tensor:
-    """Partial sums of x A_i^T: (len(lora_as), lora_split(K), rows padded, block_r) float32; the consumer
-    adds them."""
+    """x A_i^T for each adapter: (len(lora_as), rows padded, block_r) float32, over lora_split(K) slices of
+    K whose partial sums the last slice to finish adds in a fixed order (split K, as the projections')."""
     kernels = _triton_kernels()
     m, k = x2.shape
     r = lora_as[0].shape[0]
     split = lora_split(k)
-    out = torch.empty((len(lora_as), split, _block_m(m), block_r), dtype=torch.float32, device=x2.device)
+    out = torch.empty((len(lora_as), _block_m(m), block_r), dtype=torch.float32, device=x2.device)
+    if split > 1:
+        parts = torch.empty((len(lora_as), split, _block_m(m), block_r), dtype=torch.float32, device=x2.device)
+        counters = _tile_counters(x2.device, len(lora_as))
+    else:
+        parts = counters = out
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
     kernels.lora_down_kernel[(len(lora_as), split)](
-        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, r, BLOCK_M=_block_m(m), BLOCK_R=block_r, BLOCK_K=64,
-        SPLIT=split, EXACT=x2.dtype == torch.float32, num_warps=4)
+        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, parts, counters, r, BLOCK_M=_block_m(m), BLOCK_R=block_r,
+        BLOCK_K=64, SPLIT=split, EXACT=x2.dtype == torch.float32, num_warps=4)
     return out
 
 
@@ -411,7 +416,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
             x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
-            HAS_BIAS=has_bias, BLOCK_R=block_r, SPLIT=lora_split(k), STAGES=cfg.stages,
+            HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
             EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
@@ -444,8 +449,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
             float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
-            HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, SPLIT=lora_split(k),
-            STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
+            HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack), cfg, launch)

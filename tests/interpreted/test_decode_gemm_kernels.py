@@ -74,6 +74,19 @@ def test_biases_are_added_to_each_projection_with_lora_and_split_k(fp8, split_k)
     close(dg.project_gated(x, gate, up), dg.project_gated_ref(x, gate, up))
 
 
+def test_lora_down_adds_its_k_slices_once_and_rearms_its_counters():
+    # K = 2048: 8 slices whose partial sums the last to finish adds; run twice, so counters left set would show
+    x = torch.randn(9, 2048)
+    lora_as = [torch.randn(8, 2048, generator=torch.Generator().manual_seed(i)) / 2048**0.5 for i in range(3)]
+    assert dg.lora_split(2048) == 8
+    for _ in range(2):
+        out = dg.lora_down(x, lora_as, 16)
+        assert out.shape == (3, 16, 16)
+        for i, a in enumerate(lora_as):
+            close(out[i, :9, :8], x @ a.T)
+        assert not out[:, 9:].any() and not out[:, :, 8:].any()  # padded rows and ranks stay zero
+
+
 def test_every_tile_config_gives_the_same_result():
     projs = [proj(n, 512, True, 16, seed=i) for i, n in enumerate([160, 32])]
     x = torch.randn(9, 512)
