@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="Base model (as train.py's --model).")
     parser.add_argument("--adapter", default=None, help="Trained adapter folder; without it the base is exported.")
-    parser.add_argument("--types", default="f16,q8_0,q5_k_m,q4_k_m", help="GGUF types, comma-separated.")
+    parser.add_argument("--types", default=None,
+                        help="GGUF types, comma-separated (default: f16,q8_0,q5_k_m,q4_k_m; with --smoke f16,q4_k_m).")
     parser.add_argument("--out", required=True, help="Work folder (the export and the converted checkpoints).")
     parser.add_argument("--dataset", default="gsm8k", help="Held-out split evaluated (grpo.data).")
     parser.add_argument("--eval-size", type=int, default=319, help="Held-out problems (GSM8K holds out 319).")
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke:
         args.model, args.eval_size, args.max_completion_length = "smollm2-135m-instruct", 8, 48
         args.agreement_prompts = 4
-        args.types = "f16,q4_k_m" if args.types == parser.get_default("types") else args.types
+    args.types = args.types or ("f16,q4_k_m" if args.smoke else "f16,q8_0,q5_k_m,q4_k_m")
     return args
 
 
