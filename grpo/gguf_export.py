@@ -349,8 +349,8 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
     """Write the checkpoint in `model_dir` (config.json, *.safetensors, tokenizer) as one GGUF of
     `gguf_type` at `path`. Header first, then one tensor at a time (read, converted, written), so memory
     holds one tensor; written beside `path` and renamed, so `path` is never half a file. The k-quants run
-    on `workers` processes (default: every core this process may use; the numpy arithmetic is one core's
-    and takes minutes a billion weights)."""
+    on `workers` processes (default: every core this process may use, up to 16; the numpy arithmetic is
+    one core's and takes minutes a billion weights)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -400,8 +400,9 @@ def _kquant_pool(plan: list[PlannedTensor], workers: int | None, cleanup: ExitSt
     to write or one worker. Spawned, not forked: the caller may hold CUDA and torch's threads."""
     from grpo.kquants import BLOCK_BYTES
 
-    if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers is None:  # at most 16: each spawned worker imports the caller's __main__ (grpo.export: 0.2 GB)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(cores, 16)
     if workers < 2 or not any(item.qtype in BLOCK_BYTES for item in plan):
         return None
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))

@@ -8,13 +8,14 @@ makes llama.cpp's choices gives those blocks back bit for bit; a block that diff
 choice of scales (the error it adds is printed beside it). The same-block share is the fidelity; the
 relative error (rms(ours - file) / rms(file)) is what a different choice costs. Runs on CPU (no GPU).
 
-    python benchmarks/probes/kquant_fidelity.py --survival [--rel-delta 0.001,0.003,0.01]   # CPU, under a minute
+    python benchmarks/probes/kquant_fidelity.py --survival [--rel-delta 0.001,0.003,0.01,0.03]   # CPU, <1 minute
 
 `--survival` asks what a k-quant keeps of a fine-tune: a random rank-32 change of a given size (relative
 rms) is added to weights that already lie on a k-quant grid (the packaged Qwen's, dequantized from its
 Q4_K_M file, as training starts from them) and to weights that do not (SmolLM2-135M's bf16 down_proj),
-and each sum is re-quantized (Q4_0 and Q8_0, whose scales are not searched, as controls). `kept` = <Q(w + delta) - Q(w), delta> / <delta, delta>: 1 keeps the change
-on average, 0 snaps it back onto the base's codes; `moved` is the share of weights whose value changed.
+and each sum is re-quantized (Q4_0 and Q8_0, whose scales are not searched, as controls).
+`kept` = <Q(w + delta) - Q(w), delta> / <delta, delta>: 1 keeps the change on average, 0 snaps it back
+onto the base's codes; `moved` is the share of weights whose value changed.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, coun
     # out[i] = x A_i^T, over SPLIT slices of K in programs of their own; the slice that arrives last adds
     # the partial sums in slice order (deterministic) and re-arms the counter, as _one_proj's split K does.
     # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
-    # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows).
+    # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
     i = tl.program_id(0)
     s = tl.program_id(1)
     per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K

@@ -290,9 +290,10 @@ _OUTGROWN: list[torch.Tensor] = []  # counters a bigger launch replaced: capture
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Per-tile arrival counts of split-K launches: zeros, and every launch leaves them zero again (the
-    last K slice of a tile re-arms its counter), so one buffer per device serves every launch in stream
-    order, CUDA graph replays included. Launches on concurrent streams would need their own."""
+    """Arrival counts of split-K launches, one per output tile (or per adapter, for lora_down): zeros, and
+    every launch leaves them zero again (the last K slice to arrive re-arms its counter), so one buffer per
+    device serves every launch in stream order, CUDA graph replays included. Launches on concurrent streams
+    would need their own."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
         if counters is not None:
@@ -449,7 +450,8 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
             float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
-            HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
+            HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack), cfg, launch)
