@@ -184,7 +184,7 @@ def build_parser():
     parser.add_argument("--gguf", default="", metavar="TYPES",
                         help="Also write GGUF files of the merged model, one folder per type: any of "
                              "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated. q8_0 kept what a 60-step run "
-                             "learned, q5_k_m 88% of it, q4_k_m 39% (docs/measurements.md).")
+                             "learned, q5_k_m 88%% of it, q4_k_m 39%% (docs/measurements.md).")
     add_bool_flag(parser, "--overwrite",
                   help="An --out holding an export is moved aside to OUT.old-N (never deleted); without it such "
                        "a folder is refused.")

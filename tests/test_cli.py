@@ -56,6 +56,8 @@ def test_the_snake_case_spelling_of_every_flag_works_and_stays_out_of_help(capsy
     assert grpo_export.build_parser().parse_args(EXPORT + ["--load_in_fp8"]).load_in_fp8 is True
     text = build_parser().format_help()
     assert "--learning-rate" in text and "--learning_rate " not in text and "--no-dynamic-sampling" not in text
+    for other in (grpo_eval.build_parser(), grpo_export.build_parser()):  # every help renders (a bare % did not)
+        assert "--load-in-fp8" in other.format_help()
     # a value is never rewritten, only a flag
     assert parse_args(["--system-prompt", "keep_this_text", "--reward", "my_rewards.py:snake_case"]).reward == (
         "my_rewards.py:snake_case",)
