@@ -85,6 +85,14 @@ def micro_batches(batch: Batch, adv: torch.Tensor, micro: int) -> tuple[Batch, t
     return batch, adv, slices
 
 
+def real_token_share(batch: Batch, slices: list[slice]) -> float:
+    """Real tokens (prompts and counted completion tokens) over the positions the training forwards run:
+    each micro-batch runs as wide as its longest row, so the rest of its rows are padded to that. 1.0: no
+    padding; what `micro_batches`' sorting buys shows here (logged as train/real_token_frac)."""
+    run = sum(len(part) * max(part) for part in (batch.lengths[sl] for sl in slices) if part)
+    return sum(batch.lengths) / run if run else 1.0
+
+
 def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
     """(B, T) log-probs of the completion tokens at `temperature`; 0 where mask is False.
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from grpo.batch import Batch, batch_logprobs, make_batch, micro_batches, sequence_logprobs
+from grpo.batch import Batch, batch_logprobs, make_batch, micro_batches, real_token_share, sequence_logprobs
 from grpo.config import Config
 from grpo.data import PromptSet, PromptStream
 from grpo.distributed import World
@@ -82,6 +82,7 @@ class StepResult:
     timings: dict[str, float]  # seconds per phase
     sampling: SamplingReport | None = None  # what --dynamic-sampling did; None without it
     gap: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler-trainer gap; {} if not trained
+    real_token_frac: float | None = None  # this rank's real tokens over the positions trained; None: not trained
 
     def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float,
                    engine_pool_gib: float | None = None) -> dict:
@@ -103,6 +104,7 @@ class StepResult:
             "peak_mem_gib": peak_mem_gib,
             **({} if engine_pool_gib is None else {"engine_pool_gib": engine_pool_gib}),
             **self.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
+            **({} if self.real_token_frac is None else {"train/real_token_frac": self.real_token_frac}),
         }
         if self.sampling is not None:
             report = self.sampling
@@ -145,6 +147,7 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     update = update_policy(s, batch, slices, adv, ref_logp, old_logp, in_flight)
     return dataclasses.replace(result, loss_stats=update.loss_stats, grad_norm=update.grad_norm,
                                skipped=update.skipped, gap=update.gap,
+                               real_token_frac=real_token_share(batch, slices),
                                timings={**groups.timings, **logp_times, "train": update.train_s,
                                         "optimizer": update.optimizer_s})
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.rollout import Rollout
-from grpo.batch import make_batch, sequence_logprobs
+from grpo.batch import make_batch, real_token_share, sequence_logprobs
 
 PAD = 4
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [99, 100, 101]]  # lengths 5, 2, 3
@@ -115,3 +115,6 @@ def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logpro
     assert list(ordered.lengths) == (ordered.start + ordered.mask.sum(1)).tolist()
     assert torch.equal(ordered.input_ids[0], batch.input_ids[2])  # each row keeps its advantage
     assert sum(ordered.rows(sl).input_ids.numel() for sl in slices) == 2 * (3 + 7 + 11) < batch.input_ids.numel()
+    # the share of real tokens in what the forwards run: 39 of 6 x 11 in one pass, of 2 x (3 + 7 + 11) sorted
+    assert real_token_share(batch, one) == 39 / 66 and real_token_share(ordered, slices) == 39 / 42
+    assert real_token_share(ordered, []) == 1.0

@@ -91,6 +91,7 @@ def test_train_cli_runs_two_steps_offline_and_saves_a_peft_adapter(tiny_llama_di
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in steps)
+    assert all(0 < r["train/real_token_frac"] <= 1 for r in steps)  # what padding the training forwards ran
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
