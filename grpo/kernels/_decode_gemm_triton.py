@@ -102,6 +102,22 @@ def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, r
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
+def _split_k_sum(part, at, stride, count_ptr, SPLIT: tl.constexpr):
+    # Split K: this program (K slice program_id(1) of SPLIT) leaves its partial sums at `at` + slice * `stride`;
+    # the slice that arrives last adds all of them in slice order (so the result does not depend on which
+    # one that is) and re-arms the counter. Returns (the whole sums there, else this slice's; last or not).
+    tl.store(at + tl.program_id(1) * stride, part)
+    tl.debug_barrier()  # all of this program's partial sums are written before the count says so
+    last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    total = part
+    if last:
+        total = tl.load(at, cache_modifier=".cg")  # .cg: from L2, where the other slices wrote
+        for s in tl.static_range(1, SPLIT):
+            total += tl.load(at + s * stride, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+    return total, last
+
+@triton.jit
 def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, bias_ptr,
               res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -113,18 +129,11 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
     k_lo = tl.program_id(1) * per
     acc = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, BLOCK_M,
                      BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK)
-    if SPLIT_K > 1:
-        # Each K slice leaves its partial sums; the slice that arrives last adds them in slice order (so
-        # the result does not depend on which one that is), finishes the tile and re-arms the counter.
+    if SPLIT_K > 1:  # the K slice that arrives last finishes the tile
         rm = tl.arange(0, BLOCK_M)
         at = part_ptr + (slot * SPLIT_K * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(at + tl.program_id(1) * BLOCK_M * BLOCK_N, acc)
-        tl.debug_barrier()  # all of this program's partial sums are written before the count says so
-        if tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            acc = tl.load(at, cache_modifier=".cg")  # .cg: from L2, where the other slices wrote
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(at + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
+        acc, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_N, count_ptr + slot, SPLIT_K)
+        if last:
             _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
                          HAS_BIAS, HAS_RES, BLOCK_R, EXACT)
     else:
@@ -202,14 +211,12 @@ def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constex
 @triton.jit
 def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
-    # out[i] = x A_i^T, over SPLIT slices of K in programs of their own; the slice that arrives last adds
-    # the partial sums in slice order (deterministic) and re-arms the counter, as _one_proj's split K does.
+    # out[i] = x A_i^T, over SPLIT slices of K in programs of their own, added by _split_k_sum.
     # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
     # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
     i = tl.program_id(0)
-    s = tl.program_id(1)
     per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-    k_lo = s * per
+    k_lo = tl.program_id(1) * per
     k_hi = tl.minimum(K, k_lo + per)
     if i == 0:
         acc = _down_part(x_ptr, stride_xm, M, K, a0, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
@@ -222,13 +229,8 @@ def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, coun
         tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, acc)
     else:
         at = part_ptr + i * SPLIT * BLOCK_M * BLOCK_R + tile
-        tl.store(at + s * BLOCK_M * BLOCK_R, acc)
-        tl.debug_barrier()  # all of this program's partial sums are written before the count says so
-        if tl.atomic_add(count_ptr + i, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for t in tl.static_range(SPLIT):
-                total += tl.load(at + t * BLOCK_M * BLOCK_R, cache_modifier=".cg")  # .cg: from L2
-            tl.atomic_xchg(count_ptr + i, 0, sem="relaxed", scope="gpu")
+        total, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_R, count_ptr + i, SPLIT)
+        if last:
             tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, total)
 
 
