@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Issue 30 on the H200 machine: the CUDA tests of the vLLM and Unsloth paths, then the peers in one suite run
+# (benchmarks/README.md, "The peers in one run"), as one background chain, so that no stage waits for a call.
+#
+# The machine has no network, takes at most 64 MiB per call, is handed back 30 s after a call ends and after
+# 30 minutes held, and runs a command for at most 10 minutes. Here: .whl/ (scripts/trl_comparison.sh pack:
+# the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
+# a `run` call begun within 30 s of the previous one's end:
+#   call  1     carry .whl             scripts/engine_peers.sh wheels       installs .whl into /tmp/site
+#   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
+#                                                                            .vx/kit.sh: installs, starts the chain)
+#   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
+# Every call copies what the chain has written so far to $OUT (results.tgz).
+#
+# STAGES (default: all, in this order; each under its own timeout, a failed one does not stop the next):
+#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, the FP8-Block child     ~3-4 min
+#   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block    ~4-6
+#   ours           bench: ours native bf16 and FP8, ours --engine vllm                                    ~4
+#   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby)                               ~6-8
+#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block                                              ~6-8
+#   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate"                                              ~3-5
+#   unsloth-bf16   bench: ours --engine unsloth on bf16                                                   ~6-8
+# The bench stages join one results file (--bench-join): results/peers.json, and each process's own file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EP=${EP:-/tmp/ep}
+STAGES=${STAGES:-vllm-cuda unsloth-cuda ours unsloth-grpo unsloth-fp8 trl-vllm unsloth-bf16}
+export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
+  local name=$1 limit=$2 site=$3; shift 3
+  echo "$(date -u +%T) start $name" >> $EP/stages.log
+  local rc=0
+  (export PYTHONPATH=/tmp/site; source $EP/kit.sh env ${site/vllm/} && timeout $limit "$@") > $EP/$name.log 2>&1 || rc=$?
+  if [ $rc -eq 0 ]; then echo "$(date -u +%T) end   $name" >> $EP/stages.log
+  else
+    echo "$(date -u +%T) FAILED $name (exit $rc): tail of $name.log follows" >> $EP/stages.log
+    tail -5 $EP/$name.log >> $EP/stages.log
+  fi
+}
+
+bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
+  local name=$1 site=$2; shift 2
+  stage $name 580 $site python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
+    --bench-join $EP/results/peers.json --bench-results-dir $EP/results/$name "$@"
+}
+
+chain() {
+  mkdir -p $EP/results
+  for s in $STAGES; do
+    case $s in
+      vllm-cuda) stage $s 570 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
+      unsloth-cuda) stage $s 580 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
+      ours) bench $s vllm -k "bench_config or vllm_engine" ;;
+      unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
+      unsloth-fp8) bench $s unsloth -k "unsloth_path and fp8" ;;
+      trl-vllm) bench $s vllm -k vllm_colocated ;;
+      unsloth-bf16) bench $s unsloth -k "unsloth_path and bf16" ;;
+      *) echo "unknown stage $s" >> $EP/stages.log ;;
+    esac
+  done
+  echo "$(date -u +%T) chain stopped" >> $EP/stages.log
+}
+
+collect() {  # what the chain has written so far, to $OUT as one results.tgz (a call returns only a few files)
+  if [ -z "${OUT:-}" ] || [ ! -d $EP ]; then return 0; fi
+  (cd $EP && tar -czf "$OUT/results.tgz" *.log results 2>/dev/null) || true
+}
+
+case "${1:-}" in
+  wheels)  # call 1
+    bash scripts/trl_comparison.sh wheels ;;
+  vllm-part)  # calls 2-11
+    bash scripts/trl_comparison.sh vllm-part
+    if [ -f /tmp/cmp/vllm.ready ] && [ ! -d $EP ]; then
+      mkdir -p $EP/src && cp /tmp/cmp/kit.sh $EP/kit.sh
+      # The chain runs from a snapshot: later calls rewrite this copy of the tree under it
+      tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $EP/src
+      setsid nohup env STAGES="$STAGES" EP=$EP bash $EP/src/scripts/engine_peers.sh chain > $EP/chain.log 2>&1 < /dev/null &
+      echo "chain started: $STAGES"
+    fi ;;
+  status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is
+    end=$(( $(date +%s) + ${2:-300} ))
+    while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $EP/stages.log 2>/dev/null; do sleep 5; done
+    cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
+    grep -h "\[vllm-cuda\]\|passed\|failed" $EP/*-cuda.log 2>/dev/null | tail -12 || true
+    collect ;;
+  chain) chain ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
+esac
