@@ -10,9 +10,13 @@
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
+#   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
 # Every call copies what the chain has written so far to $OUT (results.tgz).
 #
 # STAGES (default: all, in this order; each under its own timeout, a failed one does not stop the next):
+#   probe-unsloth  benchmarks/probes/engine_sampling.py --engine unsloth: what Unsloth's vLLM samples from the
+#                  test's FP8-Block model, without an adapter and with ours, against the trainer       ~3
+#   probe-vllm     the same for plain vLLM (VLLMEngine) on the FP8-Block model                          ~2
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, the FP8-Block child     ~3-4 min
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block    ~4-6
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm                                    ~4
@@ -25,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-vllm-cuda unsloth-cuda ours unsloth-grpo unsloth-fp8 trl-vllm unsloth-bf16}
+STAGES=${STAGES:-probe-unsloth vllm-cuda unsloth-cuda ours unsloth-grpo unsloth-fp8 trl-vllm unsloth-bf16}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
@@ -50,6 +54,8 @@ chain() {
   mkdir -p $EP/results
   for s in $STAGES; do
     case $s in
+      probe-unsloth) stage $s 400 unsloth python3 benchmarks/probes/engine_sampling.py --engine unsloth --out $EP/results ;;
+      probe-vllm) stage $s 300 vllm python3 benchmarks/probes/engine_sampling.py --engine vllm --out $EP/results ;;
       vllm-cuda) stage $s 570 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
       unsloth-cuda) stage $s 580 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
@@ -63,6 +69,14 @@ chain() {
   echo "$(date -u +%T) chain stopped" >> $EP/stages.log
 }
 
+start_chain() {  # in the background, from a snapshot of this tree (later calls rewrite the tree under it)
+  mkdir -p $EP && rm -rf $EP/src && mkdir -p $EP/src && cp /tmp/cmp/kit.sh $EP/kit.sh
+  tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $EP/src
+  setsid nohup env STAGES="$STAGES" EP=$EP bash $EP/src/scripts/engine_peers.sh chain >> $EP/chain.log 2>&1 < /dev/null &
+  echo $! > $EP/chain.pid
+  echo "chain started: $STAGES"
+}
+
 collect() {  # what the chain has written so far, to $OUT as one results.tgz (a call returns only a few files)
   if [ -z "${OUT:-}" ] || [ ! -d $EP ]; then return 0; fi
   (cd $EP && tar -czf "$OUT/results.tgz" *.log results 2>/dev/null) || true
@@ -73,18 +87,17 @@ case "${1:-}" in
     bash scripts/trl_comparison.sh wheels ;;
   vllm-part)  # calls 2-11
     bash scripts/trl_comparison.sh vllm-part
-    if [ -f /tmp/cmp/vllm.ready ] && [ ! -d $EP ]; then
-      mkdir -p $EP/src && cp /tmp/cmp/kit.sh $EP/kit.sh
-      # The chain runs from a snapshot: later calls rewrite this copy of the tree under it
-      tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $EP/src
-      setsid nohup env STAGES="$STAGES" EP=$EP bash $EP/src/scripts/engine_peers.sh chain > $EP/chain.log 2>&1 < /dev/null &
-      echo "chain started: $STAGES"
-    fi ;;
+    if [ -f /tmp/cmp/vllm.ready ] && [ ! -d $EP ]; then start_chain; fi ;;
+  restart)  # stop the chain (its whole process group) and start STAGES from this call's tree
+    mkdir -p $EP; if [ -f $EP/chain.pid ]; then kill -- -"$(cat $EP/chain.pid)" 2>/dev/null || true; sleep 5; fi
+    echo "$(date -u +%T) restarted: $STAGES" >> $EP/stages.log
+    start_chain ;;
   status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $EP/stages.log 2>/dev/null; do sleep 5; done
     cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
-    grep -h "\[vllm-cuda\]\|passed\|failed" $EP/*-cuda.log 2>/dev/null | tail -12 || true
+    grep -h "\[vllm-cuda\]\|passed\|failed\|answer " $EP/*-cuda.log 2>/dev/null | tail -12 || true
+    grep -h '"kind": "case"' $EP/probe-*.log 2>/dev/null | cut -c1-600 || true
     collect ;;
   chain) chain ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;

@@ -1,15 +1,25 @@
-"""The GRPO run that tests/test_vllm_cuda.py gives the Unsloth path, kept here so that CPU tests can check
-its command line and its reward without a GPU (tests/test_engine_runs.py).
+"""The model and the GRPO run that tests/test_vllm_cuda.py gives the vLLM engines, kept here so that CPU tests
+can check them without a GPU (tests/test_engine_runs.py) and the probe benchmarks/probes/engine_sampling.py
+can build the same model.
 
-A step carries a signal only when rewards differ within a group: on a random model every completion
-fails the recipe's rewards alike (-7.50 each, so every advantage is 0 and the adapter cannot move). The
-extra reward, `longer_text`, pays for the completion's length in characters: completions of the same
-number of tokens still decode to texts of different lengths, so a group's rewards differ.
+The model: a random two-layer Llama with Llama 3.2's vocabulary whose dimensions are multiples of 128 (FP8
+blocks), with an output layer of its own. Tied to the input embedding, a random model's residual stream is
+mostly the input token's embedding, so the logit of that same token stands ~16 standard deviations above
+the rest: every completion repeated the prompt's last token (seen on the H200, 2026-12-02: every Unsloth
+completion the same, every reward tied). An untied output layer of std 0.125 gives logits of std ~2 over
+the vocabulary: samples differ, and temperature and min_p change which tokens are likely.
+
+The run: a step carries a signal only when rewards differ within a group: on a random model every
+completion fails the recipe's rewards alike (-7.50 each, so every advantage is 0 and the adapter cannot
+move). The extra reward, `longer_text`, pays for the completion's length in characters: different
+completions of the same number of tokens decode to texts of different lengths, so a group's rewards differ.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+OUTPUT_STD = 0.125  # the output layer's weights: logits of std ~2 (hidden 256, after the final RMSNorm)
 
 REWARD_FUNCTION = "longer_text"
 REWARD_SOURCE = '''"""A reward for tests: the completion's length in characters, over 100."""
@@ -40,4 +50,32 @@ def unsloth_run_flags(model: Path, out: Path, reward: str) -> list[str]:
             "--max-completion-length", "32", "--max-prompt-length", "160", "--max-seq-length", "256",
             "--lora-rank", "8", "--lora-alpha", "16", "--vllm-gpu-memory-utilization", str(VLLM_SHARE),
             "--vllm-enforce-eager", "true", "--eval-size", "0", "--save-steps", "1", "--log-completions-steps",
-            "0", "--output-dir", str(out)]
+            "1", "--output-dir", str(out)]
+
+
+def write_small_llama(kind: str, path: Path, tokenizer) -> Path:
+    """The engine tests' model (see the module's docstring), saved as `kind`: "bf16", or "fp8-block" (the
+    layout of unsloth/Llama-3.2-1B-Instruct-FP8-Block: the 7 projections as E4M3 codes in 128x128 blocks)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo.config import LORA_TARGETS
+    from grpo.fp8_checkpoint import save_fp8_block_checkpoint
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+                         pad_token_id=128004, rope_theta=500000.0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, OUTPUT_STD)
+    if kind == "fp8-block":
+        save_fp8_block_checkpoint(model, path, LORA_TARGETS)
+        model.generation_config.save_pretrained(path)
+    elif kind == "bf16":
+        model.to(torch.bfloat16).save_pretrained(path)
+    else:
+        raise ValueError(f"kind {kind!r}: use 'bf16' or 'fp8-block'")
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,13 +1,13 @@
-"""What tests/test_vllm_cuda.py's Unsloth run relies on, checked without a GPU: its reward differs within a
-group where the recipe's rewards tie, its flags parse into the run it means, and the trainer hands vLLM's
-share and eager mode to the engine it builds."""
+"""What tests/test_vllm_cuda.py's runs rely on, checked without a GPU: its model samples completions that
+differ, its reward differs within a group where the recipe's rewards tie, its flags parse into the run it
+means, and the trainer hands vLLM's share and eager mode to the engine it builds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine_runs import LEARNING_RATE, VLLM_SHARE, unsloth_run_flags, write_reward
+from engine_runs import LEARNING_RATE, VLLM_SHARE, unsloth_run_flags, write_reward, write_small_llama
 from grpo import rewards as grpo_rewards
 from grpo.config import VLLM_GPU_MEMORY_UTILIZATION, Config, parse_args
 
@@ -23,6 +23,27 @@ def test_the_test_reward_separates_completions_the_recipes_rewards_score_alike(t
     apart, names = grpo_rewards.score(texts, answers, ours, {})
     assert tied.sum(1).std() == 0  # every advantage would be 0
     assert apart.sum(1).std() > 0 and names[-1] == "longer_text"
+
+
+def test_the_engine_tests_model_samples_completions_whose_rewards_differ(tmp_path, llama_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(write_small_llama("bf16", tmp_path / "model", llama_tokenizer),
+                                                 dtype=torch.float32)
+    prompt = torch.tensor([[128000, 791, 4320, 315, 220, 18, 10, 19, 374]])
+    torch.manual_seed(0)
+    out = model.generate(prompt, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=32,
+                         num_return_sequences=4, pad_token_id=128004)
+    completions = out[:, prompt.shape[1]:]
+    # A model tied to its input embedding repeats the prompt's last token: one distinct token in 128.
+    assert len(set(completions.flatten().tolist())) > completions.numel() // 2
+    texts = llama_tokenizer.batch_decode(completions.tolist(), skip_special_tokens=True)
+    functions = grpo_rewards.reward_functions("dapo", [write_reward(tmp_path)])
+    rewards, _ = grpo_rewards.score(texts, ["7"] * 4, functions, {})
+    assert rewards.sum(1).std() > 0
+    with torch.no_grad():  # min_p 0.1 keeps many tokens: the tests' truncation is not "all but the top one"
+        p = model(prompt).logits[0, -1].softmax(-1)
+    assert (p >= 0.1 * p.max()).sum() > 10
 
 
 def test_the_unsloth_runs_flags_parse_into_two_eager_steps_on_the_chosen_share(tmp_path):

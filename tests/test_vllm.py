@@ -148,3 +148,25 @@ def test_a_training_step_on_the_adapter_changes_what_is_sampled(setup):
         with torch.no_grad():
             for p, s in zip(params, state):
                 p.copy_(s)
+
+
+def test_an_fp8_block_checkpoint_is_served_with_the_trainers_log_probs(tmp_path, llama_tokenizer):
+    """The FP8-Block layout (tests/engine_runs.py's model, as unsloth/Llama-3.2-1B-Instruct-FP8-Block stores
+    its projections): vLLM reads it, samples differ, and its log-probs are the FP8 policy's within bf16's reach."""
+    from engine_runs import write_small_llama
+    from grpo.config import Config
+    from grpo.model import load_policy
+
+    path = write_small_llama("fp8-block", tmp_path / "fp8-block", llama_tokenizer)
+    cfg = Config(model=str(path), lora_rank=LORA_RANK, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
+    policy, _, _ = load_policy(cfg, torch.device("cpu"))
+    _set_adapter(policy, seed=1)
+    engine = VLLMEngine(policy, str(path), lora_rank=LORA_RANK, max_model_len=256, dtype="bf16", seed=1234,
+                        work_dir=str(tmp_path / "vllm-work"), gpu_memory_utilization=0.3)
+    rollout = engine.generate(PROMPTS, 4, Sampling(max_new_tokens=12, temperature=1.0))
+    assert rollout.mask.all() and rollout.mask.shape == (8, 12)
+    tokens = rollout.completion_ids.flatten().tolist()
+    assert len(set(tokens)) > len(tokens) // 2  # a model that repeats one token would pass the gap unnoticed
+    gap = (rollout.sampler_logp.double() - _trainer_logp(policy, rollout, 1.0)).abs()
+    # bf16 engine against a bf16 trainer: the bounds tests/test_vllm_cuda.py holds vLLM on CUDA to
+    assert gap.mean() < 0.03 and gap.max() < 0.5, (gap.mean().item(), gap.max().item())

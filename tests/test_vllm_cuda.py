@@ -1,9 +1,9 @@
 """vLLM and Unsloth on a CUDA GPU: what tests/test_vllm.py cannot show on vLLM's CPU build.
 
-Plain vLLM (`VLLMEngine`) serves a tiny random Llama (Llama 3.2's tokenizer, head_dim 64) saved as a bf16
-checkpoint and as an FP8-Block one (128x128 blocks, as unsloth/Llama-3.2-1B-Instruct-FP8-Block is
-stored): it sleeps while the policy trains and gives its memory back, wakes, serves the adapter of
-each step, and its log-probs match the trainer's at temperatures 1 and 0.7 within bf16's reach. The
+Plain vLLM (`VLLMEngine`) serves a small random Llama (tests/engine_runs.py: Llama 3.2's tokenizer, head_dim
+64, an output layer of its own so that samples differ) saved as a bf16 checkpoint and as an FP8-Block one
+(128x128 blocks, as unsloth/Llama-3.2-1B-Instruct-FP8-Block is stored): it sleeps while the policy trains
+and gives its memory back, wakes, serves the adapter of each step, and its log-probs match the trainer's at temperatures 1 and 0.7 within bf16's reach. The
 figures are printed (run with -s) for benchmarks/RESULTS.md. vLLM's sleep mode allows one engine per
 process (its CuMem allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
 
@@ -38,11 +38,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("vllm", reason="needs vLLM on CUDA: pip install 'grpo[vllm]'")
 # The engine core in this process: nothing to spawn, and the test's own CUDA context is no obstacle.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# On an FP8-Block checkpoint vLLM JIT-compiles DeepGEMM kernels for every shape it might meet before it serves:
+# 4.6 minutes on the H200 for this two-layer model (2026-12-02). Skipped, it compiles the shapes it meets.
+# The children (the FP8-Block process, Unsloth's train.py) inherit it.
+os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 
-from conftest import tiny_llama  # noqa: E402
+from engine_runs import write_small_llama  # noqa: E402
 
-from grpo.config import LORA_TARGETS, Config  # noqa: E402
-from grpo.fp8_checkpoint import save_fp8_block_checkpoint  # noqa: E402
+from grpo.config import Config  # noqa: E402
 from grpo.model import load_policy  # noqa: E402
 from grpo.rollout.base import Sampling  # noqa: E402
 from grpo.rollout.vllm import VLLMEngine  # noqa: E402
@@ -56,20 +59,6 @@ BF16_MEAN_GAP = 0.03
 BF16_MAX_GAP = 0.5
 
 
-def _write_checkpoint(kind: str, path: Path, tokenizer) -> Path:
-    """A tiny Llama whose dimensions are multiples of 128 (FP8 blocks), saved as `kind`."""
-    model = tiny_llama(seed=0, hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
-    with torch.no_grad():  # logits of std ~2: temperature and truncation visibly matter
-        model.model.embed_tokens.weight.mul_(8)
-    if kind == "fp8-block":
-        save_fp8_block_checkpoint(model, path, LORA_TARGETS)
-        model.generation_config.save_pretrained(path)
-    else:
-        model.to(torch.bfloat16).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 # The checkpoint this process serves; the bf16 process starts a child for the FP8-Block one.
 CHECKPOINT = os.environ.get("GRPO_VLLM_CHECKPOINT", "bf16")
 
@@ -77,7 +66,7 @@ CHECKPOINT = os.environ.get("GRPO_VLLM_CHECKPOINT", "bf16")
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, llama_tokenizer):
     """(engine, policy, checkpoint kind): a bf16 rsLoRA policy on the checkpoint and vLLM serving it."""
-    path = _write_checkpoint(CHECKPOINT, tmp_path_factory.mktemp(CHECKPOINT), llama_tokenizer)
+    path = write_small_llama(CHECKPOINT, tmp_path_factory.mktemp(CHECKPOINT), llama_tokenizer)
     cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
     policy, _, _ = load_policy(cfg, torch.device("cuda"))
     engine = VLLMEngine(policy, str(path), lora_rank=cfg.lora_rank, max_model_len=256, dtype="bf16", seed=1234,
@@ -212,7 +201,7 @@ def test_two_grpo_steps_on_the_unsloth_path_train_the_adapter_that_the_engine_th
     from engine_runs import VLLM_SHARE, unsloth_run_flags, write_reward
     from safetensors.torch import load_file
 
-    path = _write_checkpoint("fp8-block", tmp_path / "fp8-block", llama_tokenizer)
+    path = write_small_llama("fp8-block", tmp_path / "fp8-block", llama_tokenizer)
     out = tmp_path / "run"
     flags = unsloth_run_flags(path, out, write_reward(tmp_path))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -226,7 +215,10 @@ def test_two_grpo_steps_on_the_unsloth_path_train_the_adapter_that_the_engine_th
     assert not list((out / "vllm").glob("adapter-*"))
 
     # A signal: the rewards of a group differ, so advantages are not all 0 ...
-    assert steps[0]["reward_std"] > 0 and steps[0]["frac_zero_std"] < 1
+    samples = [line.strip() for line in output.splitlines() if line.lstrip().startswith("answer ")]
+    assert steps[0]["reward_std"] > 0 and steps[0]["frac_zero_std"] < 1, (
+        f"tied rewards: step 1's reward {steps[0]['reward']:.3f}, sampler-trainer gap "
+        f"{steps[0]['gap/logp_abs_mean']} (max {steps[0]['gap/logp_abs_max']}); its completions: {samples[:2]}")
     # ... and each step moved the adapter (B starts at 0).
     after_1 = load_file(str(out / "checkpoint-1" / "adapter_model.safetensors"))
     after_2 = load_file(str(out / "adapter" / "adapter_model.safetensors"))

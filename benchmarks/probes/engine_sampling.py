@@ -1,0 +1,144 @@
+"""What a vLLM engine samples from a small random Llama, and whether its log-probs are the trainer's.
+
+tests/test_vllm_cuda.py's Unsloth run on an FP8-Block checkpoint gave every completion the same reward
+(2026-12-02, H200: every completion 32 characters). This looks at one engine in isolation: it writes the
+tests' model (tests/engine_runs.py, as bf16 or FP8-Block), builds the engine as the trainer
+does (`--engine unsloth`: `grpo.model.load_unsloth_policy`; `--engine vllm`: `VLLMEngine` over
+`load_policy`), and for vLLM without an adapter and with ours (B random, so the adapter matters) records
+per case: the first rows' token ids and texts, how many distinct tokens were sampled, non-finite sampler
+log-probs, and |log p_sampler - log p_trainer| with the trainer's log-probs from the policy's forward.
+
+On the H200 machine (vLLM kit installed, benchmarks/README.md), each engine in its own process:
+    source .vx/kit.sh env unsloth && python3 benchmarks/probes/engine_sampling.py --engine unsloth
+    source .vx/kit.sh env && python3 benchmarks/probes/engine_sampling.py --engine vllm --checkpoint fp8-block
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # engine_runs: the tests' model
+
+DEVICE = "cuda"  # main() says "cpu" where there is no GPU (plain vLLM's CPU build: a check of the probe itself)
+PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
+
+
+def build(engine: str, path: Path, work: Path, share: float):
+    """(policy, tokenizer, engine) as the trainer builds them for `engine`."""
+    import torch
+
+    from grpo.config import LORA_TARGETS, Config
+    from grpo.model import load_policy, load_unsloth_policy
+
+    if engine == "unsloth":
+        return load_unsloth_policy(str(path), load_in_fp8=False, max_seq_length=256, lora_rank=8, lora_alpha=16,
+                                   use_rslora=True, target_modules=LORA_TARGETS, seed=0, gpu_memory_utilization=share,
+                                   work_dir=str(work), enforce_eager=True, use_gradient_checkpointing=False)
+    from grpo.rollout.vllm import VLLMEngine
+
+    cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
+    policy, tokenizer, _ = load_policy(cfg, torch.device(DEVICE))
+    vllm_engine = VLLMEngine(policy, str(path), lora_rank=8, max_model_len=256, dtype="bf16", seed=0,
+                             work_dir=str(work), gpu_memory_utilization=share, enforce_eager=True)
+    return policy, tokenizer, vllm_engine
+
+
+def trainer_logp(policy, prompt_ids: list[list[int]], completions: list[list[int]], n: int, adapter: bool):
+    """(rows, T) float64 log softmax of each sampled token under the policy (its adapter on or off)."""
+    import contextlib
+
+    import torch
+
+    width = max(len(c) for c in completions)
+    out = torch.full((len(completions), width), float("nan"), dtype=torch.float64)
+    for i, completion in enumerate(completions):
+        prompt = prompt_ids[i // n]
+        ids = torch.tensor([prompt + completion], device=DEVICE)
+        off = contextlib.nullcontext() if adapter else policy.disable_adapter()
+        with torch.no_grad(), off:
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
+        logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=DEVICE)[:, None])[:, 0]
+        out[i, : len(completion)] = logp.cpu()
+    return out
+
+
+def report(rec, case: str, tokenizer, completions: list[list[int]], sampler, trainer) -> None:
+    import torch
+
+    sampler = sampler.double()
+    finite = torch.isfinite(sampler) & torch.isfinite(trainer)
+    gap = (sampler - trainer).abs()[finite]
+    tokens = [t for c in completions for t in c]
+    rec.record("case", case=case, rows=len(completions), tokens=len(tokens), distinct_tokens=len(set(tokens)),
+               share_of_token_0=tokens.count(0) / max(len(tokens), 1),
+               sampler_nonfinite=int((~torch.isfinite(sampler)).sum()),
+               trainer_nonfinite=int((~torch.isfinite(trainer)).sum()),
+               gap_mean=float(gap.mean()) if gap.numel() else None, gap_max=float(gap.max()) if gap.numel() else None,
+               first_ids=[c[:12] for c in completions[:2]],
+               first_texts=[tokenizer.decode(c) for c in completions[:2]])
+
+
+def main() -> None:
+    from timing import Recorder, add_out_argument
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--engine", choices=["unsloth", "vllm"], default="unsloth",
+                        help="the trainer's --engine to build (default: unsloth)")
+    parser.add_argument("--checkpoint", choices=["fp8-block", "bf16"], default="fp8-block",
+                        help="how the small random Llama is stored (default: fp8-block, the test's)")
+    parser.add_argument("--share", type=float, default=0.3, help="vLLM's share of the GPU (default: 0.3)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per completion (default: 16)")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")  # minutes of DeepGEMM JIT for shapes never used here
+
+    global DEVICE
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from engine_runs import write_small_llama
+    from grpo.assets import llama_tokenizer_dir
+    from grpo.rollout.base import Sampling
+
+    DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    rec = Recorder(f"engine_sampling-{args.engine}-{args.checkpoint}", args.out)
+    work = Path(tempfile.mkdtemp(prefix="engine-probe-"))
+    path = write_small_llama(args.checkpoint, work / args.checkpoint,
+                             AutoTokenizer.from_pretrained(llama_tokenizer_dir()))
+    policy, tokenizer, engine = build(args.engine, path, work / "engine", args.share)
+    rec.record("built", engine=args.engine, checkpoint=args.checkpoint, vllm_logprob_semantics=engine.logprob_semantics)
+
+    # vLLM with no adapter: the base weights alone, against the policy with its adapter off.
+    params = [SamplingParams(n=4, temperature=1.0, max_tokens=args.tokens, logprobs=0, seed=17 + i, ignore_eos=True,
+                             detokenize=False) for i in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs = (policy.fast_generate(prompts, sampling_params=params, use_tqdm=False) if args.engine == "unsloth"
+               else engine.llm.generate(prompts, params, use_tqdm=False))
+    completions = [list(c.token_ids) for out in outputs for c in out.outputs]
+    sampler = torch.tensor([[next(iter(e.values())).logprob for e in c.logprobs] for out in outputs
+                            for c in out.outputs], dtype=torch.float64)
+    report(rec, "no adapter", tokenizer, completions,
+           sampler, trainer_logp(policy, PROMPTS, completions, 4, adapter=False))
+
+    # Ours: the engine's generate with the policy's adapter, B random so that it changes the model.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    rollout = engine.generate(PROMPTS, 4, Sampling(max_new_tokens=args.tokens, temperature=1.0))
+    completions = rollout.completions()
+    report(rec, "our adapter", tokenizer, completions, rollout.sampler_logp,
+           trainer_logp(policy, PROMPTS, completions, 4, adapter=True))
+
+
+if __name__ == "__main__":
+    main()
