@@ -2,10 +2,11 @@
 
 Plain vLLM (`VLLMEngine`) serves a small random Llama (tests/engine_runs.py: Llama 3.2's tokenizer, head_dim
 64, an output layer of its own so that samples differ) saved as a bf16 checkpoint and as an FP8-Block one
-(128x128 blocks, as unsloth/Llama-3.2-1B-Instruct-FP8-Block is stored): it sleeps while the policy trains
-and gives its memory back, wakes, serves the adapter of each step, and its log-probs match the trainer's at temperatures 1 and 0.7 within bf16's reach. The
-figures are printed (run with -s) for benchmarks/RESULTS.md. vLLM's sleep mode allows one engine per
-process (its CuMem allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
+(128x128 blocks, as unsloth/Llama-3.2-1B-Instruct-FP8-Block is stored): it sleeps while the policy trains and
+gives its memory back, wakes, serves the adapter of each step, and its log-probs match the trainer's at
+temperatures 1 and 0.7 within bf16's reach. The figures are printed (run with -s) for benchmarks/RESULTS.md.
+vLLM's sleep mode allows one engine per process (its CuMem allocator), so the FP8-Block checkpoint runs the
+same tests in a child pytest.
 
 The Unsloth path (`--engine unsloth`) runs two GRPO steps of `train.py` on the FP8-Block checkpoint, in a
 child process (importing unsloth patches transformers for the whole process), with a reward whose values
