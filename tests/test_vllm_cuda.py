@@ -4,9 +4,9 @@ Plain vLLM (`VLLMEngine`) serves a small random Llama (tests/engine_runs.py: Lla
 64, an output layer of its own so that samples differ) saved as a bf16 checkpoint and as an FP8-Block one
 (128x128 blocks, as unsloth/Llama-3.2-1B-Instruct-FP8-Block is stored): it sleeps while the policy trains and
 gives its memory back, wakes, serves the adapter of each step, and its log-probs match the trainer's at
-temperatures 1 and 0.7 within bf16's reach. The figures are printed (run with -s) for benchmarks/RESULTS.md.
-vLLM's sleep mode allows one engine per process (its CuMem allocator), so the FP8-Block checkpoint runs the
-same tests in a child pytest.
+temperatures 1 and 0.7 within bf16's reach (FP8: with vLLM's activation quantization). The figures are printed
+(run with -s) for benchmarks/RESULTS.md. vLLM's sleep mode allows one engine per process (its CuMem
+allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
 
 The Unsloth path (`--engine unsloth`) runs two GRPO steps of `train.py` on the FP8-Block checkpoint, in a
 child process (importing unsloth patches transformers for the whole process), with a reward whose values
@@ -54,10 +54,13 @@ from grpo.rollout.vllm import VLLMEngine  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
-# bf16 engine against a bf16 trainer, per token, |log p_sampler - log p_trainer|: the mean is what the
-# importance correction sees; one token can be off by more where the top logits nearly tie.
-BF16_MEAN_GAP = 0.03
-BF16_MAX_GAP = 0.5
+# Per token, |log p_sampler - log p_trainer|: the mean is what the importance correction sees; one token can be
+# off by more where the top logits nearly tie. bf16 engine against a bf16 trainer: bf16's rounding. FP8-Block:
+# vLLM also quantizes the activations to FP8 (1x128 groups) on CUDA, which the trainer's FP8Linear does not at
+# this model's shapes (K or N not a multiple of 512: it dequantizes the weight); that alone moved this model's
+# log-probs by mean 0.06-0.09 and max 0.31-0.36 nats at T=1 and 0.7 (CPU, float64, 192 tokens each).
+MEAN_GAP = {"bf16": 0.03, "fp8-block": 0.15}
+MAX_GAP = {"bf16": 0.5, "fp8-block": 0.75}
 
 
 # The checkpoint this process serves; the bf16 process starts a child for the FP8-Block one.
@@ -115,7 +118,7 @@ def test_sampler_logp_matches_the_trainers_within_bf16(served, sampling):
     mean, worst = _gap(rollout, expected)
     print(f"\n[vllm-cuda] {kind} T={sampling.temperature} min_p={sampling.min_p}: sampler-trainer "
           f"|dlogp| mean {mean:.4f} max {worst:.3f} over {int(rollout.mask.sum())} tokens")
-    assert mean < BF16_MEAN_GAP and worst < BF16_MAX_GAP
+    assert mean < MEAN_GAP[kind] and worst < MAX_GAP[kind]
     if sampling.temperature != 1.0:  # the check has teeth: the temperature-1 values are far from these
         wrong_mean, _ = _gap(rollout, _trainer_logp(policy, rollout, 1.0))
         assert wrong_mean > 5 * mean
@@ -147,7 +150,7 @@ def test_sleeps_for_training_frees_its_memory_and_serves_each_steps_adapter(serv
     assert "wake_up" in after.timings and torch.cuda.mem_get_info()[0] < free_asleep - 5 * GiB
     assert not torch.equal(before.completion_ids, after.completion_ids)
     mean, worst = _gap(after, _trainer_logp(policy, after, 0.0))
-    assert mean < BF16_MEAN_GAP and worst < BF16_MAX_GAP  # the new adapter's log-probs, not the old one's
+    assert mean < MEAN_GAP[kind] and worst < MAX_GAP[kind]  # the new adapter's log-probs, not the old one's
     assert [p.name for p in engine.work_dir.iterdir()] == [f"adapter-{engine._adapter_id}"]
 
 
