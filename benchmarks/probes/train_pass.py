@@ -5,7 +5,7 @@ its longest row (`grpo.batch.Batch.rows`); `--micro-batch-size` cuts the step's 
 micro-batches (`grpo.batch.micro_batches`). On the qwen1.5b-gsm8k preset's rows (64 of 90-175 prompt and
 102-384 completion tokens) one pass runs 31% padding; four sorted micro-batches, 10%, but each a quarter as
 wide in rows. This times that trade on the GPU with the trainer's own pieces: a random model of the
-preset's shapes with the preset's rsLoRA (r 32, gradient checkpointing), a batch with the lengths of a real
+preset's shapes with the preset's rsLoRA (r 32, gradient checkpointing unless --no-checkpointing), a batch with the lengths of a real
 step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of learning_faults.py's gap run), and for
 each micro-batch size the forward and backward of `sequence_logprobs` over all rows: median milliseconds,
 the share of real tokens among the positions run (`train/real_token_frac`), and the peak memory above the
@@ -36,7 +36,7 @@ QWEN_COMPLETIONS = [160, 179, 209, 150, 146, 111, 210, 153, 168, 233, 245, 354, 
 GENERATIONS = 8
 
 
-def build_policy(smoke: bool, lora_compute: str, device: torch.device):
+def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: torch.device):
     """The preset's policy on a random model of its shapes (a tiny Qwen2 with --smoke)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -57,7 +57,7 @@ def build_policy(smoke: bool, lora_compute: str, device: torch.device):
     finally:
         torch.set_default_dtype(previous)
     model.requires_grad_(False)
-    cfg = Config(lora_rank=32, lora_alpha=64, lora_compute=lora_compute, gradient_checkpointing=True)
+    cfg = Config(lora_rank=32, lora_alpha=64, lora_compute=lora_compute, gradient_checkpointing=checkpointing)
     policy = add_lora(model, cfg)
     with torch.no_grad():  # B non-zero, as after some training
         for name, p in policy.named_parameters():
@@ -103,6 +103,8 @@ def main() -> None:
                         help="micro-batch sizes to time (64: one pass over the step's rows)")
     parser.add_argument("--lora-compute", choices=["float32", "base"], default="float32",
                         help="the adapters' matmul dtype (the preset's: float32)")
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="keep the activations instead of recomputing them in backward (the preset recomputes)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per size (median)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and short rows on the CPU: plumbing only")
     add_out_argument(parser)
@@ -112,11 +114,11 @@ def main() -> None:
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rec = Recorder("train_pass", args.out)
-    policy, vocab = build_policy(args.smoke, args.lora_compute, device)
+    policy, vocab = build_policy(args.smoke, args.lora_compute, not args.no_checkpointing, device)
     batch = qwen_batch(vocab, device, scale=16.0 if args.smoke else 1.0)
     rec.record("batch", rows=len(batch), real_tokens=sum(batch.lengths), longest=max(batch.lengths),
                mean_length=round(statistics.mean(batch.lengths), 1), device=str(device),
-               lora_compute=args.lora_compute)
+               lora_compute=args.lora_compute, checkpointing=not args.no_checkpointing)
     adv = torch.zeros(len(batch), device=device)
     for micro in args.micro:
         sorted_batch, _, slices = micro_batches(batch, adv, micro)
