@@ -13,12 +13,15 @@
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
 # Every call copies what the chain has written so far to $OUT (results.tgz).
 #
-# STAGES (default: all, in this order; each under its own timeout, a failed one does not stop the next):
+# STAGES (default: all but the probes, in this order; each under its own timeout (the chain is not held to a
+# call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 or estimated):
 #   probe-unsloth  benchmarks/probes/engine_sampling.py --engine unsloth: what Unsloth's vLLM samples from the
-#                  test's FP8-Block model, without an adapter and with ours, against the trainer       ~3
+#                  tests' model as FP8-Block, without an adapter and with ours, against the trainer    ~3
 #   probe-vllm     the same for plain vLLM (VLLMEngine) on the FP8-Block model                          ~2
-#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, the FP8-Block child     ~3-4 min
-#   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block    ~4-6
+#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16 (3.5 measured), then
+#                  the FP8-Block child (DeepGEMM's warm-up skipped)                                     ~6
+#   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
+#                  (9 measured: Unsloth's load 2, its first step 4 with compile and autotuning)         ~9
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm                                    ~4
 #   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby)                               ~6-8
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block                                              ~6-8
@@ -29,7 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-probe-unsloth vllm-cuda unsloth-cuda ours unsloth-grpo unsloth-fp8 trl-vllm unsloth-bf16}
+STAGES=${STAGES:-vllm-cuda unsloth-cuda ours unsloth-grpo unsloth-fp8 trl-vllm unsloth-bf16}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
@@ -46,7 +49,7 @@ stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (th
 
 bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
   local name=$1 site=$2; shift 2
-  stage $name 580 $site python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
+  stage $name 900 $site python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
     --bench-join $EP/results/peers.json --bench-results-dir $EP/results/$name "$@"
 }
 
@@ -56,8 +59,8 @@ chain() {
     case $s in
       probe-unsloth) stage $s 400 unsloth python3 benchmarks/probes/engine_sampling.py --engine unsloth --out $EP/results ;;
       probe-vllm) stage $s 300 vllm python3 benchmarks/probes/engine_sampling.py --engine vllm --out $EP/results ;;
-      vllm-cuda) stage $s 570 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
-      unsloth-cuda) stage $s 580 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
+      vllm-cuda) stage $s 720 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
+      unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
       unsloth-fp8) bench $s unsloth -k "unsloth_path and fp8" ;;
@@ -94,7 +97,7 @@ case "${1:-}" in
     start_chain ;;
   status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is
     end=$(( $(date +%s) + ${2:-300} ))
-    while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $EP/stages.log 2>/dev/null; do sleep 5; done
+    while [ "$(date +%s)" -lt $end ] && ! tail -n 1 $EP/stages.log 2>/dev/null | grep -q "chain stopped"; do sleep 5; done
     cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
     grep -h "\[vllm-cuda\]\|passed\|failed\|answer " $EP/*-cuda.log 2>/dev/null | tail -12 || true
     grep -h '"kind": "case"' $EP/probe-*.log 2>/dev/null | cut -c1-600 || true
