@@ -142,13 +142,15 @@ def test_every_fp8_code_unpacks_to_its_value_on_cuda(unpack, act_scale):
 @cuda
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_at_the_down_projection_on_cuda(fp8, split_k):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_split_k_at_the_down_projection_on_cuda(fp8, split_k, pdl):
+    # pdl: the projection launched beside its lora_down (Tuning.pdl; Hopper or newer), also in a CUDA graph
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(2048, 8192, device="cuda", generator=g) / 8192**0.5
     weight, s = quantize_fp8_block(w) if fp8 else (w.bfloat16(), None)
     p = dg.DecodeProj(weight, s, torch.randn(32, 8192, device="cuda", generator=g) / 90,
                       torch.randn(2048, 32, device="cuda", generator=g) * 0.05, 11.3)
-    with dg.tuning(tiles={("proj", 2048, 8192, fp8): dg.TileConfig(32, 256, 4, 4, split_k)}):
+    with dg.tuning(tiles={("proj", 2048, 8192, fp8): dg.TileConfig(32, 256, 4, 4, split_k)}, pdl=pdl):
         for m in (64, 16, 3):
             x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
@@ -157,6 +159,14 @@ def test_split_k_at_the_down_projection_on_cuda(fp8, split_k):
             again = dg.project(x, [p], residual=res)[0]
             assert torch.equal(first, again)  # the slices are added in one order, whichever finishes last
             assert ((first.float() - want).norm() / want.norm()).item() < 8e-3
+            assert not dg._COUNTERS[x.device].any()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = dg.project(x, [p], residual=res)[0]
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, first)
             assert not dg._COUNTERS[x.device].any()
 
 

@@ -50,9 +50,9 @@ def _import_triton():
 
 
 def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
-                   unpack: str = "bits", split_k: int = 1, bias: bool = False):
+                   unpack: str = "bits", split_k: int = 1, bias: bool = False, pdl: bool = False):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
-    compiled kernel (asm: ttgir, ptx, cubin)."""
+    compiled kernel (asm: ttgir, ptx, cubin). `pdl`: as launched beside its lora_down (Tuning.pdl)."""
     triton = _import_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,7 +64,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
                  HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, STAGES=stages, EXACT=False,
-                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0)
+                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0, PDL=pdl)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)
     names = fn.arg_names
@@ -126,22 +126,25 @@ def main() -> None:
                     help="how FP8 codes become bf16 (decode_gemm.Tuning.unpack, set by decode_gemm.tuning(unpack=...))")
     ap.add_argument("--split-k", type=int, default=1, help="K slices of a proj launch (TileConfig.split_k)")
     ap.add_argument("--bias", action="store_true", help="projections with a bias (Qwen2's q/k/v)")
+    ap.add_argument("--lora", action="store_true", help="with a LoRA adapter's up-projection at each tile's end")
+    ap.add_argument("--pdl", action="store_true",
+                    help="with --lora: launched beside its lora_down, waiting for it before the LoRA term")
     ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
                     metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")
     ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64], help="the row tile (BLOCK_M)")
     ap.add_argument("--dump", type=Path, default=None, help="also write .ttgir/.ptx/.cubin here")
     ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
     args = ap.parse_args()
-    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, unpack=args.unpack,
-                              split_k=args.split_k, bias=args.bias)
-    if args.json:
-        print(json.dumps(sass_loops(compiled.asm["cubin"])))
-        return
+    compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, lora=args.lora,
+                              unpack=args.unpack, split_k=args.split_k, bias=args.bias, pdl=args.pdl)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
             (args.dump / f"{args.kernel}.{ext}").write_text(compiled.asm[ext])
         (args.dump / f"{args.kernel}.cubin").write_bytes(compiled.asm["cubin"])
+    if args.json:
+        print(json.dumps(sass_loops(compiled.asm["cubin"])))
+        return
     block_n, block_k = args.tile[:2]
     weights = f"fp8 ({args.unpack})" if args.fp8 else "bf16"
     print(f"{args.kernel} {weights}, split_k {args.split_k}, tile {args.tile}, {args.rows} rows: "

@@ -5,6 +5,7 @@ Module level on purpose: Triton resolves the helpers a kernel calls through the 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Products of float32 operands: "tf32" on the tensor cores, or "ieee" (exact float32 FMAs) where the
 # model itself is float32 (EXACT). The LoRA products of a bf16 model run in TF32: their result is a small
@@ -89,10 +90,12 @@ def _add_bias(acc, bias_ptr, N, rn):
 @triton.jit
 def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M: tl.constexpr,
                  HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-                 EXACT: tl.constexpr):
+                 EXACT: tl.constexpr, PDL: tl.constexpr):
     # the whole K's sums in: LoRA's up-projection, the bias, the residual, one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
+        if PDL:  # launched while lora_down still ran: its x A^T is complete and visible after this
+            gdc_wait()
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, EXACT)
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, rn)
@@ -122,7 +125,7 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
               res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
+              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -135,10 +138,10 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
         acc, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_N, count_ptr + slot, SPLIT_K)
         if last:
             _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
-                         HAS_BIAS, HAS_RES, BLOCK_R, EXACT)
+                         HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL)
     else:
         _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
-                     HAS_BIAS, HAS_RES, BLOCK_R, EXACT)
+                     HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
@@ -147,7 +150,7 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr):
+                EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
     # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
     pid = tl.program_id(0)
@@ -156,26 +159,26 @@ def proj_kernel(x_ptr, stride_xm, M, K,
     if pid < t0:
         _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
                   count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
-                  STAGES, EXACT, UNPACK, SPLIT_K)
+                  STAGES, EXACT, UNPACK, SPLIT_K, PDL)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
                           res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
-                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K)
+                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
                               xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
                               BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT,
-                              UNPACK, SPLIT_K)
+                              UNPACK, SPLIT_K, PDL)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr):
     # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -184,6 +187,8 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
     u = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
     if HAS_LORA:
+        if PDL:  # as in _finish_tile
+            gdc_wait()
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, EXACT)
         u = _lora_up(u, xa_ptr + BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, EXACT)
     if HAS_BIAS:
@@ -210,10 +215,13 @@ def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constex
 
 @triton.jit
 def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
+                     PDL: tl.constexpr):
     # out[i] = x A_i^T, over SPLIT slices of K in programs of their own, added by _split_k_sum.
     # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
     # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
+    if PDL:  # the projection launch that reads out_ptr may start now: it waits for this one before reading
+        gdc_launch_dependents()
     i = tl.program_id(0)
     per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * per

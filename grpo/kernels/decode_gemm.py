@@ -197,24 +197,32 @@ class Tuning:
         conversion unit (the FP8 step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter
         (no PTX) it is always "convert".
     tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the tuned table.
+    pdl: programmatic dependent launch (Hopper or newer, CUDA): a projection launch with an adapter starts
+        while its lora_down still runs, streams its weights, and waits for lora_down only before the LoRA
+        term at each tile's end, instead of every lora_down's latency standing between two launches (four
+        a layer). Off until measured on the GPU (decode_gemm_tiles.py --pdl).
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
+    pdl: bool = False
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
 
 
 @contextmanager
-def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None) -> Iterator[Tuning]:
-    """Within the block, launches unpack FP8 codes by `unpack` and take `tiles[(kind, N, K, fp8)]` over the
-    tuned configs (benchmark sweeps, tests). A nested block adds to the outer one's choices; leaving a
-    block restores what was in force before it. Graphs captured inside keep the choices they captured."""
+def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None,
+           pdl: bool | None = None) -> Iterator[Tuning]:
+    """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[(kind, N, K, fp8)]` over the
+    tuned configs (benchmark sweeps, tests) and launch dependently where `pdl` says. A nested block adds to
+    the outer one's choices; leaving a block restores what was in force before it. Graphs captured inside
+    keep the choices they captured."""
     outer = _TUNING.get()
     if unpack is not None and unpack not in _UNPACK_MODES:
         raise ValueError(f"decode_gemm.tuning: unpack={unpack!r}; use one of {sorted(_UNPACK_MODES)}")
-    inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})})
+    inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})},
+                   pdl=outer.pdl if pdl is None else pdl)
     token = _TUNING.set(inner)
     try:
         yield inner
@@ -289,17 +297,23 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # counters a bigger launch replaced: captured graphs may still use them
 
 
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Arrival counts of split-K launches, one per output tile (or per adapter, for lora_down): zeros, and
-    every launch leaves them zero again (the last K slice to arrive re-arms its counter), so one buffer per
-    device serves every launch in stream order, CUDA graph replays included. Launches on concurrent streams
-    would need their own."""
+# The first counters are lora_down's (one per adapter, up to 3), the projections' tiles count after them: a
+# projection launched while its lora_down still runs (Tuning.pdl) must not share a counter with it.
+_LORA_COUNTERS = 4  # 16 bytes, so that the tiles' counters keep the buffer's alignment
+
+
+def _tile_counters(device: torch.device, tiles: int, lora: bool = False) -> torch.Tensor:
+    """Arrival counts of split-K launches, one per output tile (`lora`: per adapter, for lora_down): zeros,
+    and every launch leaves them zero again (the last K slice to arrive re-arms its counter), so one buffer
+    per device serves every launch in stream order, CUDA graph replays included. Launches on concurrent
+    streams would need their own."""
     counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
+    if counters is None or counters.numel() < _LORA_COUNTERS + tiles:
         if counters is not None:
             _OUTGROWN.append(counters)
-        counters = _COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
-    return counters
+        counters = _COUNTERS[device] = torch.zeros(max(4096, _LORA_COUNTERS + tiles), dtype=torch.int32,
+                                                   device=device)
+    return counters[:tiles] if lora else counters[_LORA_COUNTERS:]
 
 
 def lora_split(k: int) -> int:
@@ -347,6 +361,13 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
 def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> torch.Tensor:
     """x A_i^T for each adapter: (len(lora_as), rows padded, block_r) float32, over lora_split(K) slices of
     K whose partial sums the last slice to finish adds in a fixed order (split K, as the projections')."""
+    return _lora_down(x2, lora_as, block_r, pdl=False)[0]
+
+
+def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, pdl: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lora_down`, and its scratch of partial sums, which the caller keeps until it has launched the
+    projection: with `pdl` that launch runs beside this one, and memory freed here could be handed to it."""
     kernels = _triton_kernels()
     m, k = x2.shape
     r = lora_as[0].shape[0]
@@ -354,14 +375,20 @@ def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -
     out = torch.empty((len(lora_as), _block_m(m), block_r), dtype=torch.float32, device=x2.device)
     if split > 1:
         parts = torch.empty((len(lora_as), split, _block_m(m), block_r), dtype=torch.float32, device=x2.device)
-        counters = _tile_counters(x2.device, len(lora_as))
+        counters = _tile_counters(x2.device, len(lora_as), lora=True)
     else:
         parts = counters = out
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
     kernels.lora_down_kernel[(len(lora_as), split)](
         x2, x2.stride(0), m, k, a[0], a[1], a[2], out, parts, counters, r, BLOCK_M=_block_m(m), BLOCK_R=block_r,
-        BLOCK_K=64, SPLIT=split, EXACT=x2.dtype == torch.float32, num_warps=4)
-    return out
+        BLOCK_K=64, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl, num_warps=4)
+    return out, parts
+
+
+def _pdl(x2: torch.Tensor, rank: int) -> bool:
+    """Whether a launch with an adapter goes dependently (Tuning.pdl): CUDA, Hopper or newer."""
+    return (bool(rank) and _TUNING.get().pdl and x2.device.type == "cuda"
+            and torch.cuda.get_device_capability(x2.device) >= (9, 0))
 
 
 def _block_m(m: int) -> int:
@@ -396,7 +423,8 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     if residual is not None and (len(projs) != 1 or tuple(residual.shape) != (m, projs[0].out_features)
                                  or not residual.is_contiguous()):
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
-    xa = lora_down(x2, [p.lora_a for p in projs], block_r) if rank else x2
+    pdl = _pdl(x2, rank)
+    xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
     cfg = tile_config("proj", n_all, k, fp8)
@@ -418,11 +446,13 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
             HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, PDL=pdl, launch_pdl=pdl,
+            num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, has_bias, _block_m(m), x2.dtype,
-                     unpack), cfg, launch)
+                     unpack, pdl), cfg, launch)
+    del scratch  # lora_down's partial sums, kept until the launch beside it was made
     return outs
 
 
@@ -439,7 +469,8 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     block_r = _block_r(rank)
     fp8 = gate.scale_inv is not None
     has_bias = gate.bias is not None
-    xa = lora_down(x2, [gate.lora_a, up.lora_a], block_r) if rank else x2
+    pdl = _pdl(x2, rank)
+    xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = tile_config("gated", 2 * n, k, fp8)  # keyed by the group's outputs in all, gate and up
 
@@ -451,10 +482,11 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
             HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
-    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack), cfg, launch)
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl), cfg, launch)
+    del scratch  # as in project
     return y
 
 

@@ -321,3 +321,38 @@ def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90():
     assert proc.returncode == 0, proc.stderr[-2000:]
     loops = json.loads(proc.stdout.splitlines()[-1])
     assert any(op.startswith("HMMA") for loop in loops for op in loop["ops"])
+
+
+def test_lora_down_and_the_tiles_count_arrivals_in_counters_of_their_own():
+    # With Tuning.pdl a projection runs beside its lora_down: sharing a counter would corrupt both sums
+    lora = dg._tile_counters(torch.device("cpu"), 3, lora=True)
+    tiles = dg._tile_counters(torch.device("cpu"), 500)
+    assert lora.data_ptr() + 3 * lora.element_size() <= tiles.data_ptr()
+    assert tiles.data_ptr() % 16 == 0 and tiles.numel() >= 500
+    projs = [proj(n, 1024, False, 8, seed=i) for i, n in enumerate([96, 32])]  # lora_down splits K = 1024 in 4
+    x = torch.randn(7, 1024)
+    with dg.tuning(tiles={("proj", 128, 1024, False): dg.TileConfig(32, 256, 4, 2, split_k=2)}, pdl=True):
+        for got, want in zip(dg.project(x, projs), dg.project_ref(x, projs)):  # pdl: CUDA only, so off here
+            close(got, want)
+    assert not dg._COUNTERS[x.device].any()
+
+
+def test_sass_tool_compiles_the_lora_epilogue_to_wait_for_lora_down_only_when_launched_beside_it(tmp_path):
+    # Tuning.pdl: griddepcontrol.wait (SASS ACQBULK) before the LoRA term, the K loop unchanged
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    loops = {}
+    for pdl in (False, True):
+        dump = tmp_path / str(pdl)
+        proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "decode_gemm_sass.py"), "--kernel",
+                               "proj", "--split-k", "2", "--rows", "64", "--tile", "32", "128", "4", "6", "--lora",
+                               "--json", "--dump", str(dump)] + (["--pdl"] if pdl else []),
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loops[pdl] = [loop["instructions"] for loop in json.loads(proc.stdout.splitlines()[-1])]
+        assert ("griddepcontrol.wait" in (dump / "proj.ptx").read_text()) == pdl
+    assert loops[True] == loops[False]
