@@ -14,7 +14,9 @@
 # Every call copies what the chain has written so far to $OUT (results.tgz).
 #
 # STAGES (default: all but the probes, in this order; each under its own timeout (the chain is not held to a
-# call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 or estimated):
+# call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 or estimated). All
+# of them take more than one 30-minute hold: the chain runs as far as the hold goes, the rest go to the next
+# one (STAGES=...):
 #   probe-unsloth  benchmarks/probes/engine_sampling.py --engine unsloth: what Unsloth's vLLM samples from the
 #                  tests' model as FP8-Block, without an adapter and with ours, against the trainer    ~3
 #   probe-vllm     the same for plain vLLM (VLLMEngine) on the FP8-Block model                          ~2
@@ -39,7 +41,7 @@ stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (th
   local name=$1 limit=$2 site=$3; shift 3
   echo "$(date -u +%T) start $name" >> $EP/stages.log
   local rc=0
-  (export PYTHONPATH=/tmp/site; source $EP/kit.sh env ${site/vllm/} && timeout $limit "$@") > $EP/$name.log 2>&1 || rc=$?
+  (export PYTHONPATH=/tmp/site; source $EP/kit.sh env ${site/vllm/} && timeout -k 30 $limit "$@") > $EP/$name.log 2>&1 || rc=$?
   if [ $rc -eq 0 ]; then echo "$(date -u +%T) end   $name" >> $EP/stages.log
   else
     echo "$(date -u +%T) FAILED $name (exit $rc): tail of $name.log follows" >> $EP/stages.log
@@ -91,8 +93,13 @@ case "${1:-}" in
   vllm-part)  # calls 2-11
     bash scripts/trl_comparison.sh vllm-part
     if [ -f /tmp/cmp/vllm.ready ] && [ ! -d $EP ]; then start_chain; fi ;;
-  restart)  # stop the chain (its whole process group) and start STAGES from this call's tree
-    mkdir -p $EP; if [ -f $EP/chain.pid ]; then kill -- -"$(cat $EP/chain.pid)" 2>/dev/null || true; sleep 5; fi
+  restart)  # stop the chain (its whole session: `timeout` puts each stage in a process group of its own)
+    # and start STAGES from this call's tree
+    mkdir -p $EP
+    if [ -f $EP/chain.pid ]; then
+      sid=$(cat $EP/chain.pid)
+      pkill -TERM -s "$sid" || true; sleep 5; pkill -KILL -s "$sid" || true
+    fi
     echo "$(date -u +%T) restarted: $STAGES" >> $EP/stages.log
     start_chain ;;
   status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is

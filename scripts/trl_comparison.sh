@@ -206,12 +206,15 @@ speed() {  # CHAIN=speed: issue 31's training-pass levers on the preset, side by
   for run in asis lever; do
     local extra=()
     if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
+    # a run or evaluation that fails is in stages.log; the other run still goes
     stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
-      --output-dir $CMP/$run "${extra[@]}"
-    stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter --per-problem $CMP/eval-$run.jsonl
-    last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json
+      --output-dir $CMP/$run "${extra[@]}" || continue
+    stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter \
+      --per-problem $CMP/eval-$run.jsonl || continue
+    last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json || true
   done
   stage compare python3 -m grpo.compare_evals $CMP/eval-asis.jsonl $CMP/eval-lever.jsonl
+  cp $CMP/compare.log $CMP/compare-speed.txt
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
@@ -261,7 +264,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $CMP/stages.log 2>/dev/null; do sleep 5; done
     cat $CMP/stages.log
-    for run in ours trl; do
+    for run in ours trl asis lever; do
       if [ -f $CMP/$run/metrics.jsonl ]; then python3 -c 'import json, sys, statistics
 rs = [json.loads(l) for l in open(sys.argv[1]) if "reward" in l and "eval/" not in l]
 t = [r["step_time"] for r in rs if r["step"] > 2]

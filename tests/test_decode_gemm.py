@@ -89,9 +89,9 @@ SHAPES = [("proj", 2048, [2048, 512, 512]), ("proj", 2048, [2048]), ("gated", 20
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("rank", [0, 32])
+@pytest.mark.parametrize("rank,pdl", [(0, False), (32, False), (32, True)])  # pdl: beside lora_down (Tuning.pdl)
 @pytest.mark.parametrize("kind,k,widths", SHAPES)
-def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
+def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank, pdl):
     g = torch.Generator(device="cuda").manual_seed(0)
     projs = []
     for n in widths:
@@ -102,12 +102,16 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank):
         projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
     for m in (64, 32, 16, 3, 1):  # every row tile; the tiles tuned at 16 rows shrink to fit at 64
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        if kind == "gated":
-            got, want = [dg.project_gated(x, *projs)], [dg.project_gated_ref(x.float(), *projs)]
-        else:
-            res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
-            got = dg.project(x, projs, residual=res)
-            want = dg.project_ref(x.float(), projs, residual=None if res is None else res.float())
+        res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
+        with dg.tuning(pdl=pdl):
+            if kind == "gated":
+                got, want = [dg.project_gated(x, *projs)], [dg.project_gated_ref(x.float(), *projs)]
+                again = [dg.project_gated(x, *projs)]
+            else:
+                got = dg.project(x, projs, residual=res)
+                want = dg.project_ref(x.float(), projs, residual=None if res is None else res.float())
+                again = dg.project(x, projs, residual=res)
+        assert all(torch.equal(y, z) for y, z in zip(got, again))  # no launch order changes a value
         for y, ref in zip(got, want):
             assert y.dtype == torch.bfloat16
             rel = ((y.float() - ref).norm() / ref.norm()).item()

@@ -200,7 +200,7 @@ class Tuning:
     pdl: programmatic dependent launch (Hopper or newer, CUDA): a projection launch with an adapter starts
         while its lora_down still runs, streams its weights, and waits for lora_down only before the LoRA
         term at each tile's end, instead of every lora_down's latency standing between two launches (four
-        a layer). Off until measured on the GPU (decode_gemm_tiles.py --pdl).
+        a layer). Off until measured on the GPU (decode_gemm_tiles.py --rows, native_engine.py --plan qwen).
     """
 
     unpack: str = "bits"
