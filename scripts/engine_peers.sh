@@ -6,7 +6,9 @@
 # 30 minutes held, and runs a command for at most 10 minutes. Here: .whl/ (scripts/trl_comparison.sh pack:
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
-#   call  1     carry .whl             scripts/engine_peers.sh wheels       installs .whl into /tmp/site
+#   call  1     carry .whl             scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
+#                                                                           kit is carried, issue 31's decode
+#                                                                           probes use the idle GPU (SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -55,8 +57,28 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
     --bench-join $EP/results/peers.json --bench-results-dir $EP/results/$name "$@"
 }
 
+side() {  # issue 31's decode probes, timed in CUDA graphs (the file copies of the carrying calls beside them
+  # cost the host, not the device): the Qwen groups at 64 rows with the adapter launched plainly and beside
+  # its lora_down (Tuning.pdl), then the Qwen token step with and without it
+  export PYTHONPATH=$PWD:/tmp/site
+  echo "$(date -u +%T) start side (issue 31's decode probes)" >> $EP/stages.log
+  timeout -k 10 200 python3 benchmarks/probes/decode_gemm_tiles.py --rows 64 --groups qwen_gate_up qwen_down \
+    qwen_qkv qwen_o --formats bf16 --out $EP/results/side || true
+  timeout -k 10 170 python3 benchmarks/probes/native_engine.py --plan qwen --budget-s 150 --out $EP/results/side || true
+  echo "$(date -u +%T) end   side" >> $EP/stages.log
+  touch $EP/side.done
+}
+
+snapshot() {  # snapshot DIR: this tree, without the carried parts (later calls rewrite the tree under a run)
+  rm -rf $1 && mkdir -p $1
+  tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $1
+}
+
 chain() {
   mkdir -p $EP/results
+  if [ -f $EP/side.log ]; then  # the side probes first: nothing shares the GPU with a timed run
+    for _ in $(seq 80); do [ -f $EP/side.done ] && break; sleep 5; done
+  fi
   for s in $STAGES; do
     case $s in
       probe-unsloth) stage $s 400 unsloth python3 benchmarks/probes/engine_sampling.py --engine unsloth --out $EP/results ;;
@@ -74,9 +96,8 @@ chain() {
   echo "$(date -u +%T) chain stopped" >> $EP/stages.log
 }
 
-start_chain() {  # in the background, from a snapshot of this tree (later calls rewrite the tree under it)
-  mkdir -p $EP && rm -rf $EP/src && mkdir -p $EP/src && cp /tmp/cmp/kit.sh $EP/kit.sh
-  tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $EP/src
+start_chain() {  # in the background, from a snapshot of this tree
+  mkdir -p $EP && cp /tmp/cmp/kit.sh $EP/kit.sh && snapshot $EP/src
   setsid nohup env STAGES="$STAGES" EP=$EP bash $EP/src/scripts/engine_peers.sh chain >> $EP/chain.log 2>&1 < /dev/null &
   echo $! > $EP/chain.pid
   echo "chain started: $STAGES"
@@ -89,10 +110,15 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
 
 case "${1:-}" in
   wheels)  # call 1
-    bash scripts/trl_comparison.sh wheels ;;
+    bash scripts/trl_comparison.sh wheels
+    if [ "${SIDE:-1}" = 1 ] && [ ! -f $EP/side.log ]; then
+      mkdir -p $EP/results/side && snapshot $EP/side-src
+      (cd $EP/side-src && setsid nohup env EP=$EP bash scripts/engine_peers.sh side > $EP/side.log 2>&1 < /dev/null &)
+      echo "side probes started"
+    fi ;;
   vllm-part)  # calls 2-11
     bash scripts/trl_comparison.sh vllm-part
-    if [ -f /tmp/cmp/vllm.ready ] && [ ! -d $EP ]; then start_chain; fi ;;
+    if [ -f /tmp/cmp/vllm.ready ] && [ ! -f $EP/chain.pid ]; then start_chain; fi ;;
   restart)  # stop the chain (its whole session: `timeout` puts each stage in a process group of its own)
     # and start STAGES from this call's tree
     mkdir -p $EP
@@ -110,5 +136,6 @@ case "${1:-}" in
     grep -h '"kind": "case"' $EP/probe-*.log 2>/dev/null | cut -c1-600 || true
     collect ;;
   chain) chain ;;
+  side) side ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
