@@ -71,14 +71,16 @@ def trainer_logp(policy, prompt_ids: list[list[int]], completions: list[list[int
 def report(rec, case: str, tokenizer, completions: list[list[int]], sampler, trainer) -> None:
     import torch
 
-    sampler = sampler.double()
-    finite = torch.isfinite(sampler) & torch.isfinite(trainer)
+    width = trainer.shape[1]
+    sampler = sampler.double()[:, :width]
+    counted = torch.arange(width)[None, :] < torch.tensor([len(c) for c in completions])[:, None]  # not padding
+    finite = torch.isfinite(sampler) & torch.isfinite(trainer) & counted
     gap = (sampler - trainer).abs()[finite]
     tokens = [t for c in completions for t in c]
     rec.record("case", case=case, rows=len(completions), tokens=len(tokens), distinct_tokens=len(set(tokens)),
                share_of_token_0=tokens.count(0) / max(len(tokens), 1),
-               sampler_nonfinite=int((~torch.isfinite(sampler)).sum()),
-               trainer_nonfinite=int((~torch.isfinite(trainer)).sum()),
+               sampler_nonfinite=int((~torch.isfinite(sampler) & counted).sum()),
+               trainer_nonfinite=int((~torch.isfinite(trainer) & counted).sum()),
                gap_mean=float(gap.mean()) if gap.numel() else None, gap_max=float(gap.max()) if gap.numel() else None,
                first_ids=[c[:12] for c in completions[:2]],
                first_texts=[tokenizer.decode(c) for c in completions[:2]])
