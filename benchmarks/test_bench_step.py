@@ -10,11 +10,20 @@ by a callback, and the ratio of ours to TRL is printed at the end and stored in 
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 
 import pytest
 
 import bench_setup as bs
+
+
+def _skip_without_unsloth() -> None:
+    """Skips where unsloth is not installed, without importing it: its import chooses the CUDA allocator's
+    settings from UNSLOTH_VLLM_STANDBY (expandable segments unless standby is on, which standby then refuses),
+    so only the code that loads Unsloth, after setting that variable, may import it."""
+    if importlib.util.find_spec("unsloth") is None:
+        pytest.skip("needs unsloth and vLLM: pip install 'grpo[unsloth,vllm]'")
 
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
@@ -98,7 +107,7 @@ def test_grpo_step_on_the_unsloth_path(benchmark, bench_env, results, tmp_path, 
     """--engine unsloth at the bench config: Unsloth loads the model (fp8: the FP8-Block checkpoint) with its
     vLLM engine in standby, sharing the base weights; our loop and loss train on them. Importing unsloth
     patches transformers for the whole process, so run it alone: -k unsloth_path."""
-    pytest.importorskip("unsloth", reason="needs unsloth and vLLM: pip install 'grpo[unsloth,vllm]'")
+    _skip_without_unsloth()
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype, impl="ours-unsloth", engine="unsloth")
 
 
@@ -195,7 +204,7 @@ def test_unsloth_grpo_step(benchmark, bench_env, results, tmp_path):
     """The seed recipe's engine as Unsloth runs it: Unsloth + TRL's GRPOTrainer on the FP8-Block checkpoint of
     the bench model, vLLM in standby sharing the weights (bs.VLLM_SHARE of the GPU, as ours). Importing unsloth patches
     transformers and TRL for the whole process: run it alone, -k unsloth_grpo."""
-    pytest.importorskip("unsloth", reason="needs unsloth and vLLM: pip install unsloth vllm")
+    _skip_without_unsloth()
     _run_peer(benchmark, bench_env, results, "bench", "unsloth-grpo", "fp8",
               lambda shape: bs.run_unsloth_grpo(bench_env.fp8_block_dir(), bench_env.prompts(shape), shape,
                                                 steps=bench_env.trl_steps, output_dir=tmp_path / "unsloth"))

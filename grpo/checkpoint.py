@@ -13,7 +13,7 @@ The output folder holds one run: `claim_output_dir` refuses a folder that a live
 `grpo.run_claim`), or that holds another run unless the run resumes it, or --overwrite moves the old run
 aside to OUTPUT_DIR.old-N (nothing is deleted).
 
-What it deliberately is not: a model export (the final adapter is `policy.save_pretrained`) or a
+What it deliberately is not: a model export (the final adapter is `grpo.model.save_lora`) or a
 general state-dict framework: the four objects it saves are named in `Resumable`.
 """
 
@@ -34,6 +34,7 @@ from grpo.data import PromptStream
 from grpo.distributed import World
 from grpo.durable import fill_folder, publish
 from grpo.failures import first_line, os_fault, write_failure
+from grpo.model import save_lora
 from grpo.run_claim import CLAIM_FILE, RunClaim
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -212,7 +213,8 @@ def save_checkpoint(out: Path, state: RunState, parts: Resumable, cfg: Config, r
 
 def save_adapter(policy, final: Path) -> Path:
     """The run's final adapter (PEFT format), published as a checkpoint is: whole or not at all."""
-    return publish_folder(final, final.with_name(f".tmp-{final.name}"), policy.save_pretrained, "the adapter")
+    return publish_folder(final, final.with_name(f".tmp-{final.name}"), lambda folder: save_lora(policy, folder),
+                          "the adapter")
 
 
 def publish_folder(final: Path, tmp: Path, write, what: str) -> Path:
@@ -232,7 +234,7 @@ def publish_folder(final: Path, tmp: Path, write, what: str) -> Path:
 
 
 def write_checkpoint_files(folder: Path, state: RunState, parts: Resumable, cfg: Config, rngs: list[dict]) -> None:
-    parts.policy.save_pretrained(folder)
+    save_lora(parts.policy, folder)
     torch.save(parts.optimizer.state_dict(), folder / "optimizer.pt")
     torch.save(parts.scheduler.state_dict(), folder / "scheduler.pt")
     for rank, rng in enumerate(rngs):

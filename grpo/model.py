@@ -149,6 +149,15 @@ def add_lora(model, cfg: Config):
     return policy
 
 
+def save_lora(policy, folder) -> None:
+    """The adapter in PEFT's format (adapter_config.json, adapter_model.safetensors): its LoRA weights only.
+    PEFT's default ("auto") also saves the whole input and output embeddings when the model's vocabulary
+    differs from its base checkpoint's, as it does after Unsloth grows it to its tokenizer's length: layers
+    we never train, hundreds of MB on a real model, which then no longer load into the base checkpoint
+    (and "auto" asks the hub for the base's config on every save)."""
+    policy.save_pretrained(str(folder), save_embedding_layers=False)
+
+
 def model_positions(policy) -> int | None:
     """The most positions (prompt plus completion tokens) the model holds, where its config says."""
     return getattr(policy.get_base_model().config, "max_position_embeddings", None)

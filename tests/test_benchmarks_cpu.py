@@ -478,3 +478,21 @@ def test_the_gguf_probe_batches_greedy_completions_as_one_prompt_at_a_time_would
     cut = [row[:min([row.index(e) + 1 for e in ends if e in row], default=len(row))] for row in one_by_one]
     assert batched == cut
     assert batched[0] == [end] and max(len(row) for row in batched) > 1
+
+
+def test_the_unsloth_benchmarks_skip_without_importing_unsloth(monkeypatch, tmp_path):
+    """Importing unsloth turns the CUDA allocator's expandable segments on unless UNSLOTH_VLLM_STANDBY is
+    set, and standby then refuses to start (H200, 2026-12-02): only the loaders, after setting it, import it."""
+    fake = tmp_path / "installed" / "unsloth"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('unsloth imported by the suite itself')\n")
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(tmp_path / "installed"))
+    step = importlib.import_module("test_bench_step")
+    step._skip_without_unsloth()  # installed: runs on, and unsloth is not imported
+    assert "unsloth" not in sys.modules
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path / "installed")])
+    importlib.invalidate_caches()
+    with pytest.raises(pytest.skip.Exception, match="needs unsloth"):
+        step._skip_without_unsloth()

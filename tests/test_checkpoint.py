@@ -145,3 +145,28 @@ def test_resuming_with_another_schedule_or_rate_says_what_applies(tmp_path):
     note = schedule_note(tmp_path, Config(max_steps=200, learning_rate=3e-5, warmup_ratio=0.05))
     assert "--learning-rate stays the checkpoint's 1e-05 (not 3e-05)" in note and "schedule" not in note
     assert schedule_note(tmp_path / "missing", saved) is None  # an older checkpoint without config.json
+
+
+def test_an_adapter_saved_after_the_vocabulary_grew_holds_only_lora_weights_and_loads_into_the_base(
+        tmp_path, char_llama_dir):
+    """Unsloth grows the model's vocabulary to its tokenizer's length (one more token for Llama 3.2's
+    tokenizer in the CUDA tests): the adapter still saves (and checkpoints save) only what was trained,
+    and loads into a policy on the unchanged base checkpoint."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from grpo.checkpoint import save_adapter
+    from grpo.model import load_policy
+
+    cfg = Config(model=str(char_llama_dir), gradient_checkpointing=False, lora_rank=4, lora_alpha=8)
+    policy, _, _ = load_policy(cfg, torch.device("cpu"))
+    policy.get_base_model().resize_token_embeddings(129)
+    with torch.no_grad():
+        next(p for n, p in policy.named_parameters() if "lora_B" in n).fill_(0.5)
+    saved = load_file(str(save_adapter(policy, tmp_path / "adapter") / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:3]
+
+    fresh, _, _ = load_policy(cfg, torch.device("cpu"))
+    loaded = set_peft_model_state_dict(fresh, saved)
+    assert not loaded.unexpected_keys
+    assert any(torch.equal(p, torch.full_like(p, 0.5)) for n, p in fresh.named_parameters() if "lora_B" in n)

@@ -55,11 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
 # Per token, |log p_sampler - log p_trainer|: the mean is what the importance correction sees; one token can be
-# off by more where the top logits nearly tie. bf16 engine against a bf16 trainer: bf16's rounding. FP8-Block:
+# off by more where the top logits nearly tie. bf16 engine against a bf16 trainer: bf16's rounding, to which
+# vLLM adds its adapter term in bf16 where the trainer computes it in float32 (--lora-compute), a difference
+# that grows with the adapter: on the H200 (2026-12-02) mean 0.019 / 0.022 (max 0.066 / 0.093) with the adapter
+# of _randomize_adapter, 0.032 after the sleep test's training step made it larger. FP8-Block:
 # vLLM also quantizes the activations to FP8 (1x128 groups) on CUDA, which the trainer's FP8Linear does not at
 # this model's shapes (K or N not a multiple of 512: it dequantizes the weight); that alone moved this model's
 # log-probs by mean 0.06-0.09 and max 0.31-0.36 nats at T=1 and 0.7 (CPU, float64, 192 tokens each).
-MEAN_GAP = {"bf16": 0.03, "fp8-block": 0.15}
+MEAN_GAP = {"bf16": 0.05, "fp8-block": 0.15}
 MAX_GAP = {"bf16": 0.5, "fp8-block": 0.75}
 
 
@@ -101,6 +104,20 @@ def _trainer_logp(policy, rollout, temperature: float) -> torch.Tensor:
     return out
 
 
+def _trainer_logp_with(policy, params, values, rollout) -> torch.Tensor:
+    """_trainer_logp at temperature 1 with `params` set to `values` for the call (then put back)."""
+    current = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        return _trainer_logp(policy, rollout, 1.0)
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, current):
+                p.copy_(v)
+
+
 def _gap(rollout, expected: torch.Tensor) -> tuple[float, float]:
     diff = (rollout.sampler_logp.double() - expected).abs()[rollout.mask]
     return diff.mean().item(), diff.max().item()
@@ -137,6 +154,7 @@ def test_sleeps_for_training_frees_its_memory_and_serves_each_steps_adapter(serv
 
     # A training step on the adapter while vLLM sleeps: make the current greedy completions less likely.
     params = [p for n, p in policy.named_parameters() if "lora_" in n]
+    stale = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=0.05)
     for i, completion in enumerate(before.completions()):
         ids = torch.tensor([PROMPTS[i] + completion], device="cuda")
@@ -150,7 +168,11 @@ def test_sleeps_for_training_frees_its_memory_and_serves_each_steps_adapter(serv
     assert "wake_up" in after.timings and torch.cuda.mem_get_info()[0] < free_asleep - 5 * GiB
     assert not torch.equal(before.completion_ids, after.completion_ids)
     mean, worst = _gap(after, _trainer_logp(policy, after, 0.0))
-    assert mean < MEAN_GAP[kind] and worst < MAX_GAP[kind]  # the new adapter's log-probs, not the old one's
+    stale_mean, _ = _gap(after, _trainer_logp_with(policy, params, stale, after))
+    print(f"[vllm-cuda] {kind} after a step: sampler-trainer |dlogp| mean {mean:.4f} max {worst:.3f} "
+          f"(against the adapter before the step: mean {stale_mean:.4f})")
+    assert mean < MEAN_GAP[kind] and worst < MAX_GAP[kind]
+    assert mean < stale_mean / 4  # the new adapter's log-probs, not the old one's
     assert [p.name for p in engine.work_dir.iterdir()] == [f"adapter-{engine._adapter_id}"]
 
 

@@ -60,6 +60,7 @@ import torch
 
 from grpo.config import DTYPES, VLLM_GPU_MEMORY_UTILIZATION
 from grpo.fp8_checkpoint import is_fp8_checkpoint
+from grpo.model import save_lora
 from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 
@@ -382,7 +383,7 @@ def in_process_vllm_pool_bytes() -> int:
 class VLLMEngine(_VLLMRollout):
     """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
 
-    policy: the peft PeftModel being trained (its adapter is saved with `save_pretrained`).
+    policy: the peft PeftModel being trained (its adapter is saved with `grpo.model.save_lora`).
     model_path: the base checkpoint vLLM loads (a hub id or a directory, FP8 checkpoints included).
     work_dir: where the adapter is written (`adapter-<k>`, older ones deleted).
     llm: an already-built `vllm.LLM` (tests; it must have enable_lora and, for exact log-probs at
@@ -429,7 +430,7 @@ class VLLMEngine(_VLLMRollout):
         self._adapter_id += 1
         k = self._adapter_id
         path = self.work_dir / f"adapter-{k}"
-        self.policy.save_pretrained(str(path))
+        save_lora(self.policy, path)
         previous, self._adapter_path = self._adapter_path, path
         if previous is not None:
             # Drop the last adapter from vLLM's cache and disk: it is never asked for again.
