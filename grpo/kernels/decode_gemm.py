@@ -197,15 +197,16 @@ class Tuning:
         conversion unit (the FP8 step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter
         (no PTX) it is always "convert".
     tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the tuned table.
-    pdl: programmatic dependent launch (Hopper or newer, CUDA): a projection launch with an adapter starts
-        while its lora_down still runs, streams its weights, and waits for lora_down only before the LoRA
-        term at each tile's end, instead of every lora_down's latency standing between two launches (four
-        a layer). Off until measured on the GPU (decode_gemm_tiles.py --rows, native_engine.py --plan qwen).
+    pdl: programmatic dependent launch (Hopper or newer, CUDA; ignored elsewhere): a projection launch with
+        an adapter starts while its lora_down still runs, streams its weights, and waits for lora_down only
+        before the LoRA term at each tile's end, instead of every lora_down's latency standing between two
+        launches (four a layer). On the H200 (2026-12-02), Qwen2.5-1.5B shapes with rsLoRA r32 at 64 rows:
+        the four groups of a layer 87.6 -> 67.9 us, the engine's token step 3.62 -> 3.08 ms, the same values.
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
-    pdl: bool = False
+    pdl: bool = True
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
