@@ -8,7 +8,8 @@
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl             scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
 #                                                                           kit is carried, issue 31's decode
-#                                                                           probes use the idle GPU (SIDE=0: not)
+#                                                                           tests and probes use the idle GPU
+#                                                                           (~5 min; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -22,14 +23,14 @@
 #   probe-unsloth  benchmarks/probes/engine_sampling.py --engine unsloth: what Unsloth's vLLM samples from the
 #                  tests' model as FP8-Block, without an adapter and with ours, against the trainer    ~3
 #   probe-vllm     the same for plain vLLM (VLLMEngine) on the FP8-Block model                          ~2
-#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16 (3.5 measured), then
+#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16 (2.7 measured), then
 #                  the FP8-Block child (DeepGEMM's warm-up skipped)                                     ~6
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
-#                  (9 measured: Unsloth's load 2, its first step 4 with compile and autotuning)         ~9
-#   ours           bench: ours native bf16 and FP8, ours --engine vllm                                    ~4
+#                  (8.5 measured: Unsloth's load 2, its first step 3.8 with compile and autotuning)     ~9
+#   ours           bench: ours native bf16 and FP8, ours --engine vllm (3.8 measured)                    ~4
 #   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby)                               ~6-8
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block                                              ~6-8
-#   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate"                                              ~3-5
+#   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9 measured)                               ~2
 #   unsloth-bf16   bench: ours --engine unsloth on bf16                                                   ~6-8
 # The bench stages join one results file (--bench-join): results/peers.json, and each process's own file.
 set -euo pipefail
@@ -57,13 +58,16 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
     --bench-join $EP/results/peers.json --bench-results-dir $EP/results/$name "$@"
 }
 
-side() {  # issue 31's decode probes, timed in CUDA graphs (the file copies of the carrying calls beside them
-  # cost the host, not the device): the Qwen groups at 64 rows with the adapter launched plainly and beside
-  # its lora_down (Tuning.pdl), then the Qwen token step with and without it
+side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
+  # device): the decode kernels' and the engine's CUDA tests (Tuning.pdl is on by default since 2026-12-02),
+  # lora_down alone over splits of K, then the Qwen token step with and without pdl
   export PYTHONPATH=$PWD:/tmp/site
-  echo "$(date -u +%T) start side (issue 31's decode probes)" >> $EP/stages.log
-  timeout -k 10 200 python3 benchmarks/probes/decode_gemm_tiles.py --rows 64 --groups qwen_gate_up qwen_down \
-    qwen_qkv qwen_o --formats bf16 --out $EP/results/side || true
+  echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
+  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
+    -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
+  tail -3 $EP/results/side/cuda-tests.log >> $EP/stages.log
+  timeout -k 10 150 python3 benchmarks/probes/decode_gemm_tiles.py --lora-down --rows 16 64 --groups qwen_gate_up \
+    qwen_down qwen_qkv qwen_o gate_up down qkv o --out $EP/results/side || true
   timeout -k 10 170 python3 benchmarks/probes/native_engine.py --plan qwen --budget-s 150 --out $EP/results/side || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
@@ -77,7 +81,7 @@ snapshot() {  # snapshot DIR: this tree, without the carried parts (later calls 
 chain() {
   mkdir -p $EP/results
   if [ -f $EP/side.log ]; then  # the side probes first: nothing shares the GPU with a timed run
-    for _ in $(seq 80); do [ -f $EP/side.done ] && break; sleep 5; done
+    for _ in $(seq 120); do [ -f $EP/side.done ] && break; sleep 5; done
   fi
   for s in $STAGES; do
     case $s in

@@ -147,16 +147,18 @@ def fake_vllm(monkeypatch):
 
 
 class FakePolicy:
-    """A peft model as far as the engine cares: save_pretrained(path) writes an adapter."""
+    """A peft model as far as the engine cares: save_pretrained(path, ...) writes an adapter."""
 
     def __init__(self):
         self.saved: list[str] = []
+        self.with_embeddings: list = []  # each save's save_embedding_layers
 
-    def save_pretrained(self, path):
+    def save_pretrained(self, path, save_embedding_layers="auto"):
         Path(path).mkdir(parents=True)
         (Path(path) / "adapter_config.json").write_text(json.dumps({"r": 8, "use_rslora": True}))
         (Path(path) / "adapter_model.safetensors").write_bytes(b"weights")
         self.saved.append(str(path))
+        self.with_embeddings.append(save_embedding_layers)
 
 
 def make_engine(tmp_path, **kw):
@@ -245,7 +247,7 @@ def test_each_call_saves_a_new_adapter_with_a_new_id_and_drops_the_old_one(fake_
     assert ids == [1, 2, 3] and names == ["grpo-1", "grpo-2", "grpo-3"]
     assert llm.removed == [1, 2]
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["adapter-3"]
-    assert len(policy.saved) == 3
+    assert len(policy.saved) == 3 and policy.with_embeddings == [False] * 3  # the LoRA weights only
 
 
 def test_seeds_change_per_call_unless_sampling_fixes_one(fake_vllm, tmp_path):

@@ -13,7 +13,7 @@ the rows its preset decodes.
 
 By default: every group checked against its float32 reference, a sweep of tile configs per group and
 format, the best one against cuBLAS and with rsLoRA, then the picked configs checked again; `--engine`
-then times the native engine's decode step with them. `--unpack`, `--rows` and `--engine-rows` run other
+then times the native engine's decode step with them. `--unpack`, `--rows`, `--lora-down` and `--engine-rows` run other
 comparisons instead of the sweep (see --help). Every figure goes to --out as JSON lines (timing.py).
 """
 
@@ -184,6 +184,28 @@ def compare_unpack(rec: Recorder, name: str, modes: list[str]) -> None:
     rec.record(**row)
 
 
+def compare_lora_down(rec: Recorder, name: str, rows: int) -> None:
+    """The adapters' down-projection of one group alone (`dg.lora_down`, rsLoRA r32, float32 A as peft keeps
+    it), at the product's split of K (`dg.lora_split`) and over other splits and K steps, each checked
+    against x A^T in float32: what the split-K launch costs before the projection can add its LoRA term."""
+    kind, k, widths, _ = GROUPS[name]
+    rank = 32
+    one = len(widths) * rank * k * 4
+    copies = [[torch.randn(rank, k, device="cuda") / k**0.5 for _ in widths]
+              for _ in range(max(2, -(-(256 << 20) // one)))]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ref = torch.stack([x.float() @ a.T for a in copies[0]])
+    splits = sorted({dg.lora_split(k), *[s for s in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s * 64 <= k]})
+    for split, block_k in itertools.product(splits, (64, 128)):
+        if split * block_k > 2 * k:
+            continue
+        got = dg.lora_down(x, copies[0], rank, split=split, block_k=block_k)[:, :rows]
+        us = graph_us(lambda c: dg.lora_down(x, c, rank, split=split, block_k=block_k), copies)
+        rec.record("lora_down", group=name, rows=rows, adapters=len(widths), k=k, split=split, block_k=block_k,
+                   product=split == dg.lora_split(k) and block_k == 64, us=round(us, 2),
+                   rel_err=round(((got - ref).norm() / ref.norm()).item(), 6))
+
+
 def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool, rows: int = ROWS) -> dg.TileConfig | None:
     """Time each config of the sweep on one group and format at `rows` rows; the fastest is timed against
     cuBLAS and with rsLoRA, and returned (None when none ran). Each config is in force only while it is timed."""
@@ -302,6 +324,9 @@ def main() -> None:
                     help="instead of the sweep: the decode step at these row counts, kernels against modules")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help="instead of the sweep: the tuned tiles at these row counts against cuBLAS")
+    ap.add_argument("--lora-down", action="store_true",
+                    help="instead of the sweep: each group's LoRA down-projection alone over splits of K, at "
+                         "the --rows (default: --sweep-rows)")
     add_out_argument(ap)
     args = ap.parse_args()
     import triton
@@ -323,6 +348,11 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
             compare_unpack(rec, name, args.unpack)
         if args.engine:
             engine_per_unpack(rec, args.unpack)
+        return
+    if args.lora_down:
+        for rows in args.rows or [args.sweep_rows]:
+            for name in args.groups:
+                compare_lora_down(rec, name, rows)
         return
     if args.rows:
         for rows in args.rows:

@@ -359,20 +359,22 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
             raise ValueError("decode_gemm: LoRA needs contiguous lora_a (r, K) and lora_b (N, r)")
 
 
-def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> torch.Tensor:
-    """x A_i^T for each adapter: (len(lora_as), rows padded, block_r) float32, over lora_split(K) slices of
-    K whose partial sums the last slice to finish adds in a fixed order (split K, as the projections')."""
-    return _lora_down(x2, lora_as, block_r, pdl=False)[0]
+def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, split: int | None = None,
+              block_k: int = 64) -> torch.Tensor:
+    """x A_i^T for each adapter: (len(lora_as), rows padded, block_r) float32, over `split` (default
+    lora_split(K)) slices of K, `block_k` columns a loop step, whose partial sums the last slice to finish
+    adds in a fixed order (split K, as the projections'). `split` and `block_k`: for the probes' sweeps."""
+    return _lora_down(x2, lora_as, block_r, pdl=False, split=split, block_k=block_k)[0]
 
 
-def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, pdl: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, pdl: bool,
+               split: int | None = None, block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """`lora_down`, and its scratch of partial sums, which the caller keeps until it has launched the
     projection: with `pdl` that launch runs beside this one, and memory freed here could be handed to it."""
     kernels = _triton_kernels()
     m, k = x2.shape
     r = lora_as[0].shape[0]
-    split = lora_split(k)
+    split = split or lora_split(k)
     out = torch.empty((len(lora_as), _block_m(m), block_r), dtype=torch.float32, device=x2.device)
     if split > 1:
         parts = torch.empty((len(lora_as), split, _block_m(m), block_r), dtype=torch.float32, device=x2.device)
@@ -382,7 +384,7 @@ def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, 
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
     kernels.lora_down_kernel[(len(lora_as), split)](
         x2, x2.stride(0), m, k, a[0], a[1], a[2], out, parts, counters, r, BLOCK_M=_block_m(m), BLOCK_R=block_r,
-        BLOCK_K=64, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl, num_warps=4)
+        BLOCK_K=block_k, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl, num_warps=4)
     return out, parts
 
 
