@@ -400,6 +400,32 @@ def test_cuda_graph_rollout_equals_eager_rollout():
         assert greedy.completion_ids[i].tolist() == out[0, len(p):].tolist()
 
 
+@pytest.mark.cuda
+@cuda
+def test_adapter_launches_beside_their_lora_down_give_the_rollout_of_plain_launches():
+    # decode_gemm.Tuning.pdl on Hopper or newer: each projection with an adapter starts while its lora_down
+    # still runs and waits for it before the LoRA term; in the engine's CUDA graphs, replayed step after step
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from grpo.kernels import decode_gemm as dg
+    from grpo.rollout.native.plan import layer_projections
+
+    model = get_peft_model(small_llama(seed=8), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS),
+                                                           init_lora_weights=False)).cuda()
+    assert layer_projections(model.base_model.model.model.layers[0], torch.float32).q.rank == 8  # the kernels
+    sampling = Sampling(max_new_tokens=40, temperature=1.0, seed=3)
+    rollouts = {}
+    for pdl in (False, True):
+        with dg.tuning(pdl=pdl):  # the graphs captured inside keep it
+            engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=16))
+            rollouts[pdl] = [engine.generate(PROMPTS, 2, sampling) for _ in range(2)]
+    plain = rollouts[False][0]
+    for out in rollouts[False][1:] + rollouts[True]:
+        assert torch.equal(out.completion_ids, plain.completion_ids)
+        torch.testing.assert_close(out.sampler_logp, plain.sampler_logp, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("attention,streams", [("sdpa", False), ("matmul", True), ("sdpa", True)])
 def test_attention_and_stream_variants_give_the_same_rollout(model, attention, streams):
     from peft import LoraConfig, get_peft_model

@@ -172,7 +172,9 @@ def test_sleeps_for_training_frees_its_memory_and_serves_each_steps_adapter(serv
     print(f"[vllm-cuda] {kind} after a step: sampler-trainer |dlogp| mean {mean:.4f} max {worst:.3f} "
           f"(against the adapter before the step: mean {stale_mean:.4f})")
     assert mean < MEAN_GAP[kind] and worst < MAX_GAP[kind]
-    assert mean < stale_mean / 4  # the new adapter's log-probs, not the old one's
+    # the new adapter's log-probs, not the old one's (on the CPU with transformers' greedy standing in for
+    # vLLM, the step moved these tokens' log-probs by 7.5 nats, FP8-Block 8.8)
+    assert mean < stale_mean / 4
     assert [p.name for p in engine.work_dir.iterdir()] == [f"adapter-{engine._adapter_id}"]
 
 

@@ -133,7 +133,7 @@ def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS
 def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
     """At `rows` rows: the tuned tiles (fitted to the rows) against the module path (cuBLAS for bf16,
     FP8Linear's blockwise _scaled_mm for FP8), and both with rsLoRA r32, checked; the kernels with rsLoRA also
-    launched after their lora_down (`dg.tuning(pdl=False)`) and beside it (pdl=True, the default)."""
+    launched after their lora_down (`dg.tuning(pdl=False)`) and beside it (pdl=True)."""
     kind, k, widths, residual = GROUPS[name]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
@@ -197,12 +197,15 @@ def compare_lora_down(rec: Recorder, name: str, rows: int) -> None:
     ref = torch.stack([x.float() @ a.T for a in copies[0]])
     splits = sorted({dg.lora_split(k), *[s for s in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s * 64 <= k]})
     for split, block_k in itertools.product(splits, (64, 128)):
-        if split * block_k > 2 * k:
+        per = -(-(-(-k // split)) // block_k) * block_k  # a slice's columns, whole K steps (as the kernel has it)
+        slices = -(-k // per)  # the programs (per adapter) with work; the other split - slices add zeros
+        product = split == dg.lora_split(k) and block_k == 64
+        if slices < split and not product:
             continue
         got = dg.lora_down(x, copies[0], rank, split=split, block_k=block_k)[:, :rows]
         us = graph_us(lambda c: dg.lora_down(x, c, rank, split=split, block_k=block_k), copies)
-        rec.record("lora_down", group=name, rows=rows, adapters=len(widths), k=k, split=split, block_k=block_k,
-                   product=split == dg.lora_split(k) and block_k == 64, us=round(us, 2),
+        rec.record("lora_down", group=name, rows=rows, adapters=len(widths), k=k, split=split, slices=slices,
+                   block_k=block_k, product=product, us=round(us, 2),
                    rel_err=round(((got - ref).norm() / ref.norm()).item(), 6))
 
 

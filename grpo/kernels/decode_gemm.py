@@ -197,16 +197,18 @@ class Tuning:
         conversion unit (the FP8 step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter
         (no PTX) it is always "convert".
     tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the tuned table.
-    pdl: programmatic dependent launch (Hopper or newer, CUDA; ignored elsewhere): a projection launch with
-        an adapter starts while its lora_down still runs, streams its weights, and waits for lora_down only
-        before the LoRA term at each tile's end, instead of every lora_down's latency standing between two
-        launches (four a layer). On the H200 (2026-12-02), Qwen2.5-1.5B shapes with rsLoRA r32 at 64 rows:
-        the four groups of a layer 87.6 -> 67.9 us, the engine's token step 3.62 -> 3.08 ms, the same values.
+    pdl: programmatic dependent launch (NVIDIA, Hopper or newer; ignored elsewhere): a projection launch
+        with an adapter starts while its lora_down still runs, streams its weights, and waits for lora_down
+        only before the LoRA term at each tile's end, instead of every lora_down's latency standing between
+        two launches (four a layer). On the H200 (2026-12-02), Qwen2.5-1.5B shapes with rsLoRA r32 at 64
+        rows: the four groups of a layer 87.6 -> 67.9 us with the same relative errors, the engine's token
+        step 3.62 -> 3.08 ms. Off until its CUDA tests (tests/test_decode_gemm.py, test_native_engine.py)
+        have passed on a GPU.
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
-    pdl: bool = True
+    pdl: bool = False
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
@@ -389,8 +391,9 @@ def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, 
 
 
 def _pdl(x2: torch.Tensor, rank: int) -> bool:
-    """Whether a launch with an adapter goes dependently (Tuning.pdl): CUDA, Hopper or newer."""
-    return (bool(rank) and _TUNING.get().pdl and x2.device.type == "cuda"
+    """Whether a launch with an adapter goes dependently (Tuning.pdl): NVIDIA (ROCm's devices are "cuda" too,
+    with no griddepcontrol), Hopper or newer."""
+    return (bool(rank) and _TUNING.get().pdl and x2.device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(x2.device) >= (9, 0))
 
 

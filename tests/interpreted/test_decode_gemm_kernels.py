@@ -88,11 +88,13 @@ def test_lora_down_adds_its_k_slices_once_and_rearms_its_counters():
 
 
 def test_lora_down_gives_the_same_result_at_every_split_and_k_step_the_probe_sweeps():
-    # decode_gemm_tiles.py --lora-down: 7 and 10 slices of 128 columns over K = 640 leave the last ones empty
+    # decode_gemm_tiles.py --lora-down: over K = 640, 7 slices of 128 columns (each rounded up to whole 64-column
+    # steps) and 10 slices of 128 leave the last ones empty
     x = torch.randn(5, 640)
     lora_as = [torch.randn(8, 640, generator=torch.Generator().manual_seed(i)) / 640**0.5 for i in range(2)]
-    for split, block_k in ((1, 64), (3, 128), (7, 64), (10, 64)):
-        out = dg.lora_down(x, lora_as, 8, split=split, block_k=block_k)
+    for split, block_k in ((1, 64), (3, 128), (7, 64), (10, 64), (10, 128)):
+        out, parts = dg._lora_down(x, lora_as, 8, pdl=False, split=split, block_k=block_k)
+        assert parts.shape[1] == split or split == 1  # the split asked for is the one launched
         for i, a in enumerate(lora_as):
             close(out[i, :5], x @ a.T)
 
