@@ -59,7 +59,7 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device): the decode kernels' and the engine's CUDA tests (Tuning.pdl is on by default since 2026-12-02),
+  # device): the decode kernels' and the engine's CUDA tests (Tuning.pdl's first: its default waits on them),
   # lora_down alone over splits of K, then the Qwen token step with and without pdl
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
