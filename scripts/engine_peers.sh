@@ -59,8 +59,8 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device): the decode kernels' and the engine's CUDA tests (Tuning.pdl's first: its default waits on them),
-  # lora_down alone over splits of K, then the Qwen token step with and without pdl
+  # device): the decode kernels' and the engine's CUDA tests, lora_down alone over splits of K, then the
+  # Qwen token step with and without Tuning.pdl
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
   timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \

@@ -133,7 +133,7 @@ def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS
 def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
     """At `rows` rows: the tuned tiles (fitted to the rows) against the module path (cuBLAS for bf16,
     FP8Linear's blockwise _scaled_mm for FP8), and both with rsLoRA r32, checked; the kernels with rsLoRA also
-    launched after their lora_down (`dg.tuning(pdl=False)`) and beside it (pdl=True)."""
+    launched after their lora_down (`dg.tuning(pdl=False)`) and beside it (pdl=True, the default)."""
     kind, k, widths, residual = GROUPS[name]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))

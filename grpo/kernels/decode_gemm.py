@@ -202,13 +202,12 @@ class Tuning:
         only before the LoRA term at each tile's end, instead of every lora_down's latency standing between
         two launches (four a layer). On the H200 (2026-12-02), Qwen2.5-1.5B shapes with rsLoRA r32 at 64
         rows: the four groups of a layer 87.6 -> 67.9 us with the same relative errors, the engine's token
-        step 3.62 -> 3.08 ms. Off until its CUDA tests (tests/test_decode_gemm.py, test_native_engine.py)
-        have passed on a GPU.
+        step 3.62 -> 3.08 ms; its CUDA tests (tests/test_decode_gemm.py, test_native_engine.py) passed there.
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
-    pdl: bool = False
+    pdl: bool = True
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
