@@ -1,6 +1,7 @@
 """The model and the GRPO run that tests/test_vllm_cuda.py gives the vLLM engines, kept here so that CPU tests
 can check them without a GPU (tests/test_engine_runs.py) and the probe benchmarks/probes/engine_sampling.py
-can build the same model.
+can build the same model; and the trainer's log-probs that the vLLM tests (CPU and CUDA) and that probe
+hold the engines' sampler log-probs against.
 
 The model: a random two-layer Llama with Llama 3.2's vocabulary whose dimensions are multiples of 128 (FP8
 blocks), with an output layer of its own. Tied to the input embedding, a random model's residual stream is
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Two short prompts in Llama 3.2's token ids: what the engine tests and the probe sample from.
+PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
 OUTPUT_STD = 0.125  # the output layer's weights: logits of std ~2 (hidden 256, after the final RMSNorm)
 
 REWARD_FUNCTION = "longer_text"
@@ -79,3 +82,30 @@ def write_small_llama(kind: str, path: Path, tokenizer) -> Path:
         raise ValueError(f"kind {kind!r}: use 'bf16' or 'fp8-block'")
     tokenizer.save_pretrained(path)
     return path
+
+
+def trainer_logp(policy, prompts: list[list[int]], completions: list[list[int]], n: int, temperature: float = 1.0,
+                 width: int | None = None):
+    """(rows, width) float64: log softmax(logits / temperature) of each completion token under the policy, as the
+    trainer computes it, from one forward over prompt + completion (row i continues prompts[i // n]); 0 past a
+    completion's end. Temperature 0 (greedy) is scored at 1, as the trainer does. `width`: the longest
+    completion unless given."""
+    import torch
+
+    device = next(policy.parameters()).device
+    t = temperature if temperature > 0 else 1.0
+    out = torch.zeros((len(completions), width or max(len(c) for c in completions)), dtype=torch.float64)
+    for i, completion in enumerate(completions):
+        prompt = prompts[i // n]
+        ids = torch.tensor([prompt + completion], device=device)
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
+        logp = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(completion, device=device)[:, None])[:, 0]
+        out[i, : len(completion)] = logp.cpu()
+    return out
+
+
+def rollout_trainer_logp(policy, rollout, temperature: float):
+    """`trainer_logp` for an engine's Rollout: (P*n, T) like its sampler_logp."""
+    return trainer_logp(policy, rollout.prompt_ids, rollout.completions(), rollout.num_generations, temperature,
+                        rollout.mask.shape[1])

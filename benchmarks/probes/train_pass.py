@@ -5,8 +5,8 @@ its longest row (`grpo.batch.Batch.rows`); `--micro-batch-size` cuts the step's 
 micro-batches (`grpo.batch.micro_batches`). On the qwen1.5b-gsm8k preset's rows (64 of 90-175 prompt and
 102-384 completion tokens) one pass runs 31% padding; four sorted micro-batches, 10%, but each a quarter as
 wide in rows. This times that trade on the GPU with the trainer's own pieces: a random model of the
-preset's shapes with the preset's rsLoRA (r 32, gradient checkpointing unless --no-checkpointing), a batch with the lengths of a real
-step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of learning_faults.py's gap run), and for
+preset's shapes with the preset's rsLoRA (r 32, gradient checkpointing unless --no-checkpointing), a batch
+with the lengths of a real step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of learning_faults.py's gap run), and for
 each micro-batch size the forward and backward of `sequence_logprobs` over all rows: median milliseconds,
 the share of real tokens among the positions run (`train/real_token_frac`), and the peak memory above the
 weights.
