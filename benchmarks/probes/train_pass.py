@@ -6,10 +6,10 @@ micro-batches (`grpo.batch.micro_batches`). On the qwen1.5b-gsm8k preset's rows 
 102-384 completion tokens) one pass runs 31% padding; four sorted micro-batches, 10%, but each a quarter as
 wide in rows. This times that trade on the GPU with the trainer's own pieces: a random model of the
 preset's shapes with the preset's rsLoRA (r 32, gradient checkpointing unless --no-checkpointing), a batch
-with the lengths of a real step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of learning_faults.py's gap run), and for
-each micro-batch size the forward and backward of `sequence_logprobs` over all rows: median milliseconds,
-the share of real tokens among the positions run (`train/real_token_frac`), and the peak memory above the
-weights.
+with the lengths of a real step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of
+learning_faults.py's gap run), and for each micro-batch size the forward and backward of
+`sequence_logprobs` over all rows: median milliseconds, the share of real tokens among the positions run
+(`train/real_token_frac`), and the peak memory above the weights.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 64 32 16 8
     python benchmarks/probes/train_pass.py --smoke        (a tiny model on the CPU: the plumbing only)
