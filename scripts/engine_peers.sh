@@ -9,7 +9,7 @@
 #   call  1     carry .whl             scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
 #                                                                           kit is carried, issue 31's decode
 #                                                                           tests and probes use the idle GPU
-#                                                                           (~5 min; SIDE=0: not)
+#                                                                           (~5 min at most; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -59,16 +59,15 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device): the decode kernels' and the engine's CUDA tests, lora_down alone over splits of K, then the
-  # Qwen token step with and without Tuning.pdl
+  # device; the chain waits for this, so it is held to about the kit's three minutes): every CUDA test of the
+  # decode kernels, the engine, FP8 and the log-prob kernels, then lora_down alone over splits of K
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
-  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
-    -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
+    tests/test_fp8.py tests/test_logprobs.py -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
   tail -3 $EP/results/side/cuda-tests.log >> $EP/stages.log
-  timeout -k 10 150 python3 benchmarks/probes/decode_gemm_tiles.py --lora-down --rows 16 64 --groups qwen_gate_up \
+  timeout -k 10 120 python3 benchmarks/probes/decode_gemm_tiles.py --lora-down --rows 16 64 --groups qwen_gate_up \
     qwen_down qwen_qkv qwen_o gate_up down qkv o --out $EP/results/side || true
-  timeout -k 10 170 python3 benchmarks/probes/native_engine.py --plan qwen --budget-s 150 --out $EP/results/side || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }
