@@ -76,8 +76,9 @@ TRL_QUOTED = {
     "long": {"step_time_s": 67.6, "peak_alloc_gib": 9.55, "peak_reserved_gib": 14.1},
 }
 QUOTE_NOTE = "quoted: TRL 1.16 on this project's H200, same random-init model, forced lengths"
-# Every engine that samples with vLLM, ours and the peers', gets the same share of the GPU (our default), so
-# that nvidia-smi's peaks compare the trainers and not the pools. Unsloth's standby would take 0.88.
+# The peers that sample with vLLM, and ours on Unsloth's engine, take the same share of the GPU (our share
+# for Unsloth's engine; Unsloth's standby would take 0.88, TRL's default is 0.3). Ours with --engine vllm runs
+# at its default: a KV cache sized for the step's rows, which is what sets it apart in nvidia-smi's peak.
 VLLM_SHARE = VLLM_GPU_MEMORY_UTILIZATION
 # The peer that the engines of ours that sample with vLLM aim at: Unsloth's own GRPO (the seed's way).
 ENGINE_PEER = "unsloth-grpo"

@@ -34,7 +34,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # A dtype flag's short name -> the dtype's full name (`torch.<name>`, and vLLM's `dtype`): the one map
 # behind --dtype, the export's --dtype and the vLLM engine's dtype.
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# vLLM's share of the GPU (--vllm-gpu-memory-utilization): its weights, KV cache and CUDA graphs.
+# vLLM's share of the GPU (--vllm-gpu-memory-utilization) for its weights, KV cache and CUDA graphs,
+# where the flag gives none: Unsloth's engine, and what plain vLLM checks is free at start-up.
 VLLM_GPU_MEMORY_UTILIZATION = 0.35
 
 
@@ -155,13 +156,17 @@ class Config:
                           "With FP8 weights the kernels are weight-only FP8 (bf16 activations), where FP8Linear also "
                           "quantizes activations; the importance weights correct for the sampler's difference.",
                           "sampling", choices=["auto", "kernels", "modules"])
-    vllm_gpu_memory_utilization: float = _f(
-        VLLM_GPU_MEMORY_UTILIZATION, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for "
-        "its weights, KV cache and CUDA graphs (vLLM's gpu_memory_utilization). Unsloth's standby would set its own "
-        "(0.88 on a GPU of 40 GB or more, 0.78 on an L4); this one is kept. The rest is training's: on an L4 "
-        "(22.5 GiB) the default gives vLLM 7.9 GiB and leaves 14.6 GiB, where the 1B model's bench step (16 "
-        "completions of 512 tokens) peaks at 4.6 GiB (FP8) to 5.6 GiB (bf16) allocated (benchmarks/RESULTS.md); "
-        "while vLLM sleeps (--engine-standby release) training also gets its KV cache back.",
+    vllm_gpu_memory_utilization: float | None = _f(
+        None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
+        "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: with "
+        "--engine vllm, a KV cache just large enough for the run's rows at full length (P x G, or the "
+        "evaluation's, each at the longest prompt plus the completion budget), and the step line says what "
+        "vLLM took; with --engine unsloth, "
+        f"{VLLM_GPU_MEMORY_UTILIZATION}. Unsloth's standby would set its own share (0.88 on a GPU of 40 GB or "
+        f"more, 0.78 on an L4); this one is kept. On an L4 (22.5 GiB) {VLLM_GPU_MEMORY_UTILIZATION} gives vLLM "
+        "7.9 GiB and leaves 14.6 GiB, where the 1B model's bench step (16 completions of 512 tokens) peaks at "
+        "4.6 GiB (FP8) to 5.6 GiB (bf16) allocated (benchmarks/RESULTS.md); while vLLM sleeps (--engine-standby "
+        "release) training also gets its KV cache back.",
         "sampling")
     vllm_enforce_eager: bool = _f(False, "With --engine vllm or unsloth: run vLLM without CUDA graphs or "
                                   "torch.compile. It starts in seconds instead of minutes and decodes slower: for "
@@ -280,9 +285,10 @@ class Config:
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
                              f"within --max-seq-length {self.max_seq_length}")
-        if not 0.0 < self.vllm_gpu_memory_utilization < 1.0:
-            raise ValueError(f"--vllm-gpu-memory-utilization {self.vllm_gpu_memory_utilization}: a share of the GPU "
-                             f"in (0, 1); {VLLM_GPU_MEMORY_UTILIZATION} leaves training the rest")
+        share = self.vllm_gpu_memory_utilization
+        if share is not None and not 0.0 < share < 1.0:
+            raise ValueError(f"--vllm-gpu-memory-utilization {share}: a share of the GPU in (0, 1), or none for a "
+                             "KV cache sized for the run")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads {self.cpu_threads}: use 1 or more, or none for torch's default")
 

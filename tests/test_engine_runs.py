@@ -9,7 +9,7 @@ import torch
 
 from engine_runs import LEARNING_RATE, VLLM_SHARE, unsloth_run_flags, write_reward, write_small_llama
 from grpo import rewards as grpo_rewards
-from grpo.config import VLLM_GPU_MEMORY_UTILIZATION, Config, parse_args
+from grpo.config import Config, parse_args
 
 
 def test_the_test_reward_separates_completions_the_recipes_rewards_score_alike(tmp_path, llama_tokenizer):
@@ -54,12 +54,15 @@ def test_the_unsloth_runs_flags_parse_into_two_eager_steps_on_the_chosen_share(t
     assert cfg.learning_rate == LEARNING_RATE and cfg.warmup_ratio == 0 and cfg.lr_scheduler == "constant"
 
 
-def test_vllms_share_has_a_default_and_out_of_range_values_name_the_flag():
-    assert parse_args([]).vllm_gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION
+def test_vllms_share_is_none_by_default_or_a_share_and_out_of_range_values_name_the_flag():
+    assert parse_args([]).vllm_gpu_memory_utilization is None  # a KV cache sized for the run
+    assert parse_args(["--vllm-gpu-memory-utilization", "0.5"]).vllm_gpu_memory_utilization == 0.5
+    assert parse_args(["--vllm-gpu-memory-utilization", "none"]).vllm_gpu_memory_utilization is None
     assert parse_args([]).vllm_enforce_eager is False
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ValueError, match=r"--vllm-gpu-memory-utilization .*\(0, 1\)"):
             Config(vllm_gpu_memory_utilization=bad)
+
 
 
 def test_the_trainer_gives_unsloth_the_share_and_eager_mode_from_the_flags(tmp_path, monkeypatch):

@@ -583,8 +583,9 @@ def test_unsloth_keeps_the_users_vllm_share_under_standby_and_can_run_eager(fake
     # Without the override, Unsloth's standby replaces the share by its own (0.88 on an H200).
     assert seen["standby_at_import"] == "1" and seen["util_override_at_load"] == "1"
     assert engine.gpu_memory_utilization == 0.3
-    _load(tmp_path)
+    _load(tmp_path, gpu_memory_utilization=None)  # the flag's default: Unsloth's engine takes a share
     assert seen["from_pretrained"]["enforce_eager"] is False  # CUDA graphs unless asked
+    assert seen["from_pretrained"]["gpu_memory_utilization"] == rv.GPU_MEMORY_UTILIZATION
 
 
 def test_vllm_engine_runs_eager_on_cuda_only_when_asked(fake_vllm, monkeypatch):
@@ -625,6 +626,57 @@ def test_the_trainers_peak_leaves_out_the_part_of_vllms_pool_that_torch_counts(
     engine.llm.llm_engine.vllm_config = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(gpu_memory_utilization=0.88))
     assert step_memory_gib(torch.device("cuda"), engine)[1] == pytest.approx(88.0)
+
+
+LLAMA_1B = types.SimpleNamespace(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                 hidden_size=2048)
+
+
+def test_the_kv_cache_for_the_run_holds_every_row_at_full_length_and_no_more():
+    # Llama 3.2 1B: K and V x 16 layers x 8 KV heads x 64 dims x 2 bytes = 32 KiB a token; the bench's
+    # 16 rows of 128 + 512 tokens, each rounded up to 768: 384 MiB (a share of 0.35 is 48.9 GiB of an H200)
+    assert rv.kv_cache_bytes(LLAMA_1B, rows=16, max_model_len=640, dtype="bf16") == 16 * 768 * 32768
+    assert rv.kv_cache_bytes(LLAMA_1B, rows=16, max_model_len=768, dtype="auto") == 16 * 768 * 32768
+    assert rv.kv_cache_bytes(LLAMA_1B, rows=1, max_model_len=769, dtype="fp32") == 1024 * 65536
+    qwen3 = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=None,
+                                  hidden_size=1024, head_dim=128)  # a head_dim of its own; KV heads = heads
+    assert rv.kv_cache_bytes(qwen3, rows=3, max_model_len=256, dtype="bfloat16") == 3 * 256 * 2 * 2 * 16 * 128 * 2
+
+
+def test_without_a_share_build_engine_sizes_vllms_kv_cache_for_its_rows(fake_vllm, tmp_path):
+    from grpo.rollout import VLLMOptions, build_engine
+
+    policy = FakePolicy()
+    policy.config = LLAMA_1B
+    options = dict(model_path="some/base-model", lora_rank=32, dtype="bf16", seed=0, work_dir=str(tmp_path))
+    build_engine("vllm", policy, pad_id=0, max_seq_len=640, max_batch=16, vllm=VLLMOptions(**options))
+    kw = fake_vllm[-1].kwargs
+    assert kw["kv_cache_memory_bytes"] == 16 * 768 * 32768
+    assert kw["gpu_memory_utilization"] == rv.GPU_MEMORY_UTILIZATION  # only vLLM's start-up check then
+    build_engine("vllm", policy, pad_id=0, max_seq_len=640, max_batch=16,
+                 vllm=VLLMOptions(**options, gpu_memory_utilization=0.5))
+    assert "kv_cache_memory_bytes" not in fake_vllm[-1].kwargs
+    assert fake_vllm[-1].kwargs["gpu_memory_utilization"] == 0.5
+
+
+def test_a_kv_cache_sized_for_the_run_reports_what_vllm_took_at_start_up(fake_vllm, tmp_path, monkeypatch):
+    from grpo.runlog import step_memory_gib
+
+    GiB = 2**30
+    _fake_device(monkeypatch, total_gib=100.0, peak_gib=6.0, in_process_gib=None)
+    # Before vLLM: 10 GiB in use, 4 of them torch's; after: 20 GiB, 5 of them torch's. vLLM's process took 9.
+    readings = iter([((90 * GiB, 100 * GiB), 4 * GiB), ((80 * GiB, 100 * GiB), 5 * GiB)])
+    current = {}
+
+    def mem_get_info(device=None):
+        current.update(zip(("info", "reserved"), next(readings)))
+        return current["info"]
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: current["reserved"])
+    engine, _ = make_engine(tmp_path, kv_cache_bytes=GiB)
+    assert engine.pool_bytes() == 9 * GiB
+    assert step_memory_gib(torch.device("cuda"), engine) == pytest.approx((6.0, 9.0))
 
 
 def test_an_engine_without_a_pool_and_a_cpu_run_report_the_trainers_memory_alone(fake_vllm, tmp_path, monkeypatch):

@@ -45,7 +45,8 @@ class VLLMOptions:
     dtype: str  # a dtype flag's value (auto, bf16, fp32, ...)
     seed: int
     work_dir: str  # where each step's adapter is written for vLLM to read
-    gpu_memory_utilization: float | None = None  # vLLM's share of the GPU; None: grpo.rollout.vllm's default
+    # vLLM's share of the GPU; None: a KV cache sized for the engine's rows at full length instead
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool = False  # no torch.compile or CUDA graphs in vLLM (tests, tiny models)
 
 
@@ -64,15 +65,19 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
 
         return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm)
     if name == "vllm":
-        from grpo.rollout.vllm import VLLMEngine
+        from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes
 
         if vllm is None:
             raise ValueError("--engine vllm: build_engine needs vllm=VLLMOptions(...) (the base checkpoint's "
                              "folder, the adapter's rank, dtype, seed and a work folder)")
-        shared = {} if vllm.gpu_memory_utilization is None else {"gpu_memory_utilization": vllm.gpu_memory_utilization}
+        if vllm.gpu_memory_utilization is None:  # the KV cache this run's rows need, and no more
+            memory = {"kv_cache_bytes": kv_cache_bytes(policy.config, rows=max_batch, max_model_len=max_seq_len,
+                                                       dtype=vllm.dtype)}
+        else:
+            memory = {"gpu_memory_utilization": vllm.gpu_memory_utilization}
         return VLLMEngine(policy, vllm.model_path, lora_rank=vllm.lora_rank, max_model_len=max_seq_len,
                           dtype=vllm.dtype, seed=vllm.seed, work_dir=vllm.work_dir, pad_id=pad_id,
-                          enforce_eager=vllm.enforce_eager, **shared)
+                          enforce_eager=vllm.enforce_eager, **memory)
     if name == "unsloth":
         raise ValueError("--engine unsloth: Unsloth builds its engine as it loads the model "
                          "(grpo.model.load_unsloth_policy), not over a policy")

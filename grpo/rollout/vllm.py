@@ -40,8 +40,10 @@ Stops. Token-id stop sequences have no vLLM equivalent (its `stop` takes strings
 cut after the first complete stop sequence once generation ends; the tokens vLLM made past it
 are wasted work. The model's own EOS is not added: `Sampling.stop_token_ids` is the whole stop set.
 
-Memory. vLLM takes `gpu_memory_utilization` of the GPU (`pool_bytes()`); when its engine core runs
-in this process (Unsloth's), its allocations also count in torch's allocated bytes
+Memory. vLLM takes `gpu_memory_utilization` of the GPU, its KV cache filling what the weights leave;
+`VLLMEngine` can instead be given a KV cache sized for the run (`kv_cache_bytes()`: every row at full
+length; the trainer's default), and then measures what vLLM took (`pool_bytes()`). When vLLM's engine
+core runs in this process (Unsloth's), its allocations also count in torch's allocated bytes
 (`pool_bytes_in_torch()`), which the trainer leaves out of its own peak and reports apart.
 
 Not here: building the LoRA model (grpo/model.py), choosing the engine (grpo/rollout/__init__.py).
@@ -76,8 +78,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
-# (the policy, its activations and the optimizer need the rest): --vllm-gpu-memory-utilization's default.
+# (the policy, its activations and the optimizer need the rest). With a KV cache sized for the run
+# (`kv_cache_bytes`) it is only what vLLM checks is free at start-up.
 GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
+# A row's KV cache is rounded up to this many tokens: vLLM's blocks are 16 tokens on CUDA, more on some backends.
+KV_ROUND_TOKENS = 256
 
 
 # --- availability and checks -----------------------------------------------------------------
@@ -294,6 +299,7 @@ class _VLLMRollout:
     def __init__(self) -> None:
         self._calls = 0
         self._asleep = False
+        self.measured_pool: int | None = None  # bytes vLLM took at start-up, where measured
 
     def _lora_request(self) -> Any:  # the adapter for this call
         raise NotImplementedError
@@ -353,11 +359,14 @@ class _VLLMRollout:
         return None
 
     def pool_bytes(self) -> int:
-        """vLLM's share of the GPU: gpu_memory_utilization times the device's memory, the budget vLLM sizes
+        """vLLM's memory on the GPU: what it took at start-up where its KV cache was sized for the run
+        (measured), else its share, gpu_memory_utilization times the device's memory, the budget vLLM sizes
         its weights, KV cache and CUDA graphs to (read from the engine where it says, e.g. what Unsloth
         passed). 0 off CUDA."""
         if not torch.cuda.is_available():
             return 0
+        if self.measured_pool is not None:
+            return self.measured_pool
         cache = getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
         share = getattr(cache, "gpu_memory_utilization", None) or self.gpu_memory_utilization
         return int(share * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
@@ -368,6 +377,26 @@ class _VLLMRollout:
         engine core runs in this process (Unsloth's engine; VLLM_ENABLE_V1_MULTIPROCESSING=0), asleep or
         awake, since sleep unmaps them behind torch's back; 0 when vLLM runs in its own process."""
         return in_process_vllm_pool_bytes()
+
+
+def kv_cache_bytes(config: Any, *, rows: int, max_model_len: int, dtype: str) -> int:
+    """The KV cache that holds `rows` sequences of `max_model_len` tokens at once, for a model of
+    transformers `config` in vLLM's `dtype` (float32: 4 bytes a value; anything else 2, FP8 checkpoints
+    included, whose cache is bf16): per token K and V, for each layer, KV head and head dimension."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    value_bytes = 4 if _DTYPES[dtype] == "float32" else 2
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * value_bytes
+    return rows * -(-max_model_len // KV_ROUND_TOKENS) * KV_ROUND_TOKENS * per_token
+
+
+def _gpu_bytes_not_the_trainers() -> int:
+    """GPU memory in use that is not this process's torch's own: other processes' (vLLM's engine core), CUDA
+    contexts, and vLLM's sleep-mode allocations where its engine core runs in this process (torch counts
+    those as reserved)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved() + in_process_vllm_pool_bytes()
 
 
 def in_process_vllm_pool_bytes() -> int:
@@ -389,14 +418,15 @@ class VLLMEngine(_VLLMRollout):
     llm: an already-built `vllm.LLM` (tests; it must have enable_lora and, for exact log-probs at
     temperatures other than 0 and 1, `vllm_llm_kwargs`'s logits processor and logprobs mode).
     sleep_mode: default True on CUDA, False elsewhere (vLLM's CPU build rejects it).
-    gpu_memory_utilization, enforce_eager: see `vllm_llm_kwargs` (--vllm-gpu-memory-utilization, --vllm-enforce-eager).
+    gpu_memory_utilization, kv_cache_bytes, enforce_eager: see `vllm_llm_kwargs` (--vllm-gpu-memory-utilization,
+    --vllm-enforce-eager). With kv_cache_bytes, `pool_bytes()` is what vLLM took at start-up, measured.
     llm_kwargs: passed on to `vllm.LLM`, over our defaults.
     """
 
     def __init__(self, policy: Any, model_path: str, *, lora_rank: int, max_model_len: int, dtype: str,
-                 seed: int, work_dir: str, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, llm: Any = None,
-                 pad_id: int = 0, sleep_mode: bool | None = None, enforce_eager: bool = False,
-                 **llm_kwargs: Any) -> None:
+                 seed: int, work_dir: str, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                 kv_cache_bytes: int | None = None, llm: Any = None, pad_id: int = 0, sleep_mode: bool | None = None,
+                 enforce_eager: bool = False, **llm_kwargs: Any) -> None:
         super().__init__()
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
@@ -414,9 +444,14 @@ class VLLMEngine(_VLLMRollout):
             vllm = _import_vllm()
             kwargs = vllm_llm_kwargs(model_path, lora_rank=lora_rank, max_model_len=max_model_len,
                                      dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                                     sleep_mode=self.sleep_mode, enforce_eager=enforce_eager)
+                                     kv_cache_bytes=kv_cache_bytes, sleep_mode=self.sleep_mode,
+                                     enforce_eager=enforce_eager)
             kwargs.update(llm_kwargs)
+            measure = kv_cache_bytes is not None and torch.cuda.is_available()
+            before = _gpu_bytes_not_the_trainers() if measure else 0
             llm = vllm.LLM(**kwargs)
+            if measure:  # no share says how much vLLM holds: its weights, KV cache, CUDA graphs and workspace
+                self.measured_pool = _gpu_bytes_not_the_trainers() - before
         self.llm = llm
         mode = _engine_logprobs_mode(llm)
         if mode not in (None, "processed_logits", "raw_logprobs"):
@@ -442,10 +477,12 @@ class VLLMEngine(_VLLMRollout):
 
 
 def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtype: str, seed: int,
-                    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, kv_cache_bytes: int | None = None,
                     sleep_mode: bool = False, enforce_eager: bool = False) -> dict[str, Any]:
     """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests).
-    enforce_eager: no CUDA graphs or torch.compile on CUDA (the CPU build is always eager)."""
+    gpu_memory_utilization: vLLM's share of the GPU, which its KV cache fills after the weights; with
+    kv_cache_bytes (`kv_cache_bytes()`) the KV cache is that size and the share only what vLLM checks is
+    free at start-up. enforce_eager: no CUDA graphs or torch.compile on CUDA (the CPU build is always eager)."""
     on_cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
@@ -460,6 +497,8 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
         logprobs_mode="processed_logits",
         logits_processors=[LOGITS_PROCESSOR],
     )
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
     return kwargs
