@@ -154,3 +154,38 @@ def test_an_fp8_block_checkpoint_is_served_with_the_trainers_log_probs(tmp_path,
     # vLLM's CPU build computes in bf16 without quantizing the activations, as the trainer does here: bf16's
     # bounds (tests/test_vllm_cuda.py's; seen: mean 0.016, max 0.07)
     assert gap.mean() < 0.03 and gap.max() < 0.5, (gap.mean().item(), gap.max().item())
+
+
+def test_a_grpo_step_with_engine_vllm_sizes_vllms_kv_cache_for_its_rows(tmp_path, llama_tokenizer, monkeypatch):
+    """train.py's --engine vllm at its memory default: vLLM is asked for the KV cache of the step's rows (P x
+    G at the longest prompt plus the completion budget) and accepts it, samples, and the step trains. (Here
+    VLLM_CPU_KVCACHE_SPACE then sets the CPU build's cache; the CUDA tests hold what vLLM takes.)"""
+    import json
+
+    import grpo.rollout.vllm as rv
+    from grpo.config import Config
+    from grpo.trainer import train
+
+    path = tmp_path / "model"
+    tiny_llama(seed=0, dtype=torch.float32, hidden=128, heads=4, kv_heads=2, intermediate=256, tie=False
+               ).save_pretrained(path)
+    llama_tokenizer.save_pretrained(path)
+    built = []
+    real_llm = rv._import_vllm().LLM
+
+    def recording_llm(**kwargs):
+        built.append(kwargs)
+        return real_llm(**kwargs)
+
+    monkeypatch.setattr(rv._import_vllm(), "LLM", recording_llm)
+    monkeypatch.setattr("grpo.plots.plot_metrics", lambda *a, **k: None)  # this environment has no matplotlib
+    cfg = Config(model=str(path), engine="vllm", dataset="arithmetic", max_steps=1, prompts_per_step=2,
+                 num_generations=2, max_completion_length=8, lora_rank=LORA_RANK, lora_alpha=16, optim="adamw_torch",
+                 dtype="fp32", eval_size=0, save_steps=0, log_completions_steps=0, output_dir=str(tmp_path / "run"))
+    train(cfg)
+    (kwargs,) = built
+    # 4 rows (P x G; --eval-samples 4 too), each rounded up to 256 tokens, of K and V x 2 layers x 2 KV heads
+    # x 32 dims x 4 bytes (float32)
+    assert kwargs["kv_cache_memory_bytes"] == 4 * 256 * 2 * 2 * 2 * 32 * 4
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["step"] == 1 and record["completion_length"] > 0
