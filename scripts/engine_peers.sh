@@ -6,7 +6,7 @@
 # 30 minutes held, and runs a command for at most 10 minutes. Here: .whl/ (scripts/trl_comparison.sh pack:
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
-#   call  1     carry .whl             scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
+#   call  1     carry .whl (.jit)      scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
 #                                                                           kit is carried, issue 31's decode
 #                                                                           tests and probes use the idle GPU
 #                                                                           (~5 min at most; SIDE=0: not)
@@ -14,7 +14,8 @@
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
-# Every call copies what the chain has written so far to $OUT (results.tgz).
+# Every call copies what the chain has written so far to $OUT (results.tgz), and Triton's autotuning results
+# (autotune.tgz: keep the last as .jit/autotune.tgz, and carry .jit with call 1 of the next hold).
 #
 # STAGES (default: all but the probes, in this order; each under its own timeout (the chain is not held to a
 # call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 or estimated). All
@@ -44,7 +45,8 @@ stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (th
   local name=$1 limit=$2 site=$3; shift 3
   echo "$(date -u +%T) start $name" >> $EP/stages.log
   local rc=0
-  (export PYTHONPATH=/tmp/site; source $EP/kit.sh env ${site/vllm/} && timeout -k 30 $limit "$@") > $EP/$name.log 2>&1 || rc=$?
+  (export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=$EP/triton-cache TRITON_CACHE_AUTOTUNING=1
+   source $EP/kit.sh env ${site/vllm/} && timeout -k 30 $limit "$@") > $EP/$name.log 2>&1 || rc=$?
   if [ $rc -eq 0 ]; then echo "$(date -u +%T) end   $name" >> $EP/stages.log
   else
     echo "$(date -u +%T) FAILED $name (exit $rc): tail of $name.log follows" >> $EP/stages.log
@@ -106,14 +108,20 @@ start_chain() {  # in the background, from a snapshot of this tree
   echo "chain started: $STAGES"
 }
 
-collect() {  # what the chain has written so far, to $OUT as one results.tgz (a call returns only a few files)
+collect() {  # what the chain has written so far, to $OUT as one results.tgz (a call returns only a few files),
+  # and Triton's autotuning results as autotune.tgz: kept as .jit/autotune.tgz, the next hold's call 1 carries
+  # them back (Unsloth's FP8 GEMM autotunes each shape for ~20 s, a stage's first step for minutes)
   if [ -z "${OUT:-}" ] || [ ! -d $EP ]; then return 0; fi
   (cd $EP && tar -czf "$OUT/results.tgz" *.log results 2>/dev/null) || true
+  if [ -d $EP/triton-cache ]; then
+    (cd $EP/triton-cache && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T - 2>/dev/null) || true
+  fi
 }
 
 case "${1:-}" in
-  wheels)  # call 1
+  wheels)  # call 1 (with .jit/autotune.tgz carried too where an earlier hold left one)
     bash scripts/trl_comparison.sh wheels
+    if [ -f .jit/autotune.tgz ]; then mkdir -p $EP/triton-cache && tar -xzf .jit/autotune.tgz -C $EP/triton-cache; fi
     if [ "${SIDE:-1}" = 1 ] && [ ! -f $EP/side.log ]; then
       mkdir -p $EP/results/side && snapshot $EP/side-src
       (cd $EP/side-src && setsid nohup env EP=$EP bash scripts/engine_peers.sh side > $EP/side.log 2>&1 < /dev/null &)
