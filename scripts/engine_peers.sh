@@ -17,28 +17,29 @@
 # Every call copies what the chain has written so far to $OUT (results.tgz), and Triton's autotuning results
 # (autotune.tgz: keep the last as .jit/autotune.tgz, and carry .jit with call 1 of the next hold).
 #
-# STAGES (default: all but the probes, in this order; each under its own timeout (the chain is not held to a
-# call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 or estimated). All
-# of them take more than one 30-minute hold: the chain runs as far as the hold goes, the rest go to the next
-# one (STAGES=...):
+# STAGES (default: all but the probes, the suite's first: the CUDA tests passed in full on 2026-12-02, the peers
+# in one hold are what is left; each under its own timeout (the chain is not held to a call's 10 minutes), a
+# failed one does not stop the next; minutes as measured 2026-12-02). All of them take more than one 30-minute
+# hold: the chain runs as far as the hold goes, the rest go to the next one (STAGES=...):
+#   ours           bench: ours native bf16 and FP8, ours --engine vllm (3.8)                              ~4
+#   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 7.6 with a first step of 211 s,
+#                  most of it Unsloth's FP8 GEMM autotuning, which the later Unsloth stages then read)     ~8
+#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block                                              ~5
+#   unsloth-bf16   bench: ours --engine unsloth on bf16                                                   ~5
+#   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
+#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
+#                  (DeepGEMM's warm-up skipped; 5.8)                                                       ~6
+#   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
+#                  (7.4: Unsloth's load 2, its first step 3.6 with FP8 autotuning)                        ~8
 #   probe-unsloth  benchmarks/probes/engine_sampling.py --engine unsloth: what Unsloth's vLLM samples from the
 #                  tests' model as FP8-Block, without an adapter and with ours, against the trainer    ~3
 #   probe-vllm     the same for plain vLLM (VLLMEngine) on the FP8-Block model                          ~2
-#   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16 (2.7 measured), then
-#                  the FP8-Block child (DeepGEMM's warm-up skipped)                                     ~6
-#   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
-#                  (8.5 measured: Unsloth's load 2, its first step 3.8 with compile and autotuning)     ~9
-#   ours           bench: ours native bf16 and FP8, ours --engine vllm (3.8 measured)                    ~4
-#   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby)                               ~6-8
-#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block                                              ~6-8
-#   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9 measured)                               ~2
-#   unsloth-bf16   bench: ours --engine unsloth on bf16                                                   ~6-8
 # The bench stages join one results file (--bench-join): results/peers.json, and each process's own file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-vllm-cuda unsloth-cuda ours unsloth-grpo unsloth-fp8 trl-vllm unsloth-bf16}
+STAGES=${STAGES:-ours unsloth-grpo unsloth-fp8 unsloth-bf16 trl-vllm vllm-cuda unsloth-cuda}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
