@@ -635,12 +635,13 @@ LLAMA_1B = types.SimpleNamespace(num_hidden_layers=16, num_attention_heads=32, n
 def test_the_kv_cache_for_the_run_holds_every_row_at_full_length_and_no_more():
     # Llama 3.2 1B: K and V x 16 layers x 8 KV heads x 64 dims x 2 bytes = 32 KiB a token; the bench's
     # 16 rows of 128 + 512 tokens, each rounded up to 768: 384 MiB (a share of 0.35 is 48.9 GiB of an H200)
-    assert rv.kv_cache_bytes(LLAMA_1B, rows=16, max_model_len=640, dtype="bf16") == 16 * 768 * 32768
-    assert rv.kv_cache_bytes(LLAMA_1B, rows=16, max_model_len=768, dtype="auto") == 16 * 768 * 32768
-    assert rv.kv_cache_bytes(LLAMA_1B, rows=1, max_model_len=769, dtype="fp32") == 1024 * 65536
+    assert rv.kv_cache_bytes_for(LLAMA_1B, rows=16, max_model_len=640, dtype="bf16") == 16 * 768 * 32768
+    assert rv.kv_cache_bytes_for(LLAMA_1B, rows=16, max_model_len=768, dtype="auto") == 16 * 768 * 32768
+    assert rv.kv_cache_bytes_for(LLAMA_1B, rows=1, max_model_len=769, dtype="fp32") == 1024 * 65536
     qwen3 = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=None,
                                   hidden_size=1024, head_dim=128)  # a head_dim of its own; KV heads = heads
-    assert rv.kv_cache_bytes(qwen3, rows=3, max_model_len=256, dtype="bfloat16") == 3 * 256 * 2 * 2 * 16 * 128 * 2
+    per_token = 2 * 2 * 16 * 128 * 2
+    assert rv.kv_cache_bytes_for(qwen3, rows=3, max_model_len=256, dtype="bfloat16") == 3 * 256 * per_token
 
 
 def test_without_a_share_build_engine_sizes_vllms_kv_cache_for_its_rows(fake_vllm, tmp_path):

@@ -50,7 +50,7 @@ from engine_runs import PROMPTS, rollout_trainer_logp, write_small_llama  # noqa
 from grpo.config import Config  # noqa: E402
 from grpo.model import load_policy  # noqa: E402
 from grpo.rollout.base import Sampling  # noqa: E402
-from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes  # noqa: E402
+from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -71,7 +71,8 @@ CHECKPOINT = os.environ.get("GRPO_VLLM_CHECKPOINT", "bf16")
 # vLLM's memory, sized each way once: a share of the GPU (0.2: a 28 GiB pool, mostly KV cache), and a KV cache
 # for the tests' 8 rows of 256 tokens (2 MiB here), what --vllm-gpu-memory-utilization's default gives.
 MEMORY = {"bf16": lambda config: {"gpu_memory_utilization": 0.2},
-          "fp8-block": lambda config: {"kv_cache_bytes": kv_cache_bytes(config, rows=8, max_model_len=256, dtype="bf16")}}
+          "fp8-block": lambda config: {"kv_cache_bytes": kv_cache_bytes_for(config, rows=8, max_model_len=256,
+                                                                            dtype="bf16")}}
 # What sleep must free at least: the share's KV cache pool; the sized cache's engine, its weights (0.16 GiB)
 SLEEP_FREES = {"bf16": 10 * GiB, "fp8-block": 0.1 * GiB}
 

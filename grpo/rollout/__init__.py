@@ -65,14 +65,14 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
 
         return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm)
     if name == "vllm":
-        from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes
+        from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes_for
 
         if vllm is None:
             raise ValueError("--engine vllm: build_engine needs vllm=VLLMOptions(...) (the base checkpoint's "
                              "folder, the adapter's rank, dtype, seed and a work folder)")
         if vllm.gpu_memory_utilization is None:  # the KV cache this run's rows need, and no more
-            memory = {"kv_cache_bytes": kv_cache_bytes(policy.config, rows=max_batch, max_model_len=max_seq_len,
-                                                       dtype=vllm.dtype)}
+            memory = {"kv_cache_bytes": kv_cache_bytes_for(policy.config, rows=max_batch,
+                                                           max_model_len=max_seq_len, dtype=vllm.dtype)}
         else:
             memory = {"gpu_memory_utilization": vllm.gpu_memory_utilization}
         return VLLMEngine(policy, vllm.model_path, lora_rank=vllm.lora_rank, max_model_len=max_seq_len,

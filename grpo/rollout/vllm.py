@@ -41,7 +41,7 @@ cut after the first complete stop sequence once generation ends; the tokens vLLM
 are wasted work. The model's own EOS is not added: `Sampling.stop_token_ids` is the whole stop set.
 
 Memory. vLLM takes `gpu_memory_utilization` of the GPU, its KV cache filling what the weights leave;
-`VLLMEngine` can instead be given a KV cache sized for the run (`kv_cache_bytes()`: every row at full
+`VLLMEngine` can instead be given a KV cache sized for the run (`kv_cache_bytes_for()`: every row at full
 length; the trainer's default), and then measures what vLLM took (`pool_bytes()`). When vLLM's engine
 core runs in this process (Unsloth's), its allocations also count in torch's allocated bytes
 (`pool_bytes_in_torch()`), which the trainer leaves out of its own peak and reports apart.
@@ -79,7 +79,7 @@ _DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
 # (the policy, its activations and the optimizer need the rest). With a KV cache sized for the run
-# (`kv_cache_bytes`) it is only what vLLM checks is free at start-up.
+# (`kv_cache_bytes_for`) it is only what vLLM checks is free at start-up.
 GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
 # A row's KV cache is rounded up to this many tokens: vLLM's blocks are 16 tokens on CUDA, more on some backends.
 KV_ROUND_TOKENS = 256
@@ -379,14 +379,14 @@ class _VLLMRollout:
         return in_process_vllm_pool_bytes()
 
 
-def kv_cache_bytes(config: Any, *, rows: int, max_model_len: int, dtype: str) -> int:
+def kv_cache_bytes_for(config: Any, *, rows: int, max_model_len: int, dtype: str) -> int:
     """The KV cache that holds `rows` sequences of `max_model_len` tokens at once, for a model of
     transformers `config` in vLLM's `dtype` (float32: 4 bytes a value; anything else 2, FP8 checkpoints
     included, whose cache is bf16): per token K and V, for each layer, KV head and head dimension."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    value_bytes = 4 if _DTYPES[dtype] == "float32" else 2
+    value_bytes = 4 if _DTYPES.get(dtype) == "float32" else 2
     per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * value_bytes
     return rows * -(-max_model_len // KV_ROUND_TOKENS) * KV_ROUND_TOKENS * per_token
 
@@ -481,7 +481,7 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
                     sleep_mode: bool = False, enforce_eager: bool = False) -> dict[str, Any]:
     """The `vllm.LLM` arguments VLLMEngine uses (also for building one by hand, e.g. in tests).
     gpu_memory_utilization: vLLM's share of the GPU, which its KV cache fills after the weights; with
-    kv_cache_bytes (`kv_cache_bytes()`) the KV cache is that size and the share only what vLLM checks is
+    kv_cache_bytes (`kv_cache_bytes_for()`) the KV cache is that size and the share only what vLLM checks is
     free at start-up. enforce_eager: no CUDA graphs or torch.compile on CUDA (the CPU build is always eager)."""
     on_cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
