@@ -642,6 +642,8 @@ def test_the_kv_cache_for_the_run_holds_every_row_at_full_length_and_no_more():
                                   hidden_size=1024, head_dim=128)  # a head_dim of its own; KV heads = heads
     per_token = 2 * 2 * 16 * 128 * 2
     assert rv.kv_cache_bytes_for(qwen3, rows=3, max_model_len=256, dtype="bfloat16") == 3 * 256 * per_token
+    nested = types.SimpleNamespace(text_config=qwen3)  # a multimodal model's config holds the language model's
+    assert rv.kv_cache_bytes_for(nested, rows=3, max_model_len=256, dtype="bf16") == 3 * 256 * per_token
 
 
 def test_without_a_share_build_engine_sizes_vllms_kv_cache_for_its_rows(fake_vllm, tmp_path):

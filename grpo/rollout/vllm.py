@@ -382,7 +382,9 @@ class _VLLMRollout:
 def kv_cache_bytes_for(config: Any, *, rows: int, max_model_len: int, dtype: str) -> int:
     """The KV cache that holds `rows` sequences of `max_model_len` tokens at once, for a model of
     transformers `config` in vLLM's `dtype` (float32: 4 bytes a value; anything else 2, FP8 checkpoints
-    included, whose cache is bf16): per token K and V, for each layer, KV head and head dimension."""
+    included, whose cache is bf16): per token K and V, for each layer, KV head and head dimension (of the
+    language model's config where `config` nests one)."""
+    config = getattr(config, "text_config", None) or config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
