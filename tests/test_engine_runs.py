@@ -64,7 +64,6 @@ def test_vllms_share_is_none_by_default_or_a_share_and_out_of_range_values_name_
             Config(vllm_gpu_memory_utilization=bad)
 
 
-
 def test_the_trainer_gives_unsloth_the_share_and_eager_mode_from_the_flags(tmp_path, monkeypatch):
     import grpo.trainer
     from grpo.trainer import load_model

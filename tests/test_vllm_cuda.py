@@ -6,8 +6,8 @@ Plain vLLM (`VLLMEngine`) serves a small random Llama (tests/engine_runs.py: Lla
 gives its memory back, wakes, serves the adapter of each step, and its log-probs match the trainer's at
 temperatures 1 and 0.7 within bf16's reach (FP8: with vLLM's activation quantization). The figures are printed
 (run with -s) for benchmarks/RESULTS.md. The bf16 engine takes a share of the GPU, the FP8-Block one a KV
-cache sized for the tests' rows (the trainer's default). vLLM's sleep mode allows one engine per process (its CuMem
-allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
+cache sized for the tests' rows (the trainer's default). vLLM's sleep mode allows one engine per process (its
+CuMem allocator), so the FP8-Block checkpoint runs the same tests in a child pytest.
 
 The Unsloth path (`--engine unsloth`) runs two GRPO steps of `train.py` on the FP8-Block checkpoint, in a
 child process (importing unsloth patches transformers for the whole process), with a reward whose values
