@@ -139,7 +139,8 @@ class Config:
                          "grpo")
 
     # --- sampling ----------------------------------------------------------------------------
-    engine: str = _f("auto", "Sampler: auto (native on CUDA, else hf), native (ours, in-process), hf "
+    engine: str = _f("auto", "Sampler: auto (native on CUDA for the Llama, Mistral, Qwen2 and Qwen3 families, "
+                     "else hf), native (ours, in-process; those families only), hf "
                      "(transformers' generate, the reference), vllm (plain vLLM, the adapter sent each step) or "
                      "unsloth (Unsloth's vLLM engine sharing the base weights with training; CUDA).", "sampling",
                      choices=["auto", "native", "hf", "vllm", "unsloth"])

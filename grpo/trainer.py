@@ -46,7 +46,7 @@ from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
 from grpo.model import default_device, load_policy, load_unsloth_policy, model_positions, model_summary
 from grpo.optim import make_optimizer, make_scheduler
-from grpo.rollout import (Engine, Sampling, VLLMOptions, build_engine, resolve_engine_name,
+from grpo.rollout import (Engine, Sampling, VLLMOptions, auto_refusal, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.run_claim import RunClaim
@@ -239,9 +239,9 @@ class Loaded:
 def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device, out: Path) -> Loaded:
     """The policy and tokenizer, the training and held-out prompts, the reward functions, the engine
     (sized for the longest prompt of either set) and the run's sampling."""
-    engine_name = resolve_engine_name(cfg.engine)
     vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
     policy, tokenizer, model_dir, engine = load_model(cfg, device, vllm_dir)
+    engine_name = resolve_engine_name(cfg.engine, policy)
     prompts, eval_prompts, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy))
     eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
     longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
@@ -294,6 +294,8 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     prompts = loaded.prompts
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
     kept = " (kept between steps)" if loaded.keep_engine else ""
+    if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
+        console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")
     console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{kept} | {len(prompts)} prompts "
                   f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
                   f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "

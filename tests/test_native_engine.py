@@ -371,7 +371,7 @@ def test_invalid_requests_raise_value_error(model):
         NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=128004)
     with pytest.raises(ValueError, match="attention"):
         NativeEngine(model, max_seq_len=16, max_batch=4, pad_id=PAD, tuning=EngineTuning(attention="flash"))
-    with pytest.raises(ValueError, match="Llama-style"):
+    with pytest.raises(ValueError, match="reproduces the decoder layers of"):
         NativeEngine(nn.Linear(2, 2), max_seq_len=16, max_batch=4, pad_id=PAD)
 
 
@@ -477,6 +477,84 @@ def test_greedy_equals_transformers_generate_on_qwen2_with_projection_biases_and
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
         torch.testing.assert_close(sampled.sampler_logp[i, :len(completion)].double(), expected,
                                    rtol=0, atol=2e-4)
+
+
+def small_decoder(family: str, seed: int = 0, vocab: int = 1024, layers: int = 3) -> nn.Module:
+    """A tiny random model of another family than Llama: "qwen3" (RMS norms over each head of q and k),
+    "mistral", or one NativeEngine refuses ("granite": multipliers on the embedding, residuals, scores and
+    logits; "smollm3": every 4th layer without rotary; "olmo2": norms after attention and MLP instead of
+    before; "gemma": its own norms and activation). Every 1-d weight is moved off its initial value (norms
+    start at 1 or 0), so that a step that skips one samples another model."""
+    import transformers
+
+    configs = {"qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2",
+               "gemma": "Gemma"}
+    name = configs[family]
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers if family != "smollm3" else 4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=PAD,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 1:
+                weight.add_(torch.randn_like(weight) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family,streams", [("qwen3", False), ("qwen3", True), ("mistral", False)])
+def test_greedy_equals_transformers_generate_on_other_families_with_lora(family, streams):
+    from peft import LoraConfig, get_peft_model
+
+    base = small_decoder(family, seed=3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    engine = NativeEngine(policy, max_seq_len=40, max_batch=6, pad_id=PAD, tuning=EngineTuning(streams=streams))
+    rollout = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=16, temperature=0.0))
+    for i, prompt in enumerate(PROMPTS):
+        assert rollout.completion_ids[2 * i].tolist() == hf_greedy(policy, prompt, 16)
+    sampled = engine.generate(PROMPTS, 2, Sampling(max_new_tokens=8, temperature=1.0, seed=5))
+    for i, completion in enumerate(sampled.completions()):
+        logits = full_logits(policy, PROMPTS[i // 2], completion)
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(sampled.sampler_logp[i, :len(completion)].double(), expected,
+                                   rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("family", ["granite", "smollm3", "olmo2", "gemma"])
+def test_families_it_does_not_reproduce_are_refused_and_auto_samples_them_with_transformers(family, monkeypatch):
+    from grpo.rollout import auto_refusal, build_engine, resolve_engine_name
+
+    model = small_decoder(family)
+    with pytest.raises(ValueError, match=f"the model is '{model.config.model_type}'.*--engine hf"):
+        NativeEngine(model, max_seq_len=16, max_batch=2, pad_id=PAD)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where auto would take the native engine
+    assert "--engine hf" in auto_refusal(model)
+    assert resolve_engine_name("auto", model) == "hf"
+    assert type(build_engine("auto", model, pad_id=PAD, max_seq_len=16, max_batch=2)).__name__ == "HFEngine"
+    assert resolve_engine_name("auto", small_decoder("qwen3")) == "native"
+    assert resolve_engine_name("auto", small_llama()) == "native"
+
+
+def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
+    import types
+
+    from rich.console import Console
+
+    from grpo.config import Config
+    from grpo.distributed import World
+    from grpo.trainer import print_banner
+
+    prompts = type("Prompts", (list,), {"dropped": 0, "max_prompt_length": 64})([[1], [2], [3]])
+    loaded = types.SimpleNamespace(policy=small_decoder("granite"), prompts=prompts, keep_engine=False,
+                                   engine_name="hf", max_completion_length=32)
+    for device, said in ((torch.device("cuda"), True), (torch.device("cpu"), False)):  # on a CPU hf is auto's pick
+        console = Console(record=True, width=300)
+        print_banner(console, Config(engine="auto"), World(), device, loaded)
+        text = console.export_text()
+        assert ("--engine auto took hf: the model is 'granite'" in text) == said
+        assert "engine hf" in text
 
 
 def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):

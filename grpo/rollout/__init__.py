@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from grpo.rollout.base import Engine
 
-__all__ = ["Engine", "Rollout", "Sampling", "VLLMOptions", "build_engine", "resolve_engine_name",
+__all__ = ["Engine", "Rollout", "Sampling", "VLLMOptions", "auto_refusal", "build_engine", "resolve_engine_name",
            "unsloth_loads_the_model"]
 
 
@@ -22,12 +22,24 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def resolve_engine_name(name: str) -> str:
+def resolve_engine_name(name: str, policy=None) -> str:
+    """The engine `name` stands for: "auto" is the native engine on CUDA where it can sample from `policy`
+    (`auto_refusal`), else hf; any other name is itself."""
     import torch
 
     if name == "auto":
-        return "native" if torch.cuda.is_available() else "hf"
+        return "native" if torch.cuda.is_available() and auto_refusal(policy) is None else "hf"
     return name
+
+
+def auto_refusal(policy) -> str | None:
+    """Why --engine auto does not take the native engine for `policy` (a model family it does not
+    reproduce), or None (no policy given: not asked)."""
+    if policy is None:
+        return None
+    from grpo.rollout.native.layer import refusal
+
+    return refusal(policy)
 
 
 def unsloth_loads_the_model(name: str) -> bool:
@@ -55,7 +67,7 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
     """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
     `gemm`: the native engine's decode projections (NativeEngine's `gemm`). `vllm`: what the vLLM engine
     needs besides (required for name "vllm", not used by the others)."""
-    name = resolve_engine_name(name)
+    name = resolve_engine_name(name, policy)
     if name == "hf":
         from grpo.rollout.hf import HFEngine
 

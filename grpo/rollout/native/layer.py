@@ -19,7 +19,7 @@ embedding at each row's own position and writes the token's K/V into the engine'
 The model's shapes travel as one `ModelDims`; `StepFunctions` holds the functions, compiled once.
 
 Not here: the engine's buffers, graphs and loop (`engine.py`), which projections the kernels can take
-(`plan.py`). Llama-style decoders only (`causal_lm` says why a model is refused).
+(`plan.py`). The decoder families in `MODEL_TYPES` only (`causal_lm` says why a model is refused).
 """
 
 from __future__ import annotations
@@ -37,22 +37,47 @@ from grpo.kernels.decode_gemm import rope
 from grpo.rollout.native.plan import LayerProjections
 
 
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The LlamaForCausalLM inside `model` (itself, or the one a peft PeftModel wraps)."""
+# The decoder families (config.model_type) whose layers this module reproduces, each checked against
+# transformers' generate by tests/test_native_engine.py: Llama's layer, Mistral's (without a sliding window),
+# Qwen2's (its q/k/v biases live in the projections) and Qwen3's (RMS norms over each head of q and k:
+# `head_norms`). Other families differ in ways a step here would miss without a sound (Granite's multipliers,
+# SmolLM3's layers without rotary, OLMo2's norms after each block), so they are refused, never run.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_OTHER_ENGINES = "sample with --engine hf (transformers' generate, slower) or --engine vllm"
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why NativeEngine cannot sample from `model` (bare or wrapped by peft), or None when it can."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kind = getattr(getattr(lm, "config", None), "model_type", None)
+    if kind not in MODEL_TYPES:
+        return (f"the model is {kind or type(lm).__name__!r}; NativeEngine reproduces the decoder layers of "
+                f"{', '.join(MODEL_TYPES)} only: {_OTHER_ENGINES}")
     decoder = getattr(lm, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if decoder is None or not hasattr(lm, "lm_head") or not all(hasattr(decoder, a) for a in needed):
-        raise ValueError(f"model is a {type(model).__name__}; NativeEngine needs a Llama-style causal LM "
-                         "(model.embed_tokens/layers/norm/rotary_emb and lm_head), bare or wrapped by peft")
+        return (f"model is a {type(model).__name__}; NativeEngine needs a causal LM with model.embed_tokens/"
+                f"layers/norm/rotary_emb and lm_head: {_OTHER_ENGINES}")
+    head_dim = ModelDims.of(lm).head_dim
     for i, layer in enumerate(decoder.layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise ValueError(f"model layer {i} has no self_attn.q/k/v/o_proj; NativeEngine supports Llama-style "
-                             "decoder layers only")
+            return f"model layer {i} has no self_attn.q/k/v/o_proj: {_OTHER_ENGINES}"
         if getattr(attn, "sliding_window", None):
-            raise ValueError(f"model layer {i} uses sliding-window attention, which NativeEngine does not do")
-    return lm
+            return f"model layer {i} uses sliding-window attention, which NativeEngine does not do: {_OTHER_ENGINES}"
+        norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None and getattr(n, "weight", torch.empty(0)).shape != (head_dim,) for n in norms):
+            return f"model layer {i} normalizes q or k other than per head: {_OTHER_ENGINES}"
+    return None
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside `model` (itself, or the one a peft PeftModel wraps); ValueError with `refusal`'s
+    reason for a model NativeEngine cannot sample from."""
+    reason = refusal(model)
+    if reason is not None:
+        raise ValueError(reason)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 @dataclass(frozen=True)
@@ -140,6 +165,13 @@ def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, k
     v_cache.scatter_(2, write_at, v)
 
 
+def head_norms(attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMS norms over each head of q and k (..., D), before the rotary embedding; Llama has none."""
+    if getattr(attn, "q_norm", None) is None:
+        return q, k
+    return attn.q_norm(q), attn.k_norm(k)
+
+
 def _write_kv(q, k, v, cos, sin, pos, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Rotary on q and k (B, heads, 1, D), then the new K/V into the cache at each row's position."""
     q, k = rope(q, cos, sin), rope(k, cos, sin)
@@ -158,6 +190,7 @@ def decode_layer(layer: nn.Module, x: torch.Tensor, cos, sin, valid, pos, k_cach
     q = attn.q_proj(h).view(rows, dims.n_heads, 1, d)  # (B, nh, 1, D)
     k = attn.k_proj(h).view(rows, dims.n_kv_heads, 1, d)  # (B, n_kv, 1, D)
     v = attn.v_proj(h).view(rows, dims.n_kv_heads, 1, d)
+    q, k = head_norms(attn, q, k)
     q = _write_kv(q, k, v, cos, sin, pos, k_cache, v_cache)
     x = x + attn.o_proj(attend(q, k_cache, v_cache, valid, dims, attention))
     return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -179,8 +212,8 @@ def piece_attention(layer: nn.Module, x, q, k, v, cos, sin, valid, pos, k_cache,
                     attention: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention half of a layer after its q/k/v projections: the new x and the MLP's input."""
     rows, d = x.shape[0], dims.head_dim
-    q = _write_kv(q.view(rows, dims.n_heads, 1, d), k.view(rows, dims.n_kv_heads, 1, d),
-                  v.view(rows, dims.n_kv_heads, 1, d), cos, sin, pos, k_cache, v_cache)
+    q, k = head_norms(layer.self_attn, q.view(rows, dims.n_heads, 1, d), k.view(rows, dims.n_kv_heads, 1, d))
+    q = _write_kv(q, k, v.view(rows, dims.n_kv_heads, 1, d), cos, sin, pos, k_cache, v_cache)
     x = x + layer.self_attn.o_proj(attend(q, k_cache, v_cache, valid, dims, attention))
     return x, layer.post_attention_layernorm(x)
 
@@ -189,10 +222,13 @@ def piece_mlp_out(mlp: nn.Module, x: torch.Tensor, gate: torch.Tensor, up: torch
     return x + mlp.down_proj(mlp.act_fn(gate) * up)  # LlamaMLP.forward after its gate/up products
 
 
-def piece_attend(q: torch.Tensor, cos, sin, valid, k_cache, v_cache, dims: ModelDims, attention: str) -> torch.Tensor:
-    """Rotary on q (B, nh*D), then attention over the cache (this token's K/V already written)."""
+def piece_attend(q: torch.Tensor, q_norm: nn.Module | None, cos, sin, valid, k_cache, v_cache, dims: ModelDims,
+                 attention: str) -> torch.Tensor:
+    """q's head norm (Qwen3's; None: none) and rotary on q (B, nh*D), then attention over the cache (this
+    token's K/V already written)."""
     rows = q.shape[0]
-    q = rope(q.view(rows, dims.n_heads, 1, dims.head_dim), cos, sin)
+    q = q.view(rows, dims.n_heads, 1, dims.head_dim)
+    q = rope(q if q_norm is None else q_norm(q), cos, sin)
     return attend(q, k_cache, v_cache, valid, dims, attention).view(rows, dims.n_heads * dims.head_dim)
 
 
@@ -275,11 +311,15 @@ class KernelLayer(ModuleLayer):
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fns, layer, p, dims = self.fns, self.layer, self.proj, self.dims
         rows = x.shape[0]
+        attn = layer.self_attn
         h = fns.norm(layer.input_layernorm, x).view(rows, dims.hidden)
         q, k, v = decode_gemm.project(h, [p.q, p.k, p.v])
+        q_norm = getattr(attn, "q_norm", None)
+        if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
+            k = fns.norm(attn.k_norm, k.view(rows, dims.n_kv_heads, dims.head_dim)).view(rows, -1)
         decode_gemm.rope_store_kv(k, v, at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim), at.pos,
                                   k_cache, v_cache)
-        out = fns.attend(q, at.cos, at.sin, at.valid, k_cache, v_cache, dims, self.attention)
+        out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, k_cache, v_cache, dims, self.attention)
         x = decode_gemm.project(out, [p.o], residual=x.view(rows, dims.hidden))[0].view(rows, 1, dims.hidden)
         h = fns.norm(layer.post_attention_layernorm, x).view(rows, dims.hidden)
         m = decode_gemm.project_gated(h, p.gate, p.up)
@@ -304,8 +344,8 @@ def prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
     P, L, _ = x.shape
     attn, d = layer.self_attn, dims.head_dim
     h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(P, L, dims.n_heads, d).transpose(1, 2)  # (P, nh, L, D)
-    k = attn.k_proj(h).view(P, L, dims.n_kv_heads, d).transpose(1, 2)  # (P, n_kv, L, D)
+    q, k = head_norms(attn, attn.q_proj(h).view(P, L, dims.n_heads, d), attn.k_proj(h).view(P, L, dims.n_kv_heads, d))
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # (P, nh, L, D), (P, n_kv, L, D)
     v = attn.v_proj(h).view(P, L, dims.n_kv_heads, d).transpose(1, 2)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5,
