@@ -116,6 +116,31 @@ def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
     return torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(batch.mask, logp)
 
 
+def head_refusal(model) -> str | None:
+    """Why `sequence_logprobs` would not give `model`'s own log-probs, or None when it does.
+
+    It runs the decoder (`model.model`) and multiplies by the output embedding's weight itself. That is
+    the model only where its forward does nothing after that product: Granite divides the logits by
+    `logits_scaling`, Gemma 2 and 3 soft-cap them, Cohere scales them, some heads add a bias. So this
+    compares, on a few tokens, the model's logits with that product (a rounding apart at most)."""
+    decoder, head = getattr(model, "model", None), model.get_output_embeddings()
+    name = getattr(model.config, "model_type", type(model).__name__)
+    if decoder is None or head is None:
+        return f"model {name!r} has no .model decoder or no output embedding, which the trainer's log-probs read"
+    if getattr(head, "bias", None) is not None:
+        return f"model {name!r}'s output layer has a bias, which the trainer's fused log-probs leave out"
+    ids = torch.arange(1, 9, device=head.weight.device)[None] % head.weight.shape[0]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        product = (decoder(input_ids=ids, use_cache=False).last_hidden_state @ head.weight.t()).float()
+    if not torch.allclose(logits, product, rtol=1e-2, atol=1e-2):
+        off = (logits - product).abs().max().item()
+        return (f"model {name!r} changes its logits after the output layer (by up to {off:.3g} on 8 tokens: "
+                "a scaling, a soft cap), which the trainer's fused log-probs leave out; train a model whose "
+                "logits are the output layer's product (Llama, Mistral, Qwen2, Qwen3, SmolLM2, ...)")
+    return None
+
+
 def batch_logprobs(policy, batch: Batch, slices: list[slice], temperature: float) -> torch.Tensor:
     """(B, T) `sequence_logprobs` of the whole batch, micro-batch by micro-batch; B may be 0."""
     if not slices:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo.batch import head_refusal
 from grpo.config import DTYPES, LORA_TARGETS, Config
 from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
 from grpo.packaged_models import PACKAGED_MODELS, packaged_model_dir
@@ -167,6 +168,9 @@ def load_policy(cfg: Config, device: torch.device | None = None):
     """(policy, tokenizer, model_dir): the PeftModel being trained and its tokenizer."""
     device = device or default_device()
     model, model_dir = load_base_model(cfg, device)
+    refused = head_refusal(model)  # the trainer's log-probs must be this model's
+    if refused is not None:
+        raise ValueError(f"--model {cfg.model}: {refused}")
     tokenizer = load_tokenizer(model_dir)
     policy = add_lora(model, cfg)
     return policy, tokenizer, model_dir

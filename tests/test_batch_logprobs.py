@@ -118,3 +118,30 @@ def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logpro
     # the share of real tokens in what the forwards run: 39 of 6 x 11 in one pass, of 2 x (3 + 7 + 11) sorted
     assert real_token_share(batch, one) == 39 / 66 and real_token_share(ordered, slices) == 39 / 42
     assert real_token_share(ordered, []) == 1.0
+
+
+def test_models_whose_logits_are_not_the_output_layers_product_are_refused_at_load(tmp_path, llama_tokenizer):
+    import pytest
+    import transformers
+
+    from conftest import tiny_llama
+    from grpo.batch import head_refusal
+    from grpo.config import Config
+    from grpo.model import load_policy
+
+    small = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    llama = tiny_llama()
+    rng = torch.get_rng_state()
+    assert head_refusal(llama) is None
+    assert torch.equal(torch.get_rng_state(), rng)  # the check draws nothing: the run's seed stays the run's
+    assert head_refusal(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small))) is None
+    assert head_refusal(transformers.GraniteForCausalLM(transformers.GraniteConfig(**small))) is None  # scaling 1
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(**small, logits_scaling=8.0))
+    assert "model 'granite' changes its logits after the output layer" in head_refusal(granite)
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small, final_logit_softcapping=0.5))
+    assert "model 'gemma2' changes its logits" in head_refusal(gemma2)
+    granite.save_pretrained(tmp_path)
+    llama_tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"--model {tmp_path}: model 'granite' changes its logits"):
+        load_policy(Config(model=str(tmp_path)), torch.device("cpu"))
