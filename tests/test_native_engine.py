@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -69,6 +70,9 @@ def test_engine_tuning_refuses_values_it_cannot_run():
                 dict(kernel_rows=65)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineTuning(**bad)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the attention kernel needs Triton on a GPU (or its interpreter)
+        with pytest.raises(ValueError, match="attention='kernel' needs triton"):
+            EngineTuning(attention="kernel").resolved(torch.device("cpu"), llama_mlp=True)
 
 
 def test_greedy_equals_transformers_generate_for_prompts_of_different_lengths(model):
@@ -387,7 +391,8 @@ def test_cuda_graph_rollout_equals_eager_rollout():
     eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD,
                          tuning=EngineTuning(kv_bucket=16, use_cuda_graph=False, compile=None, streams=False))
     b = eager.generate(PROMPTS, 2, sampling)
-    for kw in (dict(), dict(compile=None, streams=False), dict(compile=None, attention="sdpa", streams=True)):
+    for kw in (dict(), dict(compile=None, streams=False), dict(compile=None, attention="sdpa", streams=True),
+               dict(attention="kernel")):  # the attention kernel as a custom op in the compiled, captured step
         graphed = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=16, **kw))
         a = graphed.generate(PROMPTS, 2, sampling)
         assert torch.equal(a.completion_ids, b.completion_ids), kw
@@ -398,6 +403,34 @@ def test_cuda_graph_rollout_equals_eager_rollout():
         out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=20, do_sample=False,
                              eos_token_id=None, pad_token_id=PAD)
         assert greedy.completion_ids[i].tolist() == out[0, len(p):].tolist()
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("gemm", ["modules", "kernels"])
+def test_qwen3_in_cuda_graphs_samples_what_transformers_generate_does(gemm):
+    model = small_decoder("qwen3", seed=7).cuda()
+    engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, gemm=gemm)
+    greedy = engine.generate(PROMPTS, 1, Sampling(max_new_tokens=20, temperature=0.0))
+    for i, p in enumerate(PROMPTS):
+        out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=PAD)
+        assert greedy.completion_ids[i].tolist() == out[0, len(p):].tolist()
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows,heads,n_kv,dim,seq", [(16, 32, 8, 64, 640), (64, 12, 2, 128, 512), (3, 16, 8, 128, 4096)])
+def test_attention_kernel_matches_its_reference_in_bf16(rows, heads, n_kv, dim, seq):
+    from grpo.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(rows, heads, dim, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(2, rows, n_kv, seq + 64, dim, device="cuda", generator=g) * 2).bfloat16()[:, :, :, :seq]
+    lengths = torch.randint(1, seq + 1, (rows,), device="cuda", generator=g)
+    got = decode_attention(q, k, v, lengths, dim**-0.5).float()
+    want = decode_attention_ref(q, k, v, lengths, dim**-0.5).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2  # probabilities and output rounded to bf16
 
 
 @pytest.mark.cuda
@@ -583,8 +616,9 @@ def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
     q = (16 + 0.5 * torch.randn(B, dims.n_heads, 1, D, generator=g)).bfloat16()
     k = (16 + 0.5 * torch.randn(B, dims.n_kv_heads, S, D, generator=g)).bfloat16()
     v = torch.randn(B, dims.n_kv_heads, S, D, generator=g).bfloat16()
-    valid = torch.arange(S)[None, :] <= torch.tensor([5, 12, 19])[:, None]  # (B, S)
-    out = attend(q, k, v, valid, dims, attention).double()  # (B, 1, nh*D)
+    pos = torch.tensor([5, 12, 19])
+    valid = torch.arange(S)[None, :] <= pos[:, None]  # (B, S)
+    out = attend(q, k, v, valid, pos, dims, attention).double()  # (B, 1, nh*D)
 
     qg = q.double().view(B, dims.n_kv_heads, 2, D)
     scores = (qg @ k.double().transpose(-1, -2)) * D**-0.5  # (B, n_kv, g, S)

@@ -15,7 +15,7 @@ Plans (`--variants` picks steps by name instead):
   rows      the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
   qwen      Qwen2.5-Coder-1.5B shapes with rsLoRA r=32 at the qwen1.5b-gsm8k preset's 64 rows and 384 tokens
             (4 random prompts of 128 tokens x 16, not its 8 x 8 of GSM8K): the product's step (kernels,
-            compiled, graph) against the modules, and where a token step's GPU time goes
+            compiled, graph) against the modules and the attention kernel, and where a token step's GPU time goes
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
 each step is skipped, not failed, when the time budget runs out.
@@ -345,7 +345,7 @@ PLANS = {
     "graph": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
               "standby", "compile"],
     # compiled variants of every model kind, and where the time goes in the compiled step
-    "compiled": ["graph", "compile_matmul", "compile_sdpa", "compile_streams", "kernels_compiled", "fp8_compiled",
+    "compiled": ["graph", "compile_matmul", "compile_sdpa", "compile_kernel", "compile_streams", "kernels_compiled", "fp8_compiled",
                  "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
     # the decode GEMM kernels against the module path, every model kind
     "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
@@ -353,7 +353,7 @@ PLANS = {
     # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
     # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
-    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_modules", "qwen_kernels"],
+    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_attention_kernel", "qwen_modules", "qwen_kernels"],
 }
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
@@ -394,6 +394,10 @@ def qwen_steps(rec: Recorder, step) -> None:
             # lora_down (the product until 2026-12-02; that day's files call the product with pdl qwen_product_pdl)
             step("qwen_product_no_pdl", lambda: _without_pdl(lambda: run_engine(
                 rec, "qwen_product_no_pdl", model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW)))
+            # the attention kernel (grpo.kernels.decode_attention) in place of sdpa: each row read to its own length
+            step("qwen_attention_kernel", lambda: run_engine(rec, "qwen_attention_kernel", model, wb,
+                                                             engine_kw=product | {"attention": "kernel"},
+                                                             rows=QWEN_ROWS, new=QWEN_NEW))
     step("qwen_kernels", lambda: kernel_breakdown(rec, "qwen_product", model, engine_kw=product, rows=QWEN_ROWS))
 
 
@@ -480,7 +484,7 @@ def main() -> None:
     # compiled variants: attention kernel, then parallel streams with the better attention
     best = dict(compile=mode, attention="matmul")
     timed = {}
-    for attention in ("matmul", "sdpa"):
+    for attention in ("matmul", "sdpa", "kernel"):  # kernel: grpo.kernels.decode_attention
         kw = dict(compile=mode, attention=attention)
         row = step(f"compile_{attention}", lambda kw=kw: run_engine(rec, f"bf16 compile {kw['attention']}", model, wb,
                                                                     engine_kw=kw))

@@ -216,19 +216,22 @@ def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
 
 
 def test_native_engine_runs_qwen3_on_the_kernels_as_through_its_modules():
-    # Qwen3: RMS norms over each head of q and k between the q/k/v launch and the rotary embedding
+    # Qwen3: RMS norms over each head of q and k between the q/k/v launch and the rotary embedding; the
+    # attention kernel too (decode_attention), against the modules with plain matmul attention
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
     from grpo.rollout.base import Sampling
-    from grpo.rollout.native import NativeEngine
+    from grpo.rollout.native import EngineTuning, NativeEngine
     from test_native_engine import PAD, PROMPTS, small_decoder
 
     lora = get_peft_model(small_decoder("qwen3", seed=2), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                                                      target_modules=list(LORA_TARGETS)))
     sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=4)
-    ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
-    engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
+    ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules",
+                       tuning=EngineTuning(attention="matmul")).generate(PROMPTS, 2, sampling)
+    engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
+                          tuning=EngineTuning(attention="kernel"))
     out = engine.generate(PROMPTS, 2, sampling)
     assert all(plan is not None for plan in engine._projections)
     assert torch.equal(out.completion_ids, ref.completion_ids)

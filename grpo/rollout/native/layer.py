@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo.kernels import decode_gemm
+from grpo.kernels.decode_attention import decode_attention
 from grpo.kernels.decode_gemm import rope
 from grpo.rollout.native.plan import LayerProjections
 
@@ -125,13 +126,15 @@ def decode_prelude(embed: nn.Module, tok: torch.Tensor, pos: torch.Tensor, cos_t
     return x, cos, sin, valid
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid: torch.Tensor, dims: ModelDims,
-           attention: str) -> torch.Tensor:
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor,
+           dims: ModelDims, attention: str) -> torch.Tensor:
     """Grouped-query attention of one new token per row over its cache: q (B, nh, 1, D) -> (B, 1, nh*D).
+    Row b attends to its positions up to pos[b]: `valid` (B, S) marks them for the masked ways.
 
     No K/V repeat: the g = nh / n_kv query heads of a kv head act as g queries of one (B, n_kv) problem.
     "sdpa" hands the problem, with the mask, to torch's scaled_dot_product_attention (one fused kernel on
-    CUDA, float32 scores inside); "matmul" is two batched matmuls, the scores and their softmax in float32.
+    CUDA, float32 scores inside); "matmul" is two batched matmuls, the scores and their softmax in float32;
+    "kernel" is `grpo.kernels.decode_attention` (Triton, float32 scores, each row read to its own length).
 
     The scores must not be rounded to bf16: Qwen2.5-Coder-1.5B's reach ~12,700 in layer 0 and ~1,100 in
     layer 15 (a GSM8K prompt), where bf16 keeps only multiples of 32 and 4; rounded, they put the sampler's
@@ -139,6 +142,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid:
     preset: step 3's NaN gradient and the 13-nat tokens").
     """
     rows, n_kv, d = q.shape[0], dims.n_kv_heads, dims.head_dim
+    if attention == "kernel":
+        out = decode_attention(q.reshape(rows, dims.n_heads, d), k_cache, v_cache, pos + 1, d**-0.5)
+        return out.view(rows, 1, dims.n_heads * d)
     qg = q.view(rows, n_kv, dims.n_heads // n_kv, d)  # (B, n_kv, g, D): head h reads kv head h // g
     if attention == "sdpa":
         out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=valid[:, None, None, :],
@@ -192,7 +198,7 @@ def decode_layer(layer: nn.Module, x: torch.Tensor, cos, sin, valid, pos, k_cach
     v = attn.v_proj(h).view(rows, dims.n_kv_heads, 1, d)
     q, k = head_norms(attn, q, k)
     q = _write_kv(q, k, v, cos, sin, pos, k_cache, v_cache)
-    x = x + attn.o_proj(attend(q, k_cache, v_cache, valid, dims, attention))
+    x = x + attn.o_proj(attend(q, k_cache, v_cache, valid, pos, dims, attention))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -214,7 +220,7 @@ def piece_attention(layer: nn.Module, x, q, k, v, cos, sin, valid, pos, k_cache,
     rows, d = x.shape[0], dims.head_dim
     q, k = head_norms(layer.self_attn, q.view(rows, dims.n_heads, 1, d), k.view(rows, dims.n_kv_heads, 1, d))
     q = _write_kv(q, k, v.view(rows, dims.n_kv_heads, 1, d), cos, sin, pos, k_cache, v_cache)
-    x = x + layer.self_attn.o_proj(attend(q, k_cache, v_cache, valid, dims, attention))
+    x = x + layer.self_attn.o_proj(attend(q, k_cache, v_cache, valid, pos, dims, attention))
     return x, layer.post_attention_layernorm(x)
 
 
@@ -222,14 +228,14 @@ def piece_mlp_out(mlp: nn.Module, x: torch.Tensor, gate: torch.Tensor, up: torch
     return x + mlp.down_proj(mlp.act_fn(gate) * up)  # LlamaMLP.forward after its gate/up products
 
 
-def piece_attend(q: torch.Tensor, q_norm: nn.Module | None, cos, sin, valid, k_cache, v_cache, dims: ModelDims,
+def piece_attend(q: torch.Tensor, q_norm: nn.Module | None, cos, sin, valid, pos, k_cache, v_cache, dims: ModelDims,
                  attention: str) -> torch.Tensor:
     """q's head norm (Qwen3's; None: none) and rotary on q (B, nh*D), then attention over the cache (this
     token's K/V already written)."""
     rows = q.shape[0]
     q = q.view(rows, dims.n_heads, 1, dims.head_dim)
     q = rope(q if q_norm is None else q_norm(q), cos, sin)
-    return attend(q, k_cache, v_cache, valid, dims, attention).view(rows, dims.n_heads * dims.head_dim)
+    return attend(q, k_cache, v_cache, valid, pos, dims, attention).view(rows, dims.n_heads * dims.head_dim)
 
 
 @dataclass(frozen=True)
@@ -319,7 +325,7 @@ class KernelLayer(ModuleLayer):
             k = fns.norm(attn.k_norm, k.view(rows, dims.n_kv_heads, dims.head_dim)).view(rows, -1)
         decode_gemm.rope_store_kv(k, v, at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim), at.pos,
                                   k_cache, v_cache)
-        out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, k_cache, v_cache, dims, self.attention)
+        out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, dims, self.attention)
         x = decode_gemm.project(out, [p.o], residual=x.view(rows, dims.hidden))[0].view(rows, 1, dims.hidden)
         h = fns.norm(layer.post_attention_layernorm, x).view(rows, dims.hidden)
         m = decode_gemm.project_gated(h, p.gate, p.up)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from grpo.kernels import decode_gemm
+from grpo.kernels import decode_attention, decode_gemm
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,11 @@ class EngineTuning:
         eager kernels, or "auto": "default" on CUDA, None elsewhere. The first generate compiles.
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
-    attention: "sdpa" (torch's fused attention) or "matmul" (two batched matmuls, float32 scores and
-        softmax: the K slice is upcast every step). On the Qwen preset (H200, 2026-12-01) "sdpa" decoded
-        within 3% of the bf16-score "matmul" it replaced, whose rounded scores put tokens 13 nats off.
+    attention: "sdpa" (torch's fused attention), "matmul" (two batched matmuls, float32 scores and
+        softmax: the K slice is upcast every step) or "kernel" (`grpo.kernels.decode_attention`: Triton,
+        each row's cache read to its own length in chunks; not yet timed on a GPU). On the Qwen preset
+        (H200, 2026-12-01) "sdpa" decoded within 3% of the bf16-score "matmul" it replaced, whose rounded
+        scores put tokens 13 nats off.
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
     kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
@@ -43,8 +45,8 @@ class EngineTuning:
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1:
             raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}: both must be >= 1")
-        if self.attention not in ("matmul", "sdpa"):
-            raise ValueError(f"attention={self.attention!r}: use 'matmul' or 'sdpa'")
+        if self.attention not in ("matmul", "sdpa", "kernel"):
+            raise ValueError(f"attention={self.attention!r}: use 'matmul', 'sdpa' or 'kernel'")
         if not 1 <= self.kernel_rows <= decode_gemm.MAX_ROWS:
             raise ValueError(f"kernel_rows={self.kernel_rows}: the kernels take 1 to {decode_gemm.MAX_ROWS} rows")
 
@@ -57,6 +59,9 @@ class EngineTuning:
         if tuning.use_cuda_graph and not cuda:
             raise ValueError(f"use_cuda_graph=True but the model is on {device}; CUDA graphs need a CUDA "
                              "model (leave use_cuda_graph None or False)")
+        if tuning.attention == "kernel" and not decode_attention.can_run(device):
+            raise ValueError(f"attention='kernel' needs triton and a CUDA model (or TRITON_INTERPRET=1 on CPU); "
+                             f"the model is on {device}: use 'sdpa'")
         if tuning.streams and not llama_mlp:
             raise ValueError("streams=True needs Llama MLPs (gate/up/down_proj and act_fn) in every layer; pass "
                              "streams=False")

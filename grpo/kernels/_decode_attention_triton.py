@@ -1,0 +1,81 @@
+"""The Triton kernels behind `grpo.kernels.decode_attention` (imported only where triton is installed)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, EXACT: tl.constexpr):
+    # float32 operands (the CPU tests' caches): exact FMAs; bf16 ones: the tensor cores, float32 sums
+    if EXACT:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, s_qb, s_kb, s_kh, s_ks, scale,
+                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr):
+    # Program (row b, kv head h, chunk c): the G query heads of kv head h over the row's positions
+    # [c * CHUNK, min((c + 1) * CHUNK, length)), a softmax that goes along (running max m and sum l, float32
+    # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    n_kv = tl.num_programs(1)
+    length = tl.load(len_ptr + b)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, length)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, D), dtype=tl.float32)
+    cache = b * s_kb + h * s_kh
+    for start in tl.range(lo, hi, BLOCK_S):
+        pos = start + tl.arange(0, BLOCK_S)
+        inside = pos < hi
+        at = cache + pos[:, None] * s_ks + d[None, :]
+        k = tl.load(k_ptr + at, mask=inside[:, None], other=0.0)
+        scores = _dot(q, tl.trans(k), EXACT) * scale  # (G_PAD, BLOCK_S) float32
+        scores = tl.where(inside[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each step has a position inside
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + at, mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT)
+        m = m_new
+    if SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(o_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(g < G)[:, None])
+    else:  # a chunk past the row's length leaves m = -inf, l = 0, acc = 0: the combine gives it no weight
+        slot = (b * n_kv + h) * SPLITS + c
+        tl.store(acc_ptr + slot * G_PAD * D + g[:, None] * D + d[None, :], acc)
+        tl.store(stat_ptr + (slot * 2) * G_PAD + g, m)
+        tl.store(stat_ptr + (slot * 2 + 1) * G_PAD + g, l)
+
+
+@triton.jit
+def attend_combine_kernel(o_ptr, acc_ptr, stat_ptr, s_qb, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                          SPLITS: tl.constexpr):
+    # Program (row b, kv head h): sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), M the chunks' largest m
+    # (chunk 0 always holds position 0, so M is finite), chunks added in order: deterministic.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    first = (b * tl.num_programs(1) + h) * SPLITS
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    top = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+    for c in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(stat_ptr + ((first + c) * 2) * G_PAD + g))
+    num = tl.zeros((G_PAD, D), dtype=tl.float32)
+    den = tl.zeros((G_PAD,), dtype=tl.float32)
+    for c in tl.static_range(SPLITS):
+        w = tl.exp(tl.load(stat_ptr + ((first + c) * 2) * G_PAD + g) - top)  # 0 for an empty chunk
+        den += w * tl.load(stat_ptr + ((first + c) * 2 + 1) * G_PAD + g)
+        num += w[:, None] * tl.load(acc_ptr + (first + c) * G_PAD * D + g[:, None] * D + d[None, :])
+    tl.store(o_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
+             mask=(g < G)[:, None])

@@ -1,0 +1,104 @@
+"""Decode attention: one new token per row over its own KV cache, in chunks of the sequence (split-KV).
+
+A decode step's attention reads each row's cache once: K and V, (rows, kv heads, positions, head_dim).
+torch's fused attention takes the engine's mask over the whole KV bucket, so it reads every row to the
+bucket's end; this kernel reads each row only to its own length, and splits the positions into chunks,
+one program each, so that a few rows still fill the GPU (flash-decoding). The g = heads / kv heads query
+heads of a kv head share its program, so K and V are read once for all of them (grouped-query attention).
+
+Scores and the softmax's running max and sum are float32 (bf16 scores put single tokens 13 nats off on
+Qwen2.5: `grpo.rollout.native.layer.attend`); the probabilities meet V rounded to V's dtype, as in the
+"matmul" attention. Chunks are combined in a second launch, in chunk order (deterministic).
+
+`decode_attention_ref` is the plain-PyTorch definition the tests compare with (under TRITON_INTERPRET=1
+on the CPU). `decode_attention` is a torch custom op, so that a `torch.compile`d step calls it as one
+opaque op and a CUDA graph captures its launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.kernels._triton import have_triton
+
+BLOCK_S = 64  # positions a loop step reads
+_PROGRAMS = 264  # programs to aim for: two for each of the H200's 132 SMs
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """q (B, nh, D), caches (B, n_kv, S, D), lengths (B,): row b attends to its positions [0, lengths[b]).
+    float32 scores and softmax, probabilities rounded to V's dtype; (B, nh, D) in q's dtype."""
+    rows, heads, dim = q.shape
+    n_kv, seq = k_cache.shape[1], k_cache.shape[2]
+    qg = q.view(rows, n_kv, heads // n_kv, dim).float()
+    scores = torch.matmul(qg, k_cache.float().transpose(-1, -2)) * scale  # (B, n_kv, g, S)
+    inside = torch.arange(seq, device=q.device)[None, :] < lengths[:, None]  # (B, S)
+    scores = scores.masked_fill(~inside[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(v_cache.dtype)
+    return torch.matmul(probs.float(), v_cache.float()).view(rows, heads, dim).to(q.dtype)
+
+
+def chunking(rows: int, n_kv: int, seq: int) -> tuple[int, int]:
+    """(positions a chunk, chunks a row): chunks of whole loop steps, as many as bring rows x kv heads x
+    chunks to about `_PROGRAMS`, at least one."""
+    wanted = max(1, -(-_PROGRAMS // (rows * n_kv)))
+    steps = -(-seq // BLOCK_S)
+    chunk = -(-steps // min(wanted, steps)) * BLOCK_S
+    return chunk, -(-seq // chunk)
+
+
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these tensors, or None."""
+    rows, heads, dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.shape[0] != rows:
+        return "the K and V caches need one shape and layout, a row per q row"
+    if dim & (dim - 1) or dim < 16 or k_cache.shape[3] != dim or k_cache.stride(3) != 1:
+        return f"head_dim {dim}: the kernel takes a power of 2 from 16, contiguous in the caches"
+    if heads % k_cache.shape[1] or not q.is_contiguous():
+        return "q must be contiguous (B, heads, D) with heads a multiple of the kv heads"
+    return None
+
+
+@torch.library.custom_op("grpo::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """`decode_attention_ref` in Triton: a launch over (rows, kv heads, chunks), and one to combine the
+    chunks where there are several. The caches may be views (strided in row, head and position)."""
+    from grpo.kernels import _decode_attention_triton as kernels
+
+    problem = check_shapes(q, k_cache, v_cache)
+    if problem is not None:
+        raise ValueError(f"decode_attention: {problem}")
+    rows, heads, dim = q.shape
+    n_kv, seq = k_cache.shape[1], k_cache.shape[2]
+    group = heads // n_kv
+    g_pad = max(16, 1 << (group - 1).bit_length())  # tl.dot's smallest M
+    chunk, splits = chunking(rows, n_kv, seq)
+    out = torch.empty_like(q)
+    if splits > 1:
+        acc = torch.empty((rows * n_kv * splits, g_pad, dim), dtype=torch.float32, device=q.device)
+        stats = torch.empty((rows * n_kv * splits, 2, g_pad), dtype=torch.float32, device=q.device)
+    else:
+        acc = stats = out
+    exact = q.dtype == torch.float32
+    kernels.attend_chunk_kernel[(rows, n_kv, splits)](
+        q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), scale, G=group, G_PAD=g_pad, D=dim, BLOCK_S=BLOCK_S, CHUNK=chunk, SPLITS=splits,
+        EXACT=exact, num_warps=4)
+    if splits > 1:
+        kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, q.stride(0), G=group, G_PAD=g_pad, D=dim,
+                                                    SPLITS=splits, num_warps=4)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, lengths, scale):
+    return torch.empty_like(q)
+
+
+def can_run(device: torch.device) -> bool:
+    """Triton runs on `device`: CUDA (Ampere or newer), or the CPU under TRITON_INTERPRET=1 (tests)."""
+    from grpo.kernels.decode_gemm import can_run as gemm_can_run
+
+    return have_triton() and gemm_can_run(device)

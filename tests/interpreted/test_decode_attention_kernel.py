@@ -1,0 +1,74 @@
+"""The decode attention Triton kernels, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1);
+collected only when that variable is set (tests/test_decode_gemm.py runs this folder in a subprocess)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.kernels import decode_attention as da
+
+
+def views(rows: int, heads: int, n_kv: int, seq: int, dim: int, seed: int):
+    """q and K/V cache views inside bigger buffers (strided in row, head and position, as the engine's)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, heads, dim, generator=g)
+    k_all, v_all = torch.randn(2, rows + 1, n_kv + 1, seq + 7, dim, generator=g) * 2
+    return q, k_all[:rows, :n_kv, :seq], v_all[:rows, :n_kv, :seq]
+
+
+@pytest.mark.parametrize("rows,heads,n_kv,seq,dim", [(3, 8, 2, 40, 16), (2, 6, 1, 300, 32), (4, 4, 4, 130, 16),
+                                                     (70, 12, 2, 200, 16)])
+def test_decode_attention_matches_reference_for_every_row_length(rows, heads, n_kv, seq, dim):
+    q, k, v = views(rows, heads, n_kv, seq, dim, seed=rows)
+    lengths = torch.randint(1, seq + 1, (rows,), generator=torch.Generator().manual_seed(1))
+    lengths[0], lengths[-1] = 1, seq  # one position, and the whole bucket
+    got = da.decode_attention(q, k, v, lengths, dim**-0.5)
+    torch.testing.assert_close(got, da.decode_attention_ref(q, k, v, lengths, dim**-0.5), atol=2e-5, rtol=2e-5)
+
+
+def test_positions_past_a_rows_length_are_never_read():
+    q, k, v = views(3, 4, 2, 260, 16, seed=0)
+    lengths = torch.tensor([5, 130, 200])
+    want = da.decode_attention(q, k, v, lengths, 0.25)
+    for b, n in enumerate(lengths.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    assert da.chunking(3, 2, 260)[1] > 1  # chunks past a row's length exist, and are skipped
+    torch.testing.assert_close(da.decode_attention(q, k, v, lengths, 0.25), want, atol=0, rtol=0)
+
+
+def test_chunks_fill_the_gpu_with_whole_loop_steps():
+    assert da.chunking(1, 1, 4096) == (64, 64)  # one row, one kv head: a chunk per loop step
+    assert da.chunking(16, 8, 640) == (256, 3)  # 128 programs a chunk: three reach 264
+    assert da.chunking(256, 2, 2048) == (2048, 1)  # enough rows already: no combine launch
+    for rows, n_kv, seq in ((3, 2, 300), (64, 2, 384), (5, 8, 64)):
+        chunk, chunks = da.chunking(rows, n_kv, seq)
+        assert chunk % da.BLOCK_S == 0 and (chunks - 1) * chunk < seq <= chunks * chunk
+
+
+def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_attention():
+    # through the modules' layer (the kernel layer with it: test_native_engine_runs_qwen3_on_the_kernels_...)
+    import sys
+    from pathlib import Path
+
+    from peft import LoraConfig, get_peft_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_native_engine's helpers
+    from grpo.config import LORA_TARGETS
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    lora = get_peft_model(small_llama(seed=4), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                                          init_lora_weights=False))
+    sampling = Sampling(max_new_tokens=5, temperature=1.0, seed=6)
+
+    def rollout(attention: str):  # a bucket of 64 past the longest row: the kernel reads each row to its own end
+        tuning = EngineTuning(attention=attention, kv_bucket=64)
+        return NativeEngine(lora, max_seq_len=80, max_batch=6, pad_id=PAD, gemm="modules", tuning=tuning).generate(
+            PROMPTS, 2, sampling)
+
+    ref, out = rollout("matmul"), rollout("kernel")
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
