@@ -55,8 +55,8 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         return "the K and V caches need one shape and layout, a row per q row"
     if dim & (dim - 1) or dim < 16 or k_cache.shape[3] != dim or k_cache.stride(3) != 1:
         return f"head_dim {dim}: the kernel takes a power of 2 from 16, contiguous in the caches"
-    if heads % k_cache.shape[1] or not q.is_contiguous():
-        return "q must be contiguous (B, heads, D) with heads a multiple of the kv heads"
+    if heads % k_cache.shape[1]:
+        return f"{heads} query heads are not a multiple of the {k_cache.shape[1]} kv heads"
     return None
 
 
@@ -70,12 +70,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     problem = check_shapes(q, k_cache, v_cache)
     if problem is not None:
         raise ValueError(f"decode_attention: {problem}")
+    q = q.contiguous()  # (a compiled caller may hand over another layout)
     rows, heads, dim = q.shape
     n_kv, seq = k_cache.shape[1], k_cache.shape[2]
     group = heads // n_kv
     g_pad = max(16, 1 << (group - 1).bit_length())  # tl.dot's smallest M
     chunk, splits = chunking(rows, n_kv, seq)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     if splits > 1:
         acc = torch.empty((rows * n_kv * splits, g_pad, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((rows * n_kv * splits, 2, g_pad), dtype=torch.float32, device=q.device)
@@ -94,7 +95,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @decode_attention.register_fake
 def _(q, k_cache, v_cache, lengths, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernel's
 
 
 def can_run(device: torch.device) -> bool:

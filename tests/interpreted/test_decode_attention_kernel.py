@@ -25,6 +25,8 @@ def test_decode_attention_matches_reference_for_every_row_length(rows, heads, n_
     lengths[0], lengths[-1] = 1, seq  # one position, and the whole bucket
     got = da.decode_attention(q, k, v, lengths, dim**-0.5)
     torch.testing.assert_close(got, da.decode_attention_ref(q, k, v, lengths, dim**-0.5), atol=2e-5, rtol=2e-5)
+    strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values in another layout
+    assert torch.equal(da.decode_attention(strided_q, k, v, lengths, dim**-0.5), got)
 
 
 def test_positions_past_a_rows_length_are_never_read():
