@@ -37,10 +37,11 @@
 # 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
 # CHAIN=speed (STEPS=60, FLAGS="--lora-compute base --micro-batch-size 16" by default) runs `speed` instead:
-# issue 31's training-pass levers. benchmarks/probes/train_pass.py (~2 min), then STEPS steps of the preset as
-# it is and STEPS with $FLAGS, each evaluated on the 319 held-out problems, compared problem by problem: step
-# time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM. Estimated
-# 3 convert + 2 probe + 2 x (4.5 + 1.5): ~17 minutes after the carrying.
+# issue 31's training-pass levers. benchmarks/probes/train_pass.py (~3 min: with checkpointing, and without
+# it at 16 and 8 rows), then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the
+# 319 held-out problems, compared problem by problem: step time and phases from the two metrics files,
+# accuracy within noise or not from compare.log. No vLLM. Estimated 3 convert + 3 probe + 2 x (4.5 + 1.5):
+# ~18 minutes after the carrying.
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -202,6 +203,9 @@ speed() {  # CHAIN=speed: issue 31's training-pass levers on the preset, side by
   # probe, then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the held-out problems
   begin_chain
   stage train-pass timeout 300 python3 benchmarks/probes/train_pass.py --micro 64 32 16 8 --out $CMP/probe || true
+  # and without recomputing activations, which micro-batches of 16 rows leave room for on the H200 (~1 min)
+  stage train-pass-keep timeout 240 python3 benchmarks/probes/train_pass.py --micro 16 8 --no-checkpointing \
+    --lora-compute base --out $CMP/probe || true
   local run
   for run in asis lever; do
     local extra=()
