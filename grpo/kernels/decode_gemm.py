@@ -19,7 +19,9 @@ decode layer does around its projections:
 - Split-K for projections with few output tiles (down, o): K slices in separate programs, the last one
   to finish adding the partial sums in a fixed order (deterministic) and finishing the tile.
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
-  over K as the projections are: partial sums added in a fixed order, so the result is deterministic).
+  over K as the projections are: partial sums added in a fixed order, so the result is deterministic),
+  launched before the projection, or computed by the projection launch's own first programs
+  (`Tuning.fuse_lora_down`).
 - up to three projections that read the same input (q/k/v) in one launch;
 - the gated MLP, `silu(x Wg^T) * (x Wu^T)`, in one launch;
 - a residual add (`o_proj`, `down_proj`);
