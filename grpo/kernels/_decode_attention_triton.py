@@ -19,7 +19,7 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     # Program (row b, kv head h, chunk c): the G query heads of kv head h over the row's positions
     # [c * CHUNK, min((c + 1) * CHUNK, length)), a softmax that goes along (running max m and sum l, float32
     # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
     n_kv = tl.num_programs(1)
