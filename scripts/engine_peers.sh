@@ -67,11 +67,11 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   # kernel and with lora_down inside the projection launches, each against the product's
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
-  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
+  timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
     tests/test_fp8.py tests/test_logprobs.py -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
   tail -3 $EP/results/side/cuda-tests.log >> $EP/stages.log
-  timeout -k 10 200 python3 benchmarks/probes/native_engine.py --plan qwen --variants qwen_product \
-    qwen_fused_lora_down qwen_attention_kernel --budget-s 150 --out $EP/results/side || true
+  timeout -k 10 180 python3 benchmarks/probes/native_engine.py --plan qwen --variants qwen_product \
+    qwen_fused_lora_down qwen_attention_kernel --budget-s 130 --out $EP/results/side || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }
