@@ -62,7 +62,7 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, so it is held to about the kit's three minutes): every CUDA test of the
+  # device; the chain waits for this: up to 8 minutes, about 4 past the kit's carrying): every CUDA test of the
   # decode kernels, the engine, FP8 and the log-prob kernels, then the Qwen token step with the attention
   # kernel and with lora_down inside the projection launches, each against the product's
   export PYTHONPATH=$PWD:/tmp/site
