@@ -188,8 +188,8 @@ def test_trl_grpo_step(benchmark, bench_env, results, tmp_path, request, config_
 @pytest.mark.bench_cost(300)
 def test_trl_grpo_step_with_vllm_colocated(benchmark, bench_env, results, tmp_path):
     """The peer sampling with vLLM: TRL's GRPOTrainer with use_vllm=True, vllm_mode="colocate" (vLLM in this
-    process with the share ours gets on Unsloth's engine, bs.VLLM_SHARE, asleep while training). vLLM allows one sleeping
-    engine per process: run it alone, -k vllm_colocated."""
+    process with the share ours gets on Unsloth's engine, bs.VLLM_SHARE, asleep while training). vLLM allows
+    one sleeping engine per process: run it alone, -k vllm_colocated."""
     pytest.importorskip("vllm", reason="needs vLLM: pip install vllm")
     pytest.importorskip("trl", reason="the peer needs trl: pip install trl")
     _run_peer(benchmark, bench_env, results, "bench", "trl-vllm", "bf16",

@@ -601,7 +601,8 @@ def _fake_device(monkeypatch, *, total_gib: float, peak_gib: float, in_process_g
     GiB = 2**30
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=total_gib * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=total_gib * GiB))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(peak_gib * GiB))
 
     class CuMemAllocator:

@@ -345,8 +345,8 @@ PLANS = {
     "graph": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
               "standby", "compile"],
     # compiled variants of every model kind, and where the time goes in the compiled step
-    "compiled": ["graph", "compile_matmul", "compile_sdpa", "compile_kernel", "compile_streams", "kernels_compiled", "fp8_compiled",
-                 "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
+    "compiled": ["graph", "compile_matmul", "compile_sdpa", "compile_kernel", "compile_streams", "kernels_compiled",
+                 "fp8_compiled", "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
     # the decode GEMM kernels against the module path, every model kind
     "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
              "lora_compiled", "lora_gemm", "kernels_lora_gemm", "fp8_lora_compiled", "fp8_lora_gemm"],

@@ -477,11 +477,9 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
 
     def launch(cfg: TileConfig) -> None:
         tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
-        if cfg.split_k > 1:  # float32 partial sums of each K slice, and the tiles' arrival counts
-            parts = torch.empty(tiles * cfg.split_k * _block_m(m) * cfg.block_n, dtype=torch.float32, device=x2.device)
-            counters = _tile_counters(x2.device, tiles)
-        else:
-            parts = counters = x2
+        # float32 partial sums of each K slice, and the tiles' arrival counts
+        parts = (torch.empty(tiles * cfg.split_k * _block_m(m) * cfg.block_n, dtype=torch.float32, device=x2.device)
+                 if cfg.split_k > 1 else x2)
         if fused is not None:
             counters, control, down_counters = fused.counters(tiles)
             kernels.proj_fused_kernel[(fused.programs + tiles * cfg.split_k,)](
@@ -492,6 +490,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
                 EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, DOWN_SPLIT=fused.split,
                 DOWN_BLOCK_K=64, num_warps=cfg.num_warps)
             return
+        counters = _tile_counters(x2.device, tiles) if cfg.split_k > 1 else x2
         kernels.proj_kernel[(tiles, cfg.split_k)](
             x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
