@@ -62,7 +62,7 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this: up to 8 minutes, about 4 past the kit's carrying): every CUDA test of the
+  # device; the chain waits for this: up to 7.5 minutes, about 2-3 past the kit's carrying): every CUDA test of the
   # decode kernels, the engine, FP8 and the log-prob kernels, then the Qwen token step with the attention
   # kernel and with lora_down inside the projection launches, each against the product's
   export PYTHONPATH=$PWD:/tmp/site
@@ -70,8 +70,8 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
     tests/test_fp8.py tests/test_logprobs.py -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
   tail -3 $EP/results/side/cuda-tests.log >> $EP/stages.log
-  timeout -k 10 180 python3 benchmarks/probes/native_engine.py --plan qwen --variants qwen_product \
-    qwen_fused_lora_down qwen_attention_kernel --budget-s 130 --out $EP/results/side || true
+  timeout -k 10 130 python3 benchmarks/probes/native_engine.py --plan qwen --variants qwen_product \
+    qwen_fused_lora_down qwen_attention_kernel --budget-s 90 --out $EP/results/side || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }
@@ -84,7 +84,7 @@ snapshot() {  # snapshot DIR: this tree, without the carried parts (later calls 
 chain() {
   mkdir -p $EP/results
   if [ -f $EP/side.log ]; then  # the side probes first: nothing shares the GPU with a timed run
-    for _ in $(seq 120); do [ -f $EP/side.done ] && break; sleep 5; done
+    for _ in $(seq 90); do [ -f $EP/side.done ] && break; sleep 5; done
   fi
   for s in $STAGES; do
     case $s in
