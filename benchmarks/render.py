@@ -46,12 +46,14 @@ def load_runs(directory: str | Path) -> list[dict]:
 
 
 IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step", "ours-mb4": "ours, micro-batches of 4",
-              "ours-lora-bf16": "ours, --lora-compute base"}
+              "ours-lora-bf16": "ours, --lora-compute base", "ours-vllm": "ours, --engine vllm",
+              "ours-unsloth": "ours, --engine unsloth", "trl": "TRL", "trl-vllm": "TRL + vLLM colocated",
+              "unsloth-grpo": "Unsloth's GRPO"}
 
 
 def _rows(run: dict) -> list[dict]:
     order = {"bench": 0, "long": 1}
-    impl = {"ours": 0, "ours-release": 1, "ours-lora-bf16": 2, "ours-mb4": 3, "trl": 4}
+    impl = {name: i for i, name in enumerate(IMPL_NAMES)}
     return sorted(bs.step_rows(run["records"]), key=lambda r: (order.get(r["config"], 9), impl.get(r["impl"], 9),
                                                                r["dtype"] != "bf16", not r["measured"]))
 
@@ -136,8 +138,13 @@ def _versions(run: dict) -> str:
 
 def _commands(run: dict) -> str:
     commands = run["command"] if isinstance(run["command"], list) else [run["command"]]
+    commands = [f"`{c}`" for c in commands]
+    for joined in run.get("joined", []):  # the processes `--bench-join` added, with what differed in each
+        v = joined.get("versions", {})
+        own = ", ".join(f"{k} {v[k]}" for k in ("unsloth", "trl", "vllm") if k in v)
+        commands.append(f"`{joined['command']}`" + (f" ({own})" if own else ""))
     label = "Command" if len(commands) == 1 else "Commands"
-    return f"{label}: " + ", then ".join(f"`{c}`" for c in commands)
+    return f"{label}: " + ", then ".join(commands)
 
 
 def _shape_line(run: dict) -> str:
@@ -179,7 +186,7 @@ def render_section(runs: list[dict], chart: str | None = CHART_NAME) -> str:
             c = comps.get((r["config"], r["dtype"])) if r["impl"] == "ours" else None
             ratio_t = f"{c['time_ratio']:.3f} ({c['speedup']:.1f}x faster)" if c and c["time_ratio"] else ""
             ratio_m = _f(c["memory_ratio"]) if c else ""
-            impl = IMPL_NAMES.get(r["impl"]) or ("TRL" if r["measured"] else "TRL (quoted)*")
+            impl = IMPL_NAMES.get(r["impl"], r["impl"]) + ("" if r["measured"] else " (quoted)*")
             quoted |= not r["measured"]
             lines.append(f"| {r['config']} | {impl} | {r['dtype']} | {_f(r['step_time_s'])} | "
                          f"{_f(r['peak_alloc_gib'])} | {_f(r['peak_reserved_gib'])} | "
@@ -198,6 +205,8 @@ def render_section(runs: list[dict], chart: str | None = CHART_NAME) -> str:
             met = "yes" if g["met"] else f"**no**: {g['miss']}"
             lines.append(f"| {g['goal']} | {g['target']} | {g['value']} | {met} |")
         lines.append("")
+
+    lines += _engine_lines(run, rows)
 
     ours = [r for r in rows if r["impl"] == "ours" and r["phases_s"]]
     if ours:
@@ -255,6 +264,29 @@ def render_section(runs: list[dict], chart: str | None = CHART_NAME) -> str:
                              f"{_f(r['step_time_s'])} | {_f(r['peak_alloc_gib'])} | {old['_file']} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _engine_lines(run: dict, rows: list[dict]) -> list[str]:
+    """Every step measured at the bench config, where the run holds Unsloth's own GRPO: step time, where a
+    step's time goes, nvidia-smi's peak (it sees vLLM's pool, which torch's counters may not) and the engine's
+    pool, and ours over Unsloth's GRPO. The goal: ours on every engine at or below it in both (ratio <= 1)."""
+    ratios = {(c["impl"], c["dtype"]): c for c in bs.engine_comparisons(run["records"])}
+    if not ratios:
+        return []
+    lines = [f"### The engines against {IMPL_NAMES[bs.ENGINE_PEER]} (bench config, this run)", "",
+             "| impl | base weights | step (s) | generate | engine's generate | train | nvidia-smi peak (GiB) | "
+             "engine pool (GiB) | time / Unsloth's | GPU memory / Unsloth's |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in (r for r in rows if r["config"] == "bench" and r["measured"] and r["step_time_s"]):
+        p, c = r["phases_s"], ratios.get((r["impl"], r["dtype"]))
+        engine = p.get("generate/generate", p.get("generate/decode"))
+        cells = [_f(c and c["time_ratio"]), _f(c and c["gpu_used_ratio"])] if c else ["", ""]
+        lines.append(f"| {IMPL_NAMES.get(r['impl'], r['impl'])} | {r['dtype']} | {_f(r['step_time_s'])} | "
+                     f"{_f(p.get('generate'))} | {_f(engine)} | {_f(p.get('train'))} | {_f(r['peak_gpu_used_gib'])} | "
+                     f"{_f(r['engine_pool_gib'])} | {' | '.join(cells)} |")
+    lines += ["", "*engine's generate*: vLLM's `generate` call, or the native engine's decode; the peers' own "
+              "trainers time no phases. *engine pool*: what vLLM took, measured around its start.", ""]
+    return lines
 
 
 def update_results_md(path: str | Path, body: str) -> str:

@@ -266,6 +266,35 @@ def test_render_writes_only_its_own_section_and_the_chart(bench_modules, tmp_pat
     assert md.read_text() == before
 
 
+def test_render_sets_each_engine_beside_unsloths_grpo_with_gpu_memory_and_pool(bench_modules, tmp_path):
+    bs, render = bench_modules
+    run = _fake_run()
+    for rec in run["records"]:
+        rec["extra_info"]["peak_gpu_used_gib"] = 4.0
+    vllm = _step("bench", "ours-vllm", "bf16", 2.0, 5.0, 6.0, {"generate": 1.5, "generate/generate": 1.3, "train": 0.4})
+    vllm["extra_info"].update(peak_gpu_used_gib=10.0, engine_pool_gib=6.5)
+    peer = _step("bench", bs.ENGINE_PEER, "fp8", 4.0, 40.0, 45.0)
+    peer["extra_info"]["peak_gpu_used_gib"] = 50.0
+    run["records"] += [vllm, peer]
+    run["joined"] = [{"command": "pytest -k unsloth_grpo", "versions": {"unsloth": "2026.10.9", "trl": "1.15.0"}}]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "2026-12-02-h200.json").write_text(json.dumps(run))
+    md = tmp_path / "RESULTS.md"
+    render.main(["--results", str(results), "--markdown", str(md), "--chart", str(tmp_path / "c.png")])
+    section = md.read_text().split(render.BEGIN, 1)[1]
+    assert "Commands: `pytest benchmarks/ --benchmark`, then `pytest -k unsloth_grpo` (unsloth 2026.10.9, trl 1.15.0)" \
+        in section
+    assert "| bench | ours, --engine vllm | bf16 | 2.00 | 5.00 | 6.00 |" in section  # named, not taken for TRL
+    assert "| bench | Unsloth's GRPO | fp8 | 4.00 | 40.00 | 45.00 |" in section
+    engines = section.split("### The engines against Unsloth's GRPO", 1)[1]
+    assert "| ours | bf16 | 0.80 | 0.50 |  | 0.25 | 4.00 |  | 0.20 | 0.08 |" in engines
+    assert "| ours, --engine vllm | bf16 | 2.00 | 1.50 | 1.30 | 0.40 | 10.00 | 6.50 | 0.50 | 0.20 |" in engines
+    assert "| Unsloth's GRPO | fp8 | 4.00 |  |  |  | 50.00 |  |  |  |" in engines
+    assert "| TRL | bf16 | 14.00 |  |  |  | 4.00 |  |  |  |" in engines  # every peer measured at bench
+    assert "long" not in engines.split("\n\n", 2)[1]
+
+
 def test_render_puts_the_markers_under_an_existing_heading_and_lists_earlier_runs(bench_modules, tmp_path):
     _, render = bench_modules
     results = tmp_path / "results"
