@@ -87,18 +87,29 @@ def copy_bandwidth(bench_env) -> float | None:
 
 @pytest.mark.bench_order(70)
 @pytest.mark.bench_cost(40)
-@pytest.mark.parametrize("adapter", ["lora", "off"])
+@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel"])
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
 def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
-    """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it)."""
+    """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it); and with the
+    adapter and the split-KV attention kernel (`EngineTuning(attention="kernel")`, off by default until it
+    is measured to pay here) in place of torch's sdpa."""
     import contextlib
 
     from grpo.rollout import build_engine
+    from grpo.rollout.native import EngineTuning, NativeEngine
 
     policy, tokenizer, prompts = sampler_setup
     shape = bench_env.scale[rows]
-    engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
-                          max_batch=shape.rows)
+    if adapter == "lora-attention-kernel":  # NativeEngine as build_engine makes it, with the other attention
+        from grpo.kernels import decode_attention
+
+        if not decode_attention.can_run(next(policy.parameters()).device):
+            pytest.skip("the attention kernel needs triton and a CUDA model")
+        engine = NativeEngine(policy, max_seq_len=shape.seq_len, max_batch=shape.rows, pad_id=tokenizer.pad_token_id,
+                              tuning=EngineTuning(attention="kernel"))
+    else:
+        engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
+                              max_batch=shape.rows)
     sampling, timings = _sampling(shape), []
 
     def generate():
@@ -111,8 +122,8 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     with switch:
         benchmark.pedantic(generate, rounds=bench_env.rounds(3), warmup_rounds=1, iterations=1)
     measured = timings[1:]
-    _record(benchmark, results, shape, "ours" if adapter == "lora" else "ours-no-adapter",
-            [t["prefill"] + t["decode"] for t in measured], policy, adapter == "lora",
+    impl = {"lora": "ours", "off": "ours-no-adapter", "lora-attention-kernel": "ours-attention-kernel"}[adapter]
+    _record(benchmark, results, shape, impl, [t["prefill"] + t["decode"] for t in measured], policy, adapter != "off",
             decode_s=[t["decode"] for t in measured], copy_tbps=copy_bandwidth)
     engine.release_memory()
     del engine
