@@ -91,25 +91,20 @@ def copy_bandwidth(bench_env) -> float | None:
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
 def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it); and with the
-    adapter and the split-KV attention kernel (`EngineTuning(attention="kernel")`, off by default until it
-    is measured to pay here) in place of torch's sdpa."""
+    adapter and the split-KV attention kernel (`--engine-attention kernel`, not auto's choice until it is
+    measured to pay here) in place of torch's sdpa."""
     import contextlib
 
+    from grpo.kernels import decode_attention
     from grpo.rollout import build_engine
-    from grpo.rollout.native import EngineTuning, NativeEngine
 
     policy, tokenizer, prompts = sampler_setup
     shape = bench_env.scale[rows]
-    if adapter == "lora-attention-kernel":  # NativeEngine as build_engine makes it, with the other attention
-        from grpo.kernels import decode_attention
-
-        if not decode_attention.can_run(next(policy.parameters()).device):
-            pytest.skip("the attention kernel needs triton and a CUDA model")
-        engine = NativeEngine(policy, max_seq_len=shape.seq_len, max_batch=shape.rows, pad_id=tokenizer.pad_token_id,
-                              tuning=EngineTuning(attention="kernel"))
-    else:
-        engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
-                              max_batch=shape.rows)
+    attention = "kernel" if adapter == "lora-attention-kernel" else "auto"
+    if attention == "kernel" and not decode_attention.can_run(next(policy.parameters()).device):
+        pytest.skip("the attention kernel needs triton and a CUDA model")
+    engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
+                          max_batch=shape.rows, attention=attention)
     sampling, timings = _sampling(shape), []
 
     def generate():

@@ -157,6 +157,12 @@ class Config:
                           "With FP8 weights the kernels are weight-only FP8 (bf16 activations), where FP8Linear also "
                           "quantizes activations; the importance weights correct for the sampler's difference.",
                           "sampling", choices=["auto", "kernels", "modules"])
+    engine_attention: str = _f("auto", "How the native engine's decode steps attend over the KV cache: sdpa "
+                               "(torch's scaled_dot_product_attention over the cache padded to a bucket), kernel "
+                               "(grpo.kernels.decode_attention: Triton, each row's cache split over the sequence "
+                               "and read to its own length; needs triton and CUDA), or auto (sdpa, until the "
+                               "kernel is timed at every size: on the H200 it took the Qwen preset's token step "
+                               "from 3.09 to 2.88 ms).", "sampling", choices=["auto", "sdpa", "kernel"])
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: with "

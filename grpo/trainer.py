@@ -252,7 +252,8 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
                            enforce_eager=cfg.vllm_enforce_eager)
         engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
                               max_seq_len=longest_prompt + max_completion_length,
-                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm, vllm=vllm)
+                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
+                              attention=cfg.engine_attention, vllm=vllm)
     keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,

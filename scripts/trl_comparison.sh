@@ -36,8 +36,9 @@
 # Measured 2026-12-02 (01:18-01:40 UTC after ~2.5 min of carrying): convert 3.0, 60 steps 4.4, merge and f16
 # 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
-# CHAIN=speed (STEPS=60, FLAGS="--lora-compute base --micro-batch-size 16" by default) runs `speed` instead:
-# issue 31's training-pass levers. benchmarks/probes/train_pass.py (~3 min: with checkpointing, and without
+# CHAIN=speed (STEPS=60, FLAGS="--lora-compute base --micro-batch-size 16 --engine-attention kernel" by
+# default) runs `speed`: issue 31's levers (the training pass's two, the decode's attention kernel).
+# benchmarks/probes/train_pass.py (~3 min: with checkpointing, and without
 # it at 16 and 8 rows), then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the
 # 319 held-out problems, compared problem by problem: step time and phases from the two metrics files,
 # accuracy within noise or not from compare.log. No vLLM. Estimated 3 convert + 3 probe + 2 x (4.5 + 1.5):
@@ -67,7 +68,7 @@ QW_PARTS=22
 VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
-FLAGS=${FLAGS:-"--lora-compute base --micro-batch-size 16"}   # CHAIN=speed's lever run
+FLAGS=${FLAGS:-"--lora-compute base --micro-batch-size 16 --engine-attention kernel"}  # CHAIN=speed: the levers
 HOLD_S=${HOLD_S:-1800}        # the machine goes back after 30 minutes held
 RESERVE_S=${RESERVE_S:-330}   # kept for the two evaluations, the comparison and the last call
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -289,6 +289,24 @@ def test_engine_gemm_choice_on_cpu():
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, gemm="fast")
 
 
+def test_engine_attention_choice_reaches_the_engine():
+    from grpo.rollout import build_engine
+    from test_native_engine import PAD, small_llama
+
+    model = small_llama(seed=0)
+    for choice, used in (("auto", "sdpa"), ("sdpa", "sdpa")):
+        engine = build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention=choice)
+        assert engine.tuning.attention == used
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs the kernel on the CPU
+        engine = build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="kernel")
+        assert engine.tuning.attention == "kernel"
+    else:
+        with pytest.raises(ValueError, match="attention='kernel' needs triton and a CUDA model"):
+            build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="kernel")
+    with pytest.raises(ValueError, match="attention='flash'"):
+        build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="flash")
+
+
 def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():
     key, tuned = ("proj", 2048, 8192, True), dg.tile_config("proj", 2048, 8192, True)
     mine, inner = dg.TileConfig(16, 128, 4, 2), dg.TileConfig(32, 128, 8, 2)

@@ -314,6 +314,25 @@ def test_engine_standby_releases_the_native_engine_after_each_generation_or_keep
     assert len(calls) == releases
 
 
+def test_engine_attention_reaches_the_trainers_engine(tiny_llama_dir, tmp_path, monkeypatch):
+    from grpo.rollout.native import NativeEngine
+
+    seen = []
+    original = NativeEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.tuning.attention)
+
+    monkeypatch.setattr(NativeEngine, "__init__", recording_init)
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", engine_attention="sdpa", max_steps=1,
+                   log_completions_steps=0))
+    assert seen == ["sdpa"]
+    if os.environ.get("TRITON_INTERPRET") != "1":  # on a CPU without the interpreter the kernel cannot run
+        with pytest.raises(ValueError, match="attention='kernel' needs triton and a CUDA model"):
+            train(tiny_cfg(tiny_llama_dir, tmp_path / "kernel", engine="native", engine_attention="kernel"))
+
+
 def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
     # (the trainer test above covers a small cache; this one the limit itself, without allocating it)
     from grpo import trainer

@@ -63,9 +63,10 @@ class VLLMOptions:
 
 
 def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
-                 vllm: VLLMOptions | None = None) -> Engine:
+                 attention: str = "auto", vllm: VLLMOptions | None = None) -> Engine:
     """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
-    `gemm`: the native engine's decode projections (NativeEngine's `gemm`). `vllm`: what the vLLM engine
+    `gemm`: the native engine's decode projections (NativeEngine's `gemm`); `attention`: its attention over
+    the KV cache ("sdpa", "kernel", or "auto": `EngineTuning`'s default). `vllm`: what the vLLM engine
     needs besides (required for name "vllm", not used by the others)."""
     name = resolve_engine_name(name, policy)
     if name == "hf":
@@ -73,9 +74,13 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
 
         return HFEngine(policy, pad_id=pad_id)
     if name == "native":
-        from grpo.rollout.native import NativeEngine
+        from grpo.rollout.native import EngineTuning, NativeEngine
 
-        return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm)
+        if attention not in ("auto", "sdpa", "kernel"):
+            raise ValueError(f"attention={attention!r}: use 'auto', 'sdpa' or 'kernel'")
+        tuning = EngineTuning() if attention == "auto" else EngineTuning(attention=attention)
+        return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm,
+                            tuning=tuning)
     if name == "vllm":
         from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes_for
 

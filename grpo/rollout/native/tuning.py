@@ -1,8 +1,9 @@
 """`EngineTuning`: how the native engine runs a step (graphs, compile, attention, streams, buckets).
 
-Benchmarks and tests choose these; the product runs the defaults (the trainer passes none). They are
-kept off `NativeEngine`'s constructor so that its arguments are what a user decides: the model, the
-cache's size, the pad id, and `gemm`.
+Benchmarks and tests choose these; the product runs the defaults, but for `attention`, which a user may
+choose (`--engine-attention`, through `grpo.rollout.build_engine`). They are kept off `NativeEngine`'s
+constructor so that its arguments are what a user decides: the model, the cache's size, the pad id, and
+`gemm`.
 """
 
 from __future__ import annotations
