@@ -28,7 +28,7 @@ def _skip_without_unsloth() -> None:
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
               micro_batch: int | None = None, lora_compute: str = "float32", impl: str = "ours",
-              engine: str = "native") -> dict:
+              engine: str = "native", attention: str = "auto") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -43,7 +43,8 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     model_dir = bench_env.fp8_block_dir() if fp8_block else bench_env.model_dir()
     cfg = bs.step_config(model_dir, bench_env.prompts(shape), shape, fp8=dtype == "fp8" and not fp8_block,
                          steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
-                         micro_batch_size=micro_batch, lora_compute=lora_compute, engine=engine)
+                         micro_batch_size=micro_batch, lora_compute=lora_compute, engine=engine,
+                         engine_attention=attention)
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
@@ -135,6 +136,21 @@ def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, re
     the same gradient in four passes, so one recomputed layer holds a quarter of the activations.
     benchmarks/probes/saved_activations.py measures those on CPU: 311 MiB per layer per 2048 tokens."""
     _run_ours(benchmark, bench_env, results, tmp_path, "long", "bf16", micro_batch=4, impl="ours-mb4")
+
+
+@pytest.mark.bench_order(52)
+@pytest.mark.bench_cost(50)
+@pytest.mark.parametrize("config_name", ["bench", "long"])
+def test_grpo_step_with_the_attention_kernel(benchmark, bench_env, results, tmp_path, config_name):
+    """bf16 with --engine-attention kernel (the long config in micro-batches of 4, as above): the split-KV
+    attention kernel in every decode step instead of torch's sdpa, beside the default's rows of this run."""
+    from grpo.kernels import decode_attention
+
+    if not (bench_env.cuda and decode_attention.have_triton()):
+        pytest.skip("the attention kernel needs triton and CUDA")
+    micro, impl = (4, "ours-mb4-attention-kernel") if config_name == "long" else (None, "ours-attention-kernel")
+    _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", micro_batch=micro, impl=impl,
+              attention="kernel")
 
 
 def _run_peer(benchmark, bench_env, results, config_name: str, impl: str, dtype: str, run) -> dict:
