@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def results(request):
     import bench_setup as bs
 
     config = request.config
-    command = " ".join(["pytest", *config.invocation_params.args])
+    command = shlex.join(["pytest", *config.invocation_params.args])  # quoted as typed: -k "a or b"
     res = bs.Results(config.getoption("--bench-results-dir"), command, smoke=config.getoption("--bench-smoke"),
                      join=config.getoption("--bench-join"))
     config.stash[_RESULTS] = res

@@ -56,7 +56,8 @@ IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step",
 def _rows(run: dict) -> list[dict]:
     order = {"bench": 0, "long": 1}
     impl = {name: i for i, name in enumerate(IMPL_NAMES)}
-    return sorted(bs.step_rows(run["records"]), key=lambda r: (order.get(r["config"], 9), impl.get(r["impl"], 9),
+    return sorted(bs.step_rows(run["records"]), key=lambda r: (order.get(r["config"], 9),
+                                                               impl.get(r["impl"], len(impl)),
                                                                r["dtype"] != "bf16", not r["measured"]))
 
 
@@ -141,9 +142,9 @@ def _versions(run: dict) -> str:
 def _commands(run: dict) -> str:
     commands = run["command"] if isinstance(run["command"], list) else [run["command"]]
     commands = [f"`{c}`" for c in commands]
-    for joined in run.get("joined", []):  # the processes `--bench-join` added, with what differed in each
-        v = joined.get("versions", {})
-        own = ", ".join(f"{k} {v[k]}" for k in ("unsloth", "trl", "vllm") if k in v)
+    for joined in run.get("joined", []):  # the processes `--bench-join` added, with the versions that differ
+        v, first = joined.get("versions", {}), run.get("versions", {})
+        own = ", ".join(f"{k} {v[k]}" for k in ("unsloth", "trl", "vllm") if k in v and v[k] != first.get(k))
         commands.append(f"`{joined['command']}`" + (f" ({own})" if own else ""))
     label = "Command" if len(commands) == 1 else "Commands"
     return f"{label}: " + ", then ".join(commands)
@@ -287,7 +288,9 @@ def _engine_lines(run: dict, rows: list[dict]) -> list[str]:
                      f"{_f(p.get('generate'))} | {_f(engine)} | {_f(p.get('train'))} | {_f(r['peak_gpu_used_gib'])} | "
                      f"{_f(r['engine_pool_gib'])} | {' | '.join(cells)} |")
     lines += ["", "*engine's generate*: vLLM's `generate` call, or the native engine's decode; the peers' own "
-              "trainers time no phases. *engine pool*: what vLLM took, measured around its start.", ""]
+              "trainers time no phases. *engine pool*: what vLLM took, measured around its start. *nvidia-smi "
+              "peak*: less its reading before the run, so it can read below the pool.",
+              ""]
     return lines
 
 

@@ -4,7 +4,8 @@
 recipe samples (temperature 1, min_p 0.1, EOS ignored), on the bench model (Llama-3.2-1B shapes, bf16) with
 rsLoRA r=32 on the 7 projections:
 - ours: the native engine as the trainer builds it, kept between calls (its CUDA graphs captured in the
-  warm-up round), with the adapter and with it switched off;
+  warm-up round), with the adapter and with it switched off, and with the adapter and
+  `--engine-attention kernel`;
 - vLLM: `VLLMEngine` (plain vLLM, the same checkpoint and adapter, CUDA graphs, no sleep), one engine for
   all sizes: vLLM allows one sleeping engine per process, and building it costs a minute.
 What is timed is sampling: ours prefill + decode, vLLM's `generate` call (both without the adapter's

@@ -144,10 +144,12 @@ def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, re
 def test_grpo_step_with_the_attention_kernel(benchmark, bench_env, results, tmp_path, config_name):
     """bf16 with --engine-attention kernel (the long config in micro-batches of 4, as above): the split-KV
     attention kernel in every decode step instead of torch's sdpa, beside the default's rows of this run."""
+    import torch
+
     from grpo.kernels import decode_attention
 
-    if not (bench_env.cuda and decode_attention.have_triton()):
-        pytest.skip("the attention kernel needs triton and CUDA")
+    if not (bench_env.cuda and decode_attention.can_run(torch.device("cuda"))):
+        pytest.skip("the attention kernel needs triton and a CUDA GPU of Ampere or newer")
     micro, impl = (4, "ours-mb4-attention-kernel") if config_name == "long" else (None, "ours-attention-kernel")
     _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", micro_batch=micro, impl=impl,
               attention="kernel")

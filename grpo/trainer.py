@@ -297,6 +297,9 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     kept = " (kept between steps)" if loaded.keep_engine else ""
     if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")
+    if cfg.engine_attention != "auto" and loaded.engine_name != "native":  # a choice that would do nothing
+        console.print(f"[yellow]--engine-attention {cfg.engine_attention} is not used[/]: it picks the native "
+                      f"engine's attention, and this run samples with {loaded.engine_name}")
     console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{kept} | {len(prompts)} prompts "
                   f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
                   f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 30 on the H200 machine: the CUDA tests of the vLLM and Unsloth paths, then the peers in one suite run
-# (benchmarks/README.md, "The peers in one run"), as one background chain, so that no stage waits for a call.
+# Issue 30 on the H200 machine: the peers in one suite run (benchmarks/README.md, "The peers in one run"), and
+# on request the CUDA tests of the vLLM and Unsloth paths or issue 31's suite, as one background chain of the
+# stages STAGES names, so that no stage waits for a call.
 #
 # The machine has no network, takes at most 64 MiB per call, is handed back 30 s after a call ends and after
 # 30 minutes held, and runs a command for at most 10 minutes. Here: .whl/ (scripts/trl_comparison.sh pack:
@@ -20,10 +21,10 @@
 # STAGES (default: the suite's peers, ours first as the joined run's anchor, then the two not yet in a run of
 # all of them; the CUDA tests passed in full on 2026-12-02). Each runs under its own timeout (the chain is not
 # held to a call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 10:55-11:18.
-# The default stages take about 26 of a hold's 30 minutes with Triton's autotuning carried in (.jit) and SIDE=0;
+# The default stages take 26-30 of a hold's 30 minutes with Triton's autotuning carried in (.jit) and SIDE=0;
 # what the hold does not reach goes to the next one (STAGES=...):
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.6; vLLM's start-up 2 of them)       ~5
-#   unsloth-bf16   bench: ours --engine unsloth on bf16                                                   ~5
+#   unsloth-bf16   bench: ours --engine unsloth on bf16 (not yet timed: as the FP8 one)                   ~5
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
 #   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 10.3 with a first step of 233 s,
 #                  most of it Unsloth's FP8 GEMM autotuning, which the later Unsloth stages then read, and
@@ -69,8 +70,8 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this: up to 10 minutes, 68 tests took over 5 on 2026-12-02): every CUDA test of the
-  # decode kernels, the engine, FP8 and the log-prob kernels, then the Qwen token step with the attention
+  # device; the chain waits for this: up to 10 minutes, 58 of 68 tests ran in 5 on 2026-12-02): every CUDA test of
+  # the decode kernels, the engine, FP8 and the log-prob kernels, then the Qwen token step with the attention
   # kernel and with lora_down inside the projection launches, each against the product's
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log

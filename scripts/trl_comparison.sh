@@ -37,7 +37,8 @@
 # 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
 # CHAIN=speed (STEPS=60, FLAGS="--lora-compute base --micro-batch-size 16 --engine-attention kernel" by
-# default) runs `speed`: issue 31's levers (the training pass's two, the decode's attention kernel).
+# default) runs `speed`: issue 31's levers (the training pass's two, the decode's attention kernel), all in
+# the one lever run: its phases (decode, training pass) tell the two kinds apart, not the two of a kind.
 # benchmarks/probes/train_pass.py (~3 min: with checkpointing, and without
 # it at 16 and 8 rows), then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the
 # 319 held-out problems, compared problem by problem: step time and phases from the two metrics files,
@@ -200,7 +201,7 @@ gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adap
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
-speed() {  # CHAIN=speed: issue 31's training-pass levers on the preset, side by side in one hold: the train_pass
+speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one hold: the train_pass
   # probe, then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the held-out problems
   begin_chain
   stage train-pass timeout 300 python3 benchmarks/probes/train_pass.py --micro 64 32 16 8 --out $CMP/probe || true

@@ -586,6 +586,11 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
         text = console.export_text()
         assert ("--engine auto took hf: the model is 'granite'" in text) == said
         assert "engine hf" in text
+        assert "--engine-attention" not in text
+    console = Console(record=True, width=300)
+    print_banner(console, Config(engine="auto", engine_attention="kernel"), World(), torch.device("cpu"), loaded)
+    assert "--engine-attention kernel is not used: it picks the native engine's attention, and this run samples " \
+        "with hf" in console.export_text()
 
 
 def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):
