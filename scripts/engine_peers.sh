@@ -72,14 +72,14 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
   # device; the chain waits for this: up to 10 minutes, 58 of 68 tests ran in 5 on 2026-12-02): every CUDA test of
   # the decode kernels, the engine, FP8 and the log-prob kernels, then the Qwen token step with the attention
-  # kernel and with lora_down inside the projection launches, each against the product's
+  # kernel against the product's
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
   timeout -k 10 420 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
     tests/test_fp8.py tests/test_logprobs.py -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
   tail -3 $EP/results/side/cuda-tests.log >> $EP/stages.log
   timeout -k 10 130 python3 benchmarks/probes/native_engine.py --plan qwen --variants qwen_product \
-    qwen_fused_lora_down qwen_attention_kernel --budget-s 90 --out $EP/results/side || true
+    qwen_attention_kernel --budget-s 90 --out $EP/results/side || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }

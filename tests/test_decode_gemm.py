@@ -118,42 +118,6 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank, pdl)
             assert rel < 8e-3, (m, rel)  # bf16 output rounding is ~2e-3
 
 
-QWEN_SHAPES = [("proj", 1536, [1536, 256, 256]), ("proj", 1536, [1536]), ("gated", 1536, [8960, 8960]),
-               ("proj", 8960, [1536])]  # Qwen2.5-1.5B's q/k/v, o, gate/up, down: lora_down in 6 or 32 K slices
-
-
-@pytest.mark.cuda
-@cuda
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("kind,k,widths", QWEN_SHAPES)
-def test_lora_down_inside_the_launch_gives_the_bits_of_separate_launches_on_cuda(kind, k, widths, fp8):
-    # Tuning.fuse_lora_down: the launch's first programs by ticket compute x A^T while hundreds of tiles wait
-    # for it; launched again and again, every result must be the separate launches' to the bit (the same
-    # sums in the same order) and every counter left at zero
-    g = torch.Generator(device="cuda").manual_seed(1)
-    projs = []
-    for n in widths:
-        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
-        weight, s = quantize_fp8_block(w) if fp8 else (w.bfloat16(), None)
-        projs.append(dg.DecodeProj(weight, s, torch.randn(32, k, device="cuda", generator=g) / k**0.5,
-                                   torch.randn(n, 32, device="cuda", generator=g) * 0.05, 2.0))
-
-    def run(x, res):
-        return [dg.project_gated(x, *projs)] if kind == "gated" else dg.project(x, projs, residual=res)
-
-    for m in (64, 16, 3):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
-        with dg.tuning(pdl=False):
-            want = run(x, res)
-        with dg.tuning(fuse_lora_down=True):
-            for _ in range(50):
-                got = run(x, res)
-                assert all(torch.equal(y, z) for y, z in zip(got, want)), m
-    torch.cuda.synchronize()
-    assert dg._COUNTERS[x.device].count_nonzero().item() == 0
-
-
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("unpack", ["convert", "bits"])

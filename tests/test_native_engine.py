@@ -451,8 +451,7 @@ def test_attention_kernel_in_chunks_in_the_captured_step_gives_the_rollout_of_ma
 @cuda
 def test_adapter_launches_beside_their_lora_down_give_the_rollout_of_plain_launches():
     # decode_gemm.Tuning.pdl on Hopper or newer: each projection with an adapter starts while its lora_down
-    # still runs and waits for it before the LoRA term; Tuning.fuse_lora_down: the projection launch computes
-    # x A^T in its first programs. In the engine's CUDA graphs, replayed step after step
+    # still runs and waits for it before the LoRA term; in the engine's CUDA graphs, replayed step after step
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
@@ -464,12 +463,12 @@ def test_adapter_launches_beside_their_lora_down_give_the_rollout_of_plain_launc
     assert layer_projections(model.base_model.model.model.layers[0], torch.float32).q.rank == 8  # the kernels
     sampling = Sampling(max_new_tokens=40, temperature=1.0, seed=3)
     rollouts = {}
-    for way in ("plain", "pdl", "fused"):
-        with dg.tuning(pdl=way == "pdl", fuse_lora_down=way == "fused"):  # the graphs captured inside keep it
+    for pdl in (False, True):
+        with dg.tuning(pdl=pdl):  # the graphs captured inside keep it
             engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=16))
-            rollouts[way] = [engine.generate(PROMPTS, 2, sampling) for _ in range(2)]
-    plain = rollouts["plain"][0]
-    for out in rollouts["plain"][1:] + rollouts["pdl"] + rollouts["fused"]:
+            rollouts[pdl] = [engine.generate(PROMPTS, 2, sampling) for _ in range(2)]
+    plain = rollouts[False][0]
+    for out in rollouts[False][1:] + rollouts[True]:
         assert torch.equal(out.completion_ids, plain.completion_ids)
         torch.testing.assert_close(out.sampler_logp, plain.sampler_logp, atol=1e-5, rtol=0)
 

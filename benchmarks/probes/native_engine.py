@@ -353,8 +353,7 @@ PLANS = {
     # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
     # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
-    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_fused_lora_down", "qwen_attention_kernel", "qwen_modules",
-             "qwen_kernels"],
+    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_attention_kernel", "qwen_modules", "qwen_kernels"],
 }
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
@@ -367,8 +366,8 @@ def product_engine_kw() -> dict:
     return kw | {"gemm": "auto"}
 
 
-def _with_tuning(fn, **choices):
-    with decode_gemm.tuning(**choices):  # the graphs captured inside keep them
+def _without_pdl(fn):
+    with decode_gemm.tuning(pdl=False):  # the graphs captured inside keep it
         return fn()
 
 
@@ -393,12 +392,8 @@ def qwen_steps(rec: Recorder, step) -> None:
                                                        new=QWEN_NEW))
         if name == "qwen_product":  # the same with decode_gemm.Tuning.pdl off: each adapter's launch after its
             # lora_down (the product until 2026-12-02; that day's files call the product with pdl qwen_product_pdl)
-            step("qwen_product_no_pdl", lambda: _with_tuning(lambda: run_engine(
-                rec, "qwen_product_no_pdl", model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW), pdl=False))
-            # each adapter's lora_down inside its projection launch (decode_gemm.Tuning.fuse_lora_down)
-            step("qwen_fused_lora_down", lambda: _with_tuning(lambda: run_engine(
-                rec, "qwen_fused_lora_down", model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW),
-                fuse_lora_down=True))
+            step("qwen_product_no_pdl", lambda: _without_pdl(lambda: run_engine(
+                rec, "qwen_product_no_pdl", model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW)))
             # the attention kernel (grpo.kernels.decode_attention) in place of sdpa: each row read to its own length
             step("qwen_attention_kernel", lambda: run_engine(rec, "qwen_attention_kernel", model, wb,
                                                              engine_kw=product | {"attention": "kernel"},

@@ -75,11 +75,10 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
 @triton.jit
 def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
              EXACT: tl.constexpr):
-    # acc += scale * (x A^T) B^T; x A^T arrives whole, float32 (BLOCK_M, BLOCK_R), from lora_down_kernel or
-    # from the launch's own lora_down programs (read from L2, where they wrote it)
+    # acc += scale * (x A^T) B^T; x A^T arrives whole, float32 (BLOCK_M, BLOCK_R), from lora_down_kernel
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
-    xa = tl.load(xa_ptr + rm[:, None] * BLOCK_R + rr[None, :], cache_modifier=".cg")
+    xa = tl.load(xa_ptr + rm[:, None] * BLOCK_R + rr[None, :])
     b = tl.load(b_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
     return acc + _dot32(xa, tl.trans(b.to(tl.float32)), EXACT) * scale
 
@@ -89,42 +88,14 @@ def _add_bias(acc, bias_ptr, N, rn):
     return acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
 
 @triton.jit
-def _ticket(control_ptr, total):
-    # This program's place in the order the launch's programs started (program ids say nothing of that): a
-    # fused launch's lora_down programs hold the first tickets, so a tile that waits for their x A^T waits
-    # on programs that already run. The last ticket re-arms the count for the next launch.
-    t = tl.atomic_add(control_ptr, 1, sem="relaxed", scope="gpu")
-    if t == total - 1:
-        tl.atomic_xchg(control_ptr, 0, sem="relaxed", scope="gpu")
-    return t
-
-@triton.jit
-def _wait_for_lora_down(control_ptr, READY: tl.constexpr):
-    # until the launch's lora_down programs have written all READY adapters' x A^T (release in _lora_down_slice)
-    ready = tl.atomic_add(control_ptr + 1, 0, sem="acquire", scope="gpu")
-    while ready < READY:
-        ready = tl.atomic_add(control_ptr + 1, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()  # every thread of the program reads x A^T after the count said so
-
-@triton.jit
-def _tile_done(control_ptr, tiles):
-    # the fused launch's last tile to finish (all have waited by then) re-arms its ready and done counts
-    if tl.atomic_add(control_ptr + 2, 1, sem="relaxed", scope="gpu") == tiles - 1:
-        tl.atomic_xchg(control_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(control_ptr + 2, 0, sem="relaxed", scope="gpu")
-
-@triton.jit
-def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, control_ptr, tiles,
-                 BLOCK_M: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                 BLOCK_R: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr, READY: tl.constexpr):
-    # the whole K's sums in: LoRA's up-projection, the bias, the residual, one rounding, the store.
-    # READY > 0: a fused launch, whose own first programs compute x A^T for READY adapters
+def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M: tl.constexpr,
+                 HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
+                 EXACT: tl.constexpr, PDL: tl.constexpr):
+    # the whole K's sums in: LoRA's up-projection, the bias, the residual, one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
         if PDL:  # launched while lora_down still ran: its x A^T is complete and visible after this
             gdc_wait()
-        if READY > 0:
-            _wait_for_lora_down(control_ptr, READY)
         acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, EXACT)
     if HAS_BIAS:
         acc = _add_bias(acc, bias_ptr, N, rn)
@@ -132,15 +103,13 @@ def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, r
     if HAS_RES:  # residual (M, N), contiguous
         acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    if READY > 0:
-        _tile_done(control_ptr, tiles)
 
 @triton.jit
-def _split_k_sum(part, at, stride, count_ptr, kslice, SPLIT: tl.constexpr):
-    # Split K: this program (K slice `kslice` of SPLIT) leaves its partial sums at `at` + slice * `stride`;
+def _split_k_sum(part, at, stride, count_ptr, SPLIT: tl.constexpr):
+    # Split K: this program (K slice program_id(1) of SPLIT) leaves its partial sums at `at` + slice * `stride`;
     # the slice that arrives last adds all of them in slice order (so the result does not depend on which
     # one that is) and re-arms the counter. Returns (the whole sums there, else this slice's; last or not).
-    tl.store(at + kslice * stride, part)
+    tl.store(at + tl.program_id(1) * stride, part)
     tl.debug_barrier()  # all of this program's partial sums are written before the count says so
     last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
     total = part
@@ -152,60 +121,27 @@ def _split_k_sum(part, at, stride, count_ptr, kslice, SPLIT: tl.constexpr):
     return total, last
 
 @triton.jit
-def _one_proj(tile, slot, kslice, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale,
-              bias_ptr, res_ptr, part_ptr, count_ptr, control_ptr, tiles, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-              HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-              STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr,
-              PDL: tl.constexpr, READY: tl.constexpr):
-    # tile `tile` of this projection over K slice `kslice`; `slot` numbers the tile in the launch
+def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, bias_ptr,
+              res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = kslice * per
+    k_lo = tl.program_id(1) * per
     acc = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, BLOCK_M,
                      BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK)
     if SPLIT_K > 1:  # the K slice that arrives last finishes the tile
         rm = tl.arange(0, BLOCK_M)
         at = part_ptr + (slot * SPLIT_K * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        acc, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_N, count_ptr + slot, kslice, SPLIT_K)
+        acc, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_N, count_ptr + slot, SPLIT_K)
         if last:
-            _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, control_ptr, tiles,
-                         BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL, READY)
+            _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
+                         HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL)
     else:
-        _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, control_ptr, tiles,
-                     BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL, READY)
-
-@triton.jit
-def _proj_program(pid, kslice, x_ptr, stride_xm, M, K,
-                  w0, s0, y0, b0, e0, N0, c0, w1, s1, y1, b1, e1, N1, c1, w2, s2, y2, b2, e2, N2, c2,
-                  xa_ptr, R, res_ptr, part_ptr, count_ptr, control_ptr, tiles,
-                  NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                  EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-                  READY: tl.constexpr):
-    # tiles [0, t0) are y0's, [t0, t0 + t1) y1's, the rest y2's; `kslice` is the K slice.
-    # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
-    t0 = tl.cdiv(N0, BLOCK_N)
-    xa_stride = BLOCK_M * BLOCK_R
-    if pid < t0:
-        _one_proj(pid, pid, kslice, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
-                  count_ptr, control_ptr, tiles, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS,
-                  HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL, READY)
-    else:
-        if NUM >= 2:
-            t1 = tl.cdiv(N1, BLOCK_N)
-            if pid < t0 + t1:
-                _one_proj(pid - t0, pid, kslice, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R,
-                          c1, e1, res_ptr, part_ptr, count_ptr, control_ptr, tiles, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K,
-                          HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL,
-                          READY)
-            else:
-                if NUM == 3:
-                    _one_proj(pid - t0 - t1, pid, kslice, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
-                              xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, control_ptr, tiles,
-                              BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
-                              STAGES, EXACT, UNPACK, SPLIT_K, PDL, READY)
+        _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
+                     HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
@@ -215,43 +151,36 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
                 EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
-    # program_id(0) is the tile, program_id(1) the K slice; x A^T from lora_down_kernel, launched before
-    _proj_program(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, M, K, w0, s0, y0, b0, e0, N0, c0,
-                  w1, s1, y1, b1, e1, N1, c1, w2, s2, y2, b2, e2, N2, c2, xa_ptr, R, res_ptr, part_ptr, count_ptr,
-                  count_ptr, 0, NUM, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_RES, HAS_BIAS, BLOCK_R,
-                  STAGES, EXACT, UNPACK, SPLIT_K, PDL, 0)
-
-@triton.jit
-def proj_fused_kernel(x_ptr, stride_xm, M, K,
-                      w0, s0, y0, b0, e0, N0, c0, w1, s1, y1, b1, e1, N1, c1, w2, s2, y2, b2, e2, N2, c2,
-                      xa_ptr, R, res_ptr, part_ptr, count_ptr, a0, a1, a2, down_part_ptr, down_count_ptr,
-                      control_ptr, tiles,
-                      NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr,
-                      SPLIT_K: tl.constexpr, DOWN_SPLIT: tl.constexpr, DOWN_BLOCK_K: tl.constexpr):
-    # proj_kernel with its adapters' lora_down in the same launch (Tuning.fuse_lora_down): the first
-    # NUM x DOWN_SPLIT tickets compute x A_i^T, the rest are the tiles' (tile, K slice) programs, which wait
-    # for x A^T only before the LoRA term at their end. A 1-d grid of NUM x DOWN_SPLIT + tiles x SPLIT_K.
-    down = NUM * DOWN_SPLIT
-    t = _ticket(control_ptr, down + tiles * SPLIT_K)
-    if t < down:
-        _lora_down_slice(t // DOWN_SPLIT, t % DOWN_SPLIT, x_ptr, stride_xm, M, K, a0, a1, a2, xa_ptr, down_part_ptr,
-                         down_count_ptr, control_ptr, R, BLOCK_M, BLOCK_R, DOWN_BLOCK_K, DOWN_SPLIT, EXACT, True)
+    # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
+    # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
+    pid = tl.program_id(0)
+    t0 = tl.cdiv(N0, BLOCK_N)
+    xa_stride = BLOCK_M * BLOCK_R
+    if pid < t0:
+        _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
+                  count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
+                  STAGES, EXACT, UNPACK, SPLIT_K, PDL)
     else:
-        _proj_program((t - down) // SPLIT_K, (t - down) % SPLIT_K, x_ptr, stride_xm, M, K, w0, s0, y0, b0, e0, N0,
-                      c0, w1, s1, y1, b1, e1, N1, c1, w2, s2, y2, b2, e2, N2, c2, xa_ptr, R, res_ptr, part_ptr,
-                      count_ptr, control_ptr, tiles, NUM, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, True, HAS_RES,
-                      HAS_BIAS, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, False, NUM)
+        if NUM >= 2:
+            t1 = tl.cdiv(N1, BLOCK_N)
+            if pid < t0 + t1:
+                _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
+                          res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
+                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL)
+            else:
+                if NUM == 3:
+                    _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
+                              xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
+                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT,
+                              UNPACK, SPLIT_K, PDL)
 
 @triton.jit
-def _gated_program(tile, x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
-                   control_ptr, tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr,
-                   PDL: tl.constexpr, READY: tl.constexpr):
+def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr):
     # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
-    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     g = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
@@ -260,8 +189,6 @@ def _gated_program(tile, x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu,
     if HAS_LORA:
         if PDL:  # as in _finish_tile
             gdc_wait()
-        if READY > 0:
-            _wait_for_lora_down(control_ptr, READY)
         g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, EXACT)
         u = _lora_up(u, xa_ptr + BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, EXACT)
     if HAS_BIAS:
@@ -270,36 +197,6 @@ def _gated_program(tile, x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu,
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
-    if READY > 0:
-        _tile_done(control_ptr, tiles)
-
-@triton.jit
-def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr):
-    # a tile per program; x A^T from lora_down_kernel, launched before
-    _gated_program(tl.program_id(0), x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R,
-                   eg, eu, y_ptr, 0, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, BLOCK_R, STAGES,
-                   EXACT, UNPACK, PDL, 0)
-
-@triton.jit
-def gated_fused_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
-                       ag, au, down_part_ptr, down_count_ptr, control_ptr, tiles,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                       EXACT: tl.constexpr, UNPACK: tl.constexpr, DOWN_SPLIT: tl.constexpr,
-                       DOWN_BLOCK_K: tl.constexpr):
-    # gated_kernel with gate's and up's lora_down in the same launch, as proj_fused_kernel
-    down = 2 * DOWN_SPLIT
-    t = _ticket(control_ptr, down + tiles)
-    if t < down:
-        _lora_down_slice(t // DOWN_SPLIT, t % DOWN_SPLIT, x_ptr, stride_xm, M, K, ag, au, ag, xa_ptr, down_part_ptr,
-                         down_count_ptr, control_ptr, R, BLOCK_M, BLOCK_R, DOWN_BLOCK_K, DOWN_SPLIT, EXACT, True)
-    else:
-        _gated_program(t - down, x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
-                       control_ptr, tiles, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, True, HAS_BIAS, BLOCK_R,
-                       STAGES, EXACT, UNPACK, False, 2)
 
 @triton.jit
 def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -317,13 +214,17 @@ def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constex
     return acc
 
 @triton.jit
-def _lora_down_slice(i, kslice, x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, control_ptr, R,
-                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EXACT: tl.constexpr, SIGNAL: tl.constexpr):
-    # out[i] = x A_i^T over K slice `kslice` of SPLIT, the slices added by _split_k_sum. SIGNAL: the slice that
-    # completes out[i] counts it ready for the tiles of the same launch (the fused kernels)
+def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
+                     PDL: tl.constexpr):
+    # out[i] = x A_i^T, over SPLIT slices of K in programs of their own, added by _split_k_sum.
+    # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
+    # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
+    if PDL:  # the projection launch that reads out_ptr may start now: it waits for this one before reading
+        gdc_launch_dependents()
+    i = tl.program_id(0)
     per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-    k_lo = kslice * per
+    k_lo = tl.program_id(1) * per
     k_hi = tl.minimum(K, k_lo + per)
     if i == 0:
         acc = _down_part(x_ptr, stride_xm, M, K, a0, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
@@ -334,29 +235,11 @@ def _lora_down_slice(i, kslice, x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, par
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     if SPLIT == 1:
         tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, acc)
-        if SIGNAL:
-            tl.debug_barrier()  # all of out[i] written before the count says so
-            tl.atomic_add(control_ptr + 1, 1, sem="release", scope="gpu")
     else:
         at = part_ptr + i * SPLIT * BLOCK_M * BLOCK_R + tile
-        total, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_R, count_ptr + i, kslice, SPLIT)
+        total, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_R, count_ptr + i, SPLIT)
         if last:
             tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, total)
-            if SIGNAL:
-                tl.debug_barrier()
-                tl.atomic_add(control_ptr + 1, 1, sem="release", scope="gpu")
-
-@triton.jit
-def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
-                     PDL: tl.constexpr):
-    # out[i] = x A_i^T, program (adapter i, K slice); the projection launch reads out whole.
-    # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
-    # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
-    if PDL:  # the projection launch that reads out_ptr may start now: it waits for this one before reading
-        gdc_launch_dependents()
-    _lora_down_slice(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr,
-                     count_ptr, count_ptr, R, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT, EXACT, False)
 
 
 @triton.jit

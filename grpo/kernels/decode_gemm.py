@@ -19,9 +19,7 @@ decode layer does around its projections:
 - Split-K for projections with few output tiles (down, o): K slices in separate programs, the last one
   to finish adding the partial sums in a fixed order (deterministic) and finishing the tile.
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
-  over K as the projections are: partial sums added in a fixed order, so the result is deterministic),
-  launched before the projection, or computed by the projection launch's own first programs
-  (`Tuning.fuse_lora_down`).
+  over K as the projections are: partial sums added in a fixed order, so the result is deterministic).
 - up to three projections that read the same input (q/k/v) in one launch;
 - the gated MLP, `silu(x Wg^T) * (x Wu^T)`, in one launch;
 - a residual add (`o_proj`, `down_proj`);
@@ -205,15 +203,11 @@ class Tuning:
         two launches (four a layer). On the H200 (2026-12-02), Qwen2.5-1.5B shapes with rsLoRA r32 at 64
         rows: the four groups of a layer 87.6 -> 67.9 us with the same relative errors, the engine's token
         step 3.62 -> 3.08 ms; its CUDA tests (tests/test_decode_gemm.py, test_native_engine.py) passed there.
-    fuse_lora_down: a projection launch with adapters computes their x A^T itself, in its first programs
-        (by the order programs start, not their ids), and its tiles wait for it before the LoRA term: one
-        launch a group instead of two, and no wait for a whole lora_down grid. Not yet timed on a GPU: off.
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
     pdl: bool = True
-    fuse_lora_down: bool = False
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
@@ -221,18 +215,16 @@ _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
 
 @contextmanager
 def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None,
-           pdl: bool | None = None, fuse_lora_down: bool | None = None) -> Iterator[Tuning]:
+           pdl: bool | None = None) -> Iterator[Tuning]:
     """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[(kind, N, K, fp8)]` over the
-    tuned configs (benchmark sweeps, tests), launch dependently where `pdl` says and compute x A^T inside
-    the projection launch where `fuse_lora_down` says. A nested block adds to
+    tuned configs (benchmark sweeps, tests) and launch dependently where `pdl` says. A nested block adds to
     the outer one's choices; leaving a block restores what was in force before it. Graphs captured inside
     keep the choices they captured."""
     outer = _TUNING.get()
     if unpack is not None and unpack not in _UNPACK_MODES:
         raise ValueError(f"decode_gemm.tuning: unpack={unpack!r}; use one of {sorted(_UNPACK_MODES)}")
     inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})},
-                   pdl=outer.pdl if pdl is None else pdl,
-                   fuse_lora_down=outer.fuse_lora_down if fuse_lora_down is None else fuse_lora_down)
+                   pdl=outer.pdl if pdl is None else pdl)
     token = _TUNING.set(inner)
     try:
         yield inner
@@ -397,29 +389,6 @@ def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, 
     return out, parts
 
 
-class _FusedDown:
-    """What a fused launch (Tuning.fuse_lora_down) needs for its own lora_down programs: x A^T's buffer,
-    the K slices' partial sums and arrival counts, and the adapters' A (three, the missing ones repeated)."""
-
-    def __init__(self, x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int) -> None:
-        rows, k = _block_m(x2.shape[0]), x2.shape[1]
-        self.split = lora_split(k)
-        self.xa = torch.empty((len(lora_as), rows, block_r), dtype=torch.float32, device=x2.device)
-        self.parts = (torch.empty((len(lora_as), self.split, rows, block_r), dtype=torch.float32, device=x2.device)
-                      if self.split > 1 else self.xa)
-        self.a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
-        self.programs = len(lora_as) * self.split
-
-    def counters(self, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the tiles' split-K counts, the launch's ticket/ready/done counts, lora_down's split counts)."""
-        counters = _tile_counters(self.xa.device, tiles + 3)
-        return counters, counters[tiles:], _tile_counters(self.xa.device, len(self.xa), lora=True)
-
-
-def _fused(rank: int) -> bool:
-    return bool(rank) and _TUNING.get().fuse_lora_down
-
-
 def _pdl(x2: torch.Tensor, rank: int) -> bool:
     """Whether a launch with an adapter goes dependently (Tuning.pdl): NVIDIA (ROCm's devices are "cuda" too,
     with no griddepcontrol), Hopper or newer."""
@@ -446,8 +415,7 @@ def _block_r(rank: int) -> int:
 def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
             ) -> list[torch.Tensor]:
     """[x W_i^T + LoRA_i (+ bias_i) (+ residual)] for 1-3 projections of the same input, one launch (plus one for
-    the LoRA down-projections, unless Tuning.fuse_lora_down). x2 (M <= MAX_ROWS, K) contiguous rows; outputs
-    (M, N_i) in x2's dtype."""
+    the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
     if not 1 <= len(projs) <= 3:
         raise ValueError(f"decode_gemm.project takes 1 to 3 projections, got {len(projs)}")
     _check_group(x2, projs)
@@ -460,12 +428,8 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     if residual is not None and (len(projs) != 1 or tuple(residual.shape) != (m, projs[0].out_features)
                                  or not residual.is_contiguous()):
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
-    fused = _FusedDown(x2, [p.lora_a for p in projs], block_r) if _fused(rank) else None
-    pdl = _pdl(x2, rank) and fused is None
-    if fused is not None:
-        xa, scratch = fused.xa, None
-    else:
-        xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
+    pdl = _pdl(x2, rank)
+    xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
     cfg = tile_config("proj", n_all, k, fp8)
@@ -477,20 +441,11 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
 
     def launch(cfg: TileConfig) -> None:
         tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
-        # float32 partial sums of each K slice, and the tiles' arrival counts
-        parts = (torch.empty(tiles * cfg.split_k * _block_m(m) * cfg.block_n, dtype=torch.float32, device=x2.device)
-                 if cfg.split_k > 1 else x2)
-        if fused is not None:
-            counters, control, down_counters = fused.counters(tiles)
-            kernels.proj_fused_kernel[(fused.programs + tiles * cfg.split_k,)](
-                x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
-                *fused.a, fused.parts, down_counters, control, tiles, NUM=len(projs), BLOCK_M=_block_m(m),
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8,
-                HAS_RES=residual is not None, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-                EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, DOWN_SPLIT=fused.split,
-                DOWN_BLOCK_K=64, num_warps=cfg.num_warps)
-            return
-        counters = _tile_counters(x2.device, tiles) if cfg.split_k > 1 else x2
+        if cfg.split_k > 1:  # float32 partial sums of each K slice, and the tiles' arrival counts
+            parts = torch.empty(tiles * cfg.split_k * _block_m(m) * cfg.block_n, dtype=torch.float32, device=x2.device)
+            counters = _tile_counters(x2.device, tiles)
+        else:
+            parts = counters = x2
         kernels.proj_kernel[(tiles, cfg.split_k)](
             x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -501,14 +456,14 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, has_bias, _block_m(m), x2.dtype,
-                     unpack, pdl, fused is not None), cfg, launch)
+                     unpack, pdl), cfg, launch)
     del scratch  # lora_down's partial sums, kept until the launch beside it was made
     return outs
 
 
 def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
     """silu(x Wg^T + LoRA_g (+ bias_g)) * (x Wu^T + LoRA_u (+ bias_u)), one launch (plus one for the LoRA
-    down-projections, unless Tuning.fuse_lora_down)."""
+    down-projections)."""
     _check_group(x2, [gate, up])
     if gate.out_features != up.out_features:
         raise ValueError(f"decode_gemm.project_gated: gate has {gate.out_features} outputs, up {up.out_features}")
@@ -519,35 +474,23 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     block_r = _block_r(rank)
     fp8 = gate.scale_inv is not None
     has_bias = gate.bias is not None
-    fused = _FusedDown(x2, [gate.lora_a, up.lora_a], block_r) if _fused(rank) else None
-    pdl = _pdl(x2, rank) and fused is None
-    if fused is not None:
-        xa, scratch = fused.xa, None
-    else:
-        xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
+    pdl = _pdl(x2, rank)
+    xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = tile_config("gated", 2 * n, k, fp8)  # keyed by the group's outputs in all, gate and up
-    args = (x2, x2.stride(0), m, k,
-            gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight,
-            float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
-            float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y)
 
     def launch(cfg: TileConfig) -> None:
-        tiles = -(-n // cfg.block_n)
-        common = dict(BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_BIAS=has_bias, BLOCK_R=block_r,
-                      STAGES=cfg.stages, EXACT=x2.dtype == torch.float32, UNPACK=unpack, num_warps=cfg.num_warps)
-        if fused is not None:
-            _, control, down_counters = fused.counters(tiles)
-            kernels.gated_fused_kernel[(fused.programs + tiles,)](
-                *args, *fused.a[:2], fused.parts, down_counters, control, tiles, DOWN_SPLIT=fused.split,
-                DOWN_BLOCK_K=64, **common)
-            return
-        kernels.gated_kernel[(tiles,)](*args, HAS_LORA=rank > 0, PDL=pdl, launch_pdl=pdl, **common)
+        kernels.gated_kernel[(-(-n // cfg.block_n),)](
+            x2, x2.stride(0), m, k,
+            gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight,
+            float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
+            float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
+            BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
+            HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
-    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl, fused is not None),
-                    cfg, launch)
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl), cfg, launch)
     del scratch  # as in project
     return y
 
