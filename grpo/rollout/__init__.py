@@ -76,9 +76,7 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
     if name == "native":
         from grpo.rollout.native import EngineTuning, NativeEngine
 
-        if attention not in ("auto", "sdpa", "kernel"):
-            raise ValueError(f"attention={attention!r}: use 'auto', 'sdpa' or 'kernel'")
-        tuning = EngineTuning() if attention == "auto" else EngineTuning(attention=attention)
+        tuning = EngineTuning() if attention == "auto" else EngineTuning(attention=attention)  # it checks the name
         return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm,
                             tuning=tuning)
     if name == "vllm":
