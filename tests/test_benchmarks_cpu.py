@@ -391,6 +391,40 @@ def test_every_probe_parses_its_command_line_as_a_script(probe):
     assert proc.stdout.startswith(f"usage: {probe}.py")
 
 
+def test_the_train_pass_probe_gives_each_pass_new_widths_buckets_them_and_runs_the_trainers_update(monkeypatch):
+    # What the probe prices on the GPU: passes whose micro-batches have widths no earlier pass had (as in a
+    # run), the same rounded up to a multiple, and the trainer's own update in place of the bare pass.
+    import torch
+
+    from grpo.batch import micro_batches
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("train_pass")
+    cpu = torch.device("cpu")
+    assert probe.step_lengths(0) == (probe.QWEN_PROMPTS[::probe.GENERATIONS], probe.QWEN_COMPLETIONS)
+    policy, vocab, cfg = probe.build_policy(True, "base", False, cpu)
+    adv = torch.linspace(-1, 1, len(probe.QWEN_COMPLETIONS))
+
+    def cut(seed):
+        return micro_batches(probe.qwen_batch(vocab, cpu, 1.0, seed), adv, 16)
+
+    def widths(seed, multiple=1):
+        batch, _, slices = cut(seed)
+        return [probe.bucketed(batch, sl, multiple).input_ids.shape[1] for sl in slices]
+
+    assert len({tuple(widths(seed)) for seed in range(4)}) == 4
+    for seed in (1, 2):
+        prompts, completions = probe.step_lengths(seed)
+        assert all(1 <= n <= 288 for n in prompts) and all(1 <= n <= 384 for n in completions)
+        for exact, rounded in zip(widths(seed), widths(seed, 64)):
+            assert exact <= rounded < exact + 64 and (rounded % 64 == 0 or rounded == cut(seed)[0].input_ids.shape[1])
+    batch, step_adv, slices = cut(1)
+    lora_b = [p for n, p in policy.named_parameters() if "lora_B" in n]
+    before = [p.detach().clone() for p in lora_b]
+    probe.trainer_update(policy, cfg, cpu)(batch, step_adv, slices)
+    assert any(not torch.equal(b, p) for b, p in zip(before, lora_b))
+
+
 def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
     # The sweep puts each config in force with dg.tuning(tiles={tile_key: cfg}); a key the kernels do not
     # look up would time the tuned tiles over and over and report them as the sweep's.

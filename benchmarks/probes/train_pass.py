@@ -11,15 +11,27 @@ learning_faults.py's gap run), and for each micro-batch size the forward and bac
 `sequence_logprobs` over all rows: median milliseconds, the share of real tokens among the positions run
 (`train/real_token_frac`), and the peak memory above the weights.
 
+A run differs from those repeats in one way a repeat cannot show: no two steps share their micro-batches'
+widths. On the H200 (2026-12-02) the preset's training pass in micro-batches of 16 took 0.76 s here and
+1.30 s a step in a 60-step run of the same flags. `--vary` gives every pass a new step's lengths (the
+recorded step's, shuffled and moved by up to 30 tokens), and three variants price what a new width may
+cost: `--sdpa` the attention backend torch picks (cuDNN's builds a plan per new shape), `--bucket` widths
+rounded up so that they repeat, `--trainer` the trainer's own update (`grpo.step.update_policy`: the loss,
+its statistics read per micro-batch, the non-finite checks, clipping and the 8-bit AdamW step).
+
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 64 32 16 8
+    PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base \
+        --vary [--sdpa flash] [--bucket 64] [--trainer]
     python benchmarks/probes/train_pass.py --smoke        (a tiny model on the CPU: the plumbing only)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,25 +69,39 @@ def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: to
     finally:
         torch.set_default_dtype(previous)
     model.requires_grad_(False)
-    cfg = Config(lora_rank=32, lora_alpha=64, lora_compute=lora_compute, gradient_checkpointing=checkpointing)
+    cfg = Config(lora_rank=32, lora_alpha=64, lora_compute=lora_compute, gradient_checkpointing=checkpointing,
+                 beta=0.0)  # the preset's: no reference model
     policy = add_lora(model, cfg)
     with torch.no_grad():  # B non-zero, as after some training
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.01)
     policy.train()
-    return policy, config.vocab_size
+    return policy, config.vocab_size, cfg
 
 
-def qwen_batch(vocab: int, device: torch.device, scale: float = 1.0):
-    """A Batch with the preset step's lengths (each divided by `scale`), random tokens."""
+def step_lengths(seed: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths (one per group) and completion lengths of a step: seed 0 the recorded step's,
+    another seed the same lengths shuffled and each moved by up to 30 tokens (completions within 1..384),
+    so that its micro-batches' widths are new."""
+    prompts, completions = QWEN_PROMPTS[::GENERATIONS], list(QWEN_COMPLETIONS)
+    if seed == 0:
+        return prompts, completions
+    gen = torch.Generator().manual_seed(seed)
+    moved = lambda ns, lo, hi: [min(hi, max(lo, n + int(torch.randint(-30, 31, (), generator=gen))))  # noqa: E731
+                                for n in (ns[i] for i in torch.randperm(len(ns), generator=gen).tolist())]
+    return moved(prompts, 1, 288), moved(completions, 1, max(QWEN_COMPLETIONS))
+
+
+def qwen_batch(vocab: int, device: torch.device, scale: float = 1.0, seed: int = 0):
+    """A Batch with a step's lengths (`step_lengths(seed)`, each divided by `scale`), random tokens."""
     from grpo.batch import make_batch
     from grpo.rollout.base import Rollout
 
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, vocab, (max(1, int(n / scale)),), generator=gen).tolist()
-               for n in QWEN_PROMPTS[::GENERATIONS]]
-    lengths = [max(1, int(n / scale)) for n in QWEN_COMPLETIONS]
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lengths, completion_lengths = step_lengths(seed)
+    prompts = [torch.randint(10, vocab, (max(1, int(n / scale)),), generator=gen).tolist() for n in prompt_lengths]
+    lengths = [max(1, int(n / scale)) for n in completion_lengths]
     width = max(lengths)
     ids = torch.randint(10, vocab, (len(lengths), width), generator=gen)
     mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
@@ -85,16 +111,63 @@ def qwen_batch(vocab: int, device: torch.device, scale: float = 1.0):
     return make_batch(rollout, 0, device)
 
 
-def train_pass(policy, batch, slices) -> None:
+def bucketed(batch, sl: slice, multiple: int):
+    """`batch.rows(sl)` with its width rounded up to a multiple of `multiple` positions (more padding, which
+    no counted token reads), so that micro-batches of different steps share widths."""
+    mb = batch.rows(sl)
+    width = min(-(-mb.input_ids.shape[1] // multiple) * multiple, batch.input_ids.shape[1])
+    return dataclasses.replace(mb, input_ids=batch.input_ids[sl, :width])
+
+
+def positions_run(batch, slices, multiple: int) -> int:
+    """Positions the forwards over `slices` run (rows times width), real tokens and padding together."""
+    return sum(len(batch.lengths[sl]) * bucketed(batch, sl, multiple).input_ids.shape[1] for sl in slices)
+
+
+def train_pass(policy, batch, slices, multiple: int = 1) -> None:
     """Forward and backward over every micro-batch, each weighted by its share of the tokens (as the step)."""
     from grpo.batch import sequence_logprobs
 
     tokens = batch.mask.sum()
     for sl in slices:
-        mb = batch.rows(sl)
+        mb = bucketed(batch, sl, multiple)
         logp = sequence_logprobs(policy, mb, 1.0)
         (logp.sum() * (mb.mask.sum() / tokens)).backward()
     policy.zero_grad(set_to_none=True)
+
+
+def trainer_update(policy, cfg, device: torch.device):
+    """`grpo.step.update_policy` as the trainer calls it with one rank, beta 0 and one pass (no reference
+    or old log-probs), on this policy with a fresh optimizer of `cfg`'s kind: fn(batch, adv, slices)."""
+    from types import SimpleNamespace
+
+    from grpo.distributed import World
+    from grpo.optim import make_optimizer
+    from grpo.step import InFlight, update_policy
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)  # noqa: E731
+    # The fields update_policy reads; the others (tokenizer, prompts, rewards, ...) belong to sampling.
+    setup = SimpleNamespace(cfg=cfg, world=World(device=device), policy=policy, params=params,
+                            optimizer=make_optimizer(cfg, params), engine=SimpleNamespace(needs_importance_correction=False),
+                            clock=lambda: (sync(), time.perf_counter())[1], max_completion_length=max(QWEN_COMPLETIONS))
+    return lambda batch, adv, slices: update_policy(setup, batch, slices, adv, None, None, InFlight({}))
+
+
+def sdpa_backends(name: str):
+    """A context that makes torch's scaled_dot_product_attention prefer one backend (the others after it,
+    in torch's order), or nothing for "default" (torch's own choice: cuDNN first on sm90 in torch 2.11)."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "default":
+        return nullcontext()
+    first = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    rest = [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH) if b != first]
+    return sdpa_kernel([first, *rest], set_priority=True)
 
 
 def main() -> None:
@@ -102,34 +175,63 @@ def main() -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[64, 32, 16, 8],
                         help="micro-batch sizes to time (64: one pass over the step's rows)")
     parser.add_argument("--lora-compute", choices=["float32", "base"], default="float32",
-                        help="the adapters' matmul dtype (the preset's: float32)")
+                        help="the adapters' matmul dtype (the preset's: base since 2026-12-02, float32 before)")
     parser.add_argument("--no-checkpointing", action="store_true",
-                        help="keep the activations instead of recomputing them in backward (the preset recomputes)")
+                        help="keep the activations instead of recomputing them in backward (as the preset does "
+                             "since 2026-12-02)")
+    parser.add_argument("--vary", action="store_true",
+                        help="every pass on a new step's lengths (as in a run) instead of the recorded step's")
+    parser.add_argument("--sdpa", choices=["default", "flash", "cudnn", "efficient"], default="default",
+                        help="the scaled_dot_product_attention backend tried first (default: torch's choice)")
+    parser.add_argument("--bucket", type=int, default=1,
+                        help="round each micro-batch's width up to a multiple of this many positions (1: none)")
+    parser.add_argument("--trainer", action="store_true",
+                        help="time the trainer's update (grpo.step.update_policy, its optimizer step included) "
+                             "instead of the bare forward and backward (not with --bucket)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per size (median)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and short rows on the CPU: plumbing only")
     add_out_argument(parser)
     args = parser.parse_args()
+    if args.bucket < 1 or (args.trainer and args.bucket > 1):
+        parser.error(f"--bucket {args.bucket}: a width multiple >= 1, and 1 with --trainer (which cuts its own)")
 
-    from grpo.batch import micro_batches, real_token_share
+    from grpo.batch import micro_batches
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rec = Recorder("train_pass", args.out)
-    policy, vocab = build_policy(args.smoke, args.lora_compute, not args.no_checkpointing, device)
-    batch = qwen_batch(vocab, device, scale=16.0 if args.smoke else 1.0)
+    policy, vocab, cfg = build_policy(args.smoke, args.lora_compute, not args.no_checkpointing, device)
+    scale = 16.0 if args.smoke else 1.0
+    batch = qwen_batch(vocab, device, scale)
     rec.record("batch", rows=len(batch), real_tokens=sum(batch.lengths), longest=max(batch.lengths),
                mean_length=round(statistics.mean(batch.lengths), 1), device=str(device),
-               lora_compute=args.lora_compute, checkpointing=not args.no_checkpointing)
-    adv = torch.zeros(len(batch), device=device)
+               lora_compute=args.lora_compute, checkpointing=not args.no_checkpointing, vary=args.vary,
+               sdpa=args.sdpa, bucket=args.bucket, trainer=args.trainer)
+    update = trainer_update(policy, cfg, device) if args.trainer else None
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(0)).to(device)
+    seeds = iter(range(1, 10**6))
     for micro in args.micro:
-        sorted_batch, _, slices = micro_batches(batch, adv, micro)
+        # the timed passes' batches, each cut into its micro-batches (--vary: a new step's lengths each)
+        cut = [micro_batches(qwen_batch(vocab, device, scale, next(seeds)) if args.vary else batch, adv, micro)
+               for _ in range(1 + args.repeats)]
+        passes = iter(cut)
+
+        def one_pass() -> None:
+            step_batch, step_adv, slices = next(passes)
+            if update is not None:
+                update(step_batch, step_adv, slices)
+            else:
+                train_pass(policy, step_batch, slices, args.bucket)
+
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        ms = median_ms(lambda: train_pass(policy, sorted_batch, slices), warmup=1, iters=args.repeats)
+        with sdpa_backends(args.sdpa):
+            ms = median_ms(one_pass, warmup=1, iters=args.repeats)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else None
-        rec.record("pass", micro=micro, passes=len(slices), ms=round(ms, 2),
-                   real_token_frac=round(real_token_share(sorted_batch, slices), 3),
+        real = sum(sum(b.lengths) for b, _, _ in cut)
+        run = sum(positions_run(b, slices, args.bucket) for b, _, slices in cut)
+        rec.record("pass", micro=micro, passes=len(cut[0][2]), ms=round(ms, 2), real_token_frac=round(real / run, 3),
                    peak_over_weights_gib=None if peak is None else round(peak, 2))
 
 
