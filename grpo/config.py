@@ -160,9 +160,10 @@ class Config:
     engine_attention: str = _f("auto", "How the native engine's decode steps attend over the KV cache: sdpa "
                                "(torch's scaled_dot_product_attention over the cache padded to a bucket), kernel "
                                "(grpo.kernels.decode_attention: Triton, each row's cache split over the sequence "
-                               "and read to its own length; needs triton and CUDA), or auto (sdpa, until the "
-                               "kernel is timed at every size: on the H200 it took the Qwen preset's token step "
-                               "from 3.09 to 2.88 ms).", "sampling", choices=["auto", "sdpa", "kernel"])
+                               "and read to its own length; needs triton and CUDA), or auto (the kernel on CUDA "
+                               "from 64 rows a generate, where it took the Qwen preset's decode from 1.20 to "
+                               "1.12 s a step on the H200; sdpa below, where it is not yet timed).", "sampling",
+                               choices=["auto", "sdpa", "kernel"])
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: with "
@@ -356,10 +357,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (offline: the packaged test split, 319 held out, training on the other 1000) with recipe B's rewards.
     # Sized for one GPU (H200 class; a CPU step takes many minutes), checkpointing every few minutes so a run
     # can go in pieces with --resume latest. The recipe of docs/learning.md's run (2026-12-01): 64 completions
-    # a step, stopped at </SOLUTION>, no KL term.
+    # a step, stopped at </SOLUTION>, no KL term. Its training pass keeps activations in four length-sorted
+    # micro-batches with bf16 adapter matmuls: on the H200 the step went from 3.09 to 2.66 s (median of 60)
+    # with held-out accuracy 63.6 -> 66.1% (within noise) and the peak from 15 to 30 GiB (benchmarks/RESULTS.md).
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
                            num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
                            max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
+                           micro_batch_size=16, gradient_checkpointing=False, lora_compute="base",
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
 }
@@ -376,8 +380,8 @@ PRESET_SUMMARIES: dict[str, str] = {
                     "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
     "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
                       "split, 319 problems held out) with recipe B's rewards; 200 steps of 8 prompts x 8 completions "
-                      "up to 384 tokens, held-out eval every 20 steps. On one H200, 3.6 s a step; over 200 steps "
-                      "held-out strict accuracy went 26.6% -> 66.8%, format 39.2% -> 97.5% "
+                      "up to 384 tokens, held-out eval every 20 steps. On one H200, 2.7 s a step (30 GiB at most); "
+                      "over 200 steps held-out strict accuracy went 26.6% -> 66.8%, format 39.2% -> 97.5% "
                       "(docs/learning.md).",
     "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
                      "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",

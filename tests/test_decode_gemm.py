@@ -258,8 +258,8 @@ def test_engine_attention_choice_reaches_the_engine():
     from test_native_engine import PAD, small_llama
 
     model = small_llama(seed=0)
-    for choice, used in (("auto", "sdpa"), ("sdpa", "sdpa")):
-        engine = build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention=choice)
+    for choice, used in (("auto", "sdpa"), ("sdpa", "sdpa")):  # auto on a CPU model at any rows: sdpa
+        engine = build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=64, attention=choice)
         assert engine.tuning.attention == used
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs the kernel on the CPU
         engine = build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="kernel")
@@ -269,6 +269,20 @@ def test_engine_attention_choice_reaches_the_engine():
             build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="kernel")
     with pytest.raises(ValueError, match="attention='flash'"):
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="flash")
+
+
+def test_auto_attention_takes_the_kernel_on_cuda_from_64_rows_and_sdpa_elsewhere(monkeypatch):
+    from grpo.kernels import decode_attention
+    from grpo.rollout.native import auto_attention
+    from grpo.rollout.native.tuning import KERNEL_ATTENTION_ROWS
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(decode_attention, "can_run", lambda device: True)  # triton there, as on a GPU machine
+    assert KERNEL_ATTENTION_ROWS == 64  # where the kernel was measured faster (the Qwen preset's rows)
+    assert [auto_attention(cuda, rows) for rows in (16, 63, 64, 256)] == ["sdpa", "sdpa", "kernel", "kernel"]
+    assert auto_attention(cpu, 64) == "sdpa"  # not the interpreter, even where it could run
+    monkeypatch.setattr(decode_attention, "can_run", lambda device: False)  # no triton
+    assert auto_attention(cuda, 64) == "sdpa"
 
 
 def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():

@@ -31,8 +31,8 @@ def bench_modules_path(monkeypatch):
 def test_the_qwen_preset_maps_onto_grpo_config_value_by_value(probe):
     cfg = parse_args(["--preset", "qwen1.5b-gsm8k", "--max-steps", "60"])
     v = probe.grpo_config_values(cfg, output_dir="out", cuda=True, vllm_share=0.3)
-    # 8 prompts x 8 completions, one generation batch of 64 per optimizer step
-    assert (v["num_generations"], v["per_device_train_batch_size"], v["gradient_accumulation_steps"]) == (8, 64, 1)
+    # 8 prompts x 8 completions, one generation batch of 64 per optimizer step, trained 16 rows at a time
+    assert (v["num_generations"], v["per_device_train_batch_size"], v["gradient_accumulation_steps"]) == (8, 16, 4)
     assert (v["max_steps"], v["learning_rate"], v["seed"], v["shuffle_dataset"]) == (60, 1e-5, 3407, False)
     assert (v["max_completion_length"], v["vllm_max_model_length"]) == (384, 672)
     assert (v["temperature"], v["min_p"], v["top_p"], v["top_k"]) == (1.0, 0.1, 1.0, 0)
@@ -41,13 +41,14 @@ def test_the_qwen_preset_maps_onto_grpo_config_value_by_value(probe):
     assert v["generation_kwargs"] == {"stop": ["</SOLUTION>"], "include_stop_str_in_output": True}
     assert (v["use_vllm"], v["vllm_mode"], v["vllm_gpu_memory_utilization"], v["bf16"]) == (True, "colocate", 0.3, True)
     assert (v["vllm_importance_sampling_mode"], v["vllm_importance_sampling_clip_max"]) == ("token_truncate", 2.0)
-    assert v["gradient_checkpointing"] and v["optim"] == "adamw_8bit"
-    micro = probe.grpo_config_values(dataclasses.replace(cfg, micro_batch_size=16, loss_norm="token",
-                                                         is_correction="none"),
+    assert not v["gradient_checkpointing"] and v["optim"] == "adamw_8bit"  # the preset keeps activations
+    whole = probe.grpo_config_values(dataclasses.replace(cfg, micro_batch_size=None, loss_norm="token",
+                                                         is_correction="none", gradient_checkpointing=True),
                                      output_dir="out", cuda=False, vllm_share=None)
-    assert (micro["per_device_train_batch_size"], micro["gradient_accumulation_steps"]) == (16, 4)
-    assert (micro["loss_type"], micro["use_vllm"], micro["use_cpu"]) == ("dapo", False, True)
-    assert "vllm_importance_sampling_mode" not in micro
+    assert (whole["per_device_train_batch_size"], whole["gradient_accumulation_steps"]) == (64, 1)
+    assert (whole["loss_type"], whole["use_vllm"], whole["use_cpu"], whole["gradient_checkpointing"]) == (
+        "dapo", False, True, True)
+    assert "vllm_importance_sampling_mode" not in whole
 
 
 def test_grpo_config_of_trl_1_16_accepts_every_mapped_value(probe, tmp_path):

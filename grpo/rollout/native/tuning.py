@@ -14,6 +14,19 @@ import torch
 
 from grpo.kernels import decode_attention, decode_gemm
 
+# From this many rows a generate, `--engine-attention auto` takes the split-KV attention kernel: on the H200
+# (2026-12-02) it took the Qwen preset's decode at 64 rows from 1.20 to 1.12 s a step (60-step runs side by
+# side; its token step 3.09 -> 2.88 ms in the probe). Fewer rows keep sdpa until the sampler benchmark has
+# timed the kernel there (benchmarks/test_bench_sampler.py, 16 rows).
+KERNEL_ATTENTION_ROWS = 64
+
+
+def auto_attention(device: torch.device, rows: int) -> str:
+    """What `--engine-attention auto` runs for an engine of `rows` rows on `device`: "kernel" on CUDA with
+    triton from KERNEL_ATTENTION_ROWS rows, "sdpa" otherwise."""
+    fast = device.type == "cuda" and rows >= KERNEL_ATTENTION_ROWS and decode_attention.can_run(device)
+    return "kernel" if fast else "sdpa"
+
 
 @dataclass(frozen=True)
 class EngineTuning:
@@ -26,11 +39,9 @@ class EngineTuning:
     check_every: steps between host checks of "have all rows stopped".
     attention: "sdpa" (torch's fused attention), "matmul" (two batched matmuls, float32 scores and
         softmax: the K slice is upcast every step) or "kernel" (`grpo.kernels.decode_attention`: Triton,
-        each row's cache read to its own length in chunks; on the H200, 2026-12-02, the Qwen preset's
-        token step at 64 rows took 2.88 ms with it against 3.09 with "sdpa": the sampler benchmark times
-        it at the bench's 16, 64 and 256 rows before it becomes the default). On the Qwen preset (H200,
-        2026-12-01) "sdpa" decoded within 3% of the bf16-score "matmul" it replaced, whose rounded scores
-        put tokens 13 nats off.
+        each row's cache read to its own length in chunks; `auto_attention` says when the product takes
+        it). On the Qwen preset (H200, 2026-12-01) "sdpa" decoded within 3% of the bf16-score "matmul" it
+        replaced, whose rounded scores put tokens 13 nats off.
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
     kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
