@@ -36,14 +36,16 @@
 # Measured 2026-12-02 (01:18-01:40 UTC after ~2.5 min of carrying): convert 3.0, 60 steps 4.4, merge and f16
 # 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
-# CHAIN=speed (STEPS=60, FLAGS="--lora-compute base --micro-batch-size 16 --engine-attention kernel" by
-# default) runs `speed`: issue 31's levers (the training pass's two, the decode's attention kernel), all in
-# the one lever run: its phases (decode, training pass) tell the two kinds apart, not the two of a kind.
-# benchmarks/probes/train_pass.py (~3 min: with checkpointing, and without
-# it at 16 and 8 rows), then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the
-# 319 held-out problems, compared problem by problem: step time and phases from the two metrics files,
-# accuracy within noise or not from compare.log. No vLLM. Estimated 3 convert + 3 probe + 2 x (4.5 + 1.5):
-# ~18 minutes after the carrying.
+# CHAIN=speed (STEPS=60) runs `speed`: issue 31's lever on the preset's training pass. The preset trains in
+# micro-batches of 16 that keep their activations since 2026-12-02; a run's pass took 1.30 s where
+# benchmarks/probes/train_pass.py's took 0.76 s, the probe repeating one step's widths. So first the probe
+# with every pass on new widths, and each variant that may recover the difference (~3.5 min: `--sdpa flash`,
+# `--bucket 64`, `--trainer`), then STEPS steps of the preset as it is and STEPS of it with $LEVER_ENV in the
+# environment and $FLAGS on the command line (default: TORCH_CUDNN_SDPA_DEPRIORITIZED=1, torch's flash
+# attention ahead of cuDNN's, which builds a plan for every new shape), each evaluated on the 319 held-out
+# problems, compared problem by problem: step time and phases from the two metrics files, accuracy within
+# noise or not from compare.log. No vLLM. Measured 2026-12-02 (13:19-13:34, two runs of the levers): convert
+# 2.75, probes 2, each run 4 and its evaluation 1; this chain ~16 minutes after the carrying.
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -69,7 +71,8 @@ QW_PARTS=22
 VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
-FLAGS=${FLAGS:-"--lora-compute base --micro-batch-size 16 --engine-attention kernel"}  # CHAIN=speed: the levers
+FLAGS=${FLAGS:-}                                                  # CHAIN=speed: the lever run's flags,
+LEVER_ENV=${LEVER_ENV-TORCH_CUDNN_SDPA_DEPRIORITIZED=1}           # and its environment (NAME=VALUE ...)
 HOLD_S=${HOLD_S:-1800}        # the machine goes back after 30 minutes held
 RESERVE_S=${RESERVE_S:-330}   # kept for the two evaluations, the comparison and the last call
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -201,20 +204,23 @@ gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adap
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
-speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one hold: the train_pass
-  # probe, then STEPS steps of the preset as it is and STEPS with $FLAGS, each evaluated on the held-out problems
+speed() {  # CHAIN=speed: issue 31's lever on the preset, side by side in one hold: the train_pass probe's
+  # variants, then STEPS steps of the preset as it is and STEPS with $LEVER_ENV and $FLAGS, each evaluated
   begin_chain
-  stage train-pass timeout 300 python3 benchmarks/probes/train_pass.py --micro 64 32 16 8 --out $CMP/probe || true
-  # and without recomputing activations, which micro-batches of 16 rows leave room for on the H200 (~1 min)
-  stage train-pass-keep timeout 240 python3 benchmarks/probes/train_pass.py --micro 16 8 --no-checkpointing \
-    --lora-compute base --out $CMP/probe || true
+  local probe=(timeout 120 python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
+               --out $CMP/probe)
+  stage train-pass "${probe[@]}" || true                   # one step's widths, as measured at 13:22
+  stage train-pass-vary "${probe[@]}" --vary || true       # new widths every pass, as in a run
+  stage train-pass-flash "${probe[@]}" --vary --sdpa flash || true
+  stage train-pass-bucket "${probe[@]}" --vary --bucket 64 || true
+  stage train-pass-trainer "${probe[@]}" --vary --trainer || true
   local run
   for run in asis lever; do
-    local extra=()
-    if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
+    local extra=() environment=()
+    if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; read -r -a environment <<< "$LEVER_ENV"; fi
     # a run or evaluation that fails is in stages.log; the other run still goes
-    stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
-      --output-dir $CMP/$run "${extra[@]}" || continue
+    stage ours-$run env "${environment[@]}" python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS \
+      --eval-size 0 --output-dir $CMP/$run "${extra[@]}" || continue
     stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter \
       --per-problem $CMP/eval-$run.jsonl || continue
     last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json || true
@@ -255,7 +261,7 @@ case "${1:-}" in
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
       cp "$0" $CMP/chain.sh
-      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" bash $CMP/chain.sh ${CHAIN:-chain} > $CMP/chain.log 2>&1 < /dev/null &
+      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" LEVER_ENV="$LEVER_ENV" bash $CMP/chain.sh ${CHAIN:-chain} > $CMP/chain.log 2>&1 < /dev/null &
       echo "chain ${CHAIN:-chain} started"
     fi
     collect ;;
