@@ -294,7 +294,12 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     summary = model_summary(loaded.policy)
     prompts = loaded.prompts
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
-    kept = " (kept between steps)" if loaded.keep_engine else ""
+    # how the engine runs, where it is a choice: kept between steps or not, the native engine's attention
+    # (--engine-attention auto picks it by the rows)
+    tuning = getattr(getattr(loaded, "engine", None), "tuning", None)
+    notes = [*(["kept between steps"] if loaded.keep_engine else []),
+             *([f"{tuning.attention} attention"] if tuning is not None else [])]
+    kept = f" ({', '.join(notes)})" if notes else ""
     if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")
     if cfg.engine_attention != "auto" and loaded.engine_name != "native":  # a choice that would do nothing

@@ -261,7 +261,8 @@ case "${1:-}" in
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
       cp "$0" $CMP/chain.sh
-      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" LEVER_ENV="$LEVER_ENV" bash $CMP/chain.sh ${CHAIN:-chain} > $CMP/chain.log 2>&1 < /dev/null &
+      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" LEVER_ENV="$LEVER_ENV" bash $CMP/chain.sh ${CHAIN:-chain} \
+        > $CMP/chain.log 2>&1 < /dev/null &
       echo "chain ${CHAIN:-chain} started"
     fi
     collect ;;

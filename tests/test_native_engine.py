@@ -590,6 +590,11 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
     print_banner(console, Config(engine="auto", engine_attention="kernel"), World(), torch.device("cpu"), loaded)
     assert "--engine-attention kernel is not used: it picks the native engine's attention, and this run samples " \
         "with hf" in console.export_text()
+    native = types.SimpleNamespace(**{**vars(loaded), "engine_name": "native", "keep_engine": True,
+                                      "engine": NativeEngine(small_llama(), max_seq_len=16, max_batch=2, pad_id=PAD)})
+    console = Console(record=True, width=300)
+    print_banner(console, Config(engine="auto"), World(), torch.device("cpu"), native)
+    assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # auto's pick, said
 
 
 def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):

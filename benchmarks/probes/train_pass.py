@@ -145,12 +145,17 @@ def trainer_update(policy, cfg, device: torch.device):
     from grpo.optim import make_optimizer
     from grpo.step import InFlight, update_policy
 
+    def clock() -> float:  # as the trainer's: seconds, once the device has finished its queued work
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     params = [p for p in policy.parameters() if p.requires_grad]
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)  # noqa: E731
     # The fields update_policy reads; the others (tokenizer, prompts, rewards, ...) belong to sampling.
     setup = SimpleNamespace(cfg=cfg, world=World(device=device), policy=policy, params=params,
-                            optimizer=make_optimizer(cfg, params), engine=SimpleNamespace(needs_importance_correction=False),
-                            clock=lambda: (sync(), time.perf_counter())[1], max_completion_length=max(QWEN_COMPLETIONS))
+                            optimizer=make_optimizer(cfg, params),
+                            engine=SimpleNamespace(needs_importance_correction=False),
+                            clock=clock, max_completion_length=max(QWEN_COMPLETIONS))
     return lambda batch, adv, slices: update_policy(setup, batch, slices, adv, None, None, InFlight({}))
 
 
