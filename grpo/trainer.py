@@ -294,19 +294,19 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     summary = model_summary(loaded.policy)
     prompts = loaded.prompts
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
-    # how the engine runs, where it is a choice: kept between steps or not, the native engine's attention
+    # how the engine runs where that was a choice: kept between steps or not, the native engine's attention
     # (--engine-attention auto picks it by the rows)
-    tuning = getattr(getattr(loaded, "engine", None), "tuning", None)
     notes = [*(["kept between steps"] if loaded.keep_engine else []),
-             *([f"{tuning.attention} attention"] if tuning is not None else [])]
-    kept = f" ({', '.join(notes)})" if notes else ""
+             *([f"{loaded.engine.tuning.attention} attention"] if loaded.engine_name == "native" else [])]
+    engine_notes = f" ({', '.join(notes)})" if notes else ""
     if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")
     if cfg.engine_attention != "auto" and loaded.engine_name != "native":  # a choice that would do nothing
         console.print(f"[yellow]--engine-attention {cfg.engine_attention} is not used[/]: it picks the native "
                       f"engine's attention, and this run samples with {loaded.engine_name}")
-    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{kept} | {len(prompts)} prompts "
-                  f"({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | P={cfg.prompts_per_step}"
+    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{engine_notes} | "
+                  f"{len(prompts)} prompts ({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | "
+                  f"P={cfg.prompts_per_step}"
                   f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
                   f"{summary['total_params']:,} | completions up to {loaded.max_completion_length} tokens")
 

@@ -72,7 +72,7 @@ def test_engine_tuning_refuses_values_it_cannot_run():
             EngineTuning(**bad)
     if os.environ.get("TRITON_INTERPRET") != "1":  # the attention kernel needs Triton on a GPU (or its interpreter)
         with pytest.raises(ValueError, match="attention='kernel' needs triton"):
-            EngineTuning(attention="kernel").resolved(torch.device("cpu"), llama_mlp=True)
+            EngineTuning(attention="kernel").resolved(torch.device("cpu"), llama_mlp=True, rows=2)
 
 
 def test_greedy_equals_transformers_generate_for_prompts_of_different_lengths(model):
@@ -574,6 +574,7 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
 
     from grpo.config import Config
     from grpo.distributed import World
+    from grpo.rollout import build_engine
     from grpo.trainer import print_banner
 
     prompts = type("Prompts", (list,), {"dropped": 0, "max_prompt_length": 64})([[1], [2], [3]])
@@ -590,11 +591,11 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
     print_banner(console, Config(engine="auto", engine_attention="kernel"), World(), torch.device("cpu"), loaded)
     assert "--engine-attention kernel is not used: it picks the native engine's attention, and this run samples " \
         "with hf" in console.export_text()
-    native = types.SimpleNamespace(**{**vars(loaded), "engine_name": "native", "keep_engine": True,
-                                      "engine": NativeEngine(small_llama(), max_seq_len=16, max_batch=2, pad_id=PAD)})
+    engine = build_engine("native", small_llama(), pad_id=PAD, max_seq_len=16, max_batch=64, attention="auto")
+    native = types.SimpleNamespace(**{**vars(loaded), "engine_name": "native", "keep_engine": True, "engine": engine})
     console = Console(record=True, width=300)
     print_banner(console, Config(engine="auto"), World(), torch.device("cpu"), native)
-    assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # auto's pick, said
+    assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # auto's pick on a CPU
 
 
 def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):

@@ -66,7 +66,7 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
                  attention: str = "auto", vllm: VLLMOptions | None = None) -> Engine:
     """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
     `gemm`: the native engine's decode projections (NativeEngine's `gemm`); `attention`: its attention over
-    the KV cache ("sdpa", "kernel", or "auto": `auto_attention` for `max_batch` rows on the policy's device).
+    the KV cache ("sdpa", "kernel", or "auto": `EngineTuning`'s, by the engine's `max_batch` rows).
     `vllm`: what the vLLM engine needs besides (required for name "vllm", not used by the others)."""
     name = resolve_engine_name(name, policy)
     if name == "hf":
@@ -74,10 +74,8 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
 
         return HFEngine(policy, pad_id=pad_id)
     if name == "native":
-        from grpo.rollout.native import EngineTuning, NativeEngine, auto_attention
+        from grpo.rollout.native import EngineTuning, NativeEngine
 
-        if attention == "auto":
-            attention = auto_attention(next(policy.parameters()).device, max_batch)
         tuning = EngineTuning(attention=attention)  # it checks the name
         return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm,
                             tuning=tuning)

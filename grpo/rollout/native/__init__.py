@@ -8,6 +8,6 @@
 """
 
 from grpo.rollout.native.engine import NativeEngine
-from grpo.rollout.native.tuning import EngineTuning, auto_attention
+from grpo.rollout.native.tuning import EngineTuning
 
-__all__ = ["EngineTuning", "NativeEngine", "auto_attention"]
+__all__ = ["EngineTuning", "NativeEngine"]

@@ -88,7 +88,7 @@ class NativeEngine:
         self.progress: GenerationProgress | None = None  # told rows x steps done; the trainer sets it
         llama_mlp = all(hasattr(layer.mlp, a) for layer in self.lm.model.layers
                         for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.tuning = tuning.resolved(self.device, llama_mlp)
+        self.tuning = tuning.resolved(self.device, llama_mlp, max_batch)
         if gemm not in ("auto", "kernels", "modules"):
             raise ValueError(f"gemm={gemm!r}: use 'auto', 'kernels' or 'modules'")
         if gemm == "auto":

@@ -14,15 +14,16 @@ import torch
 
 from grpo.kernels import decode_attention, decode_gemm
 
-# From this many rows a generate, `--engine-attention auto` takes the split-KV attention kernel: on the H200
-# (2026-12-02) it took the Qwen preset's decode at 64 rows from 1.20 to 1.12 s a step (60-step runs side by
-# side; its token step 3.09 -> 2.88 ms in the probe). Fewer rows keep sdpa until the sampler benchmark has
-# timed the kernel there (benchmarks/test_bench_sampler.py, 16 rows).
+# An engine built for this many rows or more (a training step's P*G, an evaluation's batch) attends with the
+# split-KV kernel under `--engine-attention auto`: on the H200 (2026-12-02) it took the Qwen preset's decode at
+# 64 rows from 1.20 to 1.12 s a step (60-step runs side by side; its token step 3.09 -> 2.88 ms in the probe).
+# Smaller engines keep sdpa until the sampler benchmark has timed the kernel there
+# (benchmarks/test_bench_sampler.py, 16 rows).
 KERNEL_ATTENTION_ROWS = 64
 
 
 def auto_attention(device: torch.device, rows: int) -> str:
-    """What `--engine-attention auto` runs for an engine of `rows` rows on `device`: "kernel" on CUDA with
+    """What attention "auto" runs for an engine of up to `rows` rows on `device`: "kernel" on CUDA with
     triton from KERNEL_ATTENTION_ROWS rows, "sdpa" otherwise."""
     fast = device.type == "cuda" and rows >= KERNEL_ATTENTION_ROWS and decode_attention.can_run(device)
     return "kernel" if fast else "sdpa"
@@ -38,10 +39,10 @@ class EngineTuning:
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
     attention: "sdpa" (torch's fused attention), "matmul" (two batched matmuls, float32 scores and
-        softmax: the K slice is upcast every step) or "kernel" (`grpo.kernels.decode_attention`: Triton,
-        each row's cache read to its own length in chunks; `auto_attention` says when the product takes
-        it). On the Qwen preset (H200, 2026-12-01) "sdpa" decoded within 3% of the bf16-score "matmul" it
-        replaced, whose rounded scores put tokens 13 nats off.
+        softmax: the K slice is upcast every step), "kernel" (`grpo.kernels.decode_attention`: Triton,
+        each row's cache read to its own length in chunks) or "auto" (`auto_attention` for the engine's
+        rows). On the Qwen preset (H200, 2026-12-01) "sdpa" decoded within 3% of the bf16-score "matmul"
+        it replaced, whose rounded scores put tokens 13 nats off.
     streams: run q/k/v and gate/up projections on parallel CUDA streams, so their GEMMs overlap in the
         graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
     kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
@@ -52,24 +53,26 @@ class EngineTuning:
     compile: str | None = "auto"
     kv_bucket: int = 256
     check_every: int = 16
-    attention: str = "sdpa"
+    attention: str = "auto"
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
 
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1:
             raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}: both must be >= 1")
-        if self.attention not in ("matmul", "sdpa", "kernel"):
-            raise ValueError(f"attention={self.attention!r}: use 'matmul', 'sdpa' or 'kernel'")
+        if self.attention not in ("auto", "matmul", "sdpa", "kernel"):
+            raise ValueError(f"attention={self.attention!r}: use 'auto', 'matmul', 'sdpa' or 'kernel'")
         if not 1 <= self.kernel_rows <= decode_gemm.MAX_ROWS:
             raise ValueError(f"kernel_rows={self.kernel_rows}: the kernels take 1 to {decode_gemm.MAX_ROWS} rows")
 
-    def resolved(self, device: torch.device, llama_mlp: bool) -> EngineTuning:
-        """The same choices with every "auto"/None made concrete for a model on `device`."""
+    def resolved(self, device: torch.device, llama_mlp: bool, rows: int) -> EngineTuning:
+        """The same choices with every "auto"/None made concrete for an engine of up to `rows` rows over a
+        model on `device`."""
         cuda = device.type == "cuda"
         tuning = replace(self, use_cuda_graph=cuda if self.use_cuda_graph is None else self.use_cuda_graph,
                          compile=("default" if cuda else None) if self.compile == "auto" else self.compile,
-                         streams=cuda and llama_mlp if self.streams is None else self.streams)
+                         streams=cuda and llama_mlp if self.streams is None else self.streams,
+                         attention=auto_attention(device, rows) if self.attention == "auto" else self.attention)
         if tuning.use_cuda_graph and not cuda:
             raise ValueError(f"use_cuda_graph=True but the model is on {device}; CUDA graphs need a CUDA "
                              "model (leave use_cuda_graph None or False)")
