@@ -46,7 +46,8 @@ def load_runs(directory: str | Path) -> list[dict]:
 
 
 IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step", "ours-mb4": "ours, micro-batches of 4",
-              "ours-lora-bf16": "ours, --lora-compute base", "ours-vllm": "ours, --engine vllm",
+              "ours-lora-bf16": "ours, --lora-compute base",
+              "ours-lora-fp32": "ours, --lora-compute float32", "ours-vllm": "ours, --engine vllm",
               "ours-unsloth": "ours, --engine unsloth", "ours-attention-kernel": "ours, --engine-attention kernel",
               "ours-mb4-attention-kernel": "ours, micro-batches of 4, --engine-attention kernel",
               "trl": "TRL", "trl-vllm": "TRL + vLLM colocated",

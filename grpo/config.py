@@ -61,11 +61,12 @@ class Config:
     use_rslora: bool = _f(True, "Rank-stabilized LoRA scaling alpha/sqrt(r) instead of alpha/r.", "model")
     lora_targets: tuple[str, ...] = _f(LORA_TARGETS, "Module names that get LoRA adapters.", "model",
                                        nargs="+")
-    lora_compute: str = _f("float32", "Dtype of the adapters' matmuls: float32 (peft's way: each projection's "
-                           "input is cast to float32 and that copy saved for backward) or base (the base "
-                           "model's dtype, bf16 on GPUs; the adapters stay float32 for the optimizer). base "
-                           "saves 36%% of a 1B layer's activations (benchmarks/probes/saved_activations.py).", "model",
-                           choices=["float32", "base"])
+    lora_compute: str = _f("base", "Dtype of the adapters' matmuls: base (the base model's dtype, bf16 on GPUs, "
+                           "as peft's under TRL's bf16 autocast; the adapters stay float32 for the optimizer) or "
+                           "float32 (peft's own way: each projection's input is cast to float32 and that copy "
+                           "saved for backward; its gradients a little more exact). On the H200 float32 took "
+                           "1.53 s and 5.51 GiB a bench step against 1.44 s and 4.73 GiB, and the Qwen preset "
+                           "learned as well with base (benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
 
     # --- data --------------------------------------------------------------------------------
@@ -358,12 +359,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Sized for one GPU (H200 class; a CPU step takes many minutes), checkpointing every few minutes so a run
     # can go in pieces with --resume latest. The recipe of docs/learning.md's run (2026-12-01): 64 completions
     # a step, stopped at </SOLUTION>, no KL term. Its training pass keeps activations in four length-sorted
-    # micro-batches with bf16 adapter matmuls: on the H200 the step went from 3.09 to 2.66 s (median of 60)
-    # with held-out accuracy 63.6 -> 66.1% (within noise) and the peak from 15 to 30 GiB (benchmarks/RESULTS.md).
+    # micro-batches (with bf16 adapter matmuls, the default since): on the H200 the step went from 3.09 to
+    # 2.66 s (median of 60) with held-out accuracy 63.6 -> 66.1% (within noise) and the peak from 15 to 30 GiB
+    # (benchmarks/RESULTS.md).
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
                            num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
                            max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
-                           micro_batch_size=16, gradient_checkpointing=False, lora_compute="base",
+                           micro_batch_size=16, gradient_checkpointing=False,
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
 }
@@ -380,9 +382,9 @@ PRESET_SUMMARIES: dict[str, str] = {
                     "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
     "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
                       "split, 319 problems held out) with recipe B's rewards; 200 steps of 8 prompts x 8 completions "
-                      "up to 384 tokens, held-out eval every 20 steps. On one H200, 2.7 s a step (30 GiB at most); "
-                      "over 200 steps held-out strict accuracy went 26.6% -> 66.8%, format 39.2% -> 97.5% "
-                      "(docs/learning.md).",
+                      "up to 384 tokens, held-out eval every 20 steps. On one H200, 2.7 s a step since 2026-12-02 "
+                      "(30 GiB at most); over 200 steps of the preset before (3.6 s a step) held-out strict accuracy "
+                      "went 26.6% -> 66.8%, format 39.2% -> 97.5% (docs/learning.md).",
     "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
                      "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",
 }

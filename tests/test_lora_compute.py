@@ -11,7 +11,8 @@ from grpo.model import add_lora
 
 def _policies():
     """The same bf16 model and adapters twice: peft's float32 compute and --lora-compute base."""
-    ref = add_lora(tiny_llama(seed=9, dtype=torch.bfloat16), Config(gradient_checkpointing=False))
+    ref = add_lora(tiny_llama(seed=9, dtype=torch.bfloat16), Config(gradient_checkpointing=False,
+                                                                      lora_compute="float32"))
     fast = add_lora(tiny_llama(seed=9, dtype=torch.bfloat16), Config(gradient_checkpointing=False,
                                                                        lora_compute="base"))
     torch.manual_seed(1)

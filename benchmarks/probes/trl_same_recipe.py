@@ -21,10 +21,11 @@ of it that it can express (`grpo_config_values`); what it cannot is refused in o
 | is-correction, is-level, is-cap (the sampler-trainer correction, for samplers of other numerics) | `vllm_importance_sampling_correction`, `_mode` `<level>_<truncate or mask>`, `_clip_max` |
 | seed, max-steps, save-steps, max-grad-norm | the same; bf16 on CUDA |
 
-Mismatches that remain, by TRL's design: with `bf16=True` the Trainer autocasts, so the adapters' matmuls run in
-bf16 (ours in float32); TRL's vLLM log-probs are "processed" ones, renormalised over what min-p keeps, so its
-sampler-trainer difference and its importance weights carry log(kept mass) on every token (huggingface/trl#6789;
-ours are exact, docs/internals.md): they are logged as TRL's `sampling/*` keys, never as our `gap/*`.
+Mismatches that remain, by TRL's design (the adapters' matmuls run in bf16 in both: TRL's Trainer autocasts with
+`bf16=True`, ours under --lora-compute base, the default since 2026-12-02): TRL's vLLM log-probs are "processed"
+ones, renormalised over what min-p keeps, so its sampler-trainer difference and its importance weights carry
+log(kept mass) on every token (huggingface/trl#6789; ours are exact, docs/internals.md): they are logged as
+TRL's `sampling/*` keys, never as our `gap/*`.
 Without sleep mode vLLM's KV cache comes from torch's allocator, so `peak_mem_gib` includes vLLM's share of
 the GPU: compare step times and learning, not memory.
 Refused: dynamic sampling, loss types cispo and sapo (TRL's cispo caps another quantity), KL estimators other
