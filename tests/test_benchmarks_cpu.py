@@ -396,7 +396,7 @@ def test_the_train_pass_probe_gives_each_pass_new_widths_buckets_them_and_runs_t
     # run), the same rounded up to a multiple, and the trainer's own update in place of the bare pass.
     import torch
 
-    from grpo.batch import micro_batches
+    from grpo.batch import micro_batches, sequence_logprobs
 
     monkeypatch.syspath_prepend(str(PROBES))
     probe = importlib.import_module("train_pass")
@@ -419,10 +419,29 @@ def test_the_train_pass_probe_gives_each_pass_new_widths_buckets_them_and_runs_t
         for exact, rounded in zip(widths(seed), widths(seed, 64)):
             assert exact <= rounded < exact + 64 and (rounded % 64 == 0 or rounded == cut(seed)[0].input_ids.shape[1])
     batch, step_adv, slices = cut(1)
+    with torch.no_grad():  # the padding a bucket adds is read by no counted token
+        for sl in slices:
+            torch.testing.assert_close(sequence_logprobs(policy, probe.bucketed(batch, sl, 64), 1.0),
+                                       sequence_logprobs(policy, batch.rows(sl), 1.0), rtol=1e-5, atol=1e-5)
     lora_b = [p for n, p in policy.named_parameters() if "lora_B" in n]
     before = [p.detach().clone() for p in lora_b]
     probe.trainer_update(policy, cfg, cpu)(batch, step_adv, slices)
     assert any(not torch.equal(b, p) for b, p in zip(before, lora_b))
+
+
+@pytest.mark.parametrize("variant", [["--trainer"], ["--bucket", "8", "--sdpa", "flash"]])
+def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path, variant):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(PROBES / "train_pass.py"), "--smoke", "--micro", "64", "16",
+                           "--repeats", "1", "--vary", *variant, "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("train_pass-*.jsonl")
+    batch, *passes = [json.loads(line) for line in path.read_text().splitlines()]
+    assert batch["vary"] and not batch["timed"]
+    assert [(r["micro"], r["passes"]) for r in passes] == [(64, 1), (16, 4)]
+    assert all(r["ms"] > 0 and 0 < r["real_token_frac"] <= 1 for r in passes)
+    assert passes[1]["real_token_frac"] > passes[0]["real_token_frac"]  # sorted micro-batches pad less
 
 
 def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
@@ -480,7 +499,7 @@ def test_the_engine_probes_qwen_plan_is_the_packaged_qwen_on_the_products_engine
                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
     engine = probe.make_engine(tiny, max_batch=2, max_seq_len=16, use_cuda_graph=False, **probe.product_engine_kw())
     assert probe.product_engine_kw()["gemm"] == inspect.signature(probe.NativeEngine).parameters["gemm"].default
-    assert engine.tuning == replace(EngineTuning(), use_cuda_graph=False).resolved(torch.device("cpu"), True)
+    assert engine.tuning == replace(EngineTuning(), use_cuda_graph=False).resolved(torch.device("cpu"), True, 2)
 
 
 def test_probe_timer_takes_the_median_and_the_recorder_keeps_rows_on_disk_as_they_come(monkeypatch, tmp_path):

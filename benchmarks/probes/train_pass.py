@@ -5,7 +5,8 @@ its longest row (`grpo.batch.Batch.rows`); `--micro-batch-size` cuts the step's 
 micro-batches (`grpo.batch.micro_batches`). On the qwen1.5b-gsm8k preset's rows (64 of 90-175 prompt and
 102-384 completion tokens) one pass runs 31% padding; four sorted micro-batches, 10%, but each a quarter as
 wide in rows. This times that trade on the GPU with the trainer's own pieces: a random model of the
-preset's shapes with the preset's rsLoRA (r 32, gradient checkpointing unless --no-checkpointing), a batch
+preset's shapes with its rsLoRA (r 32; gradient checkpointing unless --no-checkpointing, which the preset
+has trained without since 2026-12-02; the adapters multiplied as --lora-compute says), a batch
 with the lengths of a real step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of
 learning_faults.py's gap run), and for each micro-batch size the forward and backward of
 `sequence_logprobs` over all rows: median milliseconds, the share of real tokens among the positions run
@@ -31,7 +32,6 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ QWEN_COMPLETIONS = [160, 179, 209, 150, 146, 111, 210, 153, 168, 233, 245, 354, 
                     246, 208, 240, 367, 260, 384, 226, 197, 266, 184, 241, 260, 228, 221, 149, 235, 287, 232, 384,
                     384, 353, 384, 384, 352, 384, 384]
 GENERATIONS = 8
+MAX_PROMPT_LENGTH, MAX_COMPLETION_LENGTH = 288, 384  # the preset's --max-prompt-length, --max-completion-length
 
 
 def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: torch.device):
@@ -82,15 +83,18 @@ def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: to
 
 def step_lengths(seed: int) -> tuple[list[int], list[int]]:
     """Prompt lengths (one per group) and completion lengths of a step: seed 0 the recorded step's,
-    another seed the same lengths shuffled and each moved by up to 30 tokens (completions within 1..384),
+    another seed the same lengths shuffled and each moved by up to 30 tokens (within the preset's limits),
     so that its micro-batches' widths are new."""
     prompts, completions = QWEN_PROMPTS[::GENERATIONS], list(QWEN_COMPLETIONS)
     if seed == 0:
         return prompts, completions
     gen = torch.Generator().manual_seed(seed)
-    moved = lambda ns, lo, hi: [min(hi, max(lo, n + int(torch.randint(-30, 31, (), generator=gen))))  # noqa: E731
-                                for n in (ns[i] for i in torch.randperm(len(ns), generator=gen).tolist())]
-    return moved(prompts, 1, 288), moved(completions, 1, max(QWEN_COMPLETIONS))
+
+    def moved(lengths: list[int], longest: int) -> list[int]:
+        shuffled = [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]
+        return [min(longest, max(1, n + int(torch.randint(-30, 31, (), generator=gen)))) for n in shuffled]
+
+    return moved(prompts, MAX_PROMPT_LENGTH), moved(completions, MAX_COMPLETION_LENGTH)
 
 
 def qwen_batch(vocab: int, device: torch.device, scale: float = 1.0, seed: int = 0):
@@ -143,19 +147,15 @@ def trainer_update(policy, cfg, device: torch.device):
 
     from grpo.distributed import World
     from grpo.optim import make_optimizer
+    from grpo.runlog import synced_clock
     from grpo.step import InFlight, update_policy
-
-    def clock() -> float:  # as the trainer's: seconds, once the device has finished its queued work
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     params = [p for p in policy.parameters() if p.requires_grad]
     # The fields update_policy reads; the others (tokenizer, prompts, rewards, ...) belong to sampling.
     setup = SimpleNamespace(cfg=cfg, world=World(device=device), policy=policy, params=params,
                             optimizer=make_optimizer(cfg, params),
                             engine=SimpleNamespace(needs_importance_correction=False),
-                            clock=clock, max_completion_length=max(QWEN_COMPLETIONS))
+                            clock=synced_clock(device), max_completion_length=MAX_COMPLETION_LENGTH)
     return lambda batch, adv, slices: update_policy(setup, batch, slices, adv, None, None, InFlight({}))
 
 
@@ -179,8 +179,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--micro", type=int, nargs="+", default=[64, 32, 16, 8],
                         help="micro-batch sizes to time (64: one pass over the step's rows)")
-    parser.add_argument("--lora-compute", choices=["float32", "base"], default="float32",
-                        help="the adapters' matmul dtype (the preset's: base since 2026-12-02, float32 before)")
+    parser.add_argument("--lora-compute", choices=["base", "float32"], default="base",
+                        help="the adapters' matmul dtype (the trainer's default: base since 2026-12-02)")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep the activations instead of recomputing them in backward (as the preset does "
                              "since 2026-12-02)")
@@ -210,7 +210,8 @@ def main() -> None:
     rec.record("batch", rows=len(batch), real_tokens=sum(batch.lengths), longest=max(batch.lengths),
                mean_length=round(statistics.mean(batch.lengths), 1), device=str(device),
                lora_compute=args.lora_compute, checkpointing=not args.no_checkpointing, vary=args.vary,
-               sdpa=args.sdpa, bucket=args.bucket, trainer=args.trainer)
+               sdpa=args.sdpa, bucket=args.bucket, trainer=args.trainer,
+               timed=not args.vary)  # with --vary: the template, each timed pass a new step's lengths
     update = trainer_update(policy, cfg, device) if args.trainer else None
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(0)).to(device)
     seeds = iter(range(1, 10**6))
