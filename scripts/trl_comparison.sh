@@ -51,7 +51,7 @@
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
 #   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs), and beside it ~2
 #   vllm-gap    learning_faults.py gap --ways vllm: plain vLLM's sampler and prefill against float32
-#   ours        train.py --preset qwen1.5b-gsm8k, 60 steps, no eval, checkpoints every 10 (3.9 s/step) ~4.5
+#   ours        train.py --preset qwen1.5b-gsm8k, 60 steps, no eval, checkpoints every 10 (2.7 s/step) ~3.5
 #   trl         trl_same_recipe.py on the same Config, 60 steps, checkpoints every 10, stopped by its
 #               time budget so that the evaluations still fit the 30-minute hold (TRL's step: unmeasured;
 #               ~8 s guessed: vLLM's sampling, the weight sync, an extra forward for its IS weights)  ~10.5
