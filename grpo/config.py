@@ -162,8 +162,9 @@ class Config:
                                "(torch's scaled_dot_product_attention over the cache padded to a bucket), kernel "
                                "(grpo.kernels.decode_attention: Triton, each row's cache split over the sequence "
                                "and read to its own length; needs triton and CUDA), or auto (the kernel on CUDA "
-                               "from 64 rows a generate, where it took the Qwen preset's decode from 1.20 to "
-                               "1.12 s a step on the H200; sdpa below, where it is not yet timed).", "sampling",
+                               "for engines of 64 rows or more, P*G or the eval's batch, where it took the Qwen "
+                               "preset's decode from 1.20 to 1.12 s a step on the H200; sdpa below, where it is "
+                               "not yet timed).", "sampling",
                                choices=["auto", "sdpa", "kernel"])
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
