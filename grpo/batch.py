@@ -8,6 +8,7 @@ policy (adapters on or off, before or during the update) and what they are for.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ class Batch:
     # host so that cutting a micro-batch to its longest row never waits for the device. None: read once
     # from `start` and `mask`.
     lengths: tuple[int, ...] | None = None
+    # `rows` rounds a micro-batch's width up to a multiple of this (--pad-to-multiple-of): more padding, but
+    # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention)
+    width_multiple: int = 1
 
     def __post_init__(self) -> None:
         if self.lengths is None:
@@ -42,18 +46,27 @@ class Batch:
         return self.input_ids.shape[0]
 
     def rows(self, sl: slice) -> "Batch":
-        """Rows `sl`, their input cut to the longest of them: the positions past every row's end hold only
-        padding, which no counted token reads (causal), so a micro-batch of short rows runs a shorter
-        forward. The completion columns stay whole, aligned with the step's (B, T) tensors."""
+        """Rows `sl`, their input cut to the longest of them (rounded up to `width_multiple`): the positions
+        past every row's end hold only padding, which no counted token reads (causal), so a micro-batch of
+        short rows runs a shorter forward. The completion columns stay whole, aligned with the step's (B, T)
+        tensors."""
         lengths = self.lengths[sl]
-        return Batch(self.input_ids[sl, :max(lengths, default=0)],
-                     *(t[sl] for t in (self.start, self.completion_ids, self.mask, self.sampler_logp)), lengths)
+        return Batch(self.input_ids[sl, :self.width(lengths)],
+                     *(t[sl] for t in (self.start, self.completion_ids, self.mask, self.sampler_logp)), lengths,
+                     self.width_multiple)
+
+    def width(self, lengths: tuple[int, ...]) -> int:
+        """How wide the forward over rows of these lengths runs: the longest, rounded up to `width_multiple`,
+        never past the batch's own width."""
+        multiple = self.width_multiple
+        return min(-(-max(lengths, default=0) // multiple) * multiple, self.input_ids.shape[1])
 
     def take(self, order: list[int]) -> "Batch":
         """The rows in `order` (a permutation of 0..B-1)."""
         at = torch.tensor(order, device=self.input_ids.device)
         return Batch(*(t[at] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
-                                       self.sampler_logp)), tuple(self.lengths[i] for i in order))
+                                       self.sampler_logp)), tuple(self.lengths[i] for i in order),
+                     self.width_multiple)
 
 
 def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
@@ -71,12 +84,16 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
     return Batch(*(t.to(device) for t in parts), lengths)
 
 
-def micro_batches(batch: Batch, adv: torch.Tensor, micro: int) -> tuple[Batch, torch.Tensor, list[slice]]:
+def micro_batches(batch: Batch, adv: torch.Tensor, micro: int, pad_to_multiple_of: int = 1
+                  ) -> tuple[Batch, torch.Tensor, list[slice]]:
     """The step's rows in micro-batches of `micro` rows. With more than one, the rows are first sorted by
     length (`adv` along with them), so that each micro-batch holds rows of like length and its forward runs
     only as wide as its longest (`Batch.rows`): on a batch of the Qwen preset (64 rows of 90-175 prompt and
     102-384 completion tokens) real tokens were 69% of one padded forward, 90% of four sorted ones. Every
-    statistic of the step is a sum over rows or tokens, so the order changes none of them."""
+    statistic of the step is a sum over rows or tokens, so the order changes none of them.
+    `pad_to_multiple_of`: each micro-batch's width rounded up to a multiple of it (`Batch.width_multiple`)."""
+    if pad_to_multiple_of != batch.width_multiple:
+        batch = dataclasses.replace(batch, width_multiple=pad_to_multiple_of)
     slices = [slice(i, i + micro) for i in range(0, len(batch), micro)]
     if len(slices) > 1:
         order = sorted(range(len(batch)), key=batch.lengths.__getitem__)  # stable
@@ -87,9 +104,9 @@ def micro_batches(batch: Batch, adv: torch.Tensor, micro: int) -> tuple[Batch, t
 
 def real_token_share(batch: Batch, slices: list[slice]) -> float:
     """Real tokens (prompts and counted completion tokens) over the positions the training forwards run:
-    each micro-batch runs as wide as its longest row, so the rest of its rows are padded to that. 1.0: no
-    padding; what `micro_batches`' sorting buys shows here (logged as train/real_token_frac)."""
-    run = sum(len(part) * max(part) for part in (batch.lengths[sl] for sl in slices) if part)
+    each micro-batch runs as wide as its longest row (`Batch.width`), so the rest of its rows are padded to
+    that. 1.0: no padding; what `micro_batches`' sorting buys shows here (logged as train/real_token_frac)."""
+    run = sum(len(part) * batch.width(part) for part in (batch.lengths[sl] for sl in slices) if part)
     return sum(batch.lengths) / run if run else 1.0
 
 

@@ -94,6 +94,10 @@ class Config:
     micro_batch_size: int | None = _f(None, "Completions per forward/backward pass (gradient "
                                       "accumulation within a step; rows of like length together, each pass "
                                       "only as long as its longest row). Default: P*G.", "grpo")
+    pad_to_multiple_of: int = _f(1, "Round each training pass's width (prompt and completion positions) up to a "
+                                 "multiple of this: more padding, which no counted token reads, but widths that "
+                                 "repeat from step to step, for kernels that plan per shape (cuDNN's attention on "
+                                 "Hopper). 1: each pass as wide as its longest row.", "grpo")
     num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
     beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
                      "grpo")
@@ -246,10 +250,10 @@ class Config:
     def _check_ranges(self) -> None:
         """Every numeric flag in its range, named in the message; cross-flag rules after."""
         at_least = {"lora_rank": 1, "lora_alpha": 1, "max_seq_length": 2, "max_prompt_length": 1,
-                    "num_train_examples": 1, "prompts_per_step": 1, "micro_batch_size": 1, "num_iterations": 1,
-                    "max_completion_length": 1, "max_steps": 1, "max_nonfinite_steps": 1, "top_k": 0,
-                    "save_steps": 0, "save_total_limit": 0, "eval_steps": 0, "eval_size": 0, "eval_samples": 0,
-                    "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0}
+                    "num_train_examples": 1, "prompts_per_step": 1, "micro_batch_size": 1, "pad_to_multiple_of": 1,
+                    "num_iterations": 1, "max_completion_length": 1, "max_steps": 1, "max_nonfinite_steps": 1,
+                    "top_k": 0, "save_steps": 0, "save_total_limit": 0, "eval_steps": 0, "eval_size": 0,
+                    "eval_samples": 0, "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

@@ -140,7 +140,8 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     s.policy.eval()
     batch = make_batch(groups.rollout, s.tokenizer.pad_token_id, s.device)
     adv = adv.to(s.device)
-    batch, adv, slices = micro_batches(batch, adv, cfg.micro_batch_size or cfg.batch_size)  # like lengths together
+    batch, adv, slices = micro_batches(batch, adv, cfg.micro_batch_size or cfg.batch_size,  # like lengths together
+                                       cfg.pad_to_multiple_of)
     ref_logp, old_logp, logp_times = reference_and_old_logprobs(s, batch, slices)
 
     # 4. mu passes of clipped-surrogate steps over the rollout, in micro-batches; clip; optimizer step.

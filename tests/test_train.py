@@ -333,6 +333,23 @@ def test_engine_attention_reaches_the_trainers_engine(tiny_llama_dir, tmp_path, 
             train(tiny_cfg(tiny_llama_dir, tmp_path / "kernel", engine="native", engine_attention="kernel"))
 
 
+def test_padding_to_a_multiple_changes_the_widths_run_and_nothing_learned(tiny_llama_dir, tmp_path):
+    runs = {}
+    for multiple in (1, 16):
+        out = tmp_path / f"pad-{multiple}"
+        train(tiny_cfg(tiny_llama_dir, out, max_steps=1, log_completions_steps=0, micro_batch_size=2,
+                       pad_to_multiple_of=multiple))
+        runs[multiple] = (json.loads((out / "metrics.jsonl").read_text().splitlines()[0]),
+                          adapter_tensors(out / "adapter"))
+    (plain, plain_adapter), (padded, padded_adapter) = runs[1], runs[16]
+    assert padded["train/real_token_frac"] < plain["train/real_token_frac"]  # the multiple reached the passes
+    assert padded["reward"] == plain["reward"]
+    for key in ("loss", "grad_norm"):
+        assert padded[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6)
+    for name, tensor in plain_adapter.items():
+        torch.testing.assert_close(padded_adapter[name], tensor, rtol=1e-4, atol=1e-6)
+
+
 def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
     # (the trainer test above covers a small cache; this one the limit itself, without allocating it)
     from grpo import trainer
