@@ -29,7 +29,6 @@ its statistics read per micro-batch, the non-finite checks, clipping and the 8-b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -115,26 +114,13 @@ def qwen_batch(vocab: int, device: torch.device, scale: float = 1.0, seed: int =
     return make_batch(rollout, 0, device)
 
 
-def bucketed(batch, sl: slice, multiple: int):
-    """`batch.rows(sl)` with its width rounded up to a multiple of `multiple` positions (more padding, which
-    no counted token reads), so that micro-batches of different steps share widths."""
-    mb = batch.rows(sl)
-    width = min(-(-mb.input_ids.shape[1] // multiple) * multiple, batch.input_ids.shape[1])
-    return dataclasses.replace(mb, input_ids=batch.input_ids[sl, :width])
-
-
-def positions_run(batch, slices, multiple: int) -> int:
-    """Positions the forwards over `slices` run (rows times width), real tokens and padding together."""
-    return sum(len(batch.lengths[sl]) * bucketed(batch, sl, multiple).input_ids.shape[1] for sl in slices)
-
-
-def train_pass(policy, batch, slices, multiple: int = 1) -> None:
+def train_pass(policy, batch, slices) -> None:
     """Forward and backward over every micro-batch, each weighted by its share of the tokens (as the step)."""
     from grpo.batch import sequence_logprobs
 
     tokens = batch.mask.sum()
     for sl in slices:
-        mb = bucketed(batch, sl, multiple)
+        mb = batch.rows(sl)
         logp = sequence_logprobs(policy, mb, 1.0)
         (logp.sum() * (mb.mask.sum() / tokens)).backward()
     policy.zero_grad(set_to_none=True)
@@ -189,18 +175,19 @@ def main() -> None:
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn", "efficient"], default="default",
                         help="the scaled_dot_product_attention backend tried first (default: torch's choice)")
     parser.add_argument("--bucket", type=int, default=1,
-                        help="round each micro-batch's width up to a multiple of this many positions (1: none)")
+                        help="round each micro-batch's width up to a multiple of this many positions, as the "
+                             "trainer's --pad-to-multiple-of (1: none)")
     parser.add_argument("--trainer", action="store_true",
                         help="time the trainer's update (grpo.step.update_policy, its optimizer step included) "
-                             "instead of the bare forward and backward (not with --bucket)")
+                             "instead of the bare forward and backward")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per size (median)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and short rows on the CPU: plumbing only")
     add_out_argument(parser)
     args = parser.parse_args()
-    if args.bucket < 1 or (args.trainer and args.bucket > 1):
-        parser.error(f"--bucket {args.bucket}: a width multiple >= 1, and 1 with --trainer (which cuts its own)")
+    if args.bucket < 1:
+        parser.error(f"--bucket {args.bucket}: a width multiple, 1 or more")
 
-    from grpo.batch import micro_batches
+    from grpo.batch import micro_batches, real_token_share
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rec = Recorder("train_pass", args.out)
@@ -217,8 +204,8 @@ def main() -> None:
     seeds = iter(range(1, 10**6))
     for micro in args.micro:
         # the timed passes' batches, each cut into its micro-batches (--vary: a new step's lengths each)
-        cut = [micro_batches(qwen_batch(vocab, device, scale, next(seeds)) if args.vary else batch, adv, micro)
-               for _ in range(1 + args.repeats)]
+        cut = [micro_batches(qwen_batch(vocab, device, scale, next(seeds)) if args.vary else batch, adv, micro,
+                             args.bucket) for _ in range(1 + args.repeats)]
         passes = iter(cut)
 
         def one_pass() -> None:
@@ -226,7 +213,7 @@ def main() -> None:
             if update is not None:
                 update(step_batch, step_adv, slices)
             else:
-                train_pass(policy, step_batch, slices, args.bucket)
+                train_pass(policy, step_batch, slices)
 
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -235,9 +222,8 @@ def main() -> None:
         with sdpa_backends(args.sdpa):
             ms = median_ms(one_pass, warmup=1, iters=args.repeats)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else None
-        real = sum(sum(b.lengths) for b, _, _ in cut)
-        run = sum(positions_run(b, slices, args.bucket) for b, _, slices in cut)
-        rec.record("pass", micro=micro, passes=len(cut[0][2]), ms=round(ms, 2), real_token_frac=round(real / run, 3),
+        share = statistics.mean(real_token_share(b, slices) for b, _, slices in cut)
+        rec.record("pass", micro=micro, passes=len(cut[0][2]), ms=round(ms, 2), real_token_frac=round(share, 3),
                    peak_over_weights_gib=None if peak is None else round(peak, 2))
 
 
