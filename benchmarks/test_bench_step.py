@@ -27,7 +27,7 @@ def _skip_without_unsloth() -> None:
 
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
-              micro_batch: int | None = None, lora_compute: str = "base", impl: str = "ours",
+              micro_batch: int | None = None, lora_compute: str | None = None, impl: str = "ours",
               engine: str = "native", attention: str = "auto") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
@@ -43,8 +43,8 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     model_dir = bench_env.fp8_block_dir() if fp8_block else bench_env.model_dir()
     cfg = bs.step_config(model_dir, bench_env.prompts(shape), shape, fp8=dtype == "fp8" and not fp8_block,
                          steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
-                         micro_batch_size=micro_batch, lora_compute=lora_compute, engine=engine,
-                         engine_attention=attention)
+                         micro_batch_size=micro_batch, engine=engine, engine_attention=attention,
+                         **({} if lora_compute is None else {"lora_compute": lora_compute}))  # None: the product's
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
