@@ -8,9 +8,9 @@
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl (.jit)      scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
-#                                                                           kit is carried, issue 31's decode
-#                                                                           tests and probes use the idle GPU
-#                                                                           (up to 10 min; SIDE=0: not)
+#                                                                           kit is carried, issue 31's training
+#                                                                           pass probes use the idle GPU
+#                                                                           (150 s at most; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -70,16 +70,21 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this: up to 10 minutes, 58 of 68 tests ran in 5 on 2026-12-02): every CUDA test of
-  # the decode kernels, the engine, FP8 and the log-prob kernels, then the Qwen token step with the attention
-  # kernel against the product's
+  # device; the chain waits for this, 150 s at most): what a run's new widths cost the Qwen preset's training
+  # pass (benchmarks/probes/train_pass.py on a random model of its shapes; scripts/trl_comparison.sh CHAIN=speed
+  # runs the same probes before its two runs)
   export PYTHONPATH=$PWD:/tmp/site
-  echo "$(date -u +%T) start side (issue 31's decode tests and probes)" >> $EP/stages.log
-  timeout -k 10 420 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemm.py tests/test_native_engine.py \
-    tests/test_fp8.py tests/test_logprobs.py -k cuda > $EP/results/side/cuda-tests.log 2>&1 || true
-  tail -3 $EP/results/side/cuda-tests.log >> $EP/stages.log
-  timeout -k 10 130 python3 benchmarks/probes/native_engine.py --plan qwen --variants qwen_product \
-    qwen_attention_kernel --budget-s 90 --out $EP/results/side || true
+  echo "$(date -u +%T) start side (issue 31's train_pass probes)" >> $EP/stages.log
+  local probe=(python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
+               --out $EP/results/side) end=$(( $(date +%s) + 150 ))
+  for variant in "" "--vary" "--vary --sdpa flash" "--vary --bucket 64" "--vary --trainer" \
+                 "--vary --trainer --sdpa flash"; do
+    local left=$(( end - $(date +%s) ))
+    [ $left -gt 10 ] || break
+    # shellcheck disable=SC2086  # the variant's flags are words
+    timeout -k 5 $left "${probe[@]}" $variant >> $EP/results/side/train-pass.log 2>&1 || true
+  done
+  grep -h '"kind"' $EP/results/side/train-pass.log | cut -c1-220 >> $EP/stages.log || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }
