@@ -16,13 +16,15 @@ A run differs from those repeats in one way a repeat cannot show: no two steps s
 widths. On the H200 (2026-12-02) the preset's training pass in micro-batches of 16 took 0.76 s here and
 1.30 s a step in a 60-step run of the same flags. `--vary` gives every pass a new step's lengths (the
 recorded step's, shuffled and moved by up to 30 tokens), and three variants price what a new width may
-cost: `--sdpa` the attention backend torch picks (cuDNN's builds a plan per new shape), `--bucket` widths
-rounded up so that they repeat, `--trainer` the trainer's own update (`grpo.step.update_policy`: the loss,
-its statistics read per micro-batch, the non-finite checks, clipping and the 8-bit AdamW step).
+cost: `--sdpa torch` torch's own attention backends (cuDNN's first on sm90, which plans every new shape:
+what the trainer ran before it left cuDNN out), `--bucket` widths rounded up so that they repeat,
+`--trainer` the trainer's own update (`grpo.step.update_policy`: the loss, its statistics read per
+micro-batch, the non-finite checks, clipping and the 8-bit AdamW step). Measured: benchmarks/RESULTS.md,
+"New widths".
 
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 64 32 16 8
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base \
-        --vary [--sdpa flash] [--bucket 64] [--trainer]
+        --vary [--sdpa torch] [--bucket 64] [--trainer]
     python benchmarks/probes/train_pass.py --smoke        (a tiny model on the CPU: the plumbing only)
 """
 
@@ -146,19 +148,13 @@ def trainer_update(policy, cfg, device: torch.device):
 
 
 def sdpa_backends(name: str):
-    """A context that makes torch's scaled_dot_product_attention prefer one backend (the others after it,
-    in torch's order), or nothing for "default" (torch's own choice: cuDNN first on sm90 in torch 2.11)."""
+    """The attention backends of the passes: "product" the trainer's (`grpo.model.attention_without_cudnn`),
+    "torch" torch's own choice (cuDNN's first on sm90 in torch 2.11, which plans every new shape)."""
     from contextlib import nullcontext
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from grpo.model import attention_without_cudnn
 
-    if name == "default":
-        return nullcontext()
-    first = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-    rest = [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH) if b != first]
-    return sdpa_kernel([first, *rest], set_priority=True)
+    return attention_without_cudnn() if name == "product" else nullcontext()
 
 
 def main() -> None:
@@ -172,8 +168,8 @@ def main() -> None:
                              "since 2026-12-02)")
     parser.add_argument("--vary", action="store_true",
                         help="every pass on a new step's lengths (as in a run) instead of the recorded step's")
-    parser.add_argument("--sdpa", choices=["default", "flash", "cudnn", "efficient"], default="default",
-                        help="the scaled_dot_product_attention backend tried first (default: torch's choice)")
+    parser.add_argument("--sdpa", choices=["product", "torch"], default="product",
+                        help="attention backends: the trainer's (cuDNN's left out) or torch's own order")
     parser.add_argument("--bucket", type=int, default=1,
                         help="round each micro-batch's width up to a multiple of this many positions, as the "
                              "trainer's --pad-to-multiple-of (1: none)")
