@@ -49,7 +49,9 @@ IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step",
               "ours-lora-bf16": "ours, --lora-compute base",
               "ours-lora-fp32": "ours, --lora-compute float32", "ours-vllm": "ours, --engine vllm",
               "ours-unsloth": "ours, --engine unsloth", "ours-attention-kernel": "ours, --engine-attention kernel",
+              "ours-sdpa": "ours, --engine-attention sdpa",
               "ours-mb4-attention-kernel": "ours, micro-batches of 4, --engine-attention kernel",
+              "ours-mb4-sdpa": "ours, micro-batches of 4, --engine-attention sdpa",
               "trl": "TRL", "trl-vllm": "TRL + vLLM colocated",
               "unsloth-grpo": "Unsloth's GRPO"}
 

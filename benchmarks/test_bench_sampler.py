@@ -93,7 +93,7 @@ def copy_bandwidth(bench_env) -> float | None:
 def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it), attending with
     torch's sdpa; and with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
-    choice from 64 rows, where it was measured to pay on the Qwen preset) in its place."""
+    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place."""
     import contextlib
 
     from grpo.kernels import decode_attention

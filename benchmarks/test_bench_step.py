@@ -141,18 +141,13 @@ def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, re
 @pytest.mark.bench_order(52)
 @pytest.mark.bench_cost(50)
 @pytest.mark.parametrize("config_name", ["bench", "long"])
-def test_grpo_step_with_the_attention_kernel(benchmark, bench_env, results, tmp_path, config_name):
-    """bf16 with --engine-attention kernel (the long config in micro-batches of 4, as above): the split-KV
-    attention kernel in every decode step instead of torch's sdpa, beside the default's rows of this run."""
-    import torch
-
-    from grpo.kernels import decode_attention
-
-    if not (bench_env.cuda and decode_attention.can_run(torch.device("cuda"))):
-        pytest.skip("the attention kernel needs triton and a CUDA GPU of Ampere or newer")
-    micro, impl = (4, "ours-mb4-attention-kernel") if config_name == "long" else (None, "ours-attention-kernel")
+def test_grpo_step_with_sdpa_attention(benchmark, bench_env, results, tmp_path, config_name):
+    """bf16 with --engine-attention sdpa (the long config in micro-batches of 4, as above): torch's sdpa in
+    every decode step instead of the split-KV attention kernel that auto takes on CUDA from 16 rows, beside
+    the default's rows of this run."""
+    micro, impl = (4, "ours-mb4-sdpa") if config_name == "long" else (None, "ours-sdpa")
     _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", micro_batch=micro, impl=impl,
-              attention="kernel")
+              attention="sdpa")
 
 
 def _run_peer(benchmark, bench_env, results, config_name: str, impl: str, dtype: str, run) -> dict:

@@ -96,8 +96,8 @@ class Config:
                                       "only as long as its longest row). Default: P*G.", "grpo")
     pad_to_multiple_of: int = _f(1, "Round each training pass's width (prompt and completion positions) up to a "
                                  "multiple of this: more padding, which no counted token reads, but widths that "
-                                 "repeat from step to step, for kernels that plan per shape (cuDNN's attention on "
-                                 "Hopper). 1: each pass as wide as its longest row.", "grpo")
+                                 "repeat from step to step, for kernels that plan per shape (the trainer leaves "
+                                 "cuDNN's attention out for that). 1: each pass as wide as its longest row.", "grpo")
     num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
     beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
                      "grpo")
@@ -166,9 +166,9 @@ class Config:
                                "(torch's scaled_dot_product_attention over the cache padded to a bucket), kernel "
                                "(grpo.kernels.decode_attention: Triton, each row's cache split over the sequence "
                                "and read to its own length; needs triton and CUDA), or auto (the kernel on CUDA "
-                               "for engines of 64 rows or more, P*G or the eval's batch, where it took the Qwen "
-                               "preset's decode from 1.20 to 1.12 s a step on the H200; sdpa below, where it is "
-                               "not yet timed).", "sampling", choices=["auto", "sdpa", "kernel"])
+                               "for engines of 16 rows or more, P*G or the eval's batch, where it took the bench "
+                               "step from 1.27 to 1.18 s and the Qwen preset's decode from 1.20 to 1.12 s a step "
+                               "on the H200; sdpa below, where it is not yet timed).", "sampling", choices=["auto", "sdpa", "kernel"])
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: with "

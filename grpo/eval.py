@@ -171,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     problem = eval_flag_problem(args)
     if problem:
         parser.error(problem)
+    from grpo.model import attention_without_cudnn
+
     try:
-        result = evaluate_from_flags(args)
+        with attention_without_cudnn():  # as the trainer's evaluations run: every prompt width is new
+            result = evaluate_from_flags(args)
     except Exception as err:
         return report(err, args.debug, adapter_load_error(err, args.adapter, args.model))
     json.dump(result, sys.stdout)

@@ -10,6 +10,8 @@ model. The reference policy is this same model with its adapters disabled.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,25 @@ def resolve_model_dir(name: str) -> Path:
             + (" (./dev sets HF_HUB_OFFLINE=1 unless you set it: HF_HUB_OFFLINE=0 ./dev train ... goes online)"
                if offline else "")
         ) from None
+
+
+@contextmanager
+def attention_without_cudnn() -> Iterator[None]:
+    """Within the block, torch's scaled_dot_product_attention leaves cuDNN's backend out (flash or
+    memory-efficient attention take its place); leaving it restores what was enabled before.
+
+    torch puts cuDNN's attention first on Hopper, and cuDNN builds a plan for every new shape: on the H200
+    (torch 2.11, 2026-12-02) a forward and backward at a new sequence length took 164 ms, the same call
+    once planned 0.70 ms, flash's 0.73 ms with no plan. A run never repeats its shapes (each step's
+    prompts and micro-batches have new widths): the Qwen preset's training pass on new widths took 1.39 s
+    with cuDNN, 1.03 s without (benchmarks/RESULTS.md, "New widths"). cuDNN's backward was also the
+    one that returned NaN under a padding mask (`grpo.batch.sequence_logprobs`)."""
+    was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 
 def load_tokenizer(model_dir: Path):

@@ -44,7 +44,8 @@ from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
-from grpo.model import default_device, load_policy, load_unsloth_policy, model_positions, model_summary
+from grpo.model import (attention_without_cudnn, default_device, load_policy, load_unsloth_policy, model_positions,
+                        model_summary)
 from grpo.optim import make_optimizer, make_scheduler
 from grpo.rollout import (Engine, Sampling, VLLMOptions, auto_refusal, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
@@ -67,7 +68,8 @@ def train(cfg: Config) -> Path:
     calls this; without it, the run is one process and makes no process group."""
     world = init_world()
     try:
-        return run(cfg, world)
+        with attention_without_cudnn():  # its plan for every new width cost more than its kernels save
+            return run(cfg, world)
     finally:
         world.close()
 

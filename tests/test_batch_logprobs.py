@@ -165,3 +165,30 @@ def test_models_whose_logits_are_not_the_output_layers_product_are_refused_at_lo
     llama_tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"--model {tmp_path}: model 'granite' changes its logits"):
         load_policy(Config(model=str(tmp_path)), torch.device("cpu"))
+
+
+def test_attention_without_cudnn_leaves_out_cudnn_alone_and_restores_what_was_enabled():
+    import pytest
+
+    from grpo.model import attention_without_cudnn
+
+    backends = torch.backends.cuda
+    def others():
+        return backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled()
+
+    before = others()
+    assert backends.cudnn_sdp_enabled()
+    with attention_without_cudnn():
+        assert not backends.cudnn_sdp_enabled()
+        assert others() == before
+    assert backends.cudnn_sdp_enabled()
+    with pytest.raises(KeyError), attention_without_cudnn():
+        raise KeyError("a run that fails")
+    assert backends.cudnn_sdp_enabled()
+    backends.enable_cudnn_sdp(False)  # a caller who turned it off keeps it off after the block
+    try:
+        with attention_without_cudnn():
+            pass
+        assert not backends.cudnn_sdp_enabled()
+    finally:
+        backends.enable_cudnn_sdp(True)

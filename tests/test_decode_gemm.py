@@ -271,17 +271,17 @@ def test_engine_attention_choice_reaches_the_engine():
         build_engine("native", model, pad_id=PAD, max_seq_len=16, max_batch=2, attention="flash")
 
 
-def test_auto_attention_takes_the_kernel_on_cuda_from_64_rows_and_sdpa_elsewhere(monkeypatch):
+def test_auto_attention_takes_the_kernel_on_cuda_from_16_rows_and_sdpa_elsewhere(monkeypatch):
     from grpo.kernels import decode_attention
     from grpo.rollout.native import EngineTuning
     from grpo.rollout.native.tuning import KERNEL_ATTENTION_ROWS, auto_attention
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(decode_attention, "can_run", lambda device: True)  # triton there, as on a GPU machine
-    assert KERNEL_ATTENTION_ROWS == 64  # where the kernel was measured faster (the Qwen preset's rows)
-    assert [auto_attention(cuda, rows) for rows in (16, 63, 64, 256)] == ["sdpa", "sdpa", "kernel", "kernel"]
+    assert KERNEL_ATTENTION_ROWS == 16  # the fewest rows where the kernel was measured faster (the bench step's)
+    assert [auto_attention(cuda, rows) for rows in (1, 15, 16, 64, 256)] == ["sdpa"] * 2 + ["kernel"] * 3
     assert EngineTuning().attention == "auto"  # the product's, made concrete by the engine's rows
-    assert [EngineTuning().resolved(cuda, True, rows).attention for rows in (16, 64)] == ["sdpa", "kernel"]
+    assert [EngineTuning().resolved(cuda, True, rows).attention for rows in (8, 16)] == ["sdpa", "kernel"]
     assert EngineTuning(attention="sdpa").resolved(cuda, True, 64).attention == "sdpa"  # a choice stays
     assert auto_attention(cpu, 64) == "sdpa"  # not the interpreter, even where it could run
     monkeypatch.setattr(decode_attention, "can_run", lambda device: False)  # no triton

@@ -333,6 +333,22 @@ def test_engine_attention_reaches_the_trainers_engine(tiny_llama_dir, tmp_path, 
             train(tiny_cfg(tiny_llama_dir, tmp_path / "kernel", engine="native", engine_attention="kernel"))
 
 
+def test_a_run_trains_without_cudnns_attention_and_gives_it_back_after(tiny_llama_dir, tmp_path, monkeypatch):
+    from grpo import step
+
+    enabled_in_passes = []
+    original = step.sequence_logprobs
+
+    def recording(policy, batch, temperature):
+        enabled_in_passes.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return original(policy, batch, temperature)
+
+    monkeypatch.setattr(step, "sequence_logprobs", recording)
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, log_completions_steps=0))
+    assert enabled_in_passes and not any(enabled_in_passes)  # cuDNN plans each new width (grpo.model)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the rest of the process as it was
+
+
 def test_padding_to_a_multiple_changes_the_widths_run_and_nothing_learned(tiny_llama_dir, tmp_path):
     runs = {}
     for multiple in (1, 16):

@@ -15,11 +15,11 @@ import torch
 from grpo.kernels import decode_attention, decode_gemm
 
 # An engine built for this many rows or more (a training step's P*G, an evaluation's batch) attends with the
-# split-KV kernel under `--engine-attention auto`: on the H200 (2026-12-02) it took the Qwen preset's decode at
-# 64 rows from 1.20 to 1.12 s a step (60-step runs side by side; its token step 3.09 -> 2.88 ms in the probe).
-# Smaller engines keep sdpa until the sampler benchmark has timed the kernel there
-# (benchmarks/test_bench_sampler.py, 16 rows).
-KERNEL_ATTENTION_ROWS = 64
+# split-KV kernel under `--engine-attention auto`. On the H200 (2026-12-02) it took the Qwen preset's decode at
+# 64 rows from 1.20 to 1.12 s a step (60-step runs side by side), the bench step's at 16 rows from 0.79 to
+# 0.75 s (the step 1.27 -> 1.18 s) and the long config's from 3.04 to 2.73 s, in the same suite run.
+# Fewer rows are untimed: sdpa there.
+KERNEL_ATTENTION_ROWS = 16
 
 
 def auto_attention(device: torch.device, rows: int) -> str:
