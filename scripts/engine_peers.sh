@@ -31,8 +31,8 @@
 #                  the next hold too when .jit/autotune.tgz is carried)                                 ~7-10
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block (5.2, its first step 28 s from the cache)    ~5
 # and on request:
-#   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, the
-#                  attention kernel), the long config (and in micro-batches of 4, with and without the kernel),
+#   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, torch's
+#                  sdpa in decode), the long config (and in micro-batches of 4, with the kernel and sdpa),
 #                  64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa and with the
 #                  attention kernel, ours without the adapter, plain vLLM)                                  ~14
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
@@ -77,8 +77,8 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   echo "$(date -u +%T) start side (issue 31's train_pass probes)" >> $EP/stages.log
   local probe=(python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
                --out $EP/results/side) end=$(( $(date +%s) + 150 ))
-  for variant in "" "--vary" "--vary --sdpa flash" "--vary --bucket 64" "--vary --trainer" \
-                 "--vary --trainer --sdpa flash"; do
+  for variant in "" "--vary" "--vary --sdpa torch" "--vary --bucket 64 --sdpa torch" "--vary --trainer" \
+                 "--vary --trainer --sdpa torch"; do
     local left=$(( end - $(date +%s) ))
     [ $left -gt 10 ] || break
     # shellcheck disable=SC2086  # the variant's flags are words
@@ -112,7 +112,7 @@ chain() {
       unsloth-bf16) bench $s unsloth -k "unsloth_path and bf16" ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
-        -k "bench_config or multiplying_in_float32 or long_config or more_rows or attention_kernel or sampler" ;;
+        -k "bench_config or multiplying_in_float32 or long_config or more_rows or sdpa_attention or sampler" ;;
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac
   done

@@ -36,17 +36,15 @@
 # Measured 2026-12-02 (01:18-01:40 UTC after ~2.5 min of carrying): convert 3.0, 60 steps 4.4, merge and f16
 # 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
 #
-# CHAIN=speed (STEPS=60) runs `speed`: issue 31's lever on the preset's training pass. The preset trains in
-# micro-batches of 16 that keep their activations since 2026-12-02; a run's pass took 1.30 s where
-# benchmarks/probes/train_pass.py's took 0.76 s, the probe repeating one step's widths. torch puts cuDNN's
-# attention first on sm90, and cuDNN builds a plan for every new shape. So first the probe with every pass on
-# new widths, and each variant that may win the difference back (~3.5 min: `--sdpa flash`, `--bucket 64`,
-# `--trainer`), then STEPS steps of the preset as it is and STEPS of it with the faster way back (LEVER=flash:
-# TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment; LEVER=bucket: --pad-to-multiple-of 64; by default the
-# probe's faster, named in stages.log) and $FLAGS, each evaluated on the 319 held-out problems, compared
-# problem by problem: step time and phases from the two metrics files, accuracy within noise or not from
-# compare.log. No vLLM. Measured 2026-12-02 (13:19-13:34, two runs of the levers then): convert 2.75, probes
-# 2, each run 4 and its evaluation 1; this chain ~16 minutes after the carrying.
+# CHAIN=speed (STEPS=60) runs `speed`: issue 31's levers on the preset's training pass. A run's widths are
+# new every step, and cuDNN's attention planned each new one (164 ms on the H200), so the trainer leaves it out
+# since 2026-12-02 (`grpo.model.attention_without_cudnn`). First benchmarks/probes/train_pass.py on new widths:
+# as the product runs, with torch's backends (cuDNN back in), the trainer's update, and that update on widths
+# rounded to 64 (~2 min); then STEPS steps of the preset as it is and STEPS with $FLAGS on top (default
+# --pad-to-multiple-of 64), each evaluated on the 319 held-out problems and compared problem by problem: step
+# time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM.
+# Measured 2026-12-02: convert 2.9 min, the probes 0.5 min each, a run 4 and its evaluation 1; this chain ~16
+# minutes after the carrying (~2 min).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -72,8 +70,7 @@ QW_PARTS=22
 VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
-LEVER=${LEVER:-}  # CHAIN=speed: the lever run's way back, flash or bucket (default: the probe's faster one)
-FLAGS=${FLAGS:-}  # and more flags for it
+FLAGS=${FLAGS:---pad-to-multiple-of 64}  # CHAIN=speed: the second run's flags on top of the preset
 HOLD_S=${HOLD_S:-1800}        # the machine goes back after 30 minutes held
 RESERVE_S=${RESERVE_S:-330}   # kept for the two evaluations, the comparison and the last call
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -205,41 +202,22 @@ gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adap
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
-faster_lever() {  # which of the probe's two ways back was faster on new widths: flash or bucket
-  python3 -c 'import glob, json, sys
-ms = {}
-for path in glob.glob(sys.argv[1] + "/train_pass-*.jsonl"):
-    batch, *passes = [json.loads(line) for line in open(path)]
-    way = "flash" if batch.get("sdpa") == "flash" else "bucket" if batch.get("bucket", 1) > 1 else None
-    if way and batch.get("vary") and not batch.get("trainer") and passes:
-        ms[way] = passes[-1]["ms"]
-print(min(ms, key=ms.get) if ms else "flash")' $CMP/probe
-}
-
-speed() {  # CHAIN=speed: issue 31's lever on the preset, side by side in one hold: the train_pass probe's
-  # variants, then STEPS steps of the preset as it is and STEPS with the probe's faster way back, evaluated
+speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one hold: the train_pass probe's
+  # variants, then STEPS steps of the preset as it is and STEPS with $FLAGS on top, both evaluated
   begin_chain
   local probe=(timeout 120 python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
                --out $CMP/probe)
-  stage train-pass "${probe[@]}" || true                   # one step's widths, as measured at 13:22
-  stage train-pass-vary "${probe[@]}" --vary || true       # new widths every pass, as in a run
-  stage train-pass-flash "${probe[@]}" --vary --sdpa flash || true
-  stage train-pass-bucket "${probe[@]}" --vary --bucket 64 || true
+  stage train-pass-vary "${probe[@]}" --vary || true                      # new widths every pass, as in a run
+  stage train-pass-torch "${probe[@]}" --vary --sdpa torch || true        # cuDNN's attention back in
   stage train-pass-trainer "${probe[@]}" --vary --trainer || true
-  local lever=${LEVER:-$(faster_lever)} run
-  echo "$(date -u +%T) lever: $lever" >> $CMP/stages.log
+  stage train-pass-bucket "${probe[@]}" --vary --trainer --bucket 64 || true
+  local run
   for run in asis lever; do
-    local extra=() environment=()
-    if [ $run = lever ]; then
-      read -r -a extra <<< "$FLAGS"
-      case $lever in
-        flash) environment=(TORCH_CUDNN_SDPA_DEPRIORITIZED=1) ;;  # torch's flash attention ahead of cuDNN's
-        bucket) extra+=(--pad-to-multiple-of 64) ;;
-      esac
-    fi
+    local extra=()
+    if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
     # a run or evaluation that fails is in stages.log; the other run still goes
-    stage ours-$run env "${environment[@]}" python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS \
-      --eval-size 0 --output-dir $CMP/$run "${extra[@]}" || continue
+    stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
+      --output-dir $CMP/$run "${extra[@]}" || continue
     stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter \
       --per-problem $CMP/eval-$run.jsonl || continue
     last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json || true
@@ -280,7 +258,7 @@ case "${1:-}" in
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
       cp "$0" $CMP/chain.sh
-      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" LEVER="$LEVER" bash $CMP/chain.sh ${CHAIN:-chain} \
+      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" bash $CMP/chain.sh ${CHAIN:-chain} \
         > $CMP/chain.log 2>&1 < /dev/null &
       echo "chain ${CHAIN:-chain} started"
     fi
