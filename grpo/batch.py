@@ -35,7 +35,8 @@ class Batch:
     # from `start` and `mask`.
     lengths: tuple[int, ...] | None = None
     # `rows` rounds a micro-batch's width up to a multiple of this (--pad-to-multiple-of): more padding, but
-    # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention)
+    # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention, which the
+    # trainer leaves out: `grpo.model.attention_without_cudnn`)
     width_multiple: int = 1
 
     def __post_init__(self) -> None:

@@ -168,7 +168,8 @@ class Config:
                                "and read to its own length; needs triton and CUDA), or auto (the kernel on CUDA "
                                "for engines of 16 rows or more, P*G or the eval's batch, where it took the bench "
                                "step from 1.27 to 1.18 s and the Qwen preset's decode from 1.20 to 1.12 s a step "
-                               "on the H200; sdpa below, where it is not yet timed).", "sampling", choices=["auto", "sdpa", "kernel"])
+                               "on the H200; sdpa below, where it is not yet timed).", "sampling",
+                               choices=["auto", "sdpa", "kernel"])
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: with "

@@ -10,6 +10,7 @@ model. The reference policy is this same model with its adapters disabled.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,11 +89,13 @@ def attention_without_cudnn() -> Iterator[None]:
     with cuDNN, 1.03 s without (benchmarks/RESULTS.md, "New widths"). cuDNN's backward was also the
     one that returned NaN under a padding mask (`grpo.batch.sequence_logprobs`)."""
     was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    vllm_before = "vllm" in sys.modules
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(was_enabled)
+    finally:  # vLLM turns cuDNN's attention off for the process when imported: a run that imported it keeps that
+        if not ("vllm" in sys.modules and not vllm_before):
+            torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 
 def load_tokenizer(model_dir: Path):

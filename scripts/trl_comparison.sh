@@ -70,7 +70,7 @@ QW_PARTS=22
 VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
-FLAGS=${FLAGS:---pad-to-multiple-of 64}  # CHAIN=speed: the second run's flags on top of the preset
+FLAGS=${FLAGS---pad-to-multiple-of 64}  # CHAIN=speed: the second run's flags on top of the preset
 HOLD_S=${HOLD_S:-1800}        # the machine goes back after 30 minutes held
 RESERVE_S=${RESERVE_S:-330}   # kept for the two evaluations, the comparison and the last call
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

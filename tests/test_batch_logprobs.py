@@ -173,22 +173,24 @@ def test_attention_without_cudnn_leaves_out_cudnn_alone_and_restores_what_was_en
     from grpo.model import attention_without_cudnn
 
     backends = torch.backends.cuda
+
     def others():
         return backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled()
 
-    before = others()
-    assert backends.cudnn_sdp_enabled()
-    with attention_without_cudnn():
-        assert not backends.cudnn_sdp_enabled()
-        assert others() == before
-    assert backends.cudnn_sdp_enabled()
-    with pytest.raises(KeyError), attention_without_cudnn():
-        raise KeyError("a run that fails")
-    assert backends.cudnn_sdp_enabled()
-    backends.enable_cudnn_sdp(False)  # a caller who turned it off keeps it off after the block
+    was = backends.cudnn_sdp_enabled()
+    backends.enable_cudnn_sdp(True)  # torch's default (a process that imported vLLM has it off)
     try:
+        before = others()
+        with attention_without_cudnn():
+            assert not backends.cudnn_sdp_enabled()
+            assert others() == before
+        assert backends.cudnn_sdp_enabled()
+        with pytest.raises(KeyError), attention_without_cudnn():
+            raise KeyError("a run that fails")
+        assert backends.cudnn_sdp_enabled()
+        backends.enable_cudnn_sdp(False)  # a caller who turned it off keeps it off after the block
         with attention_without_cudnn():
             pass
         assert not backends.cudnn_sdp_enabled()
     finally:
-        backends.enable_cudnn_sdp(True)
+        backends.enable_cudnn_sdp(was)

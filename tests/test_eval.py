@@ -145,6 +145,21 @@ def test_eval_cli_writes_one_line_per_held_out_problem(tiny_llama_dir, tmp_path,
     assert "--batch-rows 0" in capsys.readouterr().err
 
 
+def test_eval_cli_evaluates_without_cudnns_attention_as_the_trainer_does(monkeypatch, capsys):
+    # every prompt width of an evaluation is new: cuDNN's attention would plan each (grpo.model)
+    enabled = []
+    monkeypatch.setattr(grpo_eval, "evaluate_from_flags",
+                        lambda args: enabled.append(torch.backends.cuda.cudnn_sdp_enabled()) or {"eval/prompts": 0})
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        assert grpo_eval.main(["--model", "any/model"]) == 0
+        assert enabled == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    assert json.loads(capsys.readouterr().out) == {"eval/prompts": 0}
+
+
 def test_eval_cli_refuses_an_empty_stop_string_before_loading_anything(capsys):
     from grpo.eval import main
 

@@ -344,9 +344,14 @@ def test_a_run_trains_without_cudnns_attention_and_gives_it_back_after(tiny_llam
         return original(policy, batch, temperature)
 
     monkeypatch.setattr(step, "sequence_logprobs", recording)
-    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, log_completions_steps=0))
-    assert enabled_in_passes and not any(enabled_in_passes)  # cuDNN plans each new width (grpo.model)
-    assert torch.backends.cuda.cudnn_sdp_enabled()  # the rest of the process as it was
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default (a process that imported vLLM has it off)
+    try:
+        train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, log_completions_steps=0))
+        assert enabled_in_passes and not any(enabled_in_passes)  # cuDNN plans each new width (grpo.model)
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # the rest of the process as it was
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def test_padding_to_a_multiple_changes_the_widths_run_and_nothing_learned(tiny_llama_dir, tmp_path):
