@@ -8,9 +8,9 @@
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl (.jit)      scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
-#                                                                           kit is carried, issue 31's training
-#                                                                           pass probes use the idle GPU
-#                                                                           (150 s at most; SIDE=0: not)
+#                                                                           kit is carried, issue 31's token
+#                                                                           step profile uses the idle GPU
+#                                                                           (180 s at most; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -70,21 +70,18 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, 150 s at most): what a run's new widths cost the Qwen preset's training
-  # pass (benchmarks/probes/train_pass.py on a random model of its shapes; scripts/trl_comparison.sh CHAIN=speed
-  # runs the same probes before its two runs)
+  # device; the chain waits for this, 180 s at most): EngineTuning.rope_in_attention's CUDA test, then where
+  # the bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the
+  # product's engine on Llama-3.2-1B shapes with the adapter at 16 rows, and with rope_in_attention: step
+  # time, kernels by family, the time between them)
   export PYTHONPATH=$PWD:/tmp/site
-  echo "$(date -u +%T) start side (issue 31's train_pass probes)" >> $EP/stages.log
-  local probe=(python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
-               --out $EP/results/side) end=$(( $(date +%s) + 150 ))
-  for variant in "" "--vary" "--vary --sdpa torch" "--vary --bucket 64 --sdpa torch" "--vary --trainer" \
-                 "--vary --trainer --sdpa torch"; do
-    local left=$(( end - $(date +%s) ))
-    [ $left -gt 10 ] || break
-    # shellcheck disable=SC2086  # the variant's flags are words
-    timeout -k 5 $left "${probe[@]}" $variant >> $EP/results/side/train-pass.log 2>&1 || true
-  done
-  grep -h '"kind"' $EP/results/side/train-pass.log | cut -c1-220 >> $EP/stages.log || true
+  echo "$(date -u +%T) start side (issue 31's token step, inside its graph)" >> $EP/stages.log
+  timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider tests/test_native_engine.py -k rope_in_attention \
+    > $EP/results/side/cuda-test.log 2>&1 || true
+  tail -1 $EP/results/side/cuda-test.log >> $EP/stages.log
+  timeout -k 5 120 python3 benchmarks/probes/native_engine.py --plan bench --budget-s 80 \
+    --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
+  grep -h "graph_step\|ms/step" $EP/results/side/native-engine.log | cut -c1-220 >> $EP/stages.log || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }

@@ -572,3 +572,30 @@ def test_the_unsloth_benchmarks_skip_without_importing_unsloth(monkeypatch, tmp_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # not installed
     with pytest.raises(pytest.skip.Exception, match="needs unsloth"):
         step._skip_without_unsloth()
+
+
+def test_the_engine_probes_plans_name_only_steps_it_runs_and_its_families_name_our_kernels(monkeypatch):
+    # A plan naming a step no code runs would run nothing and say nothing; a kernel of ours filed under
+    # "elementwise/other" would hide where a token step's time goes.
+    import re
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("native_engine")
+    source = (PROBES / "native_engine.py").read_text()
+    named = set(re.findall(r'step\(\s*"(\w+)"', source))  # step("name", ...), and the steps named in loops:
+    named |= set(re.findall(r'\("(\w+)", ', re.search(r"for name, kw in \((.*?)\):", source, re.S).group(1)))
+    named |= {f"compile_{a}" for a in ("matmul", "sdpa", "kernel")}
+    for plan, variants in probe.PLANS.items():
+        assert set(variants) <= named, (plan, set(variants) - named)
+    assert probe.PLANS["bench"][:2] == ["lora_product", "lora_product_graph"]
+    families = {name: probe._family(name) for name in (
+        "proj_kernel", "gated_kernel", "lora_down_kernel", "attend_chunk_kernel", "attend_combine_kernel",
+        "rope_store_kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN")}
+    assert families == {
+        "proj_kernel": "decode GEMM kernels", "gated_kernel": "decode GEMM kernels", "lora_down_kernel": "lora_down",
+        "attend_chunk_kernel": "attention", "attend_combine_kernel": "attention",
+        "rope_store_kernel": "rope + KV write",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "reduce/softmax",
+        "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN": "gemm"}

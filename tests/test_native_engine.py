@@ -449,6 +449,30 @@ def test_attention_kernel_in_chunks_in_the_captured_step_gives_the_rollout_of_ma
 
 @pytest.mark.cuda
 @cuda
+def test_rope_in_attention_gives_the_rollout_of_the_launches_apart_in_the_captured_step():
+    # EngineTuning.rope_in_attention on the GPU: the kernel layer with q's and K's rotaries and the K/V write in
+    # the attention's launch, in the compiled, captured step (bf16, two chunks a row), against them apart
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+
+    model = get_peft_model(small_llama(seed=10), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS),
+                                                            init_lora_weights=False)).cuda().to(torch.bfloat16)
+    sampling = Sampling(max_new_tokens=80, temperature=1.0, seed=5)
+    rollouts = [NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, gemm="kernels", tuning=EngineTuning(
+        kv_bucket=128, attention="kernel", rope_in_attention=fused)).generate(PROMPTS, 2, sampling)
+        for fused in (False, True)]
+    apart, fused = rollouts
+    assert fused.completion_ids.shape == apart.completion_ids.shape
+    same = (fused.completion_ids == apart.completion_ids).all(1).float().mean().item()
+    assert same >= 0.5  # bf16 near-ties may part a row late; most rows must agree token for token
+    first = fused.completion_ids[:, :8] == apart.completion_ids[:, :8]
+    assert first.all()
+    torch.testing.assert_close(fused.sampler_logp[:, :8], apart.sampler_logp[:, :8], atol=2e-2, rtol=0)
+
+
+@pytest.mark.cuda
+@cuda
 def test_adapter_launches_beside_their_lora_down_give_the_rollout_of_plain_launches():
     # decode_gemm.Tuning.pdl on Hopper or newer: each projection with an adapter starts while its lora_down
     # still runs and waits for it before the LoRA term; in the engine's CUDA graphs, replayed step after step

@@ -4,7 +4,8 @@ Llama-3.2-1B shapes (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 
 tied embeddings, llama3 rope scaling), random weights in bf16; 4 prompts x G=4 = 16 rows, 128-token
 prompts, 512 new tokens with ignore_eos; temperature 1, min_p 0.1 (the recipe's sampling).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/native_engine.py [--plan compiled|graph|gemm|rows] [--budget-s 150]
+    PYTHONPATH=$PWD python3 benchmarks/probes/native_engine.py [--plan compiled|graph|gemm|rows|qwen|bench]
+        [--budget-s 150]
 
 Plans (`--variants` picks steps by name instead):
   graph     the CUDA graph against eager and transformers `generate`, every model kind (bf16, FP8, LoRA),
@@ -16,6 +17,10 @@ Plans (`--variants` picks steps by name instead):
   qwen      Qwen2.5-Coder-1.5B shapes with rsLoRA r=32 at the qwen1.5b-gsm8k preset's 64 rows and 384 tokens
             (4 random prompts of 128 tokens x 16, not its 8 x 8 of GSM8K): the product's step (kernels,
             compiled, graph) against the modules and the attention kernel, and where a token step's GPU time goes
+            (eager, and inside the graph)
+  bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
+            where its time goes inside the CUDA graph: the kernels by family, and the time between them; the
+            same with EngineTuning.rope_in_attention
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
 each step is skipped, not failed, when the time budget runs out.
@@ -185,6 +190,54 @@ def hf_generate_ms(model) -> float:
     return (times[40] - times[8]) / 32 * 1e3
 
 
+def _family(name: str) -> str:
+    """The kernel family a CUDA kernel's name belongs to, for the breakdowns."""
+    n = name.lower()
+    if "lora_down" in n:
+        return "lora_down"
+    if "proj_kernel" in n or "gated_kernel" in n:
+        return "decode GEMM kernels"
+    if "rope_store" in n:
+        return "rope + KV write"
+    if any(s in n for s in ("attend", "attention", "fmha", "flash", "sdpa")):
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90", "xmma", "gemv", "splitk", "matmul", "mm_")):
+        return "gemm"
+    if "sort" in n or "radix" in n:
+        return "sort"
+    if "reduce" in n or "softmax" in n or "norm" in n or "rsqrt" in n:  # rsqrt: a compiled RMSNorm
+        return "reduce/softmax"
+    if "scatter" in n or "index" in n or "gather" in n:
+        return "scatter/index"
+    if "memcpy" in n or "memset" in n or "copy" in n:
+        return "copy"
+    return "elementwise/other"
+
+
+def _record_families(rec: Recorder, kind: str, label: str, prof, steps: int, **extra) -> float:
+    """Records GPU time and launches per step by kernel family from a profile of `steps` steps, and the
+    10 costliest kernels; returns the kernels' summed microseconds per step."""
+    fams: dict[str, float] = {}
+    count: dict[str, int] = {}
+    top = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us <= 0:
+            continue
+        fam = _family(e.key)
+        fams[fam] = fams.get(fam, 0.0) + us / steps
+        count[fam] = count.get(fam, 0) + e.count // steps
+        top.append((us / steps, e.count // steps, e.key[:90]))
+    total = sum(fams.values())
+    rec.record(kind, variant=label, per_step_us={k: round(v) for k, v in fams.items()}, per_step_launches=count,
+               sum_us=round(total), sum_launches=sum(count.values()), **extra)
+    for us, c, key in sorted(top, reverse=True)[:10]:
+        rec.record("kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
+    return total
+
+
 def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int = ROWS) -> None:
     """GPU time per kernel family in one eager (ungraphed) decode step of `rows` rows."""
     from torch.profiler import ProfilerActivity, profile
@@ -203,35 +256,56 @@ def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int
                 engine._step(rows, 256, s, StopRule())
             torch.cuda.synchronize()
     model.train(was_training)
-    fams: dict[str, float] = {}
-    count: dict[str, int] = {}
-    top = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = e.self_cuda_time_total
-        if us <= 0:
-            continue
-        n = e.key.lower()
-        if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90", "xmma", "gemv", "splitk", "matmul", "mm_")):
-            fam = "gemm"
-        elif "sort" in n or "radix" in n:
-            fam = "sort"
-        elif "reduce" in n or "softmax" in n or "norm" in n:
-            fam = "reduce/softmax"
-        elif "scatter" in n or "index" in n or "gather" in n:
-            fam = "scatter/index"
-        elif "memcpy" in n or "memset" in n or "copy" in n:
-            fam = "copy"
-        else:
-            fam = "elementwise/other"
-        fams[fam] = fams.get(fam, 0.0) + us / steps
-        count[fam] = count.get(fam, 0) + e.count // steps
-        top.append((us / steps, e.count // steps, e.key[:90]))
-    rec.record("kernels", variant=label, rows=rows, per_step_us={k: round(v) for k, v in fams.items()},
-        per_step_launches=count, sum_us=round(sum(fams.values())), sum_launches=sum(count.values()))
-    for us, c, key in sorted(top, reverse=True)[:10]:
-        rec.record("kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
+    _record_families(rec, "kernels", label, prof, steps, rows=rows)
+    engine.release_memory()
+
+
+def graph_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int = ROWS, new: int = NEW,
+                    replays: int = 20) -> None:
+    """A token step as a generate runs it, in its CUDA graph, halfway through the completions: its wall time
+    (CUDA events around `replays` replays), the GPU time of the kernels it launched by family (CUPTI traces
+    the kernels of a graph), and what is left between them: the launch gaps and waits that the eager
+    breakdown cannot show (negative where kernels overlap: parallel streams, dependent launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = make_engine(model, use_cuda_graph=True, max_batch=rows, **(engine_kw or {}))
+    s = sampling(max_new_tokens=new)
+    engine.generate(prompts(), rows // P, s)  # compiles and captures every KV bucket's graph, which stay
+    half = new // 2
+    kv_len = engine._kv_bucket(PROMPT, half + replays)  # one bucket for all the replays (the graph reads
+    if engine._kv_bucket(PROMPT, half) != kv_len:  # no position past its bucket)
+        half = kv_len - PROMPT - replays - 1
+    # every replay writes its K/V at PROMPT + half + i and its outputs at column half + i: inside the cache
+    assert 0 <= half and half + replays <= new and PROMPT + half + replays <= kv_len <= engine.max_seq_len, (
+        f"graph_breakdown: {replays} replays from step {half} do not fit {new} new tokens")
+    with torch.no_grad():  # generate's own graph, cached (captured again only if generate did not need it)
+        graph = engine._graph_for(rows, kv_len, s, StopRule.of(s))
+    st = engine._state
+
+    def rewind() -> None:  # back to step `half` of every row, so that the replays stay in the cache and outputs
+        st.pos[:rows] = PROMPT + half
+        st.step.fill_(half)
+
+    rewind()
+    graph.replay()
+    rewind()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    step_us = start.elapsed_time(end) * 1e3 / replays
+    rewind()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels_us = _record_families(rec, "graph_kernels", label, prof, replays, rows=rows, kv_len=kv_len,
+                                  step_us=round(step_us, 1))
+    rec.record("graph_step", variant=label, rows=rows, step_us=round(step_us, 1), kernels_us=round(kernels_us, 1),
+               between_kernels_us=round(step_us - kernels_us, 1))
     engine.release_memory()
 
 
@@ -353,7 +427,11 @@ PLANS = {
     # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
     # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
-    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_attention_kernel", "qwen_modules", "qwen_kernels"],
+    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_attention_kernel", "qwen_modules", "qwen_kernels",
+             "qwen_graph"],
+    # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
+    # its time goes inside the CUDA graph
+    "bench": ["lora_product", "lora_product_graph", "lora_rope_in_attention", "lora_rope_in_attention_graph"],
 }
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
@@ -374,7 +452,8 @@ def _without_pdl(fn):
 def qwen_steps(rec: Recorder, step) -> None:
     """The `qwen` plan: the product's engine (EngineTuning's defaults: decode kernels, compiled, CUDA graph)
     on Qwen2.5-Coder-1.5B shapes with rsLoRA r=32, against the same step through the modules, and the kernel
-    families of one token step at 64 rows (eager: the graph replays these same kernels)."""
+    families of one token step at 64 rows (eager: the graph replays these same kernels), and the same inside the
+    CUDA graph with the time between the kernels (`graph_breakdown`)."""
     if not any(v.startswith("qwen_") for v in step.chosen):
         return
     try:
@@ -399,6 +478,8 @@ def qwen_steps(rec: Recorder, step) -> None:
                                                              engine_kw=product | {"attention": "kernel"},
                                                              rows=QWEN_ROWS, new=QWEN_NEW))
     step("qwen_kernels", lambda: kernel_breakdown(rec, "qwen_product", model, engine_kw=product, rows=QWEN_ROWS))
+    step("qwen_graph", lambda: graph_breakdown(rec, "qwen_product", model, engine_kw=product, rows=QWEN_ROWS,
+                                               new=QWEN_NEW))
 
 
 @dataclass
@@ -439,7 +520,8 @@ def print_summary(rec: Recorder) -> None:
             print(f"{r['variant']:<48} {r['ms_per_step']:>7.3f} ms/step {r['tok_per_s']:>7} tok/s {r['gbps']:>6} GB/s "
                   f"prefill {r['prefill_ms']} ms capture {r['capture_ms']} ms first {r['first_wall_s']} s "
                   f"peak+{r['peak_extra_gib']} GiB")
-        if r["kind"] in ("standby", "correctness", "error", "skipped", "kernels", "best", "rows_check"):
+        if r["kind"] in ("standby", "correctness", "error", "skipped", "kernels", "best", "rows_check", "graph_kernels",
+                         "graph_step"):
             print({k: v for k, v in r.items() if k not in ("tb",)})
 
 
@@ -524,6 +606,14 @@ def main() -> None:
     lora = add_lora(model)  # wraps model's projections in place
     wl = weight_bytes(lora)
     step("lora", lambda: run_engine(rec, "bf16+LoRA r32 graph", lora, wl))
+    product = product_engine_kw()
+    step("lora_product", lambda: run_engine(rec, "bf16+LoRA r32 product", lora, wl, engine_kw=product))
+    step("lora_product_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 product", lora, engine_kw=product))
+    fused = product | {"rope_in_attention": True}  # EngineTuning.rope_in_attention: two launches a layer fewer
+    step("lora_rope_in_attention", lambda: run_engine(rec, "bf16+LoRA r32 rope_in_attention", lora, wl,
+                                                      engine_kw=fused))
+    step("lora_rope_in_attention_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope_in_attention", lora,
+                                                                 engine_kw=fused))
     step("kernels_lora", lambda: kernel_breakdown(rec, "bf16+LoRA", lora))
     step("standby", lambda: standby(rec, lora))
     step("lora_compiled", lambda: run_engine(rec, f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))

@@ -13,12 +13,25 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _rotated(x_ptr, rows, cols, mask, cos, sin, D: tl.constexpr):
+    # x[rows, cols] (cols: all D of a head) with the rotary embedding (rotate_half convention), float32
+    half = D // 2
+    x = tl.load(x_ptr + rows * D + cols, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + rows * D + (cols + half) % D, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + tl.where(cols < half, -partner, partner) * sin
+
+
+@triton.jit
 def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, s_qb, s_kb, s_kh, s_ks, scale,
+                        kn_ptr, vn_ptr, cos_ptr, sin_ptr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr):
+                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr, ROPE: tl.constexpr):
     # Program (row b, kv head h, chunk c): the G query heads of kv head h over the row's positions
     # [c * CHUNK, min((c + 1) * CHUNK, length)), a softmax that goes along (running max m and sum l, float32
     # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
+    # ROPE: q arrives unrotated, and the token's K and V (kn, vn: (rows, n_kv * D)) are not in the cache yet:
+    # q and K are rotated here (cos, sin (rows, D)), rounded once as rope_store_kv rounds them, and the chunk
+    # holding the token's position (length - 1) writes K and V there and reads them from its registers.
     b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -28,16 +41,31 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     hi = tl.minimum(lo + CHUNK, length)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+    cache = b * s_kb + h * s_kh
+    if ROPE:
+        cos = tl.load(cos_ptr + b * D + d).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + b * D + d).to(tl.float32)[None, :]
+        q = _rotated(q_ptr + b * s_qb, (h * G + g)[:, None], d[None, :], (g < G)[:, None], cos, sin, D)
+        q = q.to(q_ptr.dtype.element_ty)
+        new_at = length - 1
+        k_new = _rotated(kn_ptr + b * n_kv * D, h, d[None, :], d[None, :] < D, cos, sin, D)
+        k_new = k_new.to(k_ptr.dtype.element_ty)  # (1, D)
+        v_new = tl.load(vn_ptr + b * n_kv * D + h * D + d[None, :]).to(v_ptr.dtype.element_ty)
+        if (lo <= new_at) & (new_at < hi):
+            tl.store(k_ptr + cache + new_at * s_ks + d[None, :], k_new)
+            tl.store(v_ptr + cache + new_at * s_ks + d[None, :], v_new)
+    else:
+        q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-    cache = b * s_kb + h * s_kh
     for start in tl.range(lo, hi, BLOCK_S):
         pos = start + tl.arange(0, BLOCK_S)
         inside = pos < hi
         at = cache + pos[:, None] * s_ks + d[None, :]
         k = tl.load(k_ptr + at, mask=inside[:, None], other=0.0)
+        if ROPE:  # the token's own K from registers: its store above may not be visible to this load yet
+            k = tl.where((pos == new_at)[:, None], k_new, k)
         scores = _dot(q, tl.trans(k), EXACT) * scale  # (G_PAD, BLOCK_S) float32
         scores = tl.where(inside[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each step has a position inside
@@ -45,6 +73,8 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + at, mask=inside[:, None], other=0.0)
+        if ROPE:
+            v = tl.where((pos == new_at)[:, None], v_new, v)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT)
         m = m_new
     if SPLITS == 1:

@@ -12,7 +12,8 @@ Qwen2.5: `grpo.rollout.native.layer.attend`); the probabilities meet V rounded t
 
 `decode_attention_ref` is the plain-PyTorch definition the tests compare with (under TRITON_INTERPRET=1
 on the CPU). `decode_attention` is a torch custom op, so that a `torch.compile`d step calls it as one
-opaque op and a CUDA graph captures its launches.
+opaque op and a CUDA graph captures its launches. `rope_store_attend` also takes over what comes before it
+in a decode layer, the rotary embeddings of q and K and the K/V write (`rope_store_attend_ref`).
 """
 
 from __future__ import annotations
@@ -65,31 +66,69 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float) -> torch.Tensor:
     """`decode_attention_ref` in Triton: a launch over (rows, kv heads, chunks), and one to combine the
     chunks where there are several. The caches may be views (strided in row, head and position)."""
-    from grpo.kernels import _decode_attention_triton as kernels
-
     problem = check_shapes(q, k_cache, v_cache)
     if problem is not None:
         raise ValueError(f"decode_attention: {problem}")
     q = q.contiguous()  # (a compiled caller may hand over another layout)
+    out = q.new_empty(q.shape)
+    _launch(q, k_cache, v_cache, lengths, scale, out)
+    return out
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
+            out: torch.Tensor, new_kv: tuple[torch.Tensor, ...] | None = None) -> None:
+    """The chunk launch and, where there are several chunks, the combine; `new_kv` = (k, v, cos, sin): the
+    token's K/V to rotate and write, and q to rotate (`rope_store_attend`)."""
+    from grpo.kernels import _decode_attention_triton as kernels
+
     rows, heads, dim = q.shape
     n_kv, seq = k_cache.shape[1], k_cache.shape[2]
     group = heads // n_kv
     g_pad = max(16, 1 << (group - 1).bit_length())  # tl.dot's smallest M
     chunk, splits = chunking(rows, n_kv, seq)
-    out = q.new_empty(q.shape)
     if splits > 1:
         acc = torch.empty((rows * n_kv * splits, g_pad, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((rows * n_kv * splits, 2, g_pad), dtype=torch.float32, device=q.device)
     else:
         acc = stats = out
-    exact = q.dtype == torch.float32
+    k_new, v_new, cos, sin = new_kv if new_kv is not None else (q, q, q, q)  # unread without ROPE
     kernels.attend_chunk_kernel[(rows, n_kv, splits)](
         q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), scale, G=group, G_PAD=g_pad, D=dim, BLOCK_S=BLOCK_S, CHUNK=chunk, SPLITS=splits,
-        EXACT=exact, num_warps=4)
+        k_cache.stride(2), scale, k_new, v_new, cos, sin, G=group, G_PAD=g_pad, D=dim, BLOCK_S=BLOCK_S, CHUNK=chunk,
+        SPLITS=splits, EXACT=q.dtype == torch.float32, ROPE=new_kv is not None, num_warps=4)
     if splits > 1:
         kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, q.stride(0), G=group, G_PAD=g_pad, D=dim,
                                                     SPLITS=splits, num_warps=4)
+
+
+def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """A decode step's attention from its projections' outputs: K rotated and K/V written at each row's position
+    (`decode_gemm.rope_store_kv_ref`), q rotated (float32, rounded once), then `decode_attention_ref` up to and
+    including that position. q (B, nh * D), k and v (B, n_kv * D), cos and sin (B, D); returns (B, nh, D)."""
+    from grpo.kernels.decode_gemm import rope, rope_store_kv_ref
+
+    rows, dim = q.shape[0], cos.shape[-1]
+    rope_store_kv_ref(k, v, cos, sin, pos, k_cache, v_cache)
+    q_rot = rope(q.float().view(rows, -1, dim), cos.float()[:, None], sin.float()[:, None]).to(q.dtype)
+    return decode_attention_ref(q_rot, k_cache, v_cache, pos + 1, scale)
+
+
+def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """`rope_store_attend_ref` in the attention's own launches: the rotary embeddings of q and K and the K/V
+    write, two launches a layer before (a compiled rotary for q, `decode_gemm.rope_store_kv`), happen inside the
+    chunk kernel (`EngineTuning.rope_in_attention`). Called eagerly (it writes the caches: in a compiled graph
+    inductor would copy the cache views whole), captured in the engine's CUDA graph like the rest."""
+    rows, dim = q.shape[0], cos.shape[-1]
+    q3 = q.contiguous().view(rows, -1, dim)
+    problem = check_shapes(q3, k_cache, v_cache)
+    if problem is not None:
+        raise ValueError(f"rope_store_attend: {problem}")
+    out = q3.new_empty(q3.shape)
+    new_kv = tuple(t.contiguous() for t in (k, v, cos, sin))  # the kernel reads them as dense rows
+    _launch(q3, k_cache, v_cache, pos + 1, scale, out, new_kv)
     return out
 
 

@@ -74,3 +74,59 @@ def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_att
     ref, out = rollout("matmul"), rollout("kernel")
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows,heads,n_kv,seq,dim", [(3, 8, 2, 40, 16), (4, 4, 4, 300, 32)])
+def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(rows, heads, n_kv, seq, dim):
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, heads * dim, generator=g)
+    k, v = torch.randn(2, rows, n_kv * dim, generator=g)
+    angles = torch.rand(rows, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    pos = torch.randint(0, seq, (rows,), generator=g)
+    pos[0], pos[-1] = 0, seq - 1  # the first position, and the last of the bucket
+    k_all, v_all = torch.randn(2, rows + 1, n_kv + 1, seq + 7, dim, generator=g)  # views, as the engine's
+    mine, ref = (k_all.clone(), v_all.clone()), (k_all.clone(), v_all.clone())
+    got = da.rope_store_attend(q, k, v, cos, sin, pos, *(c[:rows, :n_kv, :seq] for c in mine), dim**-0.5)
+    want = da.rope_store_attend_ref(q, k, v, cos, sin, pos, *(c[:rows, :n_kv, :seq] for c in ref), dim**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for written, expected in zip(mine, ref):  # the token's K (rotated) and V, and nothing else
+        torch.testing.assert_close(written, expected, atol=1e-6, rtol=0)
+    assert not torch.equal(mine[0], k_all)
+    assert da.chunking(rows, n_kv, seq)[1] > 1 or seq <= da.BLOCK_S  # chunks other than the token's exist
+
+
+def test_native_engine_with_rope_in_attention_gives_the_kernel_layers_rollout(monkeypatch):
+    # the kernel layer (decode GEMM kernels, the attention kernel) with q's and K's rotaries and the K/V write
+    # inside the attention's launch, against the same layer with them apart
+    import sys
+    from pathlib import Path
+
+    from peft import LoraConfig, get_peft_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_native_engine's helpers
+    from grpo.config import LORA_TARGETS
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    lora = get_peft_model(small_llama(seed=5), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                                          init_lora_weights=False))
+    sampling = Sampling(max_new_tokens=3, temperature=1.0, seed=7)
+
+    def rollout(rope_in_attention: bool):
+        tuning = EngineTuning(attention="kernel", rope_in_attention=rope_in_attention)
+        engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels", tuning=tuning)
+        return engine, engine.generate(PROMPTS, 2, sampling)
+
+    _, ref = rollout(False)
+    from grpo.kernels import decode_gemm
+
+    def apart(*args):
+        raise AssertionError("the K/V write ran apart from the attention")
+
+    monkeypatch.setattr(decode_gemm, "rope_store_kv", apart)  # the fused path runs in every layer, or this fails
+    engine, out = rollout(True)
+    assert all(layer.rope_in_attention for layer in engine._layers)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)

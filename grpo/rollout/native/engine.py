@@ -165,7 +165,8 @@ class NativeEngine:
                               "q/k/v and one on gate/up (or none), no DoRA, and weights in the activations' dtype",
                               stacklevel=4)
         self._projections = projections
-        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams)
+        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams,
+                                    self.tuning.rope_in_attention)
                         for layer, proj in zip(layers, projections)]
 
     def _forward(self, rows: int, kv_len: int) -> torch.Tensor:

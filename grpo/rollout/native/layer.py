@@ -12,7 +12,8 @@ embedding at each row's own position and writes the token's K/V into the engine'
 - `KernelLayer`: the decode GEMM kernels of `grpo.kernels.decode_gemm` in place of the projections
   (q/k/v in one launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU
   product fused, LoRA and FP8 inside, K's rotary and the K/V write in one kernel); norms, q's rotary
-  and the attention stay compiled pieces.
+  and the attention stay compiled pieces (with `EngineTuning.rope_in_attention` and the attention kernel,
+  both rotaries and the K/V write happen in the attention's launch).
 
 `build_layer` picks one per layer when the engine plans a generate; a step then calls
 `layer(x, at, k_cache, v_cache)` for each. `prefill_layer` runs a layer over right-padded prompts.
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo.kernels import decode_gemm
-from grpo.kernels.decode_attention import decode_attention
+from grpo.kernels.decode_attention import decode_attention, rope_store_attend
 from grpo.kernels.decode_gemm import rope
 from grpo.rollout.native.plan import LayerProjections
 
@@ -313,6 +314,7 @@ class KernelLayer(ModuleLayer):
     """A decoder layer with the decode GEMM kernels reading its projections' tensors (`plan.py`)."""
 
     proj: LayerProjections
+    rope_in_attention: bool = False  # EngineTuning.rope_in_attention
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fns, layer, p, dims = self.fns, self.layer, self.proj, self.dims
@@ -321,11 +323,15 @@ class KernelLayer(ModuleLayer):
         h = fns.norm(layer.input_layernorm, x).view(rows, dims.hidden)
         q, k, v = decode_gemm.project(h, [p.q, p.k, p.v])
         q_norm = getattr(attn, "q_norm", None)
-        if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
-            k = fns.norm(attn.k_norm, k.view(rows, dims.n_kv_heads, dims.head_dim)).view(rows, -1)
-        decode_gemm.rope_store_kv(k, v, at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim), at.pos,
-                                  k_cache, v_cache)
-        out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, dims, self.attention)
+        cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
+        if self.rope_in_attention and self.attention == "kernel" and q_norm is None:
+            out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5)
+            out = out.view(rows, dims.n_heads * dims.head_dim)
+        else:
+            if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
+                k = fns.norm(attn.k_norm, k.view(rows, dims.n_kv_heads, dims.head_dim)).view(rows, -1)
+            decode_gemm.rope_store_kv(k, v, cos, sin, at.pos, k_cache, v_cache)
+            out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, dims, self.attention)
         x = decode_gemm.project(out, [p.o], residual=x.view(rows, dims.hidden))[0].view(rows, 1, dims.hidden)
         h = fns.norm(layer.post_attention_layernorm, x).view(rows, dims.hidden)
         m = decode_gemm.project_gated(h, p.gate, p.up)
@@ -333,11 +339,11 @@ class KernelLayer(ModuleLayer):
 
 
 def build_layer(layer: nn.Module, proj: LayerProjections | None, fns: StepFunctions, dims: ModelDims,
-                attention: str, streams: list | None) -> ModuleLayer:
-    """The one-token forward of `layer`: the kernels where `proj` is given, else its modules (on
-    parallel streams when `streams` is given)."""
+                attention: str, streams: list | None, rope_in_attention: bool = False) -> ModuleLayer:
+    """The one-token forward of `layer`: the kernels where `proj` is given (`rope_in_attention`: see
+    EngineTuning), else its modules (on parallel streams when `streams` is given)."""
     if proj is not None:
-        return KernelLayer(layer, fns, dims, attention, proj)
+        return KernelLayer(layer, fns, dims, attention, proj, rope_in_attention)
     if streams:
         return StreamLayer(layer, fns, dims, attention, streams)
     return ModuleLayer(layer, fns, dims, attention)

@@ -17,7 +17,7 @@ from grpo.kernels import decode_attention, decode_gemm
 # An engine built for this many rows or more (a training step's P*G, an evaluation's batch) attends with the
 # split-KV kernel under `--engine-attention auto`. On the H200 (2026-12-02) it took the Qwen preset's decode at
 # 64 rows from 1.20 to 1.12 s a step (60-step runs side by side), the bench step's at 16 rows from 0.79 to
-# 0.75 s (the step 1.27 -> 1.18 s) and the long config's from 3.04 to 2.73 s, in the same suite run.
+# 0.75 s (the step 1.27 -> 1.18 s) and the long config's from 3.04 to 2.73 s (suite processes on one machine).
 # Fewer rows are untimed: sdpa there.
 KERNEL_ATTENTION_ROWS = 16
 
@@ -47,6 +47,10 @@ class EngineTuning:
         graph (on CPU: in sequence); None is "on CUDA, when every layer's MLP is a Llama MLP".
     kernel_rows: with gemm="kernels", steps of at most this many rows run the decode GEMM kernels
         (up to decode_gemm.MAX_ROWS, where they were measured faster); more rows call the modules.
+    rope_in_attention: where a layer runs on the decode kernels and attends with the kernel, the rotary
+        embeddings of q and K and the K/V write happen inside the attention's launch
+        (`decode_attention.rope_store_attend`): two launches a layer fewer. Off until timed on a GPU (Qwen3's
+        q/k norms keep the launches apart).
     """
 
     use_cuda_graph: bool | None = None
@@ -56,6 +60,7 @@ class EngineTuning:
     attention: str = "auto"
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
+    rope_in_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1:
