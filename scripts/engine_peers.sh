@@ -32,7 +32,7 @@
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block (5.2, its first step 28 s from the cache)    ~5
 # and on request:
 #   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, torch's
-#                  sdpa in decode), the long config (and in micro-batches of 4, with the kernel and sdpa),
+#                  sdpa in decode, micro-batches of 8), the long config (and in micro-batches of 4, with the kernel and sdpa),
 #                  64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa and with the
 #                  attention kernel, ours without the adapter, plain vLLM)                                  ~14
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
@@ -109,7 +109,8 @@ chain() {
       unsloth-bf16) bench $s unsloth -k "unsloth_path and bf16" ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
-        -k "bench_config or multiplying_in_float32 or long_config or more_rows or sdpa_attention or sampler" ;;
+        -k "bench_config or multiplying_in_float32 or micro_batches_of_8 or long_config or more_rows or sdpa_attention \
+            or sampler" ;;
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac
   done
