@@ -8,9 +8,9 @@
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl (.jit)      scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
-#                                                                           kit is carried, issue 31's token
-#                                                                           step profile uses the idle GPU
-#                                                                           (180 s at most; SIDE=0: not)
+#                                                                           kit is carried, issue 31's CUDA
+#                                                                           test and token step profile use
+#                                                                           the idle GPU (~3 min; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -32,9 +32,9 @@
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block (5.2, its first step 28 s from the cache)    ~5
 # and on request:
 #   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, torch's
-#                  sdpa in decode, micro-batches of 8), the long config (and in micro-batches of 4, with the kernel and sdpa),
-#                  64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa and with the
-#                  attention kernel, ours without the adapter, plain vLLM)                                  ~14
+#                  sdpa in decode, micro-batches of 8), the long config (and in micro-batches of 4, with the
+#                  kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa
+#                  and with the attention kernel, ours without the adapter, plain vLLM)                     ~15
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
 #                  (DeepGEMM's warm-up skipped; 5.8)                                                       ~6
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
@@ -70,18 +70,20 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, 180 s at most): EngineTuning.rope_in_attention's CUDA test, then where
-  # the bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the
-  # product's engine on Llama-3.2-1B shapes with the adapter at 16 rows, and with rope_in_attention: step
-  # time, kernels by family, the time between them)
+  # device; the chain waits for this, ~3 minutes at most): EngineTuning.rope_in_attention's CUDA tests, then
+  # where the bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py's `bench`
+  # steps: the product's engine on Llama-3.2-1B shapes with the adapter at 16 rows, and with rope_in_attention;
+  # step time, kernels by family, the time between them)
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's token step, inside its graph)" >> $EP/stages.log
-  timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider tests/test_native_engine.py -k rope_in_attention \
-    > $EP/results/side/cuda-test.log 2>&1 || true
-  tail -1 $EP/results/side/cuda-test.log >> $EP/stages.log
-  timeout -k 5 120 python3 benchmarks/probes/native_engine.py --plan bench --budget-s 80 \
-    --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
-  grep -h "graph_step\|ms/step" $EP/results/side/native-engine.log | cut -c1-220 >> $EP/stages.log || true
+  local rc=0
+  timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider tests/test_native_engine.py -k rope_in_attention \
+    > $EP/results/side/cuda-test.log 2>&1 || rc=$?
+  echo "rope_in_attention CUDA tests: exit $rc, $(tail -1 $EP/results/side/cuda-test.log)" >> $EP/stages.log
+  timeout -k 5 100 python3 benchmarks/probes/native_engine.py --budget-s 70 --variants lora_product_graph \
+    lora_rope_in_attention_graph --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
+  grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
+    | cut -c1-220 >> $EP/stages.log || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }
@@ -109,8 +111,8 @@ chain() {
       unsloth-bf16) bench $s unsloth -k "unsloth_path and bf16" ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
-        -k "bench_config or multiplying_in_float32 or micro_batches_of_8 or long_config or more_rows or sdpa_attention \
-            or sampler" ;;
+        -k "bench_config or multiplying_in_float32 or micro_batches_of_8 or long_config or more_rows \
+            or sdpa_attention or sampler" ;;
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac
   done

@@ -31,12 +31,15 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
     # ROPE: q arrives unrotated, and the token's K and V (kn, vn: (rows, n_kv * D)) are not in the cache yet:
     # q and K are rotated here (cos, sin (rows, D)), rounded once as rope_store_kv rounds them, and the chunk
-    # holding the token's position (length - 1) writes K and V there and reads them from its registers.
+    # holding the token's position writes K and V there and reads them from its registers. len_ptr then holds
+    # the positions (a row's length is its position + 1).
     b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
     n_kv = tl.num_programs(1)
     length = tl.load(len_ptr + b)
+    if ROPE:  # the token's position, one before the row's length
+        length += 1
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, length)
     g = tl.arange(0, G_PAD)

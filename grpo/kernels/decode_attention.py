@@ -78,7 +78,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
             out: torch.Tensor, new_kv: tuple[torch.Tensor, ...] | None = None) -> None:
     """The chunk launch and, where there are several chunks, the combine; `new_kv` = (k, v, cos, sin): the
-    token's K/V to rotate and write, and q to rotate (`rope_store_attend`)."""
+    token's K/V to rotate and write, and q to rotate (`rope_store_attend`), `lengths` then the positions."""
     from grpo.kernels import _decode_attention_triton as kernels
 
     rows, heads, dim = q.shape
@@ -124,11 +124,16 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     rows, dim = q.shape[0], cos.shape[-1]
     q3 = q.contiguous().view(rows, -1, dim)
     problem = check_shapes(q3, k_cache, v_cache)
+    kv_shape, rot_shape = (rows, k_cache.shape[1] * dim), (rows, dim)
+    if problem is None and (k.shape != kv_shape or v.shape != kv_shape or cos.shape != rot_shape
+                            or sin.shape != rot_shape or pos.shape != (rows,)):
+        problem = (f"k and v need {kv_shape}, cos and sin {rot_shape}, pos ({rows},); got {tuple(k.shape)}, "
+                   f"{tuple(v.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}, {tuple(pos.shape)}")
     if problem is not None:
         raise ValueError(f"rope_store_attend: {problem}")
     out = q3.new_empty(q3.shape)
     new_kv = tuple(t.contiguous() for t in (k, v, cos, sin))  # the kernel reads them as dense rows
-    _launch(q3, k_cache, v_cache, pos + 1, scale, out, new_kv)
+    _launch(q3, k_cache, v_cache, pos, scale, out, new_kv)  # the kernel adds 1: no launch for pos + 1
     return out
 
 

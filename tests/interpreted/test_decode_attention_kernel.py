@@ -76,7 +76,7 @@ def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_att
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("rows,heads,n_kv,seq,dim", [(3, 8, 2, 40, 16), (4, 4, 4, 300, 32)])
+@pytest.mark.parametrize("rows,heads,n_kv,seq,dim", [(3, 8, 2, 40, 16), (4, 4, 4, 300, 32), (4, 8, 2, 300, 32)])
 def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(rows, heads, n_kv, seq, dim):
     g = torch.Generator().manual_seed(rows)
     q = torch.randn(rows, heads * dim, generator=g)
@@ -130,3 +130,33 @@ def test_native_engine_with_rope_in_attention_gives_the_kernel_layers_rollout(mo
     assert all(layer.rope_in_attention for layer in engine._layers)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
+
+
+def test_rope_in_attention_leaves_qwen3s_head_norms_where_they_were(monkeypatch):
+    # Qwen3 normalizes each head of q and k before their rotaries: those layers keep the launches apart
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_native_engine's helpers
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from grpo.rollout.native import layer as native_layer
+    from test_native_engine import PAD, PROMPTS, small_decoder
+
+    model = small_decoder("qwen3", seed=3)
+    sampling = Sampling(max_new_tokens=3, temperature=1.0, seed=2)
+
+    def rollout(rope_in_attention: bool):
+        tuning = EngineTuning(attention="kernel", rope_in_attention=rope_in_attention)
+        return NativeEngine(model, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
+                            tuning=tuning).generate(PROMPTS, 2, sampling)
+
+    ref = rollout(False)
+
+    def fused(*args):
+        raise AssertionError("a Qwen3 layer took the fused path, past its head norms")
+
+    monkeypatch.setattr(native_layer, "rope_store_attend", fused)
+    out = rollout(True)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=0, rtol=0)
