@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from grpo.kernels._decode_gemm_triton import rotated  # rope_store_kernel's rotary, for ROPE
+
 
 @triton.jit
 def _dot(a, b, EXACT: tl.constexpr):
@@ -10,15 +12,6 @@ def _dot(a, b, EXACT: tl.constexpr):
     if EXACT:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
-
-
-@triton.jit
-def _rotated(x_ptr, rows, cols, mask, cos, sin, D: tl.constexpr):
-    # x[rows, cols] (cols: all D of a head) with the rotary embedding (rotate_half convention), float32
-    half = D // 2
-    x = tl.load(x_ptr + rows * D + cols, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + rows * D + (cols + half) % D, mask=mask, other=0.0).to(tl.float32)
-    return x * cos + tl.where(cols < half, -partner, partner) * sin
 
 
 @triton.jit
@@ -48,10 +41,10 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     if ROPE:
         cos = tl.load(cos_ptr + b * D + d).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + b * D + d).to(tl.float32)[None, :]
-        q = _rotated(q_ptr + b * s_qb, (h * G + g)[:, None], d[None, :], (g < G)[:, None], cos, sin, D)
+        q = rotated(q_ptr + b * s_qb, (h * G + g)[:, None], d[None, :], (g < G)[:, None], cos, sin, D)
         q = q.to(q_ptr.dtype.element_ty)
         new_at = length - 1
-        k_new = _rotated(kn_ptr + b * n_kv * D, h, d[None, :], d[None, :] < D, cos, sin, D)
+        k_new = rotated(kn_ptr + b * n_kv * D, h, d[None, :], d[None, :] < D, cos, sin, D)
         k_new = k_new.to(k_ptr.dtype.element_ty)  # (1, D)
         v_new = tl.load(vn_ptr + b * n_kv * D + h * D + d[None, :]).to(v_ptr.dtype.element_ty)
         if (lo <= new_at) & (new_at < hi):

@@ -243,21 +243,27 @@ def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, coun
 
 
 @triton.jit
+def rotated(x_ptr, heads, cols, mask, cos, sin, D: tl.constexpr):
+    # heads `heads` of x (head after head, D each; cols: all D of a head) with the rotary embedding
+    # (rotate_half convention), float32; also the attention kernel's (rope_store_attend)
+    half = D // 2
+    x = tl.load(x_ptr + heads * D + cols, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + heads * D + (cols + half) % D, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + tl.where(cols < half, -partner, partner) * sin
+
+
+@triton.jit
 def rope_store_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, s_b, s_h, s_s, N_KV,
                       D: tl.constexpr, BLOCK_H: tl.constexpr):
     # one row: K rotated (rotate_half convention) and V, both (N_KV, D), written at the row's position
     b = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    half = D // 2
     hmask = (h < N_KV)[:, None]
     src = b * N_KV * D + h[:, None] * D
-    k = tl.load(k_ptr + src + d[None, :], mask=hmask, other=0.0).to(tl.float32)
-    partner = tl.load(k_ptr + src + ((d + half) % D)[None, :], mask=hmask, other=0.0).to(tl.float32)
-    rotated = tl.where((d < half)[None, :], -partner, partner)
-    cos = tl.load(cos_ptr + b * D + d).to(tl.float32)
-    sin = tl.load(sin_ptr + b * D + d).to(tl.float32)
-    k = k * cos[None, :] + rotated * sin[None, :]
+    cos = tl.load(cos_ptr + b * D + d).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + b * D + d).to(tl.float32)[None, :]
+    k = rotated(k_ptr + b * N_KV * D, h[:, None], d[None, :], hmask, cos, sin, D)
     v = tl.load(v_ptr + src + d[None, :], mask=hmask, other=0.0)
     p = tl.load(pos_ptr + b)
     dst = b * s_b + h[:, None] * s_h + p * s_s + d[None, :]
