@@ -72,8 +72,8 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
   # device; the chain waits for this, ~3 minutes at most): EngineTuning.rope_in_attention's CUDA tests, then
   # where the bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py's `bench`
-  # steps: the product's engine on Llama-3.2-1B shapes with the adapter at 16 rows, and with rope_in_attention;
-  # step time, kernels by family, the time between them)
+  # steps: the product's engine on Llama-3.2-1B shapes with the adapter at 16 rows, and with the rotaries and
+  # the K/V write apart; step time, kernels by family, the time the GPU ran none)
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's token step, inside its graph)" >> $EP/stages.log
   local rc=0
@@ -81,7 +81,7 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
     > $EP/results/side/cuda-test.log 2>&1 || rc=$?
   echo "rope_in_attention CUDA tests: exit $rc, $(tail -1 $EP/results/side/cuda-test.log)" >> $EP/stages.log
   timeout -k 5 100 python3 benchmarks/probes/native_engine.py --budget-s 70 --variants lora_product_graph \
-    lora_rope_in_attention_graph --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
+    lora_rope_apart_graph --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
   grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
     | cut -c1-220 >> $EP/stages.log || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log

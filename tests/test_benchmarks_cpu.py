@@ -599,3 +599,13 @@ def test_the_engine_probes_plans_name_only_steps_it_runs_and_its_families_name_o
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": "attention",
         "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "reduce/softmax",
         "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN": "gemm"}
+
+
+def test_the_engine_probes_busy_time_counts_overlapping_kernels_once(monkeypatch):
+    # A graph's kernels overlap (parallel streams, a launch beside the one it waits for): their sum overstated
+    # the step and left the time between them negative. Busy time is the union of their spans.
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("native_engine")
+    assert probe.covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # 0-12 and 20-25
+    assert probe.covered_us([(30, 40), (0, 10), (10, 15)]) == 25  # unordered, touching
+    assert probe.covered_us([]) == 0

@@ -19,8 +19,8 @@ Plans (`--variants` picks steps by name instead):
             compiled, graph) against the modules and the attention kernel, and where a token step's GPU time goes
             (eager, and inside the graph)
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
-            where its time goes inside the CUDA graph: the kernels by family, and the time between them; the
-            same with EngineTuning.rope_in_attention
+            where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
+            them; the same with q's and K's rotaries and the K/V write apart (before EngineTuning.rope_in_attention)
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
 each step is skipped, not failed, when the time budget runs out.
@@ -238,6 +238,24 @@ def _record_families(rec: Recorder, kind: str, label: str, prof, steps: int, **e
     return total
 
 
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans: the time at least one of them ran."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+def _busy_us(prof, steps: int) -> float:
+    """Microseconds per step in which the GPU ran at least one kernel or copy of the profile: below the kernels'
+    sum where they overlap (parallel streams, a launch started beside the one it waits for)."""
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return covered_us(spans) / steps
+
+
 def kernel_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int = ROWS) -> None:
     """GPU time per kernel family in one eager (ungraphed) decode step of `rows` rows."""
     from torch.profiler import ProfilerActivity, profile
@@ -264,8 +282,8 @@ def graph_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int 
                     replays: int = 20) -> None:
     """A token step as a generate runs it, in its CUDA graph, halfway through the completions: its wall time
     (CUDA events around `replays` replays), the GPU time of the kernels it launched by family (CUPTI traces
-    the kernels of a graph), and what is left between them: the launch gaps and waits that the eager
-    breakdown cannot show (negative where kernels overlap: parallel streams, dependent launches)."""
+    the kernels of a graph; their sum counts overlapping kernels twice), the time in which some kernel ran,
+    and the idle rest: the launch gaps and waits that the eager breakdown cannot show."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = make_engine(model, use_cuda_graph=True, max_batch=rows, **(engine_kw or {}))
@@ -304,8 +322,9 @@ def graph_breakdown(rec: Recorder, label: str, model, engine_kw=None, rows: int 
         torch.cuda.synchronize()
     kernels_us = _record_families(rec, "graph_kernels", label, prof, replays, rows=rows, kv_len=kv_len,
                                   step_us=round(step_us, 1))
+    busy_us = _busy_us(prof, replays)
     rec.record("graph_step", variant=label, rows=rows, step_us=round(step_us, 1), kernels_us=round(kernels_us, 1),
-               between_kernels_us=round(step_us - kernels_us, 1))
+               busy_us=round(busy_us, 1), idle_us=round(step_us - busy_us, 1))
     engine.release_memory()
 
 
@@ -431,7 +450,7 @@ PLANS = {
              "qwen_graph"],
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
-    "bench": ["lora_product", "lora_product_graph", "lora_rope_in_attention", "lora_rope_in_attention_graph"],
+    "bench": ["lora_product", "lora_product_graph", "lora_rope_apart", "lora_rope_apart_graph"],
 }
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
@@ -609,11 +628,9 @@ def main() -> None:
     product = product_engine_kw()
     step("lora_product", lambda: run_engine(rec, "bf16+LoRA r32 product", lora, wl, engine_kw=product))
     step("lora_product_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 product", lora, engine_kw=product))
-    fused = product | {"rope_in_attention": True}  # EngineTuning.rope_in_attention: two launches a layer fewer
-    step("lora_rope_in_attention", lambda: run_engine(rec, "bf16+LoRA r32 rope_in_attention", lora, wl,
-                                                      engine_kw=fused))
-    step("lora_rope_in_attention_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope_in_attention", lora,
-                                                                 engine_kw=fused))
+    apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
+    step("lora_rope_apart", lambda: run_engine(rec, "bf16+LoRA r32 rope apart", lora, wl, engine_kw=apart))
+    step("lora_rope_apart_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope apart", lora, engine_kw=apart))
     step("kernels_lora", lambda: kernel_breakdown(rec, "bf16+LoRA", lora))
     step("standby", lambda: standby(rec, lora))
     step("lora_compiled", lambda: run_engine(rec, f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
