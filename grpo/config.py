@@ -34,8 +34,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # A dtype flag's short name -> the dtype's full name (`torch.<name>`, and vLLM's `dtype`): the one map
 # behind --dtype, the export's --dtype and the vLLM engine's dtype.
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# vLLM's share of the GPU (--vllm-gpu-memory-utilization) for its weights, KV cache and CUDA graphs,
-# where the flag gives none: Unsloth's engine, and what plain vLLM checks is free at start-up.
+# vLLM's share of the GPU that plain vLLM checks is free at start-up where its KV cache is sized for the run
+# (--vllm-gpu-memory-utilization none), and the share the benchmarks' peers run vLLM at.
 VLLM_GPU_MEMORY_UTILIZATION = 0.35
 
 
@@ -172,15 +172,15 @@ class Config:
                                choices=["auto", "sdpa", "kernel"])
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
-        "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: with "
-        "--engine vllm, a KV cache just large enough for the run's rows at full length (P x G, or the "
-        "evaluation's, each at the longest prompt plus the completion budget), and the step line says what "
-        "vLLM took; with --engine unsloth, "
-        f"{VLLM_GPU_MEMORY_UTILIZATION}. Unsloth's standby would set its own share (0.88 on a GPU of 40 GB or "
-        f"more, 0.78 on an L4); this one is kept. On an L4 (22.5 GiB) {VLLM_GPU_MEMORY_UTILIZATION} gives vLLM "
-        "7.9 GiB and leaves 14.6 GiB, where the 1B model's bench step (16 completions of 512 tokens) peaks at "
-        "4.6 GiB (FP8) to 5.6 GiB (bf16) allocated (benchmarks/RESULTS.md); while vLLM sleeps (--engine-standby "
-        "release) training also gets its KV cache back.",
+        "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: sized "
+        "for the run's rows at full length (P x G, or the evaluation's): with --engine vllm a KV cache just that "
+        "large, and the step line says what vLLM took; with --engine unsloth a share holding the checkpoint's "
+        "weights, that KV cache and 5 GiB for vLLM's CUDA graphs and workspaces (Unsloth's engine takes only a "
+        "share): 0.06 of an H200 at the bench config (16 rows of 640 tokens, the 1B model in bf16), where "
+        "Unsloth's standby would take 0.88 (0.78 on an L4). On an L4 (22.5 GiB) that is 7.7 GiB and leaves "
+        "14.8, where the 1B model's bench step peaks at 3.9 GiB (FP8) to 4.9 GiB (bf16) allocated "
+        "(benchmarks/RESULTS.md); while vLLM sleeps (--engine-standby release) training also gets its KV cache "
+        "back.",
         "sampling")
     vllm_enforce_eager: bool = _f(False, "With --engine vllm or unsloth: run vLLM without CUDA graphs or "
                                   "torch.compile. It starts in seconds instead of minutes and decodes slower: for "

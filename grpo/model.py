@@ -202,7 +202,7 @@ def load_policy(cfg: Config, device: torch.device | None = None):
 
 def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
                         lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
-                        seed: int, gpu_memory_utilization: float | None = None,
+                        seed: int, rows: int, gpu_memory_utilization: float | None = None,
                         work_dir: str = "outputs/unsloth", enforce_eager: bool = False,
                         lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
     """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
@@ -211,16 +211,23 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
     checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
     bf16 checkpoint; then adds the same rsLoRA adapter as `load_policy` through
     `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
-    `gpu_memory_utilization`: vLLM's share of the GPU, standby or not; None is grpo.rollout.vllm's
-    GPU_MEMORY_UTILIZATION. `enforce_eager` skips vLLM's torch.compile and CUDA graphs (minutes of start-up).
+    `rows`: the most sequences the engine generates at once (P x G, or the evaluation's), vLLM's
+    max_num_seqs. `gpu_memory_utilization`: vLLM's share of the GPU, standby or not; None sizes it for `rows`
+    sequences of `max_seq_length` tokens (grpo.rollout.vllm's `unsloth_share_for`). `enforce_eager` skips
+    vLLM's torch.compile and CUDA graphs (minutes of start-up).
     """
-    from grpo.rollout.vllm import (GPU_MEMORY_UTILIZATION, INSTALL_HINT, UNSLOTH_HINT, UnslothEngine,
-                                   check_fp8_supported, vllm_available, vllm_lora_rank)
+    from grpo.rollout.vllm import (INSTALL_HINT, UNSLOTH_HINT, UnslothEngine, check_fp8_supported,
+                                   unsloth_share_for, vllm_available, vllm_lora_rank)
 
-    if gpu_memory_utilization is None:
-        gpu_memory_utilization = GPU_MEMORY_UTILIZATION
     if not torch.cuda.is_available():
         raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
+    if gpu_memory_utilization is None:
+        from transformers import AutoConfig
+
+        model_dir = resolve_model_dir(model_name)
+        gpu_memory_utilization = unsloth_share_for(
+            model_dir, AutoConfig.from_pretrained(model_dir), rows=rows, max_model_len=max_seq_length,
+            total_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     # A pre-quantized FP8-Block checkpoint brings its own quantization_config, which decides; Unsloth's
     # load_in_fp8 asks vLLM for per-channel FP8 on top of it, which vLLM refuses. So load_in_fp8 only
     # ever quantizes a bf16 checkpoint.
@@ -247,6 +254,7 @@ def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: i
         fast_inference=True,
         max_lora_rank=vllm_lora_rank(lora_rank),
         gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=rows,  # Unsloth would pick 8-256 by the memory its share leaves for the KV cache
         enforce_eager=enforce_eager,  # one of the load_vllm arguments Unsloth passes on
         # load_vllm's training=True (the default) builds vLLM with processed_logprobs, renormalised over
         # what min_p keeps; False gives raw ones, the trainer's quantity at temperature 1. (It also leaves

@@ -321,7 +321,8 @@ def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
         policy, tokenizer, engine = load_unsloth_policy(
             cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
-            seed=cfg.seed, work_dir=str(vllm_dir), lora_dropout=cfg.lora_dropout,
+            seed=cfg.seed, rows=max(cfg.batch_size, cfg.eval_samples), work_dir=str(vllm_dir),
+            lora_dropout=cfg.lora_dropout,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.vllm_enforce_eager,
             use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False)
         return policy, tokenizer, None, engine

@@ -481,7 +481,7 @@ def fake_unsloth(fake_vllm, monkeypatch):
 
 def _load(tmp_path, **kw):
     args = dict(load_in_fp8=True, max_seq_length=1024, lora_rank=32, lora_alpha=64, use_rslora=True,
-                target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407,
+                target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407, rows=16,
                 work_dir=str(tmp_path / "u"))
     args.update(kw)
     return load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
@@ -583,9 +583,49 @@ def test_unsloth_keeps_the_users_vllm_share_under_standby_and_can_run_eager(fake
     # Without the override, Unsloth's standby replaces the share by its own (0.88 on an H200).
     assert seen["standby_at_import"] == "1" and seen["util_override_at_load"] == "1"
     assert engine.gpu_memory_utilization == 0.3
-    _load(tmp_path, gpu_memory_utilization=None)  # the flag's default: Unsloth's engine takes a share
+    _load(tmp_path)
     assert seen["from_pretrained"]["enforce_eager"] is False  # CUDA graphs unless asked
-    assert seen["from_pretrained"]["gpu_memory_utilization"] == rv.GPU_MEMORY_UTILIZATION
+
+
+def _checkpoint(directory, *, weight_bytes: int):
+    """A Llama checkpoint's folder as the share's sizing reads it: config.json, and a safetensors file of
+    `weight_bytes` (sparse: nothing is written)."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_size": 2048, "intermediate_size": 8192, "vocab_size": 128256}))
+    with open(directory / "model.safetensors", "wb") as f:
+        f.truncate(weight_bytes)
+    return directory
+
+
+def test_unsloths_share_is_sized_for_the_runs_rows_by_default(fake_unsloth, tmp_path, monkeypatch):
+    GiB = 2**30
+    _fake_device(monkeypatch, total_gib=100.0, peak_gib=0.0, in_process_gib=None)
+    ckpt = _checkpoint(tmp_path / "ckpt", weight_bytes=int(2.3 * GiB))  # the 1B model in bf16
+    seen, _, _ = fake_unsloth
+    _, _, engine = _load(tmp_path, model_name=str(ckpt), gpu_memory_utilization=None, rows=16, max_seq_length=640)
+    fp = seen["from_pretrained"]
+    # 2.3 GiB of weights + 384 MiB of KV cache (16 rows of 640 tokens, rounded to 768) + the overhead of 5 GiB:
+    # 7.675 GiB of 100, rounded up to a hundredth
+    assert rv.UNSLOTH_ENGINE_OVERHEAD_BYTES == 5 * GiB
+    assert fp["gpu_memory_utilization"] == engine.gpu_memory_utilization == 0.08
+    assert fp["max_num_seqs"] == 16  # else Unsloth picks 8-256 by what its share leaves for the KV cache
+    # 1024 rows of 2048 tokens need 64 GiB of KV cache: the share grows with them
+    _load(tmp_path, model_name=str(ckpt), gpu_memory_utilization=None, rows=1024, max_seq_length=2048)
+    assert seen["from_pretrained"]["gpu_memory_utilization"] == 0.72
+    assert seen["from_pretrained"]["max_num_seqs"] == 1024
+    # A share the user gives is kept, and the rows still cap vLLM's sequences
+    _load(tmp_path, model_name=str(ckpt), gpu_memory_utilization=0.3, rows=16)
+    assert (seen["from_pretrained"]["gpu_memory_utilization"], seen["from_pretrained"]["max_num_seqs"]) == (0.3, 16)
+
+
+def test_unsloths_share_sized_past_the_whole_gpu_names_the_flags_to_change(fake_unsloth, tmp_path, monkeypatch):
+    _fake_device(monkeypatch, total_gib=7.5, peak_gib=0.0, in_process_gib=None)
+    ckpt = _checkpoint(tmp_path / "ckpt", weight_bytes=2**30)  # + 2 GiB of KV cache + the 5 GiB overhead
+    with pytest.raises(ValueError, match=r"vLLM needs 8\.0 GiB for 64 rows of 1024 tokens.*7\.5 GiB.*"
+                                         r"--max-seq-length.*--vllm-gpu-memory-utilization"):
+        _load(tmp_path, model_name=str(ckpt), gpu_memory_utilization=None, rows=64, max_seq_length=1024)
 
 
 def test_vllm_engine_runs_eager_on_cuda_only_when_asked(fake_vllm, monkeypatch):

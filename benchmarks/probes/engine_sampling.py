@@ -37,8 +37,9 @@ def build(engine: str, path: Path, work: Path, share: float):
 
     if engine == "unsloth":
         return load_unsloth_policy(str(path), load_in_fp8=False, max_seq_length=256, lora_rank=8, lora_alpha=16,
-                                   use_rslora=True, target_modules=LORA_TARGETS, seed=0, gpu_memory_utilization=share,
-                                   work_dir=str(work), enforce_eager=True, use_gradient_checkpointing=False)
+                                   use_rslora=True, target_modules=LORA_TARGETS, seed=0, rows=8,  # 2 prompts x 4
+                                   gpu_memory_utilization=share, work_dir=str(work), enforce_eager=True,
+                                   use_gradient_checkpointing=False)
     from grpo.rollout.vllm import VLLMEngine
 
     cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)

@@ -81,6 +81,11 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # (the policy, its activations and the optimizer need the rest). With a KV cache sized for the run
 # (`kv_cache_bytes_for`) it is only what vLLM checks is free at start-up.
 GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
+# What Unsloth's engine needs beside the weights and the KV cache (CUDA graphs, the profiling pass's
+# activations, the adapter's slots, CUDA's workspaces), when its share is sized for the run: plain vLLM 0.26
+# took 3.9 GiB of that for the 1B bench model with its KV cache sized for the rows (a pool of 6.52 GiB: H200,
+# 2026-12-02), and Unsloth compiles vLLM's model with more CUDA graphs, so a GiB on top.
+UNSLOTH_ENGINE_OVERHEAD_BYTES = 5 * 2**30
 # A row's KV cache is rounded up to this many tokens: vLLM's blocks are 16 tokens on CUDA, more on some backends.
 KV_ROUND_TOKENS = 256
 
@@ -391,6 +396,24 @@ def kv_cache_bytes_for(config: Any, *, rows: int, max_model_len: int, dtype: str
     value_bytes = 4 if _DTYPES.get(dtype) == "float32" else 2
     per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * value_bytes
     return rows * -(-max_model_len // KV_ROUND_TOKENS) * KV_ROUND_TOKENS * per_token
+
+
+def unsloth_share_for(model_dir: str | Path, config: Any, *, rows: int, max_model_len: int,
+                      total_bytes: int) -> float:
+    """vLLM's share of a GPU of `total_bytes` for the engine Unsloth builds, sized for the run, since its
+    `load_vllm` takes a share and no KV cache size: the checkpoint's weights (its safetensors files: a bf16
+    checkpoint quantized at load needs less), the KV cache of `rows` sequences of `max_model_len` tokens
+    (`kv_cache_bytes_for`, bf16 as Unsloth's engine keeps it), and UNSLOTH_ENGINE_OVERHEAD_BYTES, rounded up
+    to a hundredth. Raises ValueError, naming the flag, where that is not below the whole GPU."""
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    kv = kv_cache_bytes_for(config, rows=rows, max_model_len=max_model_len, dtype="bf16")
+    share = -(-100 * (weights + kv + UNSLOTH_ENGINE_OVERHEAD_BYTES) // total_bytes) / 100
+    if share >= 1:
+        raise ValueError(f"--engine unsloth: vLLM needs {(weights + kv + UNSLOTH_ENGINE_OVERHEAD_BYTES) / 2**30:.1f} "
+                         f"GiB for {rows} rows of {max_model_len} tokens, more than this GPU's "
+                         f"{total_bytes / 2**30:.1f} GiB; lower --max-seq-length or the rows (P x G), or set "
+                         "--vllm-gpu-memory-utilization")
+    return share
 
 
 def _gpu_bytes_not_the_trainers() -> int:
