@@ -8,9 +8,9 @@
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl (.jit)      scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
-#                                                                           kit is carried, issue 31's CUDA
-#                                                                           test and token step profile use
-#                                                                           the idle GPU (~3 min; SIDE=0: not)
+#                                                                           kit is carried, issue 31's token
+#                                                                           step profile uses the idle GPU
+#                                                                           (~2 min; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
@@ -18,13 +18,13 @@
 # Every call copies what the chain has written so far to $OUT (results.tgz), and Triton's autotuning results
 # (autotune.tgz: keep the last as .jit/autotune.tgz, and carry .jit with call 1 of the next hold).
 #
-# STAGES (default: the suite's peers, ours first as the joined run's anchor, then the two not yet in a run of
-# all of them; the CUDA tests passed in full on 2026-12-02). Each runs under its own timeout (the chain is not
-# held to a call's 10 minutes), a failed one does not stop the next; minutes as measured 2026-12-02 10:55-11:18.
-# The default stages take 26-30 of a hold's 30 minutes with Triton's autotuning carried in (.jit) and SIDE=0;
-# what the hold does not reach goes to the next one (STAGES=...):
+# STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
+# 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
+# not stop the next; minutes as measured 2026-12-02 10:55-11:18 and 17:48-18:05. The default stages took 17
+# minutes of a hold's 30 with Triton's autotuning carried in (.jit) and SIDE=0 (2026-12-02 17:48); what the
+# hold does not reach goes to the next one (STAGES=...):
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.6; vLLM's start-up 2 of them)       ~5
-#   unsloth-bf16   bench: ours --engine unsloth on bf16 (not yet timed: as the FP8 one)                   ~5
+#   unsloth-bf16   bench: ours --engine unsloth on bf16 (3.9)                                             ~4
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
 #   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 10.3 with a first step of 233 s,
 #                  most of it Unsloth's FP8 GEMM autotuning, which the later Unsloth stages then read, and
@@ -70,18 +70,14 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, ~3 minutes at most): EngineTuning.rope_in_attention's CUDA tests, then
-  # where the bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py's `bench`
-  # steps: the product's engine on Llama-3.2-1B shapes with the adapter at 16 rows, and with the rotaries and
-  # the K/V write apart; step time, kernels by family, the time the GPU ran none)
+  # device; the chain waits for this, ~2 minutes at most): where the bench's token step goes inside its CUDA
+  # graph (benchmarks/probes/native_engine.py --plan bench: the product's engine on Llama-3.2-1B shapes at 16
+  # rows without the adapter, with it, and with the rotaries and the K/V write apart; step time, kernels by
+  # family, the time the GPU ran none)
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31's token step, inside its graph)" >> $EP/stages.log
-  local rc=0
-  timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider tests/test_native_engine.py -k rope_in_attention \
-    > $EP/results/side/cuda-test.log 2>&1 || rc=$?
-  echo "rope_in_attention CUDA tests: exit $rc, $(tail -1 $EP/results/side/cuda-test.log)" >> $EP/stages.log
-  timeout -k 5 100 python3 benchmarks/probes/native_engine.py --budget-s 70 --variants lora_product_graph \
-    lora_rope_apart_graph --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
+  timeout -k 5 150 python3 benchmarks/probes/native_engine.py --budget-s 110 --plan bench \
+    --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
   grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
     | cut -c1-220 >> $EP/stages.log || true
   echo "$(date -u +%T) end   side" >> $EP/stages.log
@@ -106,9 +102,9 @@ chain() {
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
-      unsloth-fp8) bench $s unsloth -k "unsloth_path and fp8" ;;
+      unsloth-fp8) bench $s unsloth -s -k "unsloth_path and fp8" ;;  # -s: vLLM's own lines (its KV cache)
       trl-vllm) bench $s vllm -k vllm_colocated ;;
-      unsloth-bf16) bench $s unsloth -k "unsloth_path and bf16" ;;
+      unsloth-bf16) bench $s unsloth -s -k "unsloth_path and bf16" ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
         -k "bench_config or multiplying_in_float32 or micro_batches_of_8 or long_config or more_rows \

@@ -450,7 +450,8 @@ PLANS = {
              "qwen_graph"],
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
-    "bench": ["lora_product", "lora_product_graph", "lora_rope_apart", "lora_rope_apart_graph"],
+    "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_rope_apart",
+              "lora_rope_apart_graph"],
 }
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
@@ -604,6 +605,9 @@ def main() -> None:
     step("kernels_gemm", lambda: kernel_breakdown(rec, f"bf16 {gemm}", model, engine_kw=gemm))
 
     step("rows", lambda: at_rows(rec, "bf16", model, wb, mode))
+    product = product_engine_kw()  # the trainer's engine; here without an adapter: what the adapter costs
+    step("product", lambda: run_engine(rec, "bf16 product", model, wb, engine_kw=product))
+    step("product_graph", lambda: graph_breakdown(rec, "bf16 product", model, engine_kw=product))
 
     fp8 = None
     if any("fp8" in v for v in variants):
@@ -625,7 +629,6 @@ def main() -> None:
     lora = add_lora(model)  # wraps model's projections in place
     wl = weight_bytes(lora)
     step("lora", lambda: run_engine(rec, "bf16+LoRA r32 graph", lora, wl))
-    product = product_engine_kw()
     step("lora_product", lambda: run_engine(rec, "bf16+LoRA r32 product", lora, wl, engine_kw=product))
     step("lora_product_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 product", lora, engine_kw=product))
     apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
