@@ -28,7 +28,7 @@ def _skip_without_unsloth() -> None:
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
               micro_batch: int | None = None, lora_compute: str | None = None, impl: str = "ours",
-              engine: str = "native", attention: str = "auto") -> dict:
+              engine: str = "native", attention: str = "auto", vllm_share: float | None = None) -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -44,6 +44,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     cfg = bs.step_config(model_dir, bench_env.prompts(shape), shape, fp8=dtype == "fp8" and not fp8_block,
                          steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
                          micro_batch_size=micro_batch, engine=engine, engine_attention=attention,
+                         vllm_gpu_memory_utilization=vllm_share,
                          **({} if lora_compute is None else {"lora_compute": lora_compute}))  # None: the product's
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
@@ -119,6 +120,18 @@ def test_grpo_step_on_the_unsloth_path(benchmark, bench_env, results, tmp_path, 
     patches transformers for the whole process, so run it alone: -k unsloth_path."""
     _skip_without_unsloth()
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype, impl="ours-unsloth", engine="unsloth")
+
+
+@pytest.mark.bench_order(91)
+@pytest.mark.bench_cost(300)
+def test_grpo_step_on_the_unsloth_path_at_the_peers_share(benchmark, bench_env, results, tmp_path):
+    """bf16 on the Unsloth path with vLLM at the share the peers run it at (bs.VLLM_SHARE, 0.35: Unsloth then
+    picks max_num_seqs by the KV cache that leaves) instead of the default's, sized for the run's 16 rows:
+    whether the sized engine samples as fast (2026-12-03 it took 1.73 s a generate where the share had taken
+    1.26 the day before, on another machine start). Run alone: -k peers_share."""
+    _skip_without_unsloth()
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", impl="ours-unsloth-share", engine="unsloth",
+              vllm_share=bs.VLLM_SHARE)
 
 
 @pytest.mark.bench_order(55)

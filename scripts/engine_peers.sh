@@ -29,8 +29,11 @@
 #   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 10.3 with a first step of 233 s,
 #                  most of it Unsloth's FP8 GEMM autotuning, which the later Unsloth stages then read, and
 #                  the next hold too when .jit/autotune.tgz is carried)                                 ~7-10
-#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block (5.2, its first step 28 s from the cache)    ~5
+#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block (5.2, its first step 28 s from the cache;
+#                  2026-12-03, its share sized for the run, not done after 7.5 minutes: see its log)    ~5
 # and on request:
+#   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
+#                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
 #   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, torch's
 #                  sdpa in decode, micro-batches of 8), the long config (and in micro-batches of 4, with the
 #                  kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa
@@ -105,6 +108,7 @@ chain() {
       unsloth-fp8) bench $s unsloth -s -k "unsloth_path and fp8" ;;  # -s: vLLM's own lines (its KV cache)
       trl-vllm) bench $s vllm -k vllm_colocated ;;
       unsloth-bf16) bench $s unsloth -s -k "unsloth_path and bf16" ;;
+      unsloth-share) bench $s unsloth -s -k peers_share ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
         -k "bench_config or multiplying_in_float32 or micro_batches_of_8 or long_config or more_rows \
@@ -157,6 +161,8 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! tail -n 1 $EP/stages.log 2>/dev/null | grep -q "chain stopped"; do sleep 5; done
     cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
+    running=$(tail -n 1 $EP/stages.log 2>/dev/null | awk '$2 == "start" {print $3}')
+    if [ -n "$running" ]; then echo "--- $running.log:"; tail -n 3 $EP/$running.log | cut -c1-300; fi
     grep -h "\[vllm-cuda\]\|passed\|failed\|answer " $EP/*-cuda.log 2>/dev/null | tail -12 || true
     grep -h '"kind": "case"' $EP/probe-*.log 2>/dev/null | cut -c1-600 || true
     collect ;;

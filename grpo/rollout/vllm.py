@@ -82,9 +82,11 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # (`kv_cache_bytes_for`) it is only what vLLM checks is free at start-up.
 GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
 # What Unsloth's engine needs beside the weights and the KV cache (CUDA graphs, the profiling pass's
-# activations, the adapter's slots, CUDA's workspaces), when its share is sized for the run: plain vLLM 0.26
-# took 3.9 GiB of that for the 1B bench model with its KV cache sized for the rows (a pool of 6.52 GiB: H200,
-# 2026-12-02), and Unsloth compiles vLLM's model with more CUDA graphs, so a GiB on top.
+# activations, the adapter's slots, CUDA's workspaces), when its share is sized for the run. Plain vLLM 0.26
+# in its own process took 3.9 GiB beside the 1B bench model's weights and KV cache (H200, 2026-12-02); inside
+# Unsloth's process vLLM counted 0.31 GiB of activations and 0.13 of CUDA graphs (bf16, 2026-12-03), and this
+# left it 6.08 GiB of KV cache where the rows need 0.38. Kept generous until the FP8-Block engine is seen
+# sized this way.
 UNSLOTH_ENGINE_OVERHEAD_BYTES = 5 * 2**30
 # A row's KV cache is rounded up to this many tokens: vLLM's blocks are 16 tokens on CUDA, more on some backends.
 KV_ROUND_TOKENS = 256
