@@ -15,6 +15,7 @@ from grpo.rollout.sampling import (
     apply_top_k_top_p,
     apply_top_p,
     filter_logits,
+    row_chunks,
     sample_next,
     sample_with_noise,
 )
@@ -239,3 +240,44 @@ def test_the_command_line_and_sampling_refuse_the_same_top_p_and_min_p(top_p, mi
     else:
         assert len(errors) == 2 and errors[0].startswith(f"Sampling.{refused}=")
         assert errors[1].startswith(f"--{refused.replace('_', '-')} ")
+
+
+def reference_sample_with_noise(logits, temperature, top_k, top_p, min_p, noise):
+    """sample_with_noise written plainly: each filter on the whole row, a softmax, one argmax a row."""
+    if temperature == 0:
+        token = logits.float().argmax(-1)
+        return token, logits.float().gather(-1, token[:, None])[:, 0] - torch.logsumexp(logits.float(), -1)
+    scaled = apply_temperature(logits, temperature)
+    probs = filter_logits(logits, temperature, top_k, top_p, min_p).softmax(-1)
+    token = (probs / noise.clamp_min(1e-20)).argmax(-1)
+    return token, scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
+
+
+def test_rows_are_reduced_in_chunks_that_divide_the_vocabulary():
+    assert row_chunks(torch.zeros(2, 128256)).shape == (2, 256, 501)  # Llama 3
+    assert row_chunks(torch.zeros(2, 151936)).shape == (2, 128, 1187)  # Qwen2.5
+    assert row_chunks(torch.zeros(3, 97)).shape == (3, 1, 97)  # a prime: one chunk, the plain reduction
+    assert row_chunks(torch.zeros(1, 300)).shape == (1, 1, 300)  # chunks of at least 256
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 1000, 97])
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (0.7, 0, 1.0, 0.05), (0.0, 0, 1.0, 0.0),  # the chunked race
+    (1.0, 50, 1.0, 0.1), (1.0, 0, 0.9, 0.0)])  # a sort: filtered as before, then the chunked argmax
+def test_chunked_sampling_draws_the_reference_token_and_log_prob(vocab, temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=g) * 3).to(torch.bfloat16)  # the engine's head writes bf16 or fp32
+    logits[0, vocab // 2] = logits[0].max()  # a tie for the row's maximum: the first index wins in both
+    noise = torch.empty(6, vocab).exponential_(generator=g)
+    token, logp = sample_with_noise(logits, temperature, top_k, top_p, min_p, noise)
+    ref_token, ref_logp = reference_sample_with_noise(logits, temperature, top_k, top_p, min_p, noise)
+    assert torch.equal(token, ref_token)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=2e-5)
+
+
+def test_the_chunked_argmax_takes_the_first_of_tied_maxima_across_chunks():
+    x = torch.zeros(2, 128256)
+    x[0, [7000, 600, 128000]] = 5.0  # chunks of 501: 600 is in chunk 1, before 7000's chunk 13
+    x[1, [1001, 1000]] = 5.0  # one chunk, two places
+    token, _ = sample_with_noise(x, 0.0, 0, 1.0, 0.0, None)
+    assert token.tolist() == [600, 1000]
