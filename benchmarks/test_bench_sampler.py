@@ -142,11 +142,17 @@ def vllm_sampler(bench_env, sampler_setup, tmp_path_factory):
 @pytest.mark.bench_order(95)
 @pytest.mark.bench_cost(60)
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
-def test_vllm_sampler_at_rows(benchmark, bench_env, results, sampler_setup, vllm_sampler, copy_bandwidth, rows):
-    """Plain vLLM at `rows` rows, the adapter served as the trainer serves it."""
+@pytest.mark.parametrize("adapter", ["lora", "off"])
+def test_vllm_sampler_at_rows(benchmark, bench_env, results, sampler_setup, vllm_sampler, copy_bandwidth, rows,
+                              adapter, monkeypatch):
+    """Plain vLLM at `rows` rows, the adapter served as the trainer serves it (a LoRA request each call,
+    vLLM's LoRA kernels in every step), or off: the base weights alone, as vLLM runs where the trainer merges
+    the adapter into the weights it sends (TRL's colocated GRPO), so the two rows price vLLM's LoRA."""
     policy, _, prompts = sampler_setup
     shape = bench_env.scale[rows]
     sampling, timings = _sampling(shape), []
+    if adapter == "off":
+        monkeypatch.setattr(vllm_sampler, "_lora_request", lambda: None)  # generate(..., lora_request=None)
 
     def generate():
         rollout = vllm_sampler.generate(prompts[:shape.prompts], shape.generations, sampling)
@@ -154,5 +160,5 @@ def test_vllm_sampler_at_rows(benchmark, bench_env, results, sampler_setup, vllm
         timings.append(rollout.timings)
 
     benchmark.pedantic(generate, rounds=bench_env.rounds(3), warmup_rounds=1, iterations=1)
-    _record(benchmark, results, shape, "vllm", [t["generate"] for t in timings[1:]], policy, True,
-            copy_tbps=copy_bandwidth)
+    _record(benchmark, results, shape, "vllm" if adapter == "lora" else "vllm-no-adapter",
+            [t["generate"] for t in timings[1:]], policy, adapter == "lora", copy_tbps=copy_bandwidth)

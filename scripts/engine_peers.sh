@@ -37,7 +37,8 @@
 #   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, torch's
 #                  sdpa in decode, micro-batches of 8), the long config (and in micro-batches of 4, with the
 #                  kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa
-#                  and with the attention kernel, ours without the adapter, plain vLLM)                     ~15
+#                  and with the attention kernel, ours without the adapter, plain vLLM with the adapter
+#                  and without: what vLLM's LoRA kernels cost, which TRL's colocated mode merges away)     ~16
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
 #                  (DeepGEMM's warm-up skipped; 5.8)                                                       ~6
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
