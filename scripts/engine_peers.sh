@@ -163,7 +163,7 @@ case "${1:-}" in
     while [ "$(date +%s)" -lt $end ] && ! tail -n 1 $EP/stages.log 2>/dev/null | grep -q "chain stopped"; do sleep 5; done
     cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
     running=$(tail -n 1 $EP/stages.log 2>/dev/null | awk '$2 == "start" {print $3}')
-    if [ -n "$running" ]; then echo "--- $running.log:"; tail -n 3 $EP/$running.log | cut -c1-300; fi
+    if [ -n "$running" ]; then echo "--- $running.log:"; tail -n 3 $EP/$running.log 2>/dev/null | cut -c1-300 || true; fi
     grep -h "\[vllm-cuda\]\|passed\|failed\|answer " $EP/*-cuda.log 2>/dev/null | tail -12 || true
     grep -h '"kind": "case"' $EP/probe-*.log 2>/dev/null | cut -c1-600 || true
     collect ;;
