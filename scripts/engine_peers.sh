@@ -67,9 +67,9 @@ stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (th
   fi
 }
 
-bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run
+bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run (LIMIT: its timeout, default 900 s)
   local name=$1 site=$2; shift 2
-  stage $name 900 $site python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
+  stage $name ${LIMIT:-900} $site python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
     --bench-join $EP/results/peers.json --bench-results-dir $EP/results/$name "$@"
 }
 
@@ -106,7 +106,9 @@ chain() {
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
-      unsloth-fp8) bench $s unsloth -s -k "unsloth_path and fp8" ;;  # -s: vLLM's own lines (its KV cache)
+      # -s: vLLM's own lines (its KV cache). faulthandler_timeout: every thread's stack in the log if the test
+      # runs past 300 s (its start-up stalled past vLLM's compile on 2026-12-03), then the stage ends at 480 s
+      unsloth-fp8) LIMIT=480 bench $s unsloth -s -o faulthandler_timeout=300 -k "unsloth_path and fp8" ;;
       trl-vllm) bench $s vllm -k vllm_colocated ;;
       unsloth-bf16) bench $s unsloth -s -k "unsloth_path and bf16" ;;
       unsloth-share) bench $s unsloth -s -k peers_share ;;
