@@ -107,8 +107,8 @@ chain() {
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
       # -s: vLLM's own lines (its KV cache). faulthandler_timeout: every thread's stack in the log if the test
-      # runs past 300 s (its start-up stalled past vLLM's compile on 2026-12-03), then the stage ends at 480 s
-      unsloth-fp8) LIMIT=480 bench $s unsloth -s -o faulthandler_timeout=300 -k "unsloth_path and fp8" ;;
+      # runs past 240 s (its start-up stalled past vLLM's compile on 2026-12-03), then the stage ends at 400 s
+      unsloth-fp8) LIMIT=400 bench $s unsloth -s -o faulthandler_timeout=240 -k "unsloth_path and fp8" ;;
       trl-vllm) bench $s vllm -k vllm_colocated ;;
       unsloth-bf16) bench $s unsloth -s -k "unsloth_path and bf16" ;;
       unsloth-share) bench $s unsloth -s -k peers_share ;;
