@@ -20,17 +20,18 @@
 #
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
 # 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
-# not stop the next; minutes as measured 2026-12-02 10:55-11:18 and 17:48-18:05. The default stages took 17
-# minutes of a hold's 30 with Triton's autotuning carried in (.jit) and SIDE=0 (2026-12-02 17:48); what the
-# hold does not reach goes to the next one (STAGES=...):
-#   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.6; vLLM's start-up 2 of them)       ~5
+# not stop the next; minutes as measured 2026-12-02 and 2026-12-03 (07:55-08:11: ours 4.4, unsloth-grpo 4.6 with
+# .jit carried). The default stages need ~25 minutes once the kit is in (~5.5 minutes into a hold, the machine's
+# start included), so a hold has no minute to spare: give the last poll's wait at most the device time left less
+# 2 minutes (a poll cut by the budget returns nothing). What a hold does not reach goes to the next (STAGES=...):
+#   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.4-4.6; vLLM's start-up 2 of them) ~5
+#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block. On a fresh machine FlashInfer compiles its FP8
+#                  block-scale GEMM for batches under 32 rows (nvcc, inside vLLM's CUDA-graph capture: 139 s of
+#                  capture on 2026-12-03), so vLLM's start-up alone takes ~5 minutes                    ~9
+#   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 4.6 with .jit/autotune.tgz
+#                  carried, first step 50 s; 10.3 without, first step 233 s of Triton's FP8 autotuning) ~5-10
 #   unsloth-bf16   bench: ours --engine unsloth on bf16 (3.9)                                             ~4
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
-#   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 10.3 with a first step of 233 s,
-#                  most of it Unsloth's FP8 GEMM autotuning, which the later Unsloth stages then read, and
-#                  the next hold too when .jit/autotune.tgz is carried)                                 ~7-10
-#   unsloth-fp8    bench: ours --engine unsloth on FP8-Block (5.2, its first step 28 s from the cache;
-#                  2026-12-03, its share sized for the run, not done after 7.5 minutes: see its log)    ~5
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
@@ -51,7 +52,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-ours unsloth-bf16 trl-vllm unsloth-grpo unsloth-fp8}
+STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
@@ -106,9 +107,8 @@ chain() {
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
-      # -s: vLLM's own lines (its KV cache). faulthandler_timeout: every thread's stack in the log if the test
-      # runs past 240 s (its start-up stalled past vLLM's compile on 2026-12-03), then the stage ends at 400 s
-      unsloth-fp8) LIMIT=400 bench $s unsloth -s -o faulthandler_timeout=240 -k "unsloth_path and fp8" ;;
+      # -s: vLLM's own lines (its KV cache); faulthandler_timeout: every thread's stack in the log past 600 s
+      unsloth-fp8) LIMIT=720 bench $s unsloth -s -o faulthandler_timeout=600 -k "unsloth_path and fp8" ;;
       trl-vllm) bench $s vllm -k vllm_colocated ;;
       unsloth-bf16) bench $s unsloth -s -k "unsloth_path and bf16" ;;
       unsloth-share) bench $s unsloth -s -k peers_share ;;
