@@ -669,3 +669,31 @@ def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
     ref = (scores.softmax(-1) @ v.double()).reshape(B, 1, dims.n_heads * D)
     assert scores.amax() > 1000  # the regime under test
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_compiled_prefill_gives_the_eager_prefill_for_each_new_prompt_shape():
+    """The prefill's compiled layer (what the engine runs where EngineTuning.compile is on) against the plain
+    function it compiles, through peft's LoRA modules, for prompt batches of new widths and sizes."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.rollout.native.layer import ModelDims, StepFunctions, prefill_layer
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lm = get_peft_model(small_llama(seed=3), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                        init_lora_weights=False)).base_model.model
+    dims = ModelDims.of(lm)
+    compiled = StepFunctions.build("default").prefill
+    assert compiled is not prefill_layer and StepFunctions.build("default", compile_prefill=False).prefill is prefill_layer
+    rotary = lm.model.rotary_emb
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for P, L in ((2, 5), (2, 9), (3, 7)):
+            x = torch.randn(P, L, dims.hidden, generator=gen)
+            cos, sin = rotary(x, torch.arange(L)[None])
+            cos, sin = cos[:, None], sin[:, None]  # (1, 1, L, D)
+            for layer in lm.model.layers:
+                want = prefill_layer(layer, x, cos, sin, dims)
+                got = compiled(layer, x, cos, sin, dims)
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+                x = want[0]

@@ -15,7 +15,8 @@ One `generate(prompt_ids, num_generations, sampling)`:
    its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows), its modules otherwise;
 3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
    attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
-4. prefills each of the P prompts once (right-padded, causal), writing its KV straight into its n rows;
+4. prefills each of the P prompts once (right-padded, causal; on CUDA each layer a compiled function),
+   writing its KV straight into its n rows;
 5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
    drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
    the stop flags on the device, run the forward of that token into the next logits. The host looks
@@ -44,7 +45,7 @@ from torch import nn
 
 from grpo.kernels import decode_gemm
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
-from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm, prefill_layer
+from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
 from grpo.rollout.native.tuning import EngineTuning
@@ -102,7 +103,7 @@ class NativeEngine:
             cuda = self.device.type == "cuda"
             self._streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(3)]
         mode = self.tuning.compile
-        self._fns = StepFunctions.build(mode)
+        self._fns = StepFunctions.build(mode, self.tuning.compile_prefill)
         self._sample = sample_with_noise if mode is None else torch.compile(sample_with_noise, mode=mode)
         self._state: DecodeState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -239,7 +240,7 @@ class NativeEngine:
         x = decoder.embed_tokens(ids)  # (P, L, H)
         cos, sin = st.cos[:L][None, None], st.sin[:L][None, None]  # (1, 1, L, D)
         for i, layer in enumerate(decoder.layers):
-            x, k, v = prefill_layer(layer, x, cos, sin, self.dims)
+            x, k, v = self._fns.prefill(layer, x, cos, sin, self.dims)
             st.k_caches[i][:rows, :, :L] = k.repeat_interleave(n, dim=0)  # each prompt's KV into its n rows
             st.v_caches[i][:rows, :, :L] = v.repeat_interleave(n, dim=0)
         last = x[torch.arange(P, device=self.device), lengths - 1]  # (P, H) each prompt's last token
