@@ -193,6 +193,32 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
 
+def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_gives_the_weights_back():
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                                          init_lora_weights=False))
+    before = {name: p.clone() for name, p in lora.named_parameters()}
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
+    ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
+    engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
+                          tuning=EngineTuning(fold_adapter=True))
+    out = engine.generate(PROMPTS, 2, sampling)
+    assert engine._fold and all(layer.proj.q.rank == 0 for layer in engine._layers)  # the kernels read no adapter
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
+    for name, p in lora.named_parameters():
+        assert torch.equal(p, before[name]), name
+    with lora.disable_adapter():  # no adapter to fold: the plan reads the base weights as they are
+        engine.generate(PROMPTS, 1, sampling)
+        assert not engine._fold
+
+
 def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
     # Qwen2.5 (the packaged Qwen): q/k/v biases, which the kernels add; LoRA on every projection. (FP8 codes
     # with biases: test_biases_are_added_to_each_projection_with_lora_and_split_k.)

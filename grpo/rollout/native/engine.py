@@ -20,7 +20,9 @@ One `generate(prompt_ids, num_generations, sampling)`:
 5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
    drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
    the stop flags on the device, run the forward of that token into the next logits. The host looks
-   at the flags only every `check_every` steps, to stop early once every row has finished.
+   at the flags only every `check_every` steps, to stop early once every row has finished. With
+   `EngineTuning.fold_adapter` the decode reads the adapters folded into the base weights (`fold.py`),
+   taken out exactly when it ends.
 
 Rows of one prompt have their own positions: prompts of different lengths need no left padding and
 get the positions and numerics of an unpadded forward.
@@ -39,12 +41,14 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
+from grpo.rollout.native import fold
 from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
@@ -110,6 +114,7 @@ class NativeEngine:
         self._graph_pool = None
         self._fingerprint: tuple | None = None
         self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
+        self._fold = False  # whether this generate's decode folds the adapters in (EngineTuning.fold_adapter)
         self._layers: list = []  # per layer, its one-token forward; planned by each generate
         self._warned_fallback = False
 
@@ -166,9 +171,11 @@ class NativeEngine:
                               "q/k/v and one on gate/up (or none), no DoRA, and weights in the activations' dtype",
                               stacklevel=4)
         self._projections = projections
+        self._fold = self.tuning.fold_adapter and fold.can_fold(projections)
+        read = [fold.without_adapters(p) for p in projections] if self._fold else projections
         self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams,
                                     self.tuning.rope_in_attention)
-                        for layer, proj in zip(layers, projections)]
+                        for layer, proj in zip(layers, read)]
 
     def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
         """The tokens in state.tok through the decoder, reading the first kv_len cache positions: (B, V)."""
@@ -290,6 +297,27 @@ class NativeEngine:
         bucket = self.tuning.kv_bucket
         return min(-(-(max_prompt + i + 1) // bucket) * bucket, self.max_seq_len)
 
+    def _decode(self, rows: int, max_new: int, max_prompt: int, sampling: Sampling, stop: StopRule, graphs: dict,
+                generator: torch.Generator) -> int:
+        """Up to max_new steps (graphs replayed where captured), until every row has stopped; returns the
+        steps taken."""
+        st, steps = self._state, 0
+        for i in range(max_new):
+            if sampling.temperature > 0:
+                st.noise[:rows].exponential_(generator=generator)
+            kv_len = self._kv_bucket(max_prompt, i)
+            if self.tuning.use_cuda_graph:
+                graphs[kv_len].replay()
+            else:
+                self._step(rows, kv_len, sampling, stop)
+            steps += 1
+            if steps % self.tuning.check_every == 0:
+                if self.progress is not None:
+                    self.progress(rows * steps, rows * max_new)
+                if stop.active and not bool(st.alive[:rows].any()):
+                    break
+        return steps
+
     def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
         t0 = time.perf_counter()
@@ -328,22 +356,11 @@ class NativeEngine:
         sync()
         t2 = time.perf_counter()
 
-        steps = 0
-        for i in range(max_new):
-            if sampling.temperature > 0:
-                st.noise[:rows].exponential_(generator=generator)
-            kv_len = self._kv_bucket(max_prompt, i)
-            if self.tuning.use_cuda_graph:
-                graphs[kv_len].replay()
-            else:
-                self._step(rows, kv_len, sampling, stop)
-            steps += 1
-            if steps % self.tuning.check_every == 0:
-                if self.progress is not None:
-                    self.progress(rows * steps, rows * max_new)
-                if stop.active and not bool(st.alive[:rows].any()):
-                    break
-        sync()
+        # the prefill ran the modules, adapters apart; the decode's kernels read the weights with the adapters
+        # folded in where self._fold (its plan reads no adapter), and they come out exactly after
+        with fold.folded(self._projections) if self._fold else nullcontext():
+            steps = self._decode(rows, max_new, max_prompt, sampling, stop, graphs, generator)
+            sync()
         t3 = time.perf_counter()
         if self.progress is not None:
             self.progress(rows * max_new, rows * max_new)

@@ -55,6 +55,10 @@ class EngineTuning:
         (`decode_attention.rope_store_attend`): three launches a layer fewer (q's rotary, the K/V write, the
         attention's own), which took the bench's token step from 1.447 to 1.384 ms in its CUDA graph (H200,
         2026-12-02). Qwen3's q/k norms keep the launches apart.
+    fold_adapter: where every layer runs on the decode kernels with an adapter and dense weights, fold the
+        adapters into the base weights for the decode and take them out after, exactly (`fold.py`): no
+        adapter work in a token step, the sampler sampling from W + scale * B A rounded. Off until the
+        H200 has timed it and measured the sampler-trainer gap it adds.
     """
 
     use_cuda_graph: bool | None = None
@@ -66,6 +70,7 @@ class EngineTuning:
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
     rope_in_attention: bool = True
+    fold_adapter: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1:

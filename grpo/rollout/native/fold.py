@@ -1,0 +1,90 @@
+"""The LoRA adapters folded into the base weights for a decode, and taken out again exactly.
+
+With W <- W + scale * B A (rounded once into W's dtype) a decode step reads only the base weights: no
+lora_down launches and no B products in the GEMM kernels, which on the H200 cost the bench's token step
+0.18 of its 1.32 ms (benchmarks/RESULTS.md, "eighth hold"). TRL's colocated vLLM and Unsloth's merged
+rollouts fold the adapter too; here it is done in place, without a second copy of the weights.
+
+Taking it out: rounding W + D and subtracting the same D gives W back, except where the sum crossed a
+power of two or met a tie; `folded` finds those elements before folding (by doing the round trip once)
+and keeps their old values aside, so the weights after are W bit for bit. D is computed the same way both
+times, from adapters that do not change during a decode.
+
+What it changes: the sampler samples from W + D rounded, not from the trainer's W and adapter, so its
+log-probs differ from the trainer's by that rounding too (the sampler-trainer gap measures it). Dense
+weights only: an FP8 weight cannot hold W + D without a new quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from grpo.kernels.decode_gemm import DecodeProj
+from grpo.rollout.native.plan import LayerProjections
+
+
+def can_fold(projections: Sequence[LayerProjections | None]) -> bool:
+    """Whether every layer runs on the kernels, with an adapter on each projection and dense weights."""
+    return bool(projections) and all(
+        p is not None and all(d.lora_a is not None and d.scale_inv is None for d in _projs(p)) for p in projections)
+
+
+def without_adapters(p: LayerProjections) -> LayerProjections:
+    """The same projections as the kernels read them once the adapters are folded in: base weights only."""
+    return replace(p, **{f.name: replace(getattr(p, f.name), lora_a=None, lora_b=None, lora_scale=1.0)
+                         for f in fields(p)})
+
+
+@dataclass
+class _Kept:
+    """One weight's elements whose round trip would not come back exact, and their values before folding."""
+
+    weight: torch.Tensor
+    index: torch.Tensor  # flat indices into weight
+    values: torch.Tensor
+
+
+def _projs(p: LayerProjections) -> list[DecodeProj]:
+    return [getattr(p, f.name) for f in fields(p)]
+
+
+def _delta(d: DecodeProj) -> torch.Tensor:
+    """scale * B A in float32, (N, K): the same bits every time for the same adapter."""
+    return (d.lora_b.float() @ d.lora_a.float()) * d.lora_scale
+
+
+def _fold(d: DecodeProj) -> _Kept:
+    w = d.weight
+    delta = _delta(d)
+    summed = (w.float() + delta).to(w.dtype)
+    back = (summed.float() - delta).to(w.dtype)
+    index = (back != w).view(-1).nonzero().squeeze(1)
+    kept = _Kept(w, index, w.view(-1)[index].clone())
+    w.copy_(summed)
+    return kept
+
+
+def _unfold(d: DecodeProj, kept: _Kept) -> None:
+    w = d.weight
+    back = (w.float() - _delta(d)).to(w.dtype)
+    back.view(-1)[kept.index] = kept.values
+    w.copy_(back)
+
+
+@contextmanager
+def folded(projections: Sequence[LayerProjections]) -> Iterator[int]:
+    """Inside, each projection's weight holds W + scale * B A; after (an exception included), W again, bit
+    for bit. Yields how many elements were kept aside. The caller holds no_grad; `can_fold` must be true."""
+    done: list[tuple[DecodeProj, _Kept]] = []
+    try:
+        for p in projections:
+            for d in _projs(p):
+                done.append((d, _fold(d)))
+        yield sum(k.index.numel() for _, k in done)
+    finally:
+        for d, kept in reversed(done):
+            _unfold(d, kept)
