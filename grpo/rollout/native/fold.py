@@ -43,7 +43,6 @@ def without_adapters(p: LayerProjections) -> LayerProjections:
 class _Kept:
     """One weight's elements whose round trip would not come back exact, and their values before folding."""
 
-    weight: torch.Tensor
     index: torch.Tensor  # flat indices into weight
     values: torch.Tensor
 
@@ -63,7 +62,7 @@ def _fold(d: DecodeProj) -> _Kept:
     summed = (w.float() + delta).to(w.dtype)
     back = (summed.float() - delta).to(w.dtype)
     index = (back != w).view(-1).nonzero().squeeze(1)
-    kept = _Kept(w, index, w.view(-1)[index].clone())
+    kept = _Kept(index, w.view(-1)[index].clone())
     w.copy_(summed)
     return kept
 
