@@ -696,7 +696,7 @@ def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
 
 
 def test_compiled_prefill_gives_the_eager_prefill_for_each_new_prompt_shape():
-    """The prefill's compiled layer (what the engine runs where EngineTuning.compile is on) against the plain
+    """The prefill's compiled layer (what the engine runs with EngineTuning.compile_prefill) against the plain
     function it compiles, through peft's LoRA modules, for prompt batches of new widths and sizes."""
     from peft import LoraConfig, get_peft_model
 
@@ -706,9 +706,9 @@ def test_compiled_prefill_gives_the_eager_prefill_for_each_new_prompt_shape():
     lm = get_peft_model(small_llama(seed=3), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                                                         init_lora_weights=False)).base_model.model
     dims = ModelDims.of(lm)
-    compiled = StepFunctions.build("default").prefill
+    compiled = StepFunctions.build("default", compile_prefill=True).prefill
     assert compiled is not prefill_layer
-    assert StepFunctions.build("default", compile_prefill=False).prefill is prefill_layer
+    assert StepFunctions.build("default").prefill is prefill_layer  # off until timed on a GPU
     rotary = lm.model.rotary_emb
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -20,8 +20,8 @@ Plans (`--variants` picks steps by name instead):
             (eager, and inside the graph)
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
             where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
-            them; the adapters folded into the weights (EngineTuning.fold_adapter); the prefill without compile
-            (before EngineTuning.compile_prefill); the same with q's and K's rotaries and the K/V write apart
+            them; the adapters folded into the weights (EngineTuning.fold_adapter); the prefill compiled
+            (EngineTuning.compile_prefill); the same with q's and K's rotaries and the K/V write apart
             (before EngineTuning.rope_in_attention)
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
@@ -453,7 +453,7 @@ PLANS = {
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
     "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph",
-              "lora_prefill_eager", "lora_rope_apart", "lora_rope_apart_graph"],
+              "lora_prefill_compiled", "lora_rope_apart", "lora_rope_apart_graph"],
 }
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
@@ -637,9 +637,9 @@ def main() -> None:
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))
-    eager_prefill = product | {"compile_prefill": False}  # the prefill through peft's modules, op by op
-    step("lora_prefill_eager", lambda: run_engine(rec, "bf16+LoRA r32 prefill eager", lora, wl,
-                                                  engine_kw=eager_prefill))
+    compiled_prefill = product | {"compile_prefill": True}  # each layer of the prefill one compiled function
+    step("lora_prefill_compiled", lambda: run_engine(rec, "bf16+LoRA r32 prefill compiled", lora, wl,
+                                                     engine_kw=compiled_prefill))
     apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
     step("lora_rope_apart", lambda: run_engine(rec, "bf16+LoRA r32 rope apart", lora, wl, engine_kw=apart))
     step("lora_rope_apart_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope apart", lora, engine_kw=apart))

@@ -15,7 +15,7 @@ One `generate(prompt_ids, num_generations, sampling)`:
    its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows), its modules otherwise;
 3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
    attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
-4. prefills each of the P prompts once (right-padded, causal; on CUDA each layer a compiled function),
+4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled),
    writing its KV straight into its n rows;
 5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
    drawn outside the graph from a seeded generator), record token, sampler logp and mask, update

@@ -38,7 +38,8 @@ class EngineTuning:
         eager kernels, or "auto": "default" on CUDA, None elsewhere. The first generate compiles.
     compile_prefill: where `compile` is on, each layer of the prefill runs as one compiled function too
         (through peft's modules one op at a time, the bench's prefill took 54 ms on the H200 for ~2 ms of
-        GEMMs; 12 ms without the adapter).
+        GEMMs; 12 ms without the adapter). Off until timed on the H200, FP8 bases included (their prompts
+        take FP8Linear's `_scaled_mm` path, which no compiled step has run yet).
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
     attention: "sdpa" (torch's fused attention), "matmul" (two batched matmuls, float32 scores and
@@ -63,7 +64,7 @@ class EngineTuning:
 
     use_cuda_graph: bool | None = None
     compile: str | None = "auto"
-    compile_prefill: bool = True
+    compile_prefill: bool = False
     kv_bucket: int = 256
     check_every: int = 16
     attention: str = "auto"
