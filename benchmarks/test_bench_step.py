@@ -102,6 +102,24 @@ def test_grpo_step_in_micro_batches_of_8(benchmark, bench_env, results, tmp_path
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", micro_batch=8, impl="ours-mb8")
 
 
+@pytest.mark.bench_order(32)
+@pytest.mark.bench_cost(30)
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_grpo_step_with_the_engines_untimed_levers(benchmark, bench_env, results, tmp_path, monkeypatch, dtype):
+    """The bench config with the native engine's levers that are off until timed: the prefill compiled
+    (EngineTuning.compile_prefill) and the adapters folded into the weights for the decode (fold_adapter; bf16
+    only, FP8 weights do not fold). Beside test_grpo_step_at_bench_config in one run: the step time they save
+    and the sampler-trainer gap the fold adds (in the results' `gap`)."""
+    import functools
+
+    import grpo.rollout.native as native
+
+    # build_engine reads EngineTuning from the package when it builds the trainer's engine
+    monkeypatch.setattr(native, "EngineTuning", functools.partial(native.EngineTuning, compile_prefill=True,
+                                                                  fold_adapter=True))
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype, impl="ours-engine-levers")
+
+
 @pytest.mark.bench_order(33)
 @pytest.mark.bench_cost(120)
 def test_grpo_step_with_the_vllm_engine(benchmark, bench_env, results, tmp_path):

@@ -35,11 +35,12 @@
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
-#   speed          issue 31's suite in one process: the bench step (bf16, FP8, --lora-compute float32, torch's
-#                  sdpa in decode, micro-batches of 8), the long config (and in micro-batches of 4, with the
-#                  kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64 and 256 rows (ours with sdpa
-#                  and with the attention kernel, ours without the adapter, plain vLLM with the adapter
-#                  and without: what vLLM's LoRA kernels cost, which TRL's colocated mode merges away)     ~16
+#   speed          issue 31's suite in one process: the bench step (bf16, FP8, with the engine's untimed levers,
+#                  --lora-compute float32, torch's sdpa in decode, micro-batches of 8), the long config (and in
+#                  micro-batches of 4, with the kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64
+#                  and 256 rows (ours with sdpa and with the attention kernel, ours without the adapter, plain
+#                  vLLM with the adapter and without: what vLLM's LoRA kernels cost, which TRL's colocated mode
+#                  merges away)                                                                            ~17
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
 #                  (DeepGEMM's warm-up skipped; 5.8)                                                       ~6
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
@@ -114,8 +115,8 @@ chain() {
       unsloth-share) bench $s unsloth -s -k peers_share ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
-        -k "bench_config or multiplying_in_float32 or micro_batches_of_8 or long_config or more_rows \
-            or sdpa_attention or sampler" ;;
+        -k "bench_config or untimed_levers or multiplying_in_float32 or micro_batches_of_8 or long_config \
+            or more_rows or sdpa_attention or sampler" ;;
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac
   done
