@@ -56,12 +56,16 @@ def _delta(d: DecodeProj) -> torch.Tensor:
     return (d.lora_b.float() @ d.lora_a.float()) * d.lora_scale
 
 
+def _taken_out(w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """w - delta in float32 (type promotion reads w once, as its float32 value), rounded into w's dtype."""
+    return torch.sub(w, delta).to(w.dtype)
+
+
 def _fold(d: DecodeProj) -> _Kept:
     w = d.weight
     delta = _delta(d)
-    summed = (w.float() + delta).to(w.dtype)
-    back = (summed.float() - delta).to(w.dtype)
-    index = (back != w).view(-1).nonzero().squeeze(1)
+    summed = torch.add(w, delta).to(w.dtype)
+    index = (_taken_out(summed, delta) != w).view(-1).nonzero().squeeze(1)  # the unfold's own arithmetic
     kept = _Kept(index, w.view(-1)[index].clone())
     w.copy_(summed)
     return kept
@@ -69,7 +73,7 @@ def _fold(d: DecodeProj) -> _Kept:
 
 def _unfold(d: DecodeProj, kept: _Kept) -> None:
     w = d.weight
-    back = (w.float() - _delta(d)).to(w.dtype)
+    back = _taken_out(w, _delta(d))
     back.view(-1)[kept.index] = kept.values
     w.copy_(back)
 
