@@ -7,16 +7,19 @@
 # 30 minutes held, and runs a command for at most 10 minutes. Here: .whl/ (scripts/trl_comparison.sh pack:
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
-#   call  1     carry .whl (.jit)      scripts/engine_peers.sh wheels       installs .whl into /tmp/site; while the
-#                                                                           kit is carried, issue 31's token
+#   call  1     carry .whl, .jit/autotune.tgz   engine_peers.sh wheels      installs .whl into /tmp/site; while
+#                                                                           the kit is carried, issue 31's token
 #                                                                           step profile uses the idle GPU
 #                                                                           (~2 min; SIDE=0: not)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
-#   calls 12-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
+#   call  12    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 540  (where an earlier hold left it) puts
+#                                                                           FlashInfer's kernels in place, waits
+#   calls 13-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
-# Every call copies what the chain has written so far to $OUT (results.tgz), and Triton's autotuning results
-# (autotune.tgz: keep the last as .jit/autotune.tgz, and carry .jit with call 1 of the next hold).
+# Every call copies what the chain has written so far to $OUT (results.tgz), Triton's autotuning results
+# (autotune.tgz) and the kernels FlashInfer built (flashinfer-ops.tgz): keep the last of each in .jit/ for the
+# next hold.
 #
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
 # 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
@@ -138,6 +141,27 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   if [ -d $EP/triton-cache ]; then
     (cd $EP/triton-cache && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T - 2>/dev/null) || true
   fi
+  local ops
+  for ops in $HOME/.cache/flashinfer/*/*/cached_ops; do  # ./NAME/NAME.so each, as flashinfer_aot places them
+    [ -d "$ops" ] && (cd "$ops" && find . -name '*.so' | tar -czf "$OUT/flashinfer-ops.tgz" -T - 2>/dev/null) || true
+  done
+}
+
+flashinfer_aot() {  # the kernels FlashInfer built in an earlier hold (.jit/flashinfer-ops.tgz) into its AOT
+  # directory, from which it loads a kernel without building it (flashinfer/jit/core.py: `is_aot`): vLLM 0.26
+  # runs FP8 block-scale linears under 32 rows through FlashInfer's swap-AB GEMM, whose nvcc build took 139 s
+  # of vLLM's start-up on FP8-Block checkpoints (2026-12-03). Once per hold, after the kit is in.
+  if [ ! -f .jit/flashinfer-ops.tgz ] || [ -f $EP/flashinfer-aot.done ] || [ ! -f /tmp/cmp/vllm.ready ]; then
+    return 0
+  fi
+  local dir n=0
+  mkdir -p $EP
+  for dir in /tmp/vsite/flashinfer /tmp/usite/flashinfer; do
+    if [ -d $dir ]; then mkdir -p $dir/data/aot && tar -xzf .jit/flashinfer-ops.tgz -C $dir/data/aot && n=$((n + 1)); fi
+  done
+  echo "$(date -u +%T) flashinfer: $(tar -tzf .jit/flashinfer-ops.tgz | grep -c '\.so$') kernels of an earlier" \
+    "hold into $n AOT directories" >> $EP/stages.log
+  touch $EP/flashinfer-aot.done
 }
 
 case "${1:-}" in
@@ -162,6 +186,7 @@ case "${1:-}" in
     echo "$(date -u +%T) restarted: $STAGES" >> $EP/stages.log
     start_chain ;;
   status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is
+    flashinfer_aot
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! tail -n 1 $EP/stages.log 2>/dev/null | grep -q "chain stopped"; do sleep 5; done
     cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
