@@ -30,11 +30,15 @@
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.4-4.6; vLLM's start-up 2 of them) ~5
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block. On a fresh machine FlashInfer compiles its FP8
 #                  block-scale GEMM for batches under 32 rows (nvcc, inside vLLM's CUDA-graph capture: 139 s of
-#                  capture on 2026-12-03), so vLLM's start-up alone takes ~5 minutes                    ~9
+#                  capture on 2026-12-03), so vLLM's start-up alone takes ~5 minutes; with the kernels of
+#                  an earlier hold carried (flashinfer-ops.tgz, call 12) ~2.5 less                        ~6-9
 #   unsloth-grpo   bench: Unsloth's own GRPO (TRL 1.15, FP8-Block, standby; 4.6 with .jit/autotune.tgz
 #                  carried, first step 50 s; 10.3 without, first step 233 s of Triton's FP8 autotuning) ~5-10
 #   unsloth-bf16   bench: ours --engine unsloth on bf16 (3.9)                                             ~4
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
+#   levers         bench: ours native bf16 and FP8 with the engine's untimed levers (issue 31: the prefill
+#                  compiled, the adapters folded), their step time and sampler-trainer gap; last: what a hold
+#                  has left                                                                                ~1.5
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
@@ -56,7 +60,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm}
+STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm levers}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
@@ -110,6 +114,7 @@ chain() {
       vllm-cuda) stage $s 720 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
+      levers) bench $s vllm -k untimed_levers ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
       # -s: vLLM's own lines (its KV cache); faulthandler_timeout: every thread's stack in the log past 600 s
       unsloth-fp8) LIMIT=720 bench $s unsloth -s -o faulthandler_timeout=600 -k "unsloth_path and fp8" ;;
