@@ -56,6 +56,11 @@ def _delta(d: DecodeProj) -> torch.Tensor:
     return (d.lora_b.float() @ d.lora_a.float()) * d.lora_scale
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns as integers (so -0.0 differs from 0.0, and a NaN equals itself)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _taken_out(w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """w - delta in float32 (type promotion reads w once, as its float32 value), rounded into w's dtype."""
     return torch.sub(w, delta).to(w.dtype)
@@ -65,7 +70,7 @@ def _fold(d: DecodeProj) -> _Kept:
     w = d.weight
     delta = _delta(d)
     summed = torch.add(w, delta).to(w.dtype)
-    index = (_taken_out(summed, delta) != w).view(-1).nonzero().squeeze(1)  # the unfold's own arithmetic
+    index = (bits(_taken_out(summed, delta)) != bits(w)).view(-1).nonzero().squeeze(1)  # the unfold's arithmetic
     kept = _Kept(index, w.view(-1)[index].clone())
     w.copy_(summed)
     return kept
