@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from conftest import tiny_llama, tiny_llama_config
 from grpo.rollout.base import Engine, Sampling
-from grpo.rollout.native import EngineTuning, NativeEngine
+from grpo.rollout.native import EngineTuning, NativeEngine, fold
 from test_sampling import chi2_critical, chi2_statistic, reference_probs
 
 PAD = 4  # small_llama's pad id; tiny_llama's (128004) where the real vocabulary is used
@@ -498,12 +498,12 @@ def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample
         out = engine.generate(PROMPTS, 2, sampling)
         assert engine._fold
         for name, p in lora.named_parameters():
-            assert torch.equal(p, before[name]), name
-    same = out.completion_ids == plain.completion_ids  # the same noise: tokens part only where bf16 rounding does
-    assert same.float().mean() > 0.5
-    before_parting = same.int().cumprod(1).bool()  # each row up to its first differing token
-    gap = (out.sampler_logp - plain.sampler_logp).abs()[before_parting]
-    assert gap.max() < 0.1, gap.max()
+            assert torch.equal(fold.bits(p), fold.bits(before[name])), name
+    # The same noise: tokens part only where the folded weights' rounding does. Up to each row's first differing
+    # token the log-probs stay within rounding (measured on CPU in bf16: 0.008; adapter missing or twice: 0.47)
+    same = out.completion_ids == plain.completion_ids
+    gap = (out.sampler_logp - plain.sampler_logp).abs()[same.int().cumprod(1).bool()]
+    assert gap.max() < 0.05, gap.max()
 
 
 @pytest.mark.cuda

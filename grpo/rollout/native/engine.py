@@ -72,8 +72,13 @@ class NativeEngine:
     tuning: how a step runs (graphs, compile, attention, streams, ...); benchmarks and tests set it.
     """
 
-    needs_importance_correction = False
-    """No pi_trainer/pi_sampler weight: the sampler's log-probs come from the trainer's own modules."""
+    @property
+    def needs_importance_correction(self) -> bool:
+        """Whether the trainer weights tokens by pi_trainer/pi_sampler: not where the sampler's log-probs come
+        from the trainer's own modules, but with the adapters folded into the weights for the decode
+        (EngineTuning.fold_adapter), whose rounding drops the adapter's changes smaller than half a weight's
+        last bit: early in training most of them."""
+        return self.tuning.fold_adapter
 
     def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int, gemm: str = "auto",
                  tuning: EngineTuning = EngineTuning()) -> None:

@@ -10,8 +10,12 @@ power of two or met a tie; `folded` finds those elements before folding (by doin
 and keeps their old values aside, so the weights after are W bit for bit. D is computed the same way both
 times, from adapters that do not change during a decode.
 
-What it changes: the sampler samples from W + D rounded, not from the trainer's W and adapter, so its
-log-probs differ from the trainer's by that rounding too (the sampler-trainer gap measures it). Dense
+What it changes: the sampler samples from W + D rounded, not from the trainer's W and adapter. Where an
+element of D is smaller than half of W's last bit, W + D rounds back to W: early in training, with B near
+zero, much of the adapter's change is not in the folded weights (bf16 weights of spread 0.02: a change of
+spread 1e-4 left 32% of them as they were and came through at 0.99 of its size; one of 1e-5 left 88% and
+came through at 0.28). So the engine asks the trainer for its importance correction while folding
+(`NativeEngine.needs_importance_correction`), and the sampler-trainer gap shows the difference. Dense
 weights only: an FP8 weight cannot hold W + D without a new quantization.
 """
 
@@ -86,7 +90,10 @@ def _unfold(d: DecodeProj, kept: _Kept) -> None:
 @contextmanager
 def folded(projections: Sequence[LayerProjections]) -> Iterator[int]:
     """Inside, each projection's weight holds W + scale * B A; after (an exception included), W again, bit
-    for bit. Yields how many elements were kept aside. The caller holds no_grad; `can_fold` must be true."""
+    for bit. Yields how many elements were kept aside. The caller holds no_grad; `can_fold` must be true.
+    Each weight is restored even where another's restore fails (the first error is raised after); an
+    exception raised from a signal handler between a weight's fold and its record would leave that one
+    weight folded (the next start reloads the base weights; the adapters are never touched)."""
     done: list[tuple[DecodeProj, _Kept]] = []
     try:
         for p in projections:
@@ -94,5 +101,11 @@ def folded(projections: Sequence[LayerProjections]) -> Iterator[int]:
                 done.append((d, _fold(d)))
         yield sum(k.index.numel() for _, k in done)
     finally:
+        error = None
         for d, kept in reversed(done):
-            _unfold(d, kept)
+            try:
+                _unfold(d, kept)
+            except BaseException as exc:  # noqa: BLE001 -- restore the others first, then raise it
+                error = error or exc
+        if error is not None:
+            raise error

@@ -18,8 +18,8 @@ embedding at each row's own position and writes the token's K/V into the engine'
 `build_layer` picks one per layer when the engine plans a generate; a step then calls
 `layer(x, at, k_cache, v_cache)` for each. `prefill_layer` runs a layer over right-padded prompts
 (compiled too with `EngineTuning.compile_prefill`: through peft's modules one op at a time, the bench's
-512 prompt tokens took 54 ms on the H200 for ~2 ms of GEMMs). The model's shapes travel as one `ModelDims`; `StepFunctions`
-holds the functions, compiled once.
+512 prompt tokens took 54 ms on the H200 for ~2 ms of GEMMs). The model's shapes travel as one
+`ModelDims`; `StepFunctions` holds the functions, compiled once.
 
 Not here: the engine's buffers, graphs and loop (`engine.py`), which projections the kernels can take
 (`plan.py`). The decoder families in `MODEL_TYPES` only (`causal_lm` says why a model is refused).

@@ -58,7 +58,8 @@ class EngineTuning:
         2026-12-02). Qwen3's q/k norms keep the launches apart.
     fold_adapter: where every layer runs on the decode kernels with an adapter and dense weights, fold the
         adapters into the base weights for the decode and take them out after, exactly (`fold.py`): no
-        adapter work in a token step, the sampler sampling from W + scale * B A rounded. Off until the
+        adapter work in a token step, the sampler sampling from W + scale * B A rounded (which drops the
+        adapter's smallest changes, so the trainer corrects for the sampler: `fold.py`). Off until the
         H200 has timed it and measured the sampler-trainer gap it adds.
     """
 
