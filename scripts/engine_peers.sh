@@ -146,10 +146,13 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   if [ -d $EP/triton-cache ]; then
     (cd $EP/triton-cache && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T - 2>/dev/null) || true
   fi
-  local ops
-  for ops in $HOME/.cache/flashinfer/*/*/cached_ops; do  # ./NAME/NAME.so each, as flashinfer_aot places them
-    [ -d "$ops" ] && (cd "$ops" && find . -name '*.so' | tar -czf "$OUT/flashinfer-ops.tgz" -T - 2>/dev/null) || true
-  done
+  # FlashInfer's kernels as ./NAME/NAME.so (flashinfer_aot's layout), from the kit's one version and arch; only
+  # those a minute old (a build in progress is left for a later poll), and no archive where there are none
+  local ops=($HOME/.cache/flashinfer/*/*/cached_ops) built
+  if [ -d "${ops[0]}" ]; then
+    built=$(cd "${ops[0]}" && find . -name '*.so' -mmin +1)
+    if [ -n "$built" ]; then (cd "${ops[0]}" && echo "$built" | tar -czf "$OUT/flashinfer-ops.tgz" -T -) || true; fi
+  fi
 }
 
 flashinfer_aot() {  # the kernels FlashInfer built in an earlier hold (.jit/flashinfer-ops.tgz) into its AOT
@@ -195,7 +198,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! tail -n 1 $EP/stages.log 2>/dev/null | grep -q "chain stopped"; do sleep 5; done
     cat $EP/stages.log 2>/dev/null || echo "no chain in $EP"
-    running=$(tail -n 1 $EP/stages.log 2>/dev/null | awk '$2 == "start" {print $3}')
+    running=$(tail -n 1 $EP/stages.log 2>/dev/null | awk '$2 == "start" {print $3}' || true)
     if [ -n "$running" ]; then echo "--- $running.log:"; tail -n 3 $EP/$running.log 2>/dev/null | cut -c1-300 || true; fi
     grep -h "\[vllm-cuda\]\|passed\|failed\|answer " $EP/*-cuda.log 2>/dev/null | tail -12 || true
     grep -h '"kind": "case"' $EP/probe-*.log 2>/dev/null | cut -c1-600 || true
