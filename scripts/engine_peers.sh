@@ -24,8 +24,8 @@
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
 # 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
 # not stop the next; minutes as measured 2026-12-02 and 2026-12-03 (07:55-08:11: ours 4.4, unsloth-grpo 4.6 with
-# .jit carried). The default stages need ~25 minutes once the kit is in (~5.5 minutes into a hold, the machine's
-# start included), so a hold has no minute to spare: give the last poll's wait at most the device time left less
+# .jit carried). The default stages need ~23 minutes once the kit is in (~5.5 minutes into a hold, the machine's
+# start included; `levers` last, ~1.5 more), so a hold has no minute to spare: give the last poll's wait at most the device time left less
 # 2 minutes (a poll cut by the budget returns nothing). What a hold does not reach goes to the next (STAGES=...):
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.4-4.6; vLLM's start-up 2 of them) ~5
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block. On a fresh machine FlashInfer compiles its FP8
