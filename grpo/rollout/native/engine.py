@@ -77,7 +77,7 @@ class NativeEngine:
         """Whether the trainer weights tokens by pi_trainer/pi_sampler: not where the sampler's log-probs come
         from the trainer's own modules, but with the adapters folded into the weights for the decode
         (EngineTuning.fold_adapter), whose rounding drops the adapter's changes smaller than half a weight's
-        last bit: early in training most of them."""
+        last bit: early in training much of its change (`fold.py`)."""
         return self.tuning.fold_adapter
 
     def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int, gemm: str = "auto",
