@@ -121,16 +121,17 @@ def sample_with_noise(logits: torch.Tensor, temperature: float, top_k: int, top_
     if noise is None:
         raise ValueError("noise is None with temperature > 0: pass Exp(1) noise of the logits' shape")
     scaled = apply_temperature(logits, temperature)  # (B, V)
-    top = row_chunks(scaled).amax(-1).amax(-1, keepdim=True)  # (B, 1)
+    top = _row_max(scaled)  # (B, 1)
+    shifted = torch.exp(scaled - top)  # (B, V): the probabilities times a constant of each row
     if top_k <= 0 and top_p >= 1.0:
-        weights = torch.exp(scaled - top)  # (B, V): the probabilities times a constant of each row
+        weights = shifted
         if min_p > 0.0:  # apply_min_p's rule, its row max already at hand
-            weights = weights.masked_fill(scaled < top + math.log(min_p), 0.0)
+            weights = shifted.masked_fill(scaled < top + math.log(min_p), 0.0)
     else:
         weights = apply_top_k_top_p(apply_min_p(scaled, min_p), top_k, top_p).softmax(-1)  # (B, V)
     # clamp: an Exp(1) draw of exactly 0 would make 0/0 = NaN on a dropped token, which argmax picks
     token = argmax_rows(weights / noise.clamp_min(1e-20))  # (B,)
-    logp = scaled.gather(-1, token[:, None])[:, 0] - logsumexp_rows(scaled, top)
+    logp = scaled.gather(-1, token[:, None])[:, 0] - _log_sum(shifted, top)
     return token, logp
 
 
@@ -152,12 +153,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return (chunk * chunks.shape[-1] + at.gather(-1, chunk))[:, 0]
 
 
-def logsumexp_rows(x: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
-    """log(sum(exp(x))) of each row of finite (B, V), summed chunk by chunk; `top` (B, 1): the rows' maxima
-    where known. (B,)."""
-    if top is None:
-        top = row_chunks(x).amax(-1).amax(-1, keepdim=True)
-    return (top + torch.log(row_chunks(torch.exp(x - top)).sum(-1).sum(-1, keepdim=True)))[:, 0]
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(x))) of each row of finite (B, V), summed chunk by chunk. (B,)."""
+    top = _row_max(x)
+    return _log_sum(torch.exp(x - top), top)
+
+
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum over (B, V), chunk by chunk. (B, 1)."""
+    return row_chunks(x).amax(-1).amax(-1, keepdim=True)
+
+
+def _log_sum(shifted: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(x))) of each row from shifted = exp(x - top) (B, V) and top (B, 1). (B,)."""
+    return (top + torch.log(row_chunks(shifted).sum(-1).sum(-1, keepdim=True)))[:, 0]
 
 
 def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None = None,
