@@ -409,9 +409,10 @@ def unsloth_share_for(model_dir: str | Path, config: Any, *, rows: int, max_mode
     to a hundredth. Raises ValueError, naming the flag, where that is not below the whole GPU."""
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     kv = kv_cache_bytes_for(config, rows=rows, max_model_len=max_model_len, dtype="bf16")
-    share = -(-100 * (weights + kv + UNSLOTH_ENGINE_OVERHEAD_BYTES) // total_bytes) / 100
+    need = weights + kv + UNSLOTH_ENGINE_OVERHEAD_BYTES
+    share = -(-100 * need // total_bytes) / 100
     if share >= 1:
-        raise ValueError(f"--engine unsloth: vLLM needs {(weights + kv + UNSLOTH_ENGINE_OVERHEAD_BYTES) / 2**30:.1f} "
+        raise ValueError(f"--engine unsloth: vLLM needs {need / 2**30:.1f} "
                          f"GiB for {rows} rows of {max_model_len} tokens, more than this GPU's "
                          f"{total_bytes / 2**30:.1f} GiB; lower --max-seq-length or the rows (P x G), or set "
                          "--vllm-gpu-memory-utilization")
