@@ -34,7 +34,7 @@ from grpo.rollout.native.plan import LayerProjections
 def can_fold(projections: Sequence[LayerProjections | None]) -> bool:
     """Whether every layer runs on the kernels, with an adapter on each projection and dense weights."""
     return bool(projections) and all(
-        p is not None and all(d.lora_a is not None and d.scale_inv is None for d in _projs(p)) for p in projections)
+        p is not None and all(d.lora_a is not None and d.scale_inv is None for d in p.each()) for p in projections)
 
 
 def without_adapters(p: LayerProjections) -> LayerProjections:
@@ -49,10 +49,6 @@ class _Kept:
 
     index: torch.Tensor  # flat indices into weight
     values: torch.Tensor
-
-
-def _projs(p: LayerProjections) -> list[DecodeProj]:
-    return [getattr(p, f.name) for f in fields(p)]
 
 
 def _delta(d: DecodeProj) -> torch.Tensor:
@@ -97,7 +93,7 @@ def folded(projections: Sequence[LayerProjections]) -> Iterator[int]:
     done: list[tuple[DecodeProj, _Kept]] = []
     try:
         for p in projections:
-            for d in _projs(p):
+            for d in p.each():
                 done.append((d, _fold(d)))
         yield sum(k.index.numel() for _, k in done)
     finally:

@@ -41,9 +41,12 @@ class LayerProjections:
     up: DecodeProj
     down: DecodeProj
 
+    def each(self) -> list[DecodeProj]:
+        return [getattr(self, f.name) for f in fields(self)]
+
     @property
     def has_fp8(self) -> bool:
-        return any(getattr(self, f.name).scale_inv is not None for f in fields(self))
+        return any(d.scale_inv is not None for d in self.each())
 
 
 def decode_proj(module: nn.Module, dtype: torch.dtype) -> DecodeProj | None:
