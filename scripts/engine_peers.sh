@@ -18,8 +18,9 @@
 #   calls 13-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
 # Every call copies what the chain has written so far to $OUT (results.tgz), Triton's autotuning results
-# (autotune.tgz) and the kernels FlashInfer built (flashinfer-ops.tgz): keep the last of each in .jit/ for the
-# next hold.
+# (autotune.tgz) and the kernels FlashInfer built (flashinfer-ops.tgz); the last poll, with WARM=1, also every
+# kernel Triton compiled and vLLM's compiled graphs (warm-caches.tgz: start-ups spent minutes compiling). Keep the
+# last of each in .jit/ for the next hold: call 12 carries flashinfer-ops.tgz and warm-caches.tgz.
 #
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
 # 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
@@ -166,6 +167,12 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   if [ -d $EP/triton-cache ]; then
     (cd $EP/triton-cache && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T - 2>/dev/null) || true
   fi
+  if [ "${WARM:-0}" = 1 ]; then  # the last poll: the compiled kernels and graphs too, for the next hold's call 12
+    mkdir -p $EP/warm-out && ln -sfn $EP/triton-cache $EP/warm-out/triton
+    ln -sfn $HOME/.cache/vllm $EP/warm-out/vllm
+    (cd $EP/warm-out && tar -czhf "$OUT/warm-caches.tgz" --exclude='*.lock' triton vllm 2>/dev/null) || true
+    ls -l "$OUT/warm-caches.tgz" 2>/dev/null || true
+  fi
   # FlashInfer's kernels as ./NAME/NAME.so (flashinfer_aot's layout), from the kit's one version and arch; only
   # those a minute old (a build in progress is left for a later poll), and no archive where there are none
   local ops=($HOME/.cache/flashinfer/*/*/cached_ops) built
@@ -179,6 +186,13 @@ flashinfer_aot() {  # the kernels FlashInfer built in an earlier hold (.jit/flas
   # directory, from which it loads a kernel without building it (flashinfer/jit/core.py: `is_aot`): vLLM 0.26
   # runs FP8 block-scale linears under 32 rows through FlashInfer's swap-AB GEMM, whose nvcc build took 139 s
   # of vLLM's start-up on FP8-Block checkpoints (2026-12-03). Once per hold, after the kit is in.
+  if [ -f .jit/warm-caches.tgz ] && [ ! -f $EP/warm.done ] && [ -f /tmp/cmp/vllm.ready ]; then
+    mkdir -p $EP/warm $EP/triton-cache $HOME/.cache/vllm && tar -xzf .jit/warm-caches.tgz -C $EP/warm \
+      && cp -rn $EP/warm/triton/. $EP/triton-cache/ && cp -rn $EP/warm/vllm/. $HOME/.cache/vllm/ \
+      && echo "$(date -u +%T) warm caches of an earlier hold in place (Triton's kernels, vLLM's compiled graphs)" \
+        >> $EP/stages.log
+    touch $EP/warm.done
+  fi
   if [ ! -f .jit/flashinfer-ops.tgz ] || [ -f $EP/flashinfer-aot.done ] || [ ! -f /tmp/cmp/vllm.ready ]; then
     return 0
   fi
