@@ -107,9 +107,9 @@ def test_grpo_step_in_micro_batches_of_8(benchmark, bench_env, results, tmp_path
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_grpo_step_with_the_engines_untimed_levers(benchmark, bench_env, results, tmp_path, monkeypatch, dtype):
     """The bench config with the native engine's levers that are off until timed: the prefill compiled
-    (EngineTuning.compile_prefill) and the adapters folded into the weights for the decode (fold_adapter; bf16
-    only, FP8 weights do not fold). Beside test_grpo_step_at_bench_config in one run: the step time they save
-    and the sampler-trainer gap the fold adds (in the results' `gap`)."""
+    (EngineTuning.compile_prefill) and the adapters folded into the weights for prefill and decode
+    (fold_adapter; bf16 only, FP8 weights do not fold). Beside test_grpo_step_at_bench_config in one run: the
+    step time they save and the sampler-trainer gap the fold adds (in the results' `gap`)."""
     import functools
 
     import grpo.rollout.native as native

@@ -87,3 +87,25 @@ def test_only_layers_on_the_kernels_with_adapters_and_dense_weights_fold():
     bare = fold.without_adapters(layer(0))
     assert all(getattr(bare, n).lora_a is None and getattr(bare, n).lora_b is None for n in NAMES)
     assert not fold.can_fold([bare])
+
+
+def test_adapters_off_runs_the_base_layers_and_gives_peft_s_switches_and_requires_grad_back():
+    # the folded prefill: the weights hold the adapters, so peft's LoRA layers must not add them again
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from test_native_engine import small_llama
+
+    lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                                          init_lora_weights=False))
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    grads = {name: p.requires_grad for name, p in lora.named_parameters()}
+    with torch.no_grad():
+        adapted = lora(ids).logits
+        with lora.disable_adapter():
+            base = lora(ids).logits
+        assert not torch.allclose(adapted, base)  # the adapters change the output
+        with fold.adapters_off(lora):
+            assert torch.equal(lora(ids).logits, base)
+        assert torch.equal(lora(ids).logits, adapted)
+    assert {name: p.requires_grad for name, p in lora.named_parameters()} == grads

@@ -633,7 +633,7 @@ def main() -> None:
     step("lora", lambda: run_engine(rec, "bf16+LoRA r32 graph", lora, wl))
     step("lora_product", lambda: run_engine(rec, "bf16+LoRA r32 product", lora, wl, engine_kw=product))
     step("lora_product_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 product", lora, engine_kw=product))
-    folded = product | {"fold_adapter": True}  # the adapters folded into the weights for the decode
+    folded = product | {"fold_adapter": True}  # the adapters folded into the weights for prefill and decode
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))

@@ -21,8 +21,8 @@ One `generate(prompt_ids, num_generations, sampling)`:
    drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
    the stop flags on the device, run the forward of that token into the next logits. The host looks
    at the flags only every `check_every` steps, to stop early once every row has finished. With
-   `EngineTuning.fold_adapter` the decode reads the adapters folded into the base weights (`fold.py`),
-   taken out exactly when it ends.
+   `EngineTuning.fold_adapter` the prefill and the decode read the adapters folded into the base weights
+   (`fold.py`), taken out exactly when the decode ends.
 
 Rows of one prompt have their own positions: prompts of different lengths need no left padding and
 get the positions and numerics of an unpadded forward.
@@ -75,7 +75,7 @@ class NativeEngine:
     @property
     def needs_importance_correction(self) -> bool:
         """Whether the trainer weights tokens by pi_trainer/pi_sampler: not where the sampler's log-probs come
-        from the trainer's own modules, but with the adapters folded into the weights for the decode
+        from the trainer's own modules, but with the adapters folded into the weights for a generation
         (EngineTuning.fold_adapter), whose rounding drops the adapter's changes smaller than half a weight's
         last bit: early in training much of its change (`fold.py`)."""
         return self.tuning.fold_adapter
@@ -119,7 +119,7 @@ class NativeEngine:
         self._graph_pool = None
         self._fingerprint: tuple | None = None
         self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
-        self._fold = False  # whether this generate's decode folds the adapters in (EngineTuning.fold_adapter)
+        self._fold = False  # whether this generate folds the adapters in (EngineTuning.fold_adapter)
         self._layers: list = []  # per layer, its one-token forward; planned by each generate
         self._warned_fallback = False
 
@@ -357,13 +357,13 @@ class NativeEngine:
             st.tails[stop.window][:rows] = -1
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._prefill(prompt_ids, n)
-        sync()
-        t2 = time.perf_counter()
-
-        # the prefill ran the modules, adapters apart; the decode's kernels read the weights with the adapters
-        # folded in where self._fold (its plan reads no adapter), and they come out exactly after
+        # where self._fold the weights hold the adapters for the prefill and the decode both (the prefill's
+        # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
         with fold.folded(self._projections) if self._fold else nullcontext():
+            with fold.adapters_off(self.model) if self._fold else nullcontext():
+                self._prefill(prompt_ids, n)
+            sync()
+            t2 = time.perf_counter()
             steps = self._decode(rows, max_new, max_prompt, sampling, stop, graphs, generator)
             sync()
         t3 = time.perf_counter()

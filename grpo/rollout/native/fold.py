@@ -1,8 +1,10 @@
-"""The LoRA adapters folded into the base weights for a decode, and taken out again exactly.
+"""The LoRA adapters folded into the base weights for a generation, and taken out again exactly.
 
 With W <- W + scale * B A (rounded once into W's dtype) a decode step reads only the base weights: no
 lora_down launches and no B products in the GEMM kernels, which on the H200 cost the bench's token step
-0.18 of its 1.32 ms (benchmarks/RESULTS.md, "eighth hold"). TRL's colocated vLLM and Unsloth's merged
+0.18 of its 1.32 ms (benchmarks/RESULTS.md, "eighth hold"); and the prefill runs the base layers with
+peft's adapters off (`adapters_off`): one GEMM a projection instead of peft's four ops (its 41-54 ms at the
+bench were mostly the host calling them). TRL's colocated vLLM and Unsloth's merged
 rollouts fold the adapter too; here it is done in place, without a second copy of the weights.
 
 Taking it out: rounding W + D and subtracting the same D gives W back, except where the sum crossed a
@@ -26,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
+from torch import nn
 
 from grpo.kernels.decode_gemm import DecodeProj
 from grpo.rollout.native.plan import LayerProjections
@@ -81,6 +84,24 @@ def _unfold(d: DecodeProj, kept: _Kept) -> None:
     back = _taken_out(w, _delta(d))
     back.view(-1)[kept.index] = kept.values
     w.copy_(back)
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """peft's LoRA layers in `model` compute their base layer alone (its weight holds the adapter while
+    folded: the modules' prefill would add it twice), and come back as they were, requires_grad included
+    (peft's switch sets the adapters' requires_grad)."""
+    layers = [m for m in model.modules() if getattr(m, "disable_adapters", None) is False]
+    grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+    try:
+        for m in layers:
+            m.enable_adapters(False)
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for p, requires_grad in grads:
+            p.requires_grad_(requires_grad)
 
 
 @contextmanager

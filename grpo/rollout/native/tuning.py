@@ -57,8 +57,8 @@ class EngineTuning:
         attention's own), which took the bench's token step from 1.447 to 1.384 ms in its CUDA graph (H200,
         2026-12-02). Qwen3's q/k norms keep the launches apart.
     fold_adapter: where every layer runs on the decode kernels with an adapter and dense weights, fold the
-        adapters into the base weights for the decode and take them out after, exactly (`fold.py`): no
-        adapter work in a token step, the sampler sampling from W + scale * B A rounded (which drops the
+        adapters into the base weights for the prefill and the decode and take them out after, exactly
+        (`fold.py`): no adapter work in a token step or the prefill, the sampler sampling from W + scale * B A rounded (which drops the
         adapter's smallest changes, so the trainer corrects for the sampler: `fold.py`). Off until the
         H200 has timed it and measured the sampler-trainer gap it adds.
     """
