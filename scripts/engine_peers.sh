@@ -8,9 +8,10 @@
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl, .jit/autotune.tgz   engine_peers.sh wheels      installs .whl into /tmp/site; while
-#                                                                           the kit is carried, issue 31's token
-#                                                                           step profile uses the idle GPU
-#                                                                           (~2 min; SIDE=0: not)
+#                                                                           the kit is carried, issue 31's bench
+#                                                                           step with the engine's levers uses
+#                                                                           the idle GPU (~3 min; SIDE=probe:
+#                                                                           the token step's profile; 0: none)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   call  12    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 540  (where an earlier hold left it) puts
@@ -25,9 +26,11 @@
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
 # 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
 # not stop the next; minutes as measured 2026-12-02 and 2026-12-03 (07:55-08:11: ours 4.4, unsloth-grpo 4.6 with
-# .jit carried). The default stages need ~23 minutes once the kit is in (~5.5 minutes into a hold, the machine's
-# start included; `levers` last, ~1.5 more), so a hold has no minute to spare: give the last poll's wait at most the device time left less
-# 2 minutes (a poll cut by the budget returns nothing). What a hold does not reach goes to the next (STAGES=...):
+# .jit carried). The default stages need ~22 minutes once the kit is in (~5.5-8.5 minutes into a hold, the
+# machine's start included; 10.3 for unsloth-grpo without .jit/autotune.tgz), so a hold has no minute to spare:
+# give the last poll's wait at most the device time left less 2 minutes (a poll cut by the budget returns
+# nothing), and begin each call within 30 s of the last one's end (else the machine, the chain with it, goes
+# back). What a hold does not reach goes to the next (STAGES=...):
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.4-4.6; vLLM's start-up 2 of them) ~5
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block. On a fresh machine FlashInfer compiles its FP8
 #                  block-scale GEMM for batches under 32 rows (nvcc, inside vLLM's CUDA-graph capture: 139 s of
@@ -38,8 +41,8 @@
 #   unsloth-bf16   bench: ours --engine unsloth on bf16 (3.9)                                             ~4
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
 #   levers         bench: ours native bf16 and FP8 with the engine's untimed levers (issue 31: the prefill
-#                  compiled, the adapters folded), their step time and sampler-trainer gap; last: what a hold
-#                  has left                                                                                ~1.5
+#                  compiled, the adapters folded), their step time and sampler-trainer gap; not a default
+#                  stage since the side slot runs it beside the bench step, while the kit is carried         ~1.5
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
@@ -61,7 +64,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm levers}
+STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
@@ -84,16 +87,24 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run (LIMIT
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, ~2 minutes at most): where the bench's token step goes inside its CUDA
-  # graph (benchmarks/probes/native_engine.py --plan bench: the product's engine on Llama-3.2-1B shapes at 16
-  # rows without the adapter, with it, and with the rotaries and the K/V write apart; step time, kernels by
-  # family, the time the GPU ran none)
+  # device; the chain waits for this, ~3 minutes at most). SIDE=1 (default): the bench step with the engine's
+  # untimed levers (the prefill compiled, the adapters folded) beside the bench step without them, bf16 and FP8,
+  # in one process (results/side/); SIDE=probe: where the bench's token step goes inside its CUDA graph
+  # (benchmarks/probes/native_engine.py --plan bench: the product's engine at 16 rows without the adapter,
+  # with it, folded, and with the rotaries and the K/V write apart; kernels by family, the GPU's idle time)
   export PYTHONPATH=$PWD:/tmp/site
-  echo "$(date -u +%T) start side (issue 31's token step, inside its graph)" >> $EP/stages.log
-  timeout -k 5 150 python3 benchmarks/probes/native_engine.py --budget-s 110 --plan bench \
-    --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
-  grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
-    | cut -c1-220 >> $EP/stages.log || true
+  echo "$(date -u +%T) start side (issue 31: ${SIDE:-1})" >> $EP/stages.log
+  if [ "${SIDE:-1}" = probe ]; then
+    timeout -k 5 150 python3 benchmarks/probes/native_engine.py --budget-s 110 --plan bench \
+      --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
+    grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
+      | cut -c1-220 >> $EP/stages.log || true
+  else
+    timeout -k 5 240 python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
+      --bench-results-dir $EP/results/side -k "bench_config or untimed_levers" > $EP/results/side/levers.log 2>&1 \
+      || true
+    tail -n 3 $EP/results/side/levers.log | cut -c1-300 >> $EP/stages.log || true
+  fi
   echo "$(date -u +%T) end   side" >> $EP/stages.log
   touch $EP/side.done
 }
@@ -210,7 +221,7 @@ case "${1:-}" in
   wheels)  # call 1 (with .jit/autotune.tgz carried too where an earlier hold left one)
     bash scripts/trl_comparison.sh wheels
     if [ -f .jit/autotune.tgz ]; then mkdir -p $EP/triton-cache && tar -xzf .jit/autotune.tgz -C $EP/triton-cache; fi
-    if [ "${SIDE:-1}" = 1 ] && [ ! -f $EP/side.log ]; then
+    if [ "${SIDE:-1}" != 0 ] && [ ! -f $EP/side.log ]; then
       mkdir -p $EP/results/side && snapshot $EP/side-src
       (cd $EP/side-src && setsid nohup env EP=$EP bash scripts/engine_peers.sh side > $EP/side.log 2>&1 < /dev/null &)
       echo "side probes started"
