@@ -9,9 +9,10 @@
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl, .jit/autotune.tgz   engine_peers.sh wheels      installs .whl into /tmp/site; while
 #                                                                           the kit is carried, issue 31's bench
-#                                                                           step with the engine's levers uses
-#                                                                           the idle GPU (~3 min; SIDE=probe:
-#                                                                           the token step's profile; 0: none)
+#                                                                           and long steps with the adapters
+#                                                                           folded use the idle GPU (~2.5 min;
+#                                                                           SIDE=probe: the token step's
+#                                                                           profile; 0: none)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   call  12    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 540  (where an earlier hold left it) puts
@@ -40,13 +41,14 @@
 #                  carried, first step 50 s; 10.3 without, first step 233 s of Triton's FP8 autotuning) ~5-10
 #   unsloth-bf16   bench: ours --engine unsloth on bf16 (3.9)                                             ~4
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
-#   levers         bench: ours native bf16 and FP8 with the engine's untimed levers (issue 31: the prefill
-#                  compiled, the adapters folded), their step time and sampler-trainer gap; not a default
-#                  stage since the side slot runs it beside the bench step, while the kit is carried         ~1.5
+#   folded         bench and long (micro-batches of 4): ours native bf16 with the adapters folded in decode
+#                  (issue 31), their step time and sampler-trainer gap, and the long step without; not a default
+#                  stage since the side slot runs it while the kit is carried (the chain's `ours` holds the
+#                  bench step without)                                                                    ~2.5
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
-#   speed          issue 31's suite in one process: the bench step (bf16, FP8, with the engine's untimed levers,
+#   speed          issue 31's suite in one process: the bench step (bf16, FP8, with the adapters folded,
 #                  --lora-compute float32, torch's sdpa in decode, micro-batches of 8), the long config (and in
 #                  micro-batches of 4, with the kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64
 #                  and 256 rows (ours with sdpa and with the attention kernel, ours without the adapter, plain
@@ -87,9 +89,8 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run (LIMIT
 }
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, ~3 minutes at most). SIDE=1 (default): the bench step with the engine's
-  # untimed levers (the prefill compiled, the adapters folded) beside the bench step without them, bf16 and FP8,
-  # in one process (results/side/); SIDE=probe: where the bench's token step goes inside its CUDA graph
+  # device; the chain waits for this, ~3 minutes at most). SIDE=1 (default): the bench and long steps with the
+  # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the bench's token step goes inside its CUDA graph
   # (benchmarks/probes/native_engine.py --plan bench: the product's engine at 16 rows without the adapter,
   # with it, folded, and with the rotaries and the K/V write apart; kernels by family, the GPU's idle time)
   export PYTHONPATH=$PWD:/tmp/site
@@ -101,7 +102,7 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
       | cut -c1-220 >> $EP/stages.log || true
   else
     timeout -k 5 240 python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
-      --bench-results-dir $EP/results/side -k "bench_config or untimed_levers" > $EP/results/side/levers.log 2>&1 \
+      --bench-results-dir $EP/results/side -k "adapters_folded or long_config_in_micro" > $EP/results/side/levers.log 2>&1 \
       || true
     tail -n 3 $EP/results/side/levers.log | cut -c1-300 >> $EP/stages.log || true
   fi
@@ -146,7 +147,7 @@ chain() {
       vllm-cuda) stage $s 720 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
-      levers) bench $s vllm -k untimed_levers ;;
+      folded) bench $s vllm -k "adapters_folded or long_config_in_micro" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
       # -s: vLLM's own lines (its KV cache); faulthandler_timeout: every thread's stack in the log past 600 s
       unsloth-fp8) LIMIT=720 bench $s unsloth -s -o faulthandler_timeout=600 -k "unsloth_path and fp8" ;;
@@ -155,7 +156,7 @@ chain() {
       unsloth-share) bench $s unsloth -s -k peers_share ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
-        -k "bench_config or untimed_levers or multiplying_in_float32 or micro_batches_of_8 or long_config \
+        -k "bench_config or adapters_folded or multiplying_in_float32 or micro_batches_of_8 or long_config \
             or more_rows or sdpa_attention or sampler" ;;
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac

@@ -38,8 +38,8 @@ class EngineTuning:
         eager kernels, or "auto": "default" on CUDA, None elsewhere. The first generate compiles.
     compile_prefill: where `compile` is on, each layer of the prefill runs as one compiled function too
         (through peft's modules one op at a time, the bench's prefill took 54 ms on the H200 for ~2 ms of
-        GEMMs; 12 ms without the adapter). Off until timed on the H200, FP8 bases included (their prompts
-        take FP8Linear's `_scaled_mm` path, which no compiled step has run yet).
+        GEMMs; 12 ms without the adapter). Off: in the bench step on the H200 (2026-12-03) FP8's prefill took
+        153 ms a step with it against 66 without (bf16 was not timed apart from the fold).
     kv_bucket: attention reads the cache in multiples of this many positions.
     check_every: steps between host checks of "have all rows stopped".
     attention: "sdpa" (torch's fused attention), "matmul" (two batched matmuls, float32 scores and
