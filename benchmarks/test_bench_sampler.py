@@ -4,8 +4,8 @@
 recipe samples (temperature 1, min_p 0.1, EOS ignored), on the bench model (Llama-3.2-1B shapes, bf16) with
 rsLoRA r=32 on the 7 projections:
 - ours: the native engine as the trainer builds it, kept between calls (its CUDA graphs captured in the
-  warm-up round), with the adapter and with it switched off, and with the adapter and
-  `--engine-attention kernel`;
+  warm-up round), with the adapter and with it switched off, with the adapter and
+  `--engine-attention kernel`, and with the adapter folded into the weights (`EngineTuning.fold_adapter`);
 - vLLM: `VLLMEngine` (plain vLLM, the same checkpoint and adapter, CUDA graphs, no sleep), one engine for
   all sizes: vLLM allows one sleeping engine per process, and building it costs a minute.
 What is timed is sampling: ours prefill + decode, vLLM's `generate` call (both without the adapter's
@@ -88,22 +88,32 @@ def copy_bandwidth(bench_env) -> float | None:
 
 @pytest.mark.bench_order(70)
 @pytest.mark.bench_cost(40)
-@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel"])
+@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel", "lora-folded"])
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
-def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
+def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter,
+                                monkeypatch):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it), attending with
-    torch's sdpa; and with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
-    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place."""
+    torch's sdpa; with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
+    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place; and with the kernel
+    and the adapter folded into the base weights (`EngineTuning.fold_adapter`: where the decode kernels run,
+    up to decode_gemm.MAX_ROWS rows), whose token step reads the base weights alone."""
     import contextlib
+    import functools
 
-    from grpo.kernels import decode_attention
+    import grpo.rollout.native as native
+    from grpo.kernels import decode_attention, decode_gemm
     from grpo.rollout import build_engine
 
     policy, tokenizer, prompts = sampler_setup
     shape = bench_env.scale[rows]
-    attention = "kernel" if adapter == "lora-attention-kernel" else "sdpa"
+    attention = "sdpa" if adapter in ("lora", "off") else "kernel"
     if attention == "kernel" and not decode_attention.can_run(next(policy.parameters()).device):
         pytest.skip("the attention kernel needs triton and a CUDA model")
+    if adapter == "lora-folded":
+        if rows > decode_gemm.MAX_ROWS:
+            pytest.skip(f"the fold needs the decode kernels, which take up to {decode_gemm.MAX_ROWS} rows")
+        # build_engine reads EngineTuning from the package
+        monkeypatch.setattr(native, "EngineTuning", functools.partial(native.EngineTuning, fold_adapter=True))
     engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
                           max_batch=shape.rows, attention=attention)
     sampling, timings = _sampling(shape), []
@@ -118,8 +128,11 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     with switch:
         benchmark.pedantic(generate, rounds=bench_env.rounds(3), warmup_rounds=1, iterations=1)
     measured = timings[1:]
-    impl = {"lora": "ours", "off": "ours-no-adapter", "lora-attention-kernel": "ours-attention-kernel"}[adapter]
-    _record(benchmark, results, shape, impl, [t["prefill"] + t["decode"] for t in measured], policy, adapter != "off",
+    impl = {"lora": "ours", "off": "ours-no-adapter", "lora-attention-kernel": "ours-attention-kernel",
+            "lora-folded": "ours-folded"}[adapter]
+    # folded, a token step reads the base weights alone (the adapters went into them before the prefill)
+    _record(benchmark, results, shape, impl, [t["prefill"] + t["decode"] for t in measured], policy,
+            adapter in ("lora", "lora-attention-kernel"),
             decode_s=[t["decode"] for t in measured], copy_tbps=copy_bandwidth)
     engine.release_memory()
     del engine
