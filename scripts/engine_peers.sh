@@ -19,7 +19,8 @@
 #                                                                           FlashInfer's kernels in place, waits
 #   calls 13-   (nothing carried)      scripts/engine_peers.sh status 540   waits, shows the chain, copies results
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
-# Every call copies what the chain has written so far to $OUT (results.tgz), Triton's autotuning results
+# Every call copies what the chain has written so far to $OUT (results.tgz: the stages' logs, their results, and
+# compilers.log, the compiler processes seen while they ran), Triton's autotuning results
 # (autotune.tgz) and the kernels FlashInfer built (flashinfer-ops.tgz); the last poll, with WARM=1, also every
 # kernel Triton compiled and vLLM's compiled graphs (warm-caches.tgz: start-ups spent minutes compiling). Keep the
 # last of each in .jit/ for the next hold: call 12 carries flashinfer-ops.tgz and warm-caches.tgz.
@@ -134,8 +135,25 @@ gen_fp8_blockscale_gemm_sm90_module as spec; spec().build(verbose=False)") > $EP
   fi
 }
 
+watch_compilers() {  # which compilers run, and on what, while the stages start engines: vLLM's start-up on
+  # Unsloth's engine waits 89-106 s after its CUDA-graph capture, once a machine (2026-12-03: the first Unsloth
+  # stage of a hold, bf16 or FP8-Block; none for the next), for a build not yet named (FlashInfer's nvcc,
+  # DeepGEMM's JIT or Triton's ptxas show here). A line each time the set of compiler processes changes.
+  local last="" now
+  while true; do
+    now=$(ps -eo args= | grep -E '^[^ ]*(nvcc|ptxas|cicc|ninja|nvrtc)|flashinfer/jit|deep_gemm' | grep -v grep \
+          | cut -c1-240 | sort | uniq -c | sort -rn | head -5 || true)
+    if [ "$now" != "$last" ]; then
+      { echo "$(date -u +%T)"; echo "${now:-  (none)}"; } >> $EP/compilers.log
+      last=$now
+    fi
+    sleep 5
+  done
+}
+
 chain() {
   mkdir -p $EP/results
+  watch_compilers & local watcher=$!
   case " $STAGES " in *fp8* | *grpo* | *cuda* | *probe*) prebuild_flashinfer & ;; esac
   if [ -f $EP/side.log ]; then  # the side probes first: nothing shares the GPU with a timed run
     for _ in $(seq 120); do [ -f $EP/side.done ] && break; sleep 5; done
@@ -161,6 +179,7 @@ chain() {
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac
   done
+  kill $watcher 2>/dev/null || true
   echo "$(date -u +%T) chain stopped" >> $EP/stages.log
 }
 
