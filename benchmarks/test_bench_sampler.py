@@ -76,6 +76,24 @@ def _record(benchmark, results, shape, impl: str, sampling_s: list[float], polic
     results.add(benchmark, group="sampler", config=shape.name, impl=impl, dtype="bf16")
 
 
+def _gap(policy, pad_id: int, rollout, temperature: float) -> dict:
+    """The sampler-trainer gap of one rollout as the trainer measures it: |log pi_train - log pi_sampler| over
+    the completion tokens, the trainer's side computed as its step does (`batch_logprobs`, 16 rows at a
+    time). With the adapter's B random (not zero, as a trained adapter), this is where folding shows: the
+    bench step's tied rewards leave B at zero there."""
+    import torch
+
+    from grpo.batch import batch_logprobs, make_batch
+
+    batch = make_batch(rollout, pad_id, next(policy.parameters()).device)
+    slices = [slice(i, min(i + 16, len(batch))) for i in range(0, len(batch), 16)]
+    with torch.no_grad():
+        train = batch_logprobs(policy, batch, slices, temperature)
+    diff = (train.float() - batch.sampler_logp.float()).abs()[batch.mask]
+    return {"logp_abs_mean": float(diff.mean()), "logp_abs_max": float(diff.max()),
+            "logp_abs_p999": float(diff.quantile(0.999)) if diff.numel() <= 2**24 else None}
+
+
 @pytest.fixture(scope="module")
 def copy_bandwidth(bench_env) -> float | None:
     """The device copy bandwidth (TB/s) in this run: the ceiling the decode steps are read against."""
@@ -116,18 +134,21 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
         monkeypatch.setattr(native, "EngineTuning", functools.partial(native.EngineTuning, fold_adapter=True))
     engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
                           max_batch=shape.rows, attention=attention)
-    sampling, timings = _sampling(shape), []
+    sampling, timings, rollouts = _sampling(shape), [], []
 
     def generate():
         rollout = engine.generate(prompts[:shape.prompts], shape.generations, sampling)
         bs.sync()
         assert int(rollout.mask.sum()) == shape.rows * shape.completion_len
         timings.append(rollout.timings)
+        rollouts[:] = [rollout]  # the last, for the gap
 
     switch = policy.disable_adapter() if adapter == "off" else contextlib.nullcontext()
     with switch:
         benchmark.pedantic(generate, rounds=bench_env.rounds(3), warmup_rounds=1, iterations=1)
     measured = timings[1:]
+    if adapter != "off":  # (without it the trainer's side would need peft's switch off too)
+        benchmark.extra_info["gap"] = _gap(policy, tokenizer.pad_token_id, rollouts[0], sampling.temperature)
     impl = {"lora": "ours", "off": "ours-no-adapter", "lora-attention-kernel": "ours-attention-kernel",
             "lora-folded": "ours-folded"}[adapter]
     # folded, a token step reads the base weights alone (the adapters went into them before the prefill)
