@@ -108,17 +108,14 @@ def copy_bandwidth(bench_env) -> float | None:
 @pytest.mark.bench_cost(40)
 @pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel", "lora-folded"])
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
-def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter,
-                                monkeypatch):
+def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it), attending with
     torch's sdpa; with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
     choice on CUDA from 16 rows, where it was measured to pay in the step) in its place; and with the kernel
     and the adapter folded into the base weights (`EngineTuning.fold_adapter`: where the decode kernels run,
     up to decode_gemm.MAX_ROWS rows), whose token step reads the base weights alone."""
     import contextlib
-    import functools
 
-    import grpo.rollout.native as native
     from grpo.kernels import decode_attention, decode_gemm
     from grpo.rollout import build_engine
 
@@ -130,10 +127,8 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     if adapter == "lora-folded":
         if rows > decode_gemm.MAX_ROWS:
             pytest.skip(f"the fold needs the decode kernels, which take up to {decode_gemm.MAX_ROWS} rows")
-        # build_engine reads EngineTuning from the package
-        monkeypatch.setattr(native, "EngineTuning", functools.partial(native.EngineTuning, fold_adapter=True))
     engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
-                          max_batch=shape.rows, attention=attention)
+                          max_batch=shape.rows, attention=attention, fold_adapter=adapter == "lora-folded")
     sampling, timings, rollouts = _sampling(shape), [], []
 
     def generate():

@@ -28,7 +28,8 @@ def _skip_without_unsloth() -> None:
 
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
               micro_batch: int | None = None, lora_compute: str | None = None, impl: str = "ours",
-              engine: str = "native", attention: str = "auto", vllm_share: float | None = None) -> dict:
+              engine: str = "native", attention: str = "auto", vllm_share: float | None = None,
+              fold_adapter: bool = False) -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -44,7 +45,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     cfg = bs.step_config(model_dir, bench_env.prompts(shape), shape, fp8=dtype == "fp8" and not fp8_block,
                          steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
                          micro_batch_size=micro_batch, engine=engine, engine_attention=attention,
-                         vllm_gpu_memory_utilization=vllm_share,
+                         vllm_gpu_memory_utilization=vllm_share, engine_fold_adapter=fold_adapter,
                          **({} if lora_compute is None else {"lora_compute": lora_compute}))  # None: the product's
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
@@ -105,20 +106,15 @@ def test_grpo_step_in_micro_batches_of_8(benchmark, bench_env, results, tmp_path
 @pytest.mark.bench_order(32)
 @pytest.mark.bench_cost(40)
 @pytest.mark.parametrize("config_name", ["bench", "long"])
-def test_grpo_step_with_the_adapters_folded(benchmark, bench_env, results, tmp_path, monkeypatch, config_name):
+def test_grpo_step_with_the_adapters_folded(benchmark, bench_env, results, tmp_path, config_name):
     """bf16 with the native engine's adapters folded into the base weights for the prefill and the decode
-    (EngineTuning.fold_adapter, off until timed; FP8 weights do not fold), the long config in micro-batches of
+    (--engine-fold-adapter, off by default; FP8 weights do not fold), the long config in micro-batches of
     4 as its goal's: the step time the fold saves and the sampler-trainer gap it adds (the results' `gap`),
     beside the default's rows of the same run. Until 2026-12-03 this test compiled the prefill too
     (compile_prefill): FP8's prefill took 153 ms a step with it against 66 without (benchmarks/RESULTS.md)."""
-    import functools
-
-    import grpo.rollout.native as native
-
-    # build_engine reads EngineTuning from the package when it builds the trainer's engine
-    monkeypatch.setattr(native, "EngineTuning", functools.partial(native.EngineTuning, fold_adapter=True))
     micro, impl = (4, "ours-mb4-folded") if config_name == "long" else (None, "ours-folded")
-    _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", micro_batch=micro, impl=impl)
+    _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", micro_batch=micro, impl=impl,
+              fold_adapter=True)
 
 
 @pytest.mark.bench_order(33)

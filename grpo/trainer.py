@@ -255,7 +255,7 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
         engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
                               max_seq_len=longest_prompt + max_completion_length,
                               max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
-                              attention=cfg.engine_attention, vllm=vllm)
+                              attention=cfg.engine_attention, fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
     keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -298,14 +298,20 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
     # how the engine runs where that was a choice: kept between steps or not, the native engine's attention
     # (--engine-attention auto picks it by the rows)
+    native = loaded.engine_name == "native"
     notes = [*(["kept between steps"] if loaded.keep_engine else []),
-             *([f"{loaded.engine.tuning.attention} attention"] if loaded.engine_name == "native" else [])]
+             *([f"{loaded.engine.tuning.attention} attention"] if native else []),
+             *(["adapters folded where it decodes on its kernels"] if native and loaded.engine.tuning.fold_adapter
+               else [])]
     engine_notes = f" ({', '.join(notes)})" if notes else ""
     if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")
     if cfg.engine_attention != "auto" and loaded.engine_name != "native":  # a choice that would do nothing
         console.print(f"[yellow]--engine-attention {cfg.engine_attention} is not used[/]: it picks the native "
                       f"engine's attention, and this run samples with {loaded.engine_name}")
+    if cfg.engine_fold_adapter and not native:
+        console.print(f"[yellow]--engine-fold-adapter is not used[/]: it folds the native engine's adapters, and "
+                      f"this run samples with {loaded.engine_name}")
     console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{engine_notes} | "
                   f"{len(prompts)} prompts ({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | "
                   f"P={cfg.prompts_per_step}"

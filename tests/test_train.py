@@ -314,7 +314,7 @@ def test_engine_standby_releases_the_native_engine_after_each_generation_or_keep
     assert len(calls) == releases
 
 
-def test_engine_attention_reaches_the_trainers_engine(tiny_llama_dir, tmp_path, monkeypatch):
+def test_engine_attention_and_fold_reach_the_trainers_engine(tiny_llama_dir, tmp_path, monkeypatch):
     from grpo.rollout.native import NativeEngine
 
     seen = []
@@ -322,12 +322,14 @@ def test_engine_attention_reaches_the_trainers_engine(tiny_llama_dir, tmp_path, 
 
     def recording_init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        seen.append(self.tuning.attention)
+        seen.append((self.tuning.attention, self.tuning.fold_adapter))
 
     monkeypatch.setattr(NativeEngine, "__init__", recording_init)
     train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", engine_attention="sdpa", max_steps=1,
                    log_completions_steps=0))
-    assert seen == ["sdpa"]
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "fold", engine="native", engine_attention="sdpa",
+                   engine_fold_adapter=True, max_steps=1, log_completions_steps=0))
+    assert seen == [("sdpa", False), ("sdpa", True)]
     if os.environ.get("TRITON_INTERPRET") != "1":  # on a CPU without the interpreter the kernel cannot run
         with pytest.raises(ValueError, match="attention='kernel' needs triton and a CUDA model"):
             train(tiny_cfg(tiny_llama_dir, tmp_path / "kernel", engine="native", engine_attention="kernel"))

@@ -63,10 +63,11 @@ class VLLMOptions:
 
 
 def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch: int, gemm: str = "auto",
-                 attention: str = "auto", vllm: VLLMOptions | None = None) -> Engine:
+                 attention: str = "auto", fold_adapter: bool = False, vllm: VLLMOptions | None = None) -> Engine:
     """The engine `name` over `policy` (the PeftModel being trained; no weights are copied).
     `gemm`: the native engine's decode projections (NativeEngine's `gemm`); `attention`: its attention over
-    the KV cache ("sdpa", "kernel", or "auto": `EngineTuning`'s, by the engine's `max_batch` rows).
+    the KV cache ("sdpa", "kernel", or "auto": `EngineTuning`'s, by the engine's `max_batch` rows);
+    `fold_adapter`: its adapters folded into the weights for each generation (`EngineTuning.fold_adapter`).
     `vllm`: what the vLLM engine needs besides (required for name "vllm", not used by the others)."""
     name = resolve_engine_name(name, policy)
     if name == "hf":
@@ -76,7 +77,7 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
     if name == "native":
         from grpo.rollout.native import EngineTuning, NativeEngine
 
-        tuning = EngineTuning(attention=attention)  # it checks the name
+        tuning = EngineTuning(attention=attention, fold_adapter=fold_adapter)  # it checks the name
         return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=max_batch, pad_id=pad_id, gemm=gemm,
                             tuning=tuning)
     if name == "vllm":
