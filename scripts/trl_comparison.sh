@@ -44,7 +44,8 @@
 # --pad-to-multiple-of 64), each evaluated on the 319 held-out problems and compared problem by problem: step
 # time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM.
 # Measured 2026-12-02: convert 2.9 min, the probes 0.5 min each, a run 4 and its evaluation 1; this chain ~16
-# minutes after the carrying (~2 min).
+# minutes after the carrying (~2 min). FLAGS=--engine-fold-adapter: whether the adapters folded in decode learn
+# as the product does (issue 31; the fold's step time and gap are in benchmarks/RESULTS.md, "ninth and tenth").
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
