@@ -91,9 +91,10 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run (LIMIT
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
   # device; the chain waits for this, ~3 minutes at most). SIDE=1 (default): the bench and long steps with the
-  # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the bench's token step goes inside its CUDA graph
-  # (benchmarks/probes/native_engine.py --plan bench: the product's engine at 16 rows without the adapter,
-  # with it, folded, and with the rotaries and the K/V write apart; kernels by family, the GPU's idle time)
+  # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the
+  # bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the product's
+  # engine at 16 rows without the adapter, with it, folded, and with the rotaries and the K/V write apart;
+  # kernels by family, the GPU's idle time)
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31: ${SIDE:-1})" >> $EP/stages.log
   if [ "${SIDE:-1}" = probe ]; then
@@ -103,8 +104,8 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
       | cut -c1-220 >> $EP/stages.log || true
   else
     timeout -k 5 240 python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
-      --bench-results-dir $EP/results/side -k "adapters_folded or long_config_in_micro" > $EP/results/side/levers.log 2>&1 \
-      || true
+      --bench-results-dir $EP/results/side -k "adapters_folded or long_config_in_micro" \
+      > $EP/results/side/levers.log 2>&1 || true
     tail -n 3 $EP/results/side/levers.log | cut -c1-300 >> $EP/stages.log || true
   fi
   echo "$(date -u +%T) end   side" >> $EP/stages.log
