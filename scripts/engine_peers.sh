@@ -154,6 +154,8 @@ watch_compilers() {  # which compilers run, and on what, while the stages start 
 
 chain() {
   mkdir -p $EP/results
+  # (two holds lost 47-60 s between the kit's install and the first stage's start: this line splits them)
+  echo "$(date -u +%T) chain begins: $STAGES" >> $EP/stages.log
   watch_compilers & local watcher=$!
   case " $STAGES " in *fp8* | *grpo* | *cuda* | *probe*) prebuild_flashinfer & ;; esac
   if [ -f $EP/side.log ]; then  # the side probes first: nothing shares the GPU with a timed run
