@@ -124,9 +124,8 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     attention = "sdpa" if adapter in ("lora", "off") else "kernel"
     if attention == "kernel" and not decode_attention.can_run(next(policy.parameters()).device):
         pytest.skip("the attention kernel needs triton and a CUDA model")
-    if adapter == "lora-folded":
-        if rows > decode_gemm.MAX_ROWS:
-            pytest.skip(f"the fold needs the decode kernels, which take up to {decode_gemm.MAX_ROWS} rows")
+    if adapter == "lora-folded" and rows > decode_gemm.MAX_ROWS:
+        pytest.skip(f"the fold needs the decode kernels, which take up to {decode_gemm.MAX_ROWS} rows")
     engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
                           max_batch=shape.rows, attention=attention, fold_adapter=adapter == "lora-folded")
     sampling, timings, rollouts = _sampling(shape), [], []
