@@ -23,7 +23,8 @@
 # compilers.log, the compiler processes seen while they ran), Triton's autotuning results
 # (autotune.tgz) and the kernels FlashInfer built (flashinfer-ops.tgz); the last poll, with WARM=1, also every
 # kernel Triton compiled and vLLM's compiled graphs (warm-caches.tgz: start-ups spent minutes compiling). Keep the
-# last of each in .jit/ for the next hold: call 12 carries flashinfer-ops.tgz and warm-caches.tgz.
+# last of each in .jit/ for the next hold: call 12 carries flashinfer-ops.tgz and warm-caches.tgz. A new checkout
+# has no .jit/: commit autotune.tgz (a few KB of JSON) with the hold's results, where call 1 finds it.
 #
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
 # 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
@@ -55,6 +56,9 @@
 #                  and 256 rows (ours with sdpa and with the attention kernel, ours without the adapter, plain
 #                  vLLM with the adapter and without: what vLLM's LoRA kernels cost, which TRL's colocated mode
 #                  merges away)                                                                            ~17
+#   sampler        the sampler alone at 16, 64 and 256 rows (issue 31's sweep): ours with the adapter (sdpa, the
+#                  attention kernel, folded) and without, plain vLLM with the adapter and without (what vLLM's
+#                  LoRA costs, which TRL's colocated mode merges away), in one process                   ~6
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
 #                  (DeepGEMM's warm-up skipped; 5.8)                                                       ~6
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block
@@ -94,11 +98,11 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the
   # bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the product's
   # engine at 16 rows without the adapter, with it, folded, and with the rotaries and the K/V write apart;
-  # kernels by family, the GPU's idle time)
+  # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31: ${SIDE:-1})" >> $EP/stages.log
   if [ "${SIDE:-1}" = probe ]; then
-    timeout -k 5 150 python3 benchmarks/probes/native_engine.py --budget-s 110 --plan bench \
+    timeout -k 5 200 python3 benchmarks/probes/native_engine.py --budget-s 150 --plan ${PROBE_PLAN:-bench} \
       --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
     grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
       | cut -c1-220 >> $EP/stages.log || true
@@ -175,6 +179,8 @@ chain() {
       trl-vllm) bench $s vllm -k vllm_colocated ;;
       unsloth-bf16) bench $s unsloth -s -k "unsloth_path and bf16" ;;
       unsloth-share) bench $s unsloth -s -k peers_share ;;
+      sampler) stage $s 900 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_sampler.py --benchmark \
+        --bench-results-dir $EP/results/sampler -k sampler_at_rows ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
         -k "bench_config or adapters_folded or multiplying_in_float32 or micro_batches_of_8 or long_config \
@@ -243,7 +249,11 @@ flashinfer_aot() {  # the kernels FlashInfer built in an earlier hold (.jit/flas
 case "${1:-}" in
   wheels)  # call 1 (with .jit/autotune.tgz carried too where an earlier hold left one)
     bash scripts/trl_comparison.sh wheels
-    if [ -f .jit/autotune.tgz ]; then mkdir -p $EP/triton-cache && tar -xzf .jit/autotune.tgz -C $EP/triton-cache; fi
+    # Triton's autotuning of an earlier hold: this machine's own .jit/, else the newest committed with results
+    tuned=$(ls .jit/autotune.tgz 2>/dev/null || ls benchmarks/results/*/autotune.tgz 2>/dev/null | sort | tail -1 || true)
+    if [ -n "$tuned" ]; then
+      mkdir -p $EP/triton-cache && tar -xzf $tuned -C $EP/triton-cache && echo "autotuning of an earlier hold: $tuned"
+    fi
     if [ "${SIDE:-1}" != 0 ] && [ ! -f $EP/side.log ]; then
       mkdir -p $EP/results/side && snapshot $EP/side-src
       (cd $EP/side-src && setsid nohup env EP=$EP bash scripts/engine_peers.sh side > $EP/side.log 2>&1 < /dev/null &)

@@ -4,7 +4,7 @@ Llama-3.2-1B shapes (hidden 2048, 16 layers, 32 heads, 8 kv heads, intermediate 
 tied embeddings, llama3 rope scaling), random weights in bf16; 4 prompts x G=4 = 16 rows, 128-token
 prompts, 512 new tokens with ignore_eos; temperature 1, min_p 0.1 (the recipe's sampling).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/native_engine.py [--plan compiled|graph|gemm|rows|qwen|bench]
+    PYTHONPATH=$PWD python3 benchmarks/probes/native_engine.py [--plan compiled|graph|gemm|rows|qwen|bench|wide]
         [--budget-s 150]
 
 Plans (`--variants` picks steps by name instead):
@@ -23,6 +23,9 @@ Plans (`--variants` picks steps by name instead):
             them; the adapters folded into the weights (EngineTuning.fold_adapter); the prefill compiled
             (EngineTuning.compile_prefill); the same with q's and K's rotaries and the K/V write apart
             (before EngineTuning.rope_in_attention)
+  wide      the product's token step with the adapter at the sampler's 64 and 256 rows, and FP8's at the bench's
+            16 rows, each timed and broken down inside its CUDA graph (issue 31: past 16 rows, and FP8 slower
+            than bf16 in the bench step)
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
 each step is skipped, not failed, when the time budget runs out.
@@ -454,7 +457,12 @@ PLANS = {
     # its time goes inside the CUDA graph
     "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph",
               "lora_prefill_compiled", "lora_rope_apart", "lora_rope_apart_graph"],
+    # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
+    # at 16 rows: where each one's time goes inside the CUDA graph
+    "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
+             "fp8_lora_product", "fp8_lora_product_graph"],
 }
+WIDE_ROWS = (64, 256)
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
 
@@ -643,6 +651,12 @@ def main() -> None:
     apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
     step("lora_rope_apart", lambda: run_engine(rec, "bf16+LoRA r32 rope apart", lora, wl, engine_kw=apart))
     step("lora_rope_apart_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope apart", lora, engine_kw=apart))
+    for rows in WIDE_ROWS:
+        label = f"bf16+LoRA r32 product {rows} rows"
+        step(f"lora_product_{rows}", lambda rows=rows, label=label: run_engine(rec, label, lora, wl, engine_kw=product,
+                                                                                rows=rows))
+        step(f"lora_product_{rows}_graph", lambda rows=rows, label=label: graph_breakdown(rec, label, lora,
+                                                                                           engine_kw=product, rows=rows))
     step("kernels_lora", lambda: kernel_breakdown(rec, "bf16+LoRA", lora))
     step("standby", lambda: standby(rec, lora))
     step("lora_compiled", lambda: run_engine(rec, f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
@@ -658,6 +672,9 @@ def main() -> None:
         step("fp8_lora_compiled", lambda: run_engine(rec, f"fp8+LoRA r32 {best}", fp8_lora, wfl, engine_kw=best))
         step("fp8_lora_gemm", lambda: run_engine(rec, f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
         step("fp8_lora", lambda: run_engine(rec, "fp8+LoRA r32 graph", fp8_lora, wfl))
+        step("fp8_lora_product", lambda: run_engine(rec, "fp8+LoRA r32 product", fp8_lora, wfl, engine_kw=product))
+        step("fp8_lora_product_graph", lambda: graph_breakdown(rec, "fp8+LoRA r32 product", fp8_lora,
+                                                               engine_kw=product))
         with fp8_lora.disable_adapter():
             step("fp8_graph", lambda: run_engine(rec, "fp8 graph (same run)", fp8_lora, wf))
 
