@@ -73,6 +73,10 @@ cd "$(dirname "$0")/.."
 EP=${EP:-/tmp/ep}
 STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# FlashInfer's kernels in one place for every stage: Unsloth points FlashInfer's workspace at its own compile
+# folder where this is unset (unsloth_zoo's vllm_utils), so its first vLLM start on a machine built FlashInfer's
+# FP8 block-scale GEMM again there, with nvcc, after the graph capture (89-106 s; compilers.log, 2026-12-04)
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$HOME}
 
 stage() {  # stage NAME TIMEOUT_S ENV COMMAND...: ENV is `vllm` or `unsloth` (the kit's site on the path)
   local name=$1 limit=$2 site=$3; shift 3
@@ -140,10 +144,10 @@ gen_fp8_blockscale_gemm_sm90_module as spec; spec().build(verbose=False)") > $EP
   fi
 }
 
-watch_compilers() {  # which compilers run, and on what, while the stages start engines: vLLM's start-up on
-  # Unsloth's engine waits 89-106 s after its CUDA-graph capture, once a machine (2026-12-03: the first Unsloth
-  # stage of a hold, bf16 or FP8-Block; none for the next), for a build not yet named (FlashInfer's nvcc,
-  # DeepGEMM's JIT or Triton's ptxas show here). A line each time the set of compiler processes changes.
+watch_compilers() {  # which compilers run, and on what, while the stages start engines (FlashInfer's nvcc,
+  # DeepGEMM's JIT, TensorRT-LLM's GEMMs, Triton's ptxas): it named the 89-106 s that vLLM's start-up on Unsloth's
+  # engine waited after its graph capture, FlashInfer's FP8 GEMM built a second time in Unsloth's folder
+  # (FLASHINFER_WORKSPACE_BASE above). A line each time the set of compiler processes changes.
   local last="" now
   while true; do
     now=$(ps -eo args= | grep -E '^[^ ]*(nvcc|ptxas|cicc|ninja|nvrtc)|flashinfer/jit|deep_gemm' | grep -v grep \
@@ -272,6 +276,10 @@ case "${1:-}" in
     echo "$(date -u +%T) restarted: $STAGES" >> $EP/stages.log
     start_chain ;;
   status)  # polls: wait up to $2 s (default 300; less if the chain ends), then show where it is
+    if [ ! -f $EP/stages.log ] && [ ! -f $EP/side.log ]; then  # at once: a fresh machine holds no chain
+      echo "no chain in $EP: this machine is new (the last went back, the chain with it); start a hold again"
+      exit 3
+    fi
     flashinfer_aot
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! tail -n 1 $EP/stages.log 2>/dev/null | grep -q "chain stopped"; do sleep 5; done

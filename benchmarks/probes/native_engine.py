@@ -23,9 +23,10 @@ Plans (`--variants` picks steps by name instead):
             them; the adapters folded into the weights (EngineTuning.fold_adapter); the prefill compiled
             (EngineTuning.compile_prefill); the same with q's and K's rotaries and the K/V write apart
             (before EngineTuning.rope_in_attention)
-  wide      the product's token step with the adapter at the sampler's 64 and 256 rows, and FP8's at the bench's
-            16 rows, each timed and broken down inside its CUDA graph (issue 31: past 16 rows, and FP8 slower
-            than bf16 in the bench step)
+  wide      the product's token step with the adapter at the sampler's 64 and 256 rows (at 256 also with the
+            packed layers: EngineTuning.packed_layers), and FP8's at the bench's 16 rows, each timed and
+            broken down inside its CUDA graph (issue 31: past 16 rows, and FP8 slower than bf16 in the bench
+            step)
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
 Standalone on purpose (no pytest): a device lease is short, so everything runs in one process and
 each step is skipped, not failed, when the time budget runs out.
@@ -46,6 +47,7 @@ import torch._dynamo
 
 from grpo.config import LORA_TARGETS
 from grpo.kernels import decode_gemm
+from grpo.model import compute_adapters_in_base_dtype
 from grpo.rollout.native import EngineTuning, NativeEngine
 from grpo.rollout.native.state import StopRule
 from timing import Recorder, add_out_argument, copy_tbps, graph_us  # beside this file
@@ -104,6 +106,10 @@ def add_lora(model):
 
     cfg = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
     peft_model = get_peft_model(model, cfg)
+    # the trainer's default (--lora-compute base): float32 adapters multiplied in bf16. Without it peft casts
+    # each input to float32, and past the kernels' rows (the modules) its products ran as float32 SIMT GEMMs:
+    # 2.5 of the 4.9 ms of a 256-row token step on 2026-12-04 (results/2026-12-04b-engines/side/)
+    compute_adapters_in_base_dtype(peft_model)
     with torch.no_grad():  # non-zero B so the adapters change the output, as after some training
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -460,7 +466,7 @@ PLANS = {
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
-             "fp8_lora_product", "fp8_lora_product_graph"],
+             "lora_packed_256", "lora_packed_256_graph", "fp8_lora_product", "fp8_lora_product_graph"],
 }
 WIDE_ROWS = (64, 256)
 
@@ -657,6 +663,11 @@ def main() -> None:
                                                                                 rows=rows))
         step(f"lora_product_{rows}_graph", lambda rows=rows, label=label: graph_breakdown(rec, label, lora,
                                                                                            engine_kw=product, rows=rows))
+    packed = product | {"packed_layers": True}  # past the kernels' rows: torch's GEMMs, the adapters packed
+    step("lora_packed_256", lambda: run_engine(rec, "bf16+LoRA r32 packed 256 rows", lora, wl, engine_kw=packed,
+                                               rows=256))
+    step("lora_packed_256_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 packed 256 rows", lora,
+                                                          engine_kw=packed, rows=256))
     step("kernels_lora", lambda: kernel_breakdown(rec, "bf16+LoRA", lora))
     step("standby", lambda: standby(rec, lora))
     step("lora_compiled", lambda: run_engine(rec, f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))

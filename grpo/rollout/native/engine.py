@@ -12,7 +12,8 @@ One `generate(prompt_ids, num_generations, sampling)`:
 1. allocates the KV cache once, `(max_batch, kv_heads, max_seq_len, head_dim)` per layer, and the
    per-row state beside it (`state.py`);
 2. plans the step: each layer's one-token forward, the decode GEMM kernels where they can stand in for
-   its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows), its modules otherwise;
+   its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows), its modules otherwise (or, with
+   `EngineTuning.packed_layers`, torch's GEMMs with the adapters packed: `packed.py`);
 3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
    attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
 4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled),
@@ -49,6 +50,7 @@ from torch import nn
 from grpo.kernels import decode_gemm
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
+from grpo.rollout.native import packed as packed_layers
 from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
@@ -121,6 +123,7 @@ class NativeEngine:
         self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
         self._fold = False  # whether this generate folds the adapters in (EngineTuning.fold_adapter)
         self._layers: list = []  # per layer, its one-token forward; planned by each generate
+        self._packs: list = []  # per layer, the adapters laid out for torch's GEMMs (packed_layers), kept
         self._warned_fallback = False
 
     # ----------------------------------------------------------------------------------------------
@@ -147,6 +150,7 @@ class NativeEngine:
         self._graph_pool = None
         self._state = None
         self._fingerprint = None
+        self._packs = []  # (the graphs that read them are gone)
 
     def _model_fingerprint(self) -> tuple:
         """What a captured graph depends on: parameter addresses and the adapters' switches and scales."""
@@ -165,7 +169,12 @@ class NativeEngine:
         stand in for all its projections, its modules elsewhere."""
         layers = self.lm.model.layers
         projections = [None] * len(layers)
-        if self.gemm == "kernels" and rows <= self.tuning.kernel_rows:
+        on_kernels = self.gemm == "kernels" and rows <= self.tuning.kernel_rows
+        packed = self.tuning.packed_layers and not on_kernels
+        if packed:  # torch's GEMMs take dense weights only: FP8 layers call their modules
+            projections = [p if p is not None and not p.has_fp8 else None
+                           for p in (layer_projections(layer, self.dtype) for layer in layers)]
+        if on_kernels:
             projections = [layer_projections(layer, self.dtype) for layer in layers]
             covered = sum(p is not None for p in projections)
             if covered < len(layers) and not self._warned_fallback:
@@ -178,9 +187,12 @@ class NativeEngine:
         self._projections = projections
         self._fold = self.tuning.fold_adapter and fold.can_fold(projections)
         read = [fold.without_adapters(p) for p in projections] if self._fold else projections
+        packs = [None] * len(layers)
+        if packed:  # kept between generates of other widths: the graphs captured on them read them in place
+            self._packs = packs = packed_layers.packs_for(read, self.dtype, self._packs)
         self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams,
-                                    self.tuning.rope_in_attention)
-                        for layer, proj in zip(layers, read)]
+                                    self.tuning.rope_in_attention, pack)
+                        for layer, proj, pack in zip(layers, read, packs)]
 
     def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
         """The tokens in state.tok through the decoder, reading the first kv_len cache positions: (B, V)."""

@@ -13,7 +13,9 @@ embedding at each row's own position and writes the token's K/V into the engine'
   (q/k/v in one launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU
   product fused, LoRA and FP8 inside, K's rotary and the K/V write in one kernel); norms, q's rotary
   and the attention stay compiled pieces (with `EngineTuning.rope_in_attention` and the attention kernel,
-  both rotaries and the K/V write happen in the attention's launch).
+  both rotaries and the K/V write happen in the attention's launch);
+- `PackedLayer`: KernelLayer with torch's GEMMs (cuBLAS) for the projections and the adapters packed for
+  them (`packed.py`), for steps wider than the kernels take (`EngineTuning.packed_layers`).
 
 `build_layer` picks one per layer when the engine plans a generate; a step then calls
 `layer(x, at, k_cache, v_cache)` for each. `prefill_layer` runs a layer over right-padded prompts
@@ -38,6 +40,7 @@ from torch import nn
 from grpo.kernels import decode_gemm
 from grpo.kernels.decode_attention import decode_attention, rope_store_attend
 from grpo.kernels.decode_gemm import rope
+from grpo.rollout.native.packed import LayerPack
 from grpo.rollout.native.plan import LayerProjections
 
 
@@ -269,7 +272,7 @@ class StepFunctions:
         return cls(*fns)
 
 
-# --- one layer, three ways ------------------------------------------------------------------------
+# --- one layer, four ways ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
@@ -324,11 +327,11 @@ class KernelLayer(ModuleLayer):
     rope_in_attention: bool = False  # EngineTuning.rope_in_attention
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        fns, layer, p, dims = self.fns, self.layer, self.proj, self.dims
+        fns, layer, dims = self.fns, self.layer, self.dims
         rows = x.shape[0]
         attn = layer.self_attn
         h = fns.norm(layer.input_layernorm, x).view(rows, dims.hidden)
-        q, k, v = decode_gemm.project(h, [p.q, p.k, p.v])
+        q, k, v = self.qkv(h)
         q_norm = getattr(attn, "q_norm", None)
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
         if self.rope_in_attention and self.attention == "kernel" and q_norm is None:
@@ -337,18 +340,61 @@ class KernelLayer(ModuleLayer):
         else:
             if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
                 k = fns.norm(attn.k_norm, k.view(rows, dims.n_kv_heads, dims.head_dim)).view(rows, -1)
-            decode_gemm.rope_store_kv(k, v, cos, sin, at.pos, k_cache, v_cache)
+            self.rope_store_kv(k, v, cos, sin, at.pos, k_cache, v_cache)
             out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, dims, self.attention)
-        x = decode_gemm.project(out, [p.o], residual=x.view(rows, dims.hidden))[0].view(rows, 1, dims.hidden)
+        x = self.o(out, x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
         h = fns.norm(layer.post_attention_layernorm, x).view(rows, dims.hidden)
-        m = decode_gemm.project_gated(h, p.gate, p.up)
-        return decode_gemm.project(m, [p.down], residual=x.view(rows, dims.hidden))[0].view(rows, 1, dims.hidden)
+        return self.down(self.gated(h), x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
+
+    # the projections, on the decode kernels (PackedLayer: on torch's GEMMs)
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
+        return decode_gemm.project(h, [self.proj.q, self.proj.k, self.proj.v])
+
+    def o(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return decode_gemm.project(out, [self.proj.o], residual=residual)[0]
+
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        return decode_gemm.project_gated(h, self.proj.gate, self.proj.up)
+
+    def down(self, m: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return decode_gemm.project(m, [self.proj.down], residual=residual)[0]
+
+    def rope_store_kv(self, *args) -> None:
+        decode_gemm.rope_store_kv(*args)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayer(KernelLayer):
+    """KernelLayer with its projections as torch's GEMMs and the adapters packed (`packed.py`): the layer
+    for steps wider than the kernels take (EngineTuning.packed_layers)."""
+
+    pack: LayerPack | None = None
+
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
+        return self.pack.qkv(h)
+
+    def o(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.pack.o(out, residual)[0]
+
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.pack.gate_up(h)
+        return self.layer.mlp.act_fn(gate) * up
+
+    def down(self, m: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.pack.down(m, residual)[0]
+
+    def rope_store_kv(self, k, *args) -> None:  # the kernel where Triton runs, its reference elsewhere
+        (decode_gemm.rope_store_kv if decode_gemm.can_run(k.device) else decode_gemm.rope_store_kv_ref)(k, *args)
 
 
 def build_layer(layer: nn.Module, proj: LayerProjections | None, fns: StepFunctions, dims: ModelDims,
-                attention: str, streams: list | None, rope_in_attention: bool = False) -> ModuleLayer:
-    """The one-token forward of `layer`: the kernels where `proj` is given (`rope_in_attention`: see
-    EngineTuning), else its modules (on parallel streams when `streams` is given)."""
+                attention: str, streams: list | None, rope_in_attention: bool = False,
+                pack: LayerPack | None = None) -> ModuleLayer:
+    """The one-token forward of `layer`: torch's GEMMs with `pack`'s adapters where it is given, else the
+    kernels where `proj` is given (`rope_in_attention`: see EngineTuning), else its modules (on parallel streams
+    when `streams` is given)."""
+    if pack is not None:
+        return PackedLayer(layer, fns, dims, attention, proj, rope_in_attention, pack)
     if proj is not None:
         return KernelLayer(layer, fns, dims, attention, proj, rope_in_attention)
     if streams:

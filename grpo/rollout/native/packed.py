@@ -1,0 +1,124 @@
+"""The projections of a wide decode step as torch's GEMMs, the adapters laid out for them once a generate.
+
+Past the decode kernels' rows (`EngineTuning.kernel_rows`) a step called peft's modules: per LoRA matrix a
+cast of its float32 weight to bf16 and a GEMM of its own, then a scale and an add, every token step (14
+matrices a Llama layer). Here, with `EngineTuning.packed_layers`, each projection is one cuBLAS GEMM on the
+model's own weight (the residual added in that GEMM where there is one), and its adapter two more: the A
+matrices of the projections that read one input (q/k/v, gate/up) stacked into one (sum of ranks, K) matrix,
+so one GEMM gives every x A^T of the group, and each B A-times-added into its projection's output inside
+its GEMM (`addmm`, alpha = the adapter's scale). A and B are copied into the activations' dtype once a
+generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter each step.
+
+The numerics are peft's with `--lora-compute base` (x A^T rounded to bf16, then B): the scale and the add
+happen inside the GEMM's float32 epilogue instead of after it, one rounding fewer.
+
+Not here: which layers run this way (`engine.py`'s plan), the rest of the layer (`layer.py`'s KernelLayer,
+whose projections `PackedLayer` replaces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo.kernels.decode_gemm import DecodeProj
+from grpo.rollout.native.plan import LayerProjections
+
+
+@dataclass(eq=False)
+class PackedGroup:
+    """Projections of one input: the model's tensors (`projs`), and their adapters' copies: `a` (sum of
+    ranks, K), the A matrices stacked, and `bs`, each B (N_i, r_i) or None where a projection has none."""
+
+    projs: tuple[DecodeProj, ...]
+    a: torch.Tensor | None
+    bs: tuple[torch.Tensor | None, ...]
+
+    @classmethod
+    def of(cls, projs: Sequence[DecodeProj], dtype: torch.dtype) -> PackedGroup:
+        with_lora = [p for p in projs if p.lora_a is not None]
+        k = projs[0].in_features
+        a = None
+        if with_lora:
+            a = torch.empty((sum(p.rank for p in with_lora), k), dtype=dtype, device=projs[0].weight.device)
+        bs = tuple(None if p.lora_b is None else torch.empty(p.lora_b.shape, dtype=dtype, device=p.lora_b.device)
+                   for p in projs)
+        group = cls(tuple(projs), a, bs)
+        group.refresh()
+        return group
+
+    def refresh(self) -> None:
+        """The adapters' current values into the copies, in place."""
+        at = 0
+        for p, b in zip(self.projs, self.bs):
+            if b is not None:
+                self.a[at: at + p.rank].copy_(p.lora_a)
+                b.copy_(p.lora_b)
+                at += p.rank
+
+    def __call__(self, x2: torch.Tensor, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """[x W_i^T (+ bias_i) (+ residual) + scale_i * (x A_i^T) B_i^T] for x2 (M, K): (M, N_i) each."""
+        xa = None if self.a is None else x2 @ self.a.t()  # (M, sum of ranks)
+        outs, at = [], 0
+        for p, b in zip(self.projs, self.bs):
+            if residual is not None and p.bias is None:
+                y = torch.addmm(residual, x2, p.weight.t())
+            else:
+                y = F.linear(x2, p.weight, p.bias)
+                if residual is not None:
+                    y = y + residual
+            if b is not None:
+                y = torch.addmm(y, xa[:, at: at + p.rank], b.t(), alpha=p.lora_scale)
+                at += p.rank
+            outs.append(y)
+        return outs
+
+
+def _where(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), tuple(t.shape))
+
+
+def _key(d: DecodeProj) -> tuple:
+    """Which tensors (and scale) a projection's copies come from."""
+    return _where(d.weight), _where(d.bias), _where(d.lora_a), _where(d.lora_b), d.lora_scale
+
+
+@dataclass(eq=False)
+class LayerPack:
+    """One decoder layer's projections in their groups: q/k/v, o, gate/up, down; `key` says what from."""
+
+    qkv: PackedGroup
+    o: PackedGroup
+    gate_up: PackedGroup
+    down: PackedGroup
+    key: tuple
+
+    @classmethod
+    def of(cls, p: LayerProjections, dtype: torch.dtype) -> LayerPack:
+        return cls(PackedGroup.of([p.q, p.k, p.v], dtype), PackedGroup.of([p.o], dtype),
+                   PackedGroup.of([p.gate, p.up], dtype), PackedGroup.of([p.down], dtype),
+                   tuple(_key(d) for d in p.each()))
+
+    def refresh(self) -> None:
+        for group in (self.qkv, self.o, self.gate_up, self.down):
+            group.refresh()
+
+
+def packs_for(projections: Sequence[LayerProjections | None], dtype: torch.dtype,
+              kept: Sequence[LayerPack | None]) -> list[LayerPack | None]:
+    """Each layer's pack for this generate: `kept`'s, refreshed in place (so graphs captured on it stay
+    valid), where it was made from the same tensors; a new one elsewhere; None where a layer has no projections."""
+    out: list[LayerPack | None] = []
+    for i, p in enumerate(projections):
+        old = kept[i] if i < len(kept) else None
+        if p is None:
+            out.append(None)
+        elif old is not None and old.key == tuple(_key(d) for d in p.each()):
+            old.refresh()
+            out.append(old)
+        else:
+            out.append(LayerPack.of(p, dtype))
+    return out
