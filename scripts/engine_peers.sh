@@ -254,7 +254,8 @@ case "${1:-}" in
   wheels)  # call 1 (with .jit/autotune.tgz carried too where an earlier hold left one)
     bash scripts/trl_comparison.sh wheels
     # Triton's autotuning of an earlier hold: this machine's own .jit/, else the newest committed with results
-    tuned=$(ls .jit/autotune.tgz 2>/dev/null || ls benchmarks/results/*/autotune.tgz 2>/dev/null | sort | tail -1 || true)
+    tuned=$(ls .jit/autotune.tgz 2>/dev/null || ls benchmarks/results/*/autotune.tgz 2>/dev/null | sort | tail -1 \
+            || true)
     if [ -n "$tuned" ]; then
       mkdir -p $EP/triton-cache && tar -xzf $tuned -C $EP/triton-cache && echo "autotuning of an earlier hold: $tuned"
     fi

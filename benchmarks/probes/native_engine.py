@@ -468,7 +468,8 @@ PLANS = {
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
              "lora_packed_256", "lora_packed_256_graph", "fp8_lora_product", "fp8_lora_product_graph"],
 }
-WIDE_ROWS = (64, 256)
+# the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.packed_layers)
+WIDE_STEPS = (("lora_product_64", 64, False), ("lora_product_256", 256, False), ("lora_packed_256", 256, True))
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
 
@@ -657,17 +658,12 @@ def main() -> None:
     apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
     step("lora_rope_apart", lambda: run_engine(rec, "bf16+LoRA r32 rope apart", lora, wl, engine_kw=apart))
     step("lora_rope_apart_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope apart", lora, engine_kw=apart))
-    for rows in WIDE_ROWS:
-        label = f"bf16+LoRA r32 product {rows} rows"
-        step(f"lora_product_{rows}", lambda rows=rows, label=label: run_engine(rec, label, lora, wl, engine_kw=product,
-                                                                                rows=rows))
-        step(f"lora_product_{rows}_graph", lambda rows=rows, label=label: graph_breakdown(rec, label, lora,
-                                                                                           engine_kw=product, rows=rows))
-    packed = product | {"packed_layers": True}  # past the kernels' rows: torch's GEMMs, the adapters packed
-    step("lora_packed_256", lambda: run_engine(rec, "bf16+LoRA r32 packed 256 rows", lora, wl, engine_kw=packed,
-                                               rows=256))
-    step("lora_packed_256_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 packed 256 rows", lora,
-                                                          engine_kw=packed, rows=256))
+    for name, rows, packed in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed
+        kw = product | {"packed_layers": packed}
+        label = f"bf16+LoRA r32 {'packed' if packed else 'product'} {rows} rows"
+        step(name, lambda rows=rows, label=label, kw=kw: run_engine(rec, label, lora, wl, engine_kw=kw, rows=rows))
+        step(f"{name}_graph", lambda rows=rows, label=label, kw=kw: graph_breakdown(rec, label, lora, engine_kw=kw,
+                                                                                      rows=rows))
     step("kernels_lora", lambda: kernel_breakdown(rec, "bf16+LoRA", lora))
     step("standby", lambda: standby(rec, lora))
     step("lora_compiled", lambda: run_engine(rec, f"bf16+LoRA r32 {best}", lora, wl, engine_kw=best))
