@@ -68,8 +68,9 @@ class EngineTuning:
         of one input stacked and A, B copied into the activations' dtype once a generate (`packed.py`), in
         place of peft's modules (per LoRA matrix a cast and a GEMM every token step); with fold_adapter the
         adapters are folded there too. Off: on the H200 (2026-12-04) a 256-row token step took 4.11 ms this way
-        against 4.08 through the modules with the trainer's bf16 adapter products (GEMMs 2.1 ms, attention 1.1;
-        each adapter's B then went through a copy, since added in place); the fold there is untimed.
+        against 4.08 through the modules with the trainer's bf16 adapter products (each adapter's B product a GEMM
+        over the whole output, ~1 ms of the step; then also a copy, since added in place); the fold, which drops
+        those GEMMs, is untimed there.
     """
 
     use_cuda_graph: bool | None = None
