@@ -70,7 +70,8 @@ class NativeEngine:
         decode GEMM kernels (`grpo.kernels.decode_gemm`: q/k/v in one launch, LoRA, FP8 and the residual
         or SiLU product fused), for every layer whose projections they support (the others call their
         modules); "modules": call each projection module; "auto": kernels on CUDA when triton is
-        installed. Steps with more rows always call the modules.
+        installed. Steps with more rows call the modules (EngineTuning.packed_layers: torch's GEMMs on the
+        projections' tensors instead).
     tuning: how a step runs (graphs, compile, attention, streams, ...); benchmarks and tests set it.
     """
 
@@ -166,7 +167,8 @@ class NativeEngine:
     # plan and step
     def _plan(self, rows: int) -> None:
         """Each layer's one-token forward for steps of `rows` rows: the decode kernels where they can
-        stand in for all its projections, its modules elsewhere."""
+        stand in for all its projections (past their rows, with packed_layers, torch's GEMMs on the dense
+        ones), its modules elsewhere."""
         layers = self.lm.model.layers
         projections = [None] * len(layers)
         on_kernels = self.gemm == "kernels" and rows <= self.tuning.kernel_rows
@@ -174,7 +176,7 @@ class NativeEngine:
         if packed:  # torch's GEMMs take dense weights only: FP8 layers call their modules
             projections = [p if p is not None and not p.has_fp8 else None
                            for p in (layer_projections(layer, self.dtype) for layer in layers)]
-        if on_kernels:
+        elif on_kernels:
             projections = [layer_projections(layer, self.dtype) for layer in layers]
             covered = sum(p is not None for p in projections)
             if covered < len(layers) and not self._warned_fallback:

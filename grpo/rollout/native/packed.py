@@ -5,9 +5,11 @@ cast of its float32 weight to bf16 and a GEMM of its own, then a scale and an ad
 matrices a Llama layer). Here, with `EngineTuning.packed_layers`, each projection is one cuBLAS GEMM on the
 model's own weight (the residual added in that GEMM where there is one), and its adapter two more: the A
 matrices of the projections that read one input (q/k/v, gate/up) stacked into one (sum of ranks, K) matrix,
-so one GEMM gives every x A^T of the group, and each B A-times-added into its projection's output inside
-its GEMM (`addmm`, alpha = the adapter's scale). A and B are copied into the activations' dtype once a
-generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter each step.
+so one GEMM gives every x A^T of the group, and each adapter's B product added into its projection's output
+by its own GEMM (`addmm_`, in place, alpha = the adapter's scale). A and B are copied into the activations'
+dtype once a generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter
+each step. Measured on the H200 (benchmarks/RESULTS.md, "Eleventh hold"): no faster than the modules at 256
+rows, since each B product still reads and writes its whole output; folded (`fold.py`), a step has none.
 
 The numerics are peft's with `--lora-compute base` (x A^T rounded to bf16, then B): the scale and the add
 happen inside the GEMM's float32 epilogue instead of after it, one rounding fewer.
