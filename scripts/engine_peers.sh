@@ -12,7 +12,8 @@
 #                                                                           and long steps with the adapters
 #                                                                           folded use the idle GPU (~2.5 min;
 #                                                                           SIDE=probe: the token step's
-#                                                                           profile; 0: none)
+#                                                                           profile; memory: the bench step's
+#                                                                           peak; 0: none)
 #   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   call  12    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 540  (where an earlier hold left it) puts
@@ -103,10 +104,16 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the
   # bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the product's
   # engine at 16 rows without the adapter, with it, folded, and with the rotaries and the K/V write apart;
-  # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16
+  # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16; SIDE=memory:
+  # what the bench step's bf16 peak is made of, and the log-prob kernel's chunk budget at 128 MiB
+  # (benchmarks/probes/step_memory.py)
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31: ${SIDE:-1})" >> $EP/stages.log
-  if [ "${SIDE:-1}" = probe ]; then
+  if [ "${SIDE:-1}" = memory ]; then
+    timeout -k 5 240 python3 benchmarks/probes/step_memory.py --out $EP/results/side \
+      > $EP/results/side/step-memory.log 2>&1 || true
+    grep -h "chunk\|replayed" $EP/results/side/step-memory.log | cut -c1-220 >> $EP/stages.log || true
+  elif [ "${SIDE:-1}" = probe ]; then
     timeout -k 5 200 python3 benchmarks/probes/native_engine.py --budget-s 150 --plan ${PROBE_PLAN:-bench} \
       --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
     grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
