@@ -104,9 +104,8 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the
   # bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the product's
   # engine at 16 rows without the adapter, with it, folded, and with the rotaries and the K/V write apart;
-  # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16; SIDE=memory:
-  # what the bench step's bf16 peak is made of, and the log-prob kernel's chunk budget at 128 MiB
-  # (benchmarks/probes/step_memory.py)
+  # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16;
+  # SIDE=memory: what the bench step's bf16 peak is made of (benchmarks/probes/step_memory.py)
   export PYTHONPATH=$PWD:/tmp/site
   echo "$(date -u +%T) start side (issue 31: ${SIDE:-1})" >> $EP/stages.log
   if [ "${SIDE:-1}" = memory ]; then

@@ -2,15 +2,14 @@
 
 Issue 31 wants the bf16 peak of the bench step (16 rows of 128 + 512 tokens) below TRL's 4.54 GiB; ours was
 4.89 GiB (2026-12-04). This runs `grpo.trainer.train` at the bench config as the suite does
-(`bench_setup.step_config`) and records the CUDA allocator's history during one steady step (torch's
-`_record_memory_history`, Python stacks). Replaying that step's allocations and frees finds the moment of its
-peak and what was alive then: the blocks already held when the step began (weights, the adapters, the
-optimizer's state, the engine's buffers), and those the step made, grouped by the innermost frame in grpo/
-(file, line and function), with the frame outside grpo/ that made each. Then each `--chunk-mib` runs the same
-steps with the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`) set to it: peak and step
-time, to price the one candidate named so far.
+(`bench_setup.step_config`) and records the CUDA allocator's history from the run's start to the end of its
+third step (torch's `_record_memory_history`, Python stacks). Replaying it finds the moment of that step's
+peak and what was alive then, grouped by the innermost frame in grpo/ (file, line and function) with the frame
+outside grpo/ that made each. Autograd's backward runs without Python frames: what it allocates is one group.
+Each `--chunk-mib` then runs the same steps with the log-prob kernel's chunk budget
+(`grpo.kernels.logprobs._CHUNK_BUDGET`) set to it: peak and step time (128 MiB, 2026-12-04: a higher peak).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128 256]
+    PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128]
 """
 
 from __future__ import annotations
@@ -43,22 +42,27 @@ def grpo_frame(frames: list[dict]) -> tuple[str, str]:
     return name(ours), name(other)
 
 
-def live_at_peak(held: dict[int, int], trace: list[dict]) -> tuple[int, dict[int, tuple[int, list]]]:
-    """Replays `trace` (the allocator's entries of one step) over the blocks `held` when it began (address ->
-    bytes). Returns the peak of allocated bytes and the live blocks then (address -> (bytes, frames); frames
-    are [] for blocks held before the step)."""
-    live = {addr: (size, []) for addr, size in held.items()}
+def live_at_peak(held: dict[int, int], trace: list[dict], start: int = 0) -> tuple[int, dict[int, tuple[int, list]]]:
+    """Replays `trace` (the allocator's entries since `held`, address -> bytes, was read) and finds the peak of
+    allocated bytes from entry `start` on (the step's first). Returns that peak and the live blocks then
+    (address -> (bytes, frames); frames are None for blocks held before the trace began, [] for those made
+    where no Python frame ran: autograd's backward)."""
+    live = {addr: (size, None) for addr, size in held.items()}
     total = sum(held.values())
-    peak, at_peak = total, dict(live)
-    for entry in trace:
+    peak, at_peak = -1, {}
+    for i, entry in enumerate(trace):
+        if i == start:
+            peak, at_peak = total, dict(live)
         action, addr = entry["action"], entry["addr"]
         if action == "alloc":
             live[addr] = (entry["size"], entry.get("frames", []))
             total += entry["size"]
-            if total > peak:
+            if i >= start and total > peak:
                 peak, at_peak = total, dict(live)
         elif action == "free_completed" and addr in live:
             total -= live.pop(addr)[0]
+    if peak < 0:  # nothing from `start` on
+        peak, at_peak = total, dict(live)
     return peak, at_peak
 
 
@@ -77,7 +81,8 @@ def held_blocks() -> dict[int, int]:
 def summarize(peak: int, live: dict[int, tuple[int, list]], top: int = 25) -> dict:
     groups: dict[str, int] = defaultdict(int)
     for size, frames in live.values():
-        key = "held before the step" if not frames else " <- ".join(grpo_frame(frames))
+        key = ("held before the history began" if frames is None else "no Python frame (autograd's backward)" if not frames
+               else " <- ".join(grpo_frame(frames)))
         groups[key] += size
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])
     biggest = sorted(((size, frames) for size, frames in live.values() if frames), key=lambda sf: -sf[0])[:top]
@@ -89,35 +94,42 @@ def summarize(peak: int, live: dict[int, tuple[int, list]], top: int = 25) -> di
 
 
 def run_steps(cfg, record_step: int | None) -> dict:
-    """Runs `cfg`; with `record_step`, records the allocator's history during that step (1-based)."""
+    """Runs `cfg`; with `record_step` (1-based), records the allocator's history from the run's start (so that
+    what the step finds held names the code that made it: the weights, the optimizer, the engine) and replays
+    it to that step's peak."""
     import grpo.trainer as trainer
 
     inner = trainer.grpo_step
     seen = {"n": 0, "result": None}
+    history = 4_000_000
 
     def step(setup, index, in_flight):
         seen["n"] += 1
         if seen["n"] != record_step:
             return inner(setup, index, in_flight)
         torch.cuda.synchronize()
-        held = held_blocks()
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        start = len(torch.cuda.memory._snapshot()["device_traces"][0])
         try:
             return inner(setup, index, in_flight)
         finally:
             torch.cuda.synchronize()
             trace = torch.cuda.memory._snapshot()["device_traces"][0]
             torch.cuda.memory._record_memory_history(enabled=None)
-            peak, live = live_at_peak(held, trace)
+            if len(trace) >= history:  # the ring buffer dropped the oldest entries: the replay would be wrong
+                raise RuntimeError(f"{len(trace)} allocator entries: raise `history`")
+            peak, live = live_at_peak(held, trace, start)
             seen["result"] = summarize(peak, live)
-            seen["result"]["held_before_gib"] = sum(held.values()) / GiB
-            seen["result"]["entries"] = len(trace)
+            seen["result"]["entries"] = len(trace) - start
 
+    held = held_blocks() if record_step else {}
+    if record_step:
+        torch.cuda.memory._record_memory_history(max_entries=history, stacks="python")
     trainer.grpo_step = step
     try:
         trainer.train(cfg)
     finally:
         trainer.grpo_step = inner
+        torch.cuda.memory._record_memory_history(enabled=None)
     records = bs.read_metrics(cfg.output_dir)
     steady = records[2:] if len(records) > 2 else records
     return {"step_s": statistics.median(r["step_time"] for r in steady),
@@ -129,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--steps", type=int, default=4, help="steps a run (the history is recorded in the third)")
-    parser.add_argument("--chunk-mib", type=int, nargs="*", default=[128],
+    parser.add_argument("--chunk-mib", type=int, nargs="*", default=[],
                         help="the log-prob kernel's chunk budgets to run the steps at besides 512 (MiB)")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -153,8 +165,7 @@ def main() -> None:
         if out["replay"] is not None:
             r = out["replay"]
             rec.record("peak", dtype=args.dtype, **r)
-            rec.say(f"replayed peak {r['peak_gib']:.3f} GiB ({r['entries']} entries; held before the step "
-                    f"{r['held_before_gib']:.3f} GiB)")
+            rec.say(f"replayed peak {r['peak_gib']:.3f} GiB (the step's {r['entries']} allocator entries)")
             for g in r["groups"]:
                 rec.say(f"  {g['gib']:7.3f} GiB  {g['where']}")
 
