@@ -106,17 +106,16 @@ def copy_bandwidth(bench_env) -> float | None:
 
 @pytest.mark.bench_order(70)
 @pytest.mark.bench_cost(40)
-@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel", "lora-folded", "lora-packed",
-                                     "lora-packed-folded"])
+@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel", "lora-folded", "lora-modules"])
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
 def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it), attending with
     torch's sdpa; with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
-    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place; and with the kernel
-    and the adapter folded into the base weights (`EngineTuning.fold_adapter`: where the decode kernels run,
-    up to decode_gemm.MAX_ROWS rows), whose token step reads the base weights alone. Past those rows, with the
-    kernel: the projections as torch's GEMMs with the adapters packed (`EngineTuning.packed_layers`, not yet
-    the product's), and those with the adapters folded."""
+    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place: the product; and with
+    the kernel and the adapter folded into the base weights (`EngineTuning.fold_adapter`), whose token step
+    reads the base weights alone. Past the decode kernels' rows the product runs the projections as torch's
+    GEMMs with the adapters packed (`EngineTuning.packed_layers`); there `lora-modules` times peft's modules
+    in their place, as the engine ran such steps before 2026-12-04."""
     import contextlib
 
     from grpo.kernels import decode_attention, decode_gemm
@@ -128,14 +127,12 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     attention = "sdpa" if adapter in ("lora", "off") else "kernel"
     if attention == "kernel" and not decode_attention.can_run(next(policy.parameters()).device):
         pytest.skip("the attention kernel needs triton and a CUDA model")
-    if adapter == "lora-folded" and rows > decode_gemm.MAX_ROWS:
-        pytest.skip(f"the fold needs the decode kernels, which take up to {decode_gemm.MAX_ROWS} rows")
-    if adapter.startswith("lora-packed") and rows <= decode_gemm.MAX_ROWS:
-        pytest.skip(f"up to {decode_gemm.MAX_ROWS} rows the decode kernels run, not the packed layers")
-    folded = adapter in ("lora-folded", "lora-packed-folded")
-    if adapter.startswith("lora-packed"):
+    if adapter == "lora-modules" and rows <= decode_gemm.MAX_ROWS:
+        pytest.skip(f"up to {decode_gemm.MAX_ROWS} rows the decode kernels run, neither packed layers nor modules")
+    folded = adapter == "lora-folded"
+    if adapter == "lora-modules":
         engine = NativeEngine(policy, max_seq_len=shape.seq_len, max_batch=shape.rows, pad_id=tokenizer.pad_token_id,
-                              tuning=EngineTuning(attention=attention, fold_adapter=folded, packed_layers=True))
+                              tuning=EngineTuning(attention=attention, packed_layers=False))
     else:
         engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
                               max_batch=shape.rows, attention=attention, fold_adapter=folded)
@@ -155,11 +152,10 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     if adapter != "off":  # (without it the trainer's side would need peft's switch off too)
         benchmark.extra_info["gap"] = _gap(policy, tokenizer.pad_token_id, rollouts[0], sampling.temperature)
     impl = {"lora": "ours", "off": "ours-no-adapter", "lora-attention-kernel": "ours-attention-kernel",
-            "lora-folded": "ours-folded", "lora-packed": "ours-packed", "lora-packed-folded": "ours-packed-folded"
-            }[adapter]
+            "lora-folded": "ours-folded", "lora-modules": "ours-modules"}[adapter]
     # folded, a token step reads the base weights alone (the adapters went into them before the prefill)
     _record(benchmark, results, shape, impl, [t["prefill"] + t["decode"] for t in measured], policy,
-            adapter in ("lora", "lora-attention-kernel", "lora-packed"),
+            adapter in ("lora", "lora-attention-kernel", "lora-modules"),
             decode_s=[t["decode"] for t in measured], copy_tbps=copy_bandwidth)
     engine.release_memory()
     del engine

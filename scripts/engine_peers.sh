@@ -58,9 +58,9 @@
 #                  vLLM with the adapter and without: what vLLM's LoRA kernels cost, which TRL's colocated mode
 #                  merges away)                                                                            ~17
 #   sampler        the sampler alone at 16, 64 and 256 rows (issue 31's sweep): ours with the adapter (sdpa, the
-#                  attention kernel, folded; past 64 rows the packed layers, unfolded and folded) and without,
+#                  attention kernel, folded; past 64 rows peft's modules in the packed layers' place) and without,
 #                  plain vLLM with the adapter and without (what vLLM's LoRA costs, which TRL's colocated mode
-#                  merges away), in one process (not yet timed as a stage)                               ~7
+#                  merges away), in one process (9 minutes on 2026-12-04)                                ~10
 #   vllm-cuda      tests/test_vllm_cuda.py -k "not unsloth": plain vLLM on bf16, then the FP8-Block child
 #                  (DeepGEMM's warm-up skipped; 5.8)                                                       ~6
 #   unsloth-cuda   tests/test_vllm_cuda.py -k unsloth: two GRPO steps of --engine unsloth on FP8-Block

@@ -327,7 +327,7 @@ def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8):
         quantize_linears_(model)
     assert all(layer_projections(layer, torch.float32) is not None for layer in model.model.layers)
     engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(kernel_rows=2))  # the limit below the rows generated
+                          tuning=EngineTuning(kernel_rows=2, packed_layers=False))  # the limit below the rows
     out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
     assert out.completion_ids.shape[0] == 3
     assert engine._projections == [None] * len(model.model.layers)

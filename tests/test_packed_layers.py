@@ -101,14 +101,25 @@ def test_folded_into_the_packed_step_the_weights_come_back_bit_for_bit():
     torch.testing.assert_close(b.sampler_logp, a.sampler_logp, rtol=0, atol=1e-4)  # float32: folding is exact-ish
 
 
-def test_steps_the_kernels_take_stay_on_them_and_wider_ones_run_packed(monkeypatch):
+@pytest.mark.parametrize("packed", [None, True])  # None: the default, packed where the kernels run
+def test_steps_the_kernels_take_stay_on_them_and_wider_ones_run_packed(monkeypatch, packed):
     # on a GPU the product's gemm="kernels" runs up to kernel_rows; only the wider steps take the packed layers
     # (planning builds the layers and launches nothing: the kernels need not run here)
     monkeypatch.setattr(decode_gemm, "can_run", lambda device: True)
     model = lora_llama(seed=5)
     engine = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(packed_layers=True, kernel_rows=3))
+                          tuning=EngineTuning(packed_layers=packed, kernel_rows=3))
     engine._plan(3)
     assert {type(layer).__name__ for layer in engine._layers} == {"KernelLayer"}
     engine._plan(6)
     assert {type(layer).__name__ for layer in engine._layers} == {"PackedLayer"}
+
+
+@pytest.mark.parametrize("gemm,packed", [("modules", None), ("kernels", False)])
+def test_the_modules_stay_where_chosen(monkeypatch, gemm, packed):
+    # gemm="modules" (what a CPU gets by default) or packed_layers=False: every step calls peft's modules
+    monkeypatch.setattr(decode_gemm, "can_run", lambda device: True)
+    engine = NativeEngine(lora_llama(seed=5), max_seq_len=32, max_batch=6, pad_id=PAD, gemm=gemm,
+                          tuning=EngineTuning(packed_layers=packed, kernel_rows=3))
+    engine._plan(6)
+    assert "PackedLayer" not in {type(layer).__name__ for layer in engine._layers}

@@ -12,8 +12,8 @@ One `generate(prompt_ids, num_generations, sampling)`:
 1. allocates the KV cache once, `(max_batch, kv_heads, max_seq_len, head_dim)` per layer, and the
    per-row state beside it (`state.py`);
 2. plans the step: each layer's one-token forward, the decode GEMM kernels where they can stand in for
-   its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows), its modules otherwise (or, with
-   `EngineTuning.packed_layers`, torch's GEMMs with the adapters packed: `packed.py`);
+   its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows); past those rows torch's GEMMs with
+   the adapters packed (`packed.py`, `EngineTuning.packed_layers`); its modules otherwise;
 3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
    attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
 4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled),
@@ -70,8 +70,8 @@ class NativeEngine:
         decode GEMM kernels (`grpo.kernels.decode_gemm`: q/k/v in one launch, LoRA, FP8 and the residual
         or SiLU product fused), for every layer whose projections they support (the others call their
         modules); "modules": call each projection module; "auto": kernels on CUDA when triton is
-        installed. Steps with more rows call the modules (EngineTuning.packed_layers: torch's GEMMs on the
-        projections' tensors instead).
+        installed. Steps with more rows run torch's GEMMs on the projections' tensors with the adapters
+        packed (EngineTuning.packed_layers; where gemm is "modules", or packed_layers False, the modules).
     tuning: how a step runs (graphs, compile, attention, streams, ...); benchmarks and tests set it.
     """
 
@@ -172,7 +172,8 @@ class NativeEngine:
         layers = self.lm.model.layers
         projections = [None] * len(layers)
         on_kernels = self.gemm == "kernels" and rows <= self.tuning.kernel_rows
-        packed = self.tuning.packed_layers and not on_kernels
+        packed = not on_kernels and (self.gemm == "kernels" if self.tuning.packed_layers is None
+                                     else self.tuning.packed_layers)
         if packed:  # torch's GEMMs take dense weights only: FP8 layers call their modules
             projections = [p if p is not None and not p.has_fp8 else None
                            for p in (layer_projections(layer, self.dtype) for layer in layers)]

@@ -56,10 +56,11 @@ class EngineTuning:
         (`decode_attention.rope_store_attend`): three launches a layer fewer (q's rotary, the K/V write, the
         attention's own), which took the bench's token step from 1.447 to 1.384 ms in its CUDA graph (H200,
         2026-12-02). Qwen3's q/k norms keep the launches apart.
-    fold_adapter: where every layer runs on the decode kernels with an adapter and dense weights, fold the
-        adapters into the base weights for the prefill and the decode and take them out after, exactly
-        (`fold.py`): no adapter work in a token step or the prefill, the sampler sampling from W + scale * B A
-        rounded (which drops the adapter's smallest changes, so the trainer corrects for the sampler). On the H200
+    fold_adapter: where every layer runs on the decode kernels (or, wider, packed: packed_layers) with an
+        adapter and dense weights, fold the adapters into the base weights for the prefill and the decode and
+        take them out after, exactly (`fold.py`): no adapter work in a token step or the prefill, the sampler
+        sampling from W + scale * B A rounded (which drops the adapter's smallest changes, so the trainer
+        corrects for the sampler). On the H200
         (2026-12-03) the bench step took 1.032 s against 1.075 and the long one 3.487 against 3.715; the
         sampler-trainer gap with a random B ~ N(0, 1e-3) rose from 0.022 to 0.026 nats a token. Off (the CLI's
         --engine-fold-adapter) until a learning run shows it learns as well.
@@ -67,10 +68,10 @@ class EngineTuning:
         each layer's dense projections as torch's GEMMs on their own weights, with the adapters' A matrices
         of one input stacked and A, B copied into the activations' dtype once a generate (`packed.py`), in
         place of peft's modules (per LoRA matrix a cast and a GEMM every token step); with fold_adapter the
-        adapters are folded there too. Off: on the H200 (2026-12-04) a 256-row token step took 4.11 ms this way
-        against 4.08 through the modules with the trainer's bf16 adapter products (each adapter's B product a GEMM
-        over the whole output, ~1 ms of the step; then also a copy, since added in place); the fold, which drops
-        those GEMMs, is untimed there.
+        adapters are folded there too. None (auto): where the engine runs the decode kernels, for the steps
+        wider than they take (gemm="modules" keeps the modules). On the H200 (2026-12-04, one run of the
+        sampler sweep) 256 rows took 2.056 s a generate this way against 2.134 through the modules (-3.7%),
+        folded 1.714 s (-20%).
     """
 
     use_cuda_graph: bool | None = None
@@ -83,7 +84,7 @@ class EngineTuning:
     kernel_rows: int = decode_gemm.MAX_ROWS
     rope_in_attention: bool = True
     fold_adapter: bool = False
-    packed_layers: bool = False
+    packed_layers: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1:
