@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo import lean_activations
 from grpo.batch import head_refusal
 from grpo.config import DTYPES, LORA_TARGETS, Config
 from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
@@ -168,6 +169,8 @@ def add_lora(model, cfg: Config):
     policy = get_peft_model(model, lora)
     if cfg.lora_compute == "base":
         compute_adapters_in_base_dtype(policy)
+    if cfg.lean_activations:
+        lean_activations.install(model)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -111,7 +111,7 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
   if [ "${SIDE:-1}" = memory ]; then
     timeout -k 5 240 python3 benchmarks/probes/step_memory.py --out $EP/results/side \
       > $EP/results/side/step-memory.log 2>&1 || true
-    grep -h "chunk\|replayed" $EP/results/side/step-memory.log | cut -c1-220 >> $EP/stages.log || true
+    grep -h "peaks\|replayed" $EP/results/side/step-memory.log | cut -c1-220 >> $EP/stages.log || true
   elif [ "${SIDE:-1}" = probe ]; then
     timeout -k 5 200 python3 benchmarks/probes/native_engine.py --budget-s 150 --plan ${PROBE_PLAN:-bench} \
       --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true

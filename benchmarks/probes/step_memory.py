@@ -6,8 +6,9 @@ Issue 31 wants the bf16 peak of the bench step (16 rows of 128 + 512 tokens) bel
 third step (torch's `_record_memory_history`, Python stacks). Replaying it finds the moment of that step's
 peak and what was alive then, grouped by the innermost frame in grpo/ (file, line and function) with the frame
 outside grpo/ that made each. Autograd's backward runs without Python frames: what it allocates is one group.
-Each `--chunk-mib` then runs the same steps with the log-prob kernel's chunk budget
-(`grpo.kernels.logprobs._CHUNK_BUDGET`) set to it: peak and step time (128 MiB, 2026-12-04: a higher peak).
+Then the same steps with transformers' own MLP and norms (`--no-lean-activations`), and with each
+`--chunk-mib` as the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`; 128 MiB on
+2026-12-04: a higher peak): peak and step time.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128]
 """
@@ -141,6 +142,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--steps", type=int, default=4, help="steps a run (the history is recorded in the third)")
+    parser.add_argument("--no-eager-layers", dest="eager_layers", action="store_false",
+                        help="skip the run with transformers' own MLP and norms (--no-lean-activations)")
     parser.add_argument("--chunk-mib", type=int, nargs="*", default=[],
                         help="the log-prob kernel's chunk budgets to run the steps at besides 512 (MiB)")
     add_out_argument(parser)
@@ -153,15 +156,19 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     prompts = bs.write_prompts(root / "prompts.jsonl", AutoTokenizer.from_pretrained(model_dir), bs.BENCH.prompt_len)
-    for mib in [logprobs._CHUNK_BUDGET // 2**20, *args.chunk_mib]:
+    default = logprobs._CHUNK_BUDGET // 2**20
+    runs = [("product", {}, default), *([("eager layers", {"lean_activations": False}, default)] * args.eager_layers),
+            *((f"chunk {mib} MiB", {}, mib) for mib in args.chunk_mib)]
+    for i, (name, overrides, mib) in enumerate(runs):
         logprobs._CHUNK_BUDGET = mib * 2**20
         cfg = bs.step_config(model_dir, prompts, bs.BENCH, fp8=args.dtype == "fp8", steps=args.steps,
-                             output_dir=root / f"run-{mib}", cuda=True)
+                             output_dir=root / f"run-{i}", cuda=True, **overrides)
         bs.free_memory()
-        out = run_steps(cfg, record_step=3 if mib == 512 else None)
-        rec.record("run", dtype=args.dtype, chunk_mib=mib, step_s=out["step_s"], peak_gib=out["peak_gib"],
-                   last=out["records"])
-        rec.say(f"chunk {mib} MiB: step {out['step_s']:.3f} s, peaks {out['peak_gib']}")
+        held = torch.cuda.memory_allocated() / GiB  # what earlier runs left: their peaks include it
+        out = run_steps(cfg, record_step=3 if i == 0 else None)
+        rec.record("run", name=name, dtype=args.dtype, chunk_mib=mib, step_s=out["step_s"], peak_gib=out["peak_gib"],
+                   held_before_gib=held, last=out["records"])
+        rec.say(f"{name}: step {out['step_s']:.3f} s, peaks {out['peak_gib']} GiB ({held:.3f} held before the run)")
         if out["replay"] is not None:
             r = out["replay"]
             rec.record("peak", dtype=args.dtype, **r)

@@ -1,0 +1,100 @@
+"""The training pass's MLP product and RMSNorms, saving less for backward than transformers' modules do.
+
+Under gradient checkpointing, one recomputed layer holds all of its saved activations at once while its
+backward runs, and that is where the bench step peaks. Replaying the allocator's history on the H200 showed
+it (benchmarks/RESULTS.md, "Twelfth hold"). Two of those activations are copies the backward can do without:
+- `act_fn(gate) * up` saves SiLU's output for the product's backward (a tensor of the intermediate size).
+  `SiluMul` saves gate and up, which autograd keeps anyway, and recomputes SiLU in backward. That is one
+  elementwise pass, and the gradients are eager's bit for bit (the same ops in the same order).
+- transformers' RMSNorm upcasts its input to float32, and `pow` and `mul` save that copy (twice the bytes
+  of the input). `RMSNormFn` saves the input as it came and the per-token rstd, and recomputes the float32
+  copy in backward.
+Without checkpointing (the Qwen preset's micro-batches keep their activations), every layer saves less.
+
+Only where autograd records: generation, evaluation and the reference's pass (no grad) call the modules' own
+forward. Only for the modules whose forward this reproduces exactly: Llama's, Qwen2's and Qwen3's
+(`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values and gradients with the modules' own.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")  # forward: down_proj(act_fn(gate_proj(x)) * up_proj(x))
+NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * (x32 * rsqrt(mean(x32^2) + eps)).to()
+SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (F.silu both)
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up, saving gate and up only."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        return d_gate, d_up
+
+
+class RMSNormFn(torch.autograd.Function):
+    """transformers' RMSNorm, saving its input and the per-token rstd (float32, one number a token); the
+    backward repeats autograd's derivatives of the module's ops in their order."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x32 = x.to(torch.float32)
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (grad * (x32 * rstd).to(x.dtype)).sum_to_size(weight.shape)
+        if not ctx.needs_input_grad[0]:
+            return None, d_weight, None
+        d_normed = (grad * weight).to(torch.float32)
+        d_rstd = (d_normed * x32).sum(-1, keepdim=True)
+        d_square = (-0.5 * d_rstd * rstd.pow(3)).expand_as(x32) / x32.shape[-1]  # rsqrt's, then mean's
+        d_x = d_normed * rstd + d_square * (2 * x32)  # through the product with rstd, and through pow(2)
+        return d_x.to(x.dtype), d_weight, None
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return type(self).forward(self, hidden_states)
+    return RMSNormFn.apply(hidden_states, self.weight, self.variance_epsilon)
+
+
+def install(model: nn.Module) -> int:
+    """Gives `model`'s MLPs (with SiLU) and RMSNorms of the known classes the lean forward, in place (each
+    module's own `forward` stays its class's). Returns how many modules changed."""
+    changed = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in MLP_CLASSES and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES:
+            module.forward = types.MethodType(_mlp_forward, module)
+        elif name in NORM_CLASSES:
+            module.forward = types.MethodType(_norm_forward, module)
+        else:
+            continue
+        changed += 1
+    return changed

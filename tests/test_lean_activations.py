@@ -1,0 +1,127 @@
+"""grpo.lean_activations: the same values and gradients as transformers' modules, bit for bit, and fewer
+bytes saved for backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo import lean_activations
+from grpo.lean_activations import RMSNormFn, SiluMul
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    gate, up = (torch.randn(48, 200, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(48, 200, dtype=dtype)
+    eager = F.silu(gate) * up
+    eager.backward(grad)
+    expected = eager.detach(), gate.grad.clone(), up.grad.clone()
+    gate.grad = up.grad = None
+    lean = SiluMul.apply(gate, up)
+    lean.backward(grad)
+    assert torch.equal(lean, expected[0]) and torch.equal(gate.grad, expected[1]) and torch.equal(up.grad, expected[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gives_the_modules_values_and_gradients_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(1)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(3, 40, 96) * 4).to(dtype).requires_grad_()
+    grad = torch.randn(3, 40, 96, dtype=dtype)
+    eager = norm(x)
+    eager.backward(grad)
+    expected = eager.detach(), x.grad.clone(), norm.weight.grad.clone()
+    x.grad = norm.weight.grad = None
+    lean = RMSNormFn.apply(x, norm.weight, norm.variance_epsilon)
+    lean.backward(grad)
+    assert torch.equal(lean, expected[0]) and torch.equal(x.grad, expected[1])
+    assert torch.equal(norm.weight.grad, expected[2])
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+
+    model.requires_grad_(False)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                            init_lora_weights=False))
+
+
+def decoder(family: str):
+    from test_native_engine import small_decoder, small_llama, small_qwen2
+
+    return {"llama": small_llama, "qwen2": small_qwen2}.get(family, lambda seed: small_decoder(family, seed))(seed=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_training_pass_through_the_lean_modules_gives_the_same_loss_and_adapter_gradients(family, checkpointing):
+    model = decoder(family).to(torch.bfloat16)
+    policy = lora(model)
+    models = [policy, copy.deepcopy(policy)]  # the same adapters
+    n_layers = len(model.model.layers)
+    qk_norms = 2 * n_layers if family == "qwen3" else 0  # Qwen3's q and k norms are RMSNorms too
+    assert lean_activations.install(models[1]) == 3 * n_layers + 1 + qk_norms  # MLP and 2 norms a layer, the final
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for policy in models:
+        if checkpointing:
+            policy.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.train()
+        loss = policy(input_ids=ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+    (loss0, grads0), (loss1, grads1) = results
+    assert torch.equal(loss0, loss1) and grads0.keys() == grads1.keys() and len(grads0) == 7 * n_layers * 2
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    with torch.no_grad():  # without autograd the modules run their own forward
+        layer = models[1].get_base_model().model.layers[0]
+        assert layer.mlp(torch.ones(1, 2, 64, dtype=torch.bfloat16)).grad_fn is None
+
+
+def test_a_llama_layer_saves_less_for_backward_by_silus_output_and_the_norms_float32_copies():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, vocab_size=100)
+    cfg._attn_implementation = "sdpa"
+    tokens, hidden = 32, 64
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16).requires_grad_(False)
+    layer = lora(torch.nn.ModuleDict({"layer": layer})).base_model.model["layer"]
+    rope = LlamaRotaryEmbedding(cfg)
+
+    def saved(module) -> int:
+        x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        pos = torch.arange(tokens)[None]
+        held = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in held:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x, position_embeddings=rope(x, pos), attention_mask=None, position_ids=pos)
+        return sum(seen.values())
+
+    eager = saved(layer)
+    lean_activations.install(layer)
+    lean = saved(layer)
+    # SiLU's output (bf16, intermediate), the first norm's float32 copy (its input is the layer's, held
+    # anyway), the second's float32 copy for its bf16 input (both save the rstd, as eager's product does)
+    expected = tokens * 256 * 2 + tokens * hidden * 4 + tokens * hidden * (4 - 2)
+    assert eager - lean == expected
