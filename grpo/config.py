@@ -160,7 +160,7 @@ class Config:
                              "at most 2 GiB).", "sampling",
                              choices=["auto", "keep", "release"])
     engine_gemm: str = _f("auto", "How the native engine's decode steps run the projections (up to 64 rows; "
-                          "past them torch's GEMMs with the adapters packed, or the modules where this is modules): "
+                          "past them torch's GEMMs with the adapters packed, or with modules the modules): "
                           "kernels (grpo.kernels.decode_gemm: LoRA, FP8, q/k/v and gate/up fused; needs triton), "
                           "modules (each projection module called, cuBLAS), or auto (kernels on CUDA with triton). "
                           "With FP8 weights the kernels are weight-only FP8 (bf16 activations), where FP8Linear also "
@@ -177,8 +177,7 @@ class Config:
     engine_fold_adapter: bool = _f(False, "Fold the LoRA adapters into the base weights for each generation and take "
                                    "them out exactly after, where the native engine decodes on its kernels or, past "
                                    "their 64 rows, packed layers (CUDA, bf16 weights: FP8 weights do not fold): no "
-                                   "adapter work in a "
-                                   "token step (on the H200 the bench step took 1.032 s against 1.075, the long "
+                                   "adapter work in a token step (on the H200 the bench step took 1.032 s against 1.075, the long "
                                    "one 3.487 against 3.715). The sampler then samples from W + scale*B*A rounded "
                                    "to bf16, which drops the adapter's smallest changes (most of them early in a "
                                    "run); the importance weights correct for the difference. Off until a learning "

@@ -85,8 +85,8 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: nn.Module) -> int:
-    """Gives `model`'s MLPs (with SiLU) and RMSNorms of the known classes the lean forward, in place (each
-    module's own `forward` stays its class's). Returns how many modules changed."""
+    """Gives `model`'s MLPs (with SiLU) and RMSNorms of the known classes the lean forward: on each module,
+    not its class, so other models of the class keep transformers' forward. Returns how many modules changed."""
     changed = 0
     for module in model.modules():
         name = type(module).__name__

@@ -8,8 +8,9 @@ matrices of the projections that read one input (q/k/v, gate/up) stacked into on
 so one GEMM gives every x A^T of the group, and each adapter's B product added into its projection's output
 by its own GEMM (`addmm_`, in place, alpha = the adapter's scale). A and B are copied into the activations'
 dtype once a generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter
-each step. Measured on the H200 (benchmarks/RESULTS.md, "Twelfth hold"): 3.7% faster than the modules at 256
-rows, since each B product still reads and writes its whole output; folded (`fold.py`), a step has none: 20%.
+each step. Measured on the H200 (benchmarks/RESULTS.md, "Twelfth hold"): only 3.7% faster than the modules at
+256 rows, since each B product still reads and writes its whole output; folded (`fold.py`), a step has none of
+those, and 256 rows took 20% less time.
 
 The numerics are peft's with `--lora-compute base` (x A^T rounded to bf16, then B): the scale and the add
 happen inside the GEMM's float32 epilogue instead of after it, one rounding fewer.
