@@ -20,7 +20,7 @@
 #                                                                           FlashInfer's kernels in place, waits
 #   calls 13-   (nothing carried)      scripts/engine_peers.sh status 360   waits, shows the chain, copies results
 #               (waits of 360 s or less: on 2026-12-04 the machine went back after each of two 540-s polls, in
-#               two sessions, and stayed after each of five of 300-360 s; the cause is not known)
+#               two sessions, and stayed after both of 300 and 360 s that day; the cause is not known)
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
 # Every call copies what the chain has written so far to $OUT (results.tgz: the stages' logs, their results, and
 # compilers.log, the compiler processes seen while they ran), Triton's autotuning results
