@@ -6,9 +6,10 @@ Issue 31 wants the bf16 peak of the bench step (16 rows of 128 + 512 tokens) bel
 third step (torch's `_record_memory_history`, Python stacks). Replaying it finds the moment of that step's
 peak and what was alive then, grouped by the innermost frame in grpo/ (file, line and function) with the frame
 outside grpo/ that made each. Autograd's backward runs without Python frames: what it allocates is one group.
-Then the same steps with transformers' own MLP and norms (`--no-lean-activations`), and with each
-`--chunk-mib` as the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`; 128 MiB on
-2026-12-04: a higher peak): peak and step time.
+Then the same steps with transformers' own MLP and norms (`--no-lean-activations`), with the engine released
+before each training pass (`--engine-standby release`: where the peak goes without the KV cache), each replayed
+too, and with each `--chunk-mib` as the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`;
+128 MiB on 2026-12-04: a higher peak): peak and step time.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128]
 """
@@ -30,6 +31,10 @@ import bench_setup as bs  # noqa: E402
 from timing import Recorder, add_out_argument  # noqa: E402
 
 GiB = 2**30
+# the runs besides the product's: (the Config fields they change, what they show)
+VARIANTS = {"eager-layers": ({"lean_activations": False}, "transformers' own MLP and norms (--no-lean-activations)"),
+            "release": ({"engine_standby": "release"}, "the engine's KV cache and graphs dropped before the training "
+                        "pass (--engine-standby release)")}
 
 
 def grpo_frame(frames: list[dict]) -> tuple[str, str]:
@@ -142,8 +147,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--steps", type=int, default=4, help="steps a run (the history is recorded in the third)")
-    parser.add_argument("--no-eager-layers", dest="eager_layers", action="store_false",
-                        help="skip the run with transformers' own MLP and norms (--no-lean-activations)")
+    parser.add_argument("--variants", nargs="*", default=["eager-layers", "release"], choices=list(VARIANTS),
+                        help="runs besides the product's, each replayed too: " + "; ".join(
+                            f"{k}: {v[1]}" for k, v in VARIANTS.items()))
     parser.add_argument("--chunk-mib", type=int, nargs="*", default=[],
                         help="the log-prob kernel's chunk budgets to run the steps at besides 512 (MiB)")
     add_out_argument(parser)
@@ -157,7 +163,7 @@ def main() -> None:
 
     prompts = bs.write_prompts(root / "prompts.jsonl", AutoTokenizer.from_pretrained(model_dir), bs.BENCH.prompt_len)
     default = logprobs._CHUNK_BUDGET // 2**20
-    runs = [("product", {}, default), *([("eager layers", {"lean_activations": False}, default)] * args.eager_layers),
+    runs = [("product", {}, default), *((name, VARIANTS[name][0], default) for name in args.variants),
             *((f"chunk {mib} MiB", {}, mib) for mib in args.chunk_mib)]
     for i, (name, overrides, mib) in enumerate(runs):
         logprobs._CHUNK_BUDGET = mib * 2**20
@@ -165,13 +171,13 @@ def main() -> None:
                              output_dir=root / f"run-{i}", cuda=True, **overrides)
         bs.free_memory()
         held = torch.cuda.memory_allocated() / GiB  # what earlier runs left: their peaks include it
-        out = run_steps(cfg, record_step=3 if i == 0 else None)
+        out = run_steps(cfg, record_step=3)
         rec.record("run", name=name, dtype=args.dtype, chunk_mib=mib, step_s=out["step_s"], peak_gib=out["peak_gib"],
                    held_before_gib=held, last=out["records"])
         rec.say(f"{name}: step {out['step_s']:.3f} s, peaks {out['peak_gib']} GiB ({held:.3f} held before the run)")
         if out["replay"] is not None:
             r = out["replay"]
-            rec.record("peak", dtype=args.dtype, **r)
+            rec.record("peak", name=name, dtype=args.dtype, **r)
             rec.say(f"replayed peak {r['peak_gib']:.3f} GiB (the step's {r['entries']} allocator entries)")
             for g in r["groups"]:
                 rec.say(f"  {g['gib']:7.3f} GiB  {g['where']}")
