@@ -71,7 +71,7 @@ class Config:
     lean_activations: bool = _f(True, "Save less for backward in the training pass, with the same values and "
                                 "gradients: SiLU's output is recomputed from the MLP's gate, and each RMSNorm keeps "
                                 "its input and per-token rstd instead of a float32 copy (grpo.lean_activations; "
-                                "Llama, Qwen2 and Qwen3).", "model")
+                                "Llama, Qwen2 and Qwen3; --engine unsloth trains Unsloth's own modules).", "model")
 
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), or a path to a "
@@ -160,7 +160,7 @@ class Config:
                              "at most 2 GiB).", "sampling",
                              choices=["auto", "keep", "release"])
     engine_gemm: str = _f("auto", "How the native engine's decode steps run the projections (up to 64 rows; "
-                          "past them torch's GEMMs with the adapters packed, or with modules the modules): "
+                          "past them torch's GEMMs with the adapters packed; FP8 layers, or gemm=modules: the modules): "
                           "kernels (grpo.kernels.decode_gemm: LoRA, FP8, q/k/v and gate/up fused; needs triton), "
                           "modules (each projection module called, cuBLAS), or auto (kernels on CUDA with triton). "
                           "With FP8 weights the kernels are weight-only FP8 (bf16 activations), where FP8Linear also "

@@ -8,7 +8,8 @@ it (benchmarks/RESULTS.md, "Twelfth hold"). Two of those activations are copies 
   elementwise pass, and the gradients are eager's bit for bit (the same ops in the same order).
 - transformers' RMSNorm upcasts its input to float32, and `pow` and `mul` save that copy (twice the bytes
   of the input). `RMSNormFn` saves the input as it came and the per-token rstd, and recomputes the float32
-  copy in backward.
+  copy in backward: the same ops as autograd's, so the gradients are again eager's bit for bit (the CPU
+  tests: float32, bf16, and a float32 weight on bf16 activations).
 Without checkpointing (the Qwen preset's micro-batches keep their activations), every layer saves less.
 
 Only where autograd records: generation, evaluation and the reference's pass (no grad) call the modules' own
@@ -65,7 +66,7 @@ class RMSNormFn(torch.autograd.Function):
             d_weight = (grad * (x32 * rstd).to(x.dtype)).sum_to_size(weight.shape)
         if not ctx.needs_input_grad[0]:
             return None, d_weight, None
-        d_normed = (grad * weight).to(torch.float32)
+        d_normed = (grad * weight).to(x.dtype).to(torch.float32)  # (eager's product gives its input's dtype)
         d_rstd = (d_normed * x32).sum(-1, keepdim=True)
         d_square = (-0.5 * d_rstd * rstd.pow(3)).expand_as(x32) / x32.shape[-1]  # rsqrt's, then mean's
         d_x = d_normed * rstd + d_square * (2 * x32)  # through the product with rstd, and through pow(2)
@@ -86,7 +87,9 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def install(model: nn.Module) -> int:
     """Gives `model`'s MLPs (with SiLU) and RMSNorms of the known classes the lean forward: on each module,
-    not its class, so other models of the class keep transformers' forward. Returns how many modules changed."""
+    not its class, so other models of the class keep transformers' forward (a bound method on the module:
+    deepcopy keeps it, but `torch.save` of the whole model would not load back; save state dicts).
+    Returns how many modules changed."""
     changed = 0
     for module in model.modules():
         name = type(module).__name__

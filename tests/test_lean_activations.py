@@ -13,38 +13,47 @@ from grpo import lean_activations
 from grpo.lean_activations import RMSNormFn, SiluMul
 
 
+def gradients(fn, inputs, grad):
+    """fn(*inputs) and the gradients of (fn * grad).sum() for the inputs that require grad (None for the others)."""
+    out = fn(*inputs)
+    wanted = [t for t in inputs if t.requires_grad]
+    got = iter(torch.autograd.grad(out, wanted, grad))
+    return out.detach(), [next(got) if t.requires_grad else None for t in inputs]
+
+
+def same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtype):
+@pytest.mark.parametrize("wanted", [(True, True), (True, False), (False, True)])  # which of gate, up need grads
+def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtype, wanted):
     torch.manual_seed(0)
-    gate, up = (torch.randn(48, 200, dtype=dtype, requires_grad=True) for _ in range(2))
+    gate, up = (torch.randn(48, 200, dtype=dtype, requires_grad=w) for w in wanted)
     grad = torch.randn(48, 200, dtype=dtype)
-    eager = F.silu(gate) * up
-    eager.backward(grad)
-    expected = eager.detach(), gate.grad.clone(), up.grad.clone()
-    gate.grad = up.grad = None
-    lean = SiluMul.apply(gate, up)
-    lean.backward(grad)
-    assert torch.equal(lean, expected[0]) and torch.equal(gate.grad, expected[1]) and torch.equal(up.grad, expected[2])
+    eager, eager_grads = gradients(lambda g, u: F.silu(g) * u, (gate, up), grad)
+    lean, lean_grads = gradients(SiluMul.apply, (gate, up), grad)
+    assert torch.equal(lean, eager) and all(same(a, b) for a, b in zip(lean_grads, eager_grads))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_gives_the_modules_values_and_gradients_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype,weight_dtype,wanted", [  # wanted: whether x and the weight need grads
+    (torch.float32, torch.float32, (True, True)), (torch.bfloat16, torch.bfloat16, (True, True)),
+    (torch.bfloat16, torch.bfloat16, (True, False)),  # the trainer's: a frozen weight
+    (torch.bfloat16, torch.bfloat16, (False, True)),
+    (torch.bfloat16, torch.float32, (True, True))])  # a float32 weight on bf16 activations
+def test_rms_norm_gives_the_modules_values_and_gradients_bit_for_bit(dtype, weight_dtype, wanted):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     torch.manual_seed(1)
-    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(weight_dtype)
     with torch.no_grad():
         norm.weight.normal_()
-    x = (torch.randn(3, 40, 96) * 4).to(dtype).requires_grad_()
-    grad = torch.randn(3, 40, 96, dtype=dtype)
-    eager = norm(x)
-    eager.backward(grad)
-    expected = eager.detach(), x.grad.clone(), norm.weight.grad.clone()
-    x.grad = norm.weight.grad = None
-    lean = RMSNormFn.apply(x, norm.weight, norm.variance_epsilon)
-    lean.backward(grad)
-    assert torch.equal(lean, expected[0]) and torch.equal(x.grad, expected[1])
-    assert torch.equal(norm.weight.grad, expected[2])
+    norm.weight.requires_grad_(wanted[1])
+    x = (torch.randn(3, 40, 96) * 4).to(dtype).requires_grad_(wanted[0])
+    grad = torch.randn(3, 40, 96, dtype=torch.promote_types(dtype, weight_dtype))
+    eager, eager_grads = gradients(lambda x, w: norm(x), (x, norm.weight), grad)
+    lean, lean_grads = gradients(lambda x, w: RMSNormFn.apply(x, w, norm.variance_epsilon), (x, norm.weight), grad)
+    assert torch.equal(lean, eager) and all(same(a, b) for a, b in zip(lean_grads, eager_grads))
 
 
 def lora(model):
@@ -85,9 +94,28 @@ def test_a_training_pass_through_the_lean_modules_gives_the_same_loss_and_adapte
     (loss0, grads0), (loss1, grads1) = results
     assert torch.equal(loss0, loss1) and grads0.keys() == grads1.keys() and len(grads0) == 7 * n_layers * 2
     assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
-    with torch.no_grad():  # without autograd the modules run their own forward
-        layer = models[1].get_base_model().model.layers[0]
-        assert layer.mlp(torch.ones(1, 2, 64, dtype=torch.bfloat16)).grad_fn is None
+
+
+
+def test_without_autograd_the_modules_run_their_own_forward(monkeypatch):
+    # generation, evaluation and the reference's pass: transformers' forward, the lean functions never called
+    policy = lora(decoder("llama").to(torch.bfloat16))
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+    assert lean_activations.install(policy) > 0
+
+    def refuse(*args):
+        raise AssertionError("a lean function ran without autograd")
+
+    monkeypatch.setattr(SiluMul, "apply", refuse)
+    monkeypatch.setattr(RMSNormFn, "apply", refuse)
+    with torch.no_grad():
+        assert torch.equal(policy(input_ids=ids).logits, expected)
+    with torch.inference_mode():
+        assert torch.equal(policy(input_ids=ids).logits, expected)
+    with pytest.raises(AssertionError, match="without autograd"):  # (and with it, they run)
+        policy(input_ids=ids)
 
 
 def test_a_llama_layer_saves_less_for_backward_by_silus_output_and_the_norms_float32_copies():

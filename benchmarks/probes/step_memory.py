@@ -65,7 +65,7 @@ def live_at_peak(held: dict[int, int], trace: list[dict], start: int = 0) -> tup
             total += entry["size"]
             if i >= start and total > peak:
                 peak, at_peak = total, dict(live)
-        elif action == "free_completed" and addr in live:
+        elif action == "free_requested" and addr in live:  # where torch's allocated bytes go down
             total -= live.pop(addr)[0]
     if peak < 0:  # nothing from `start` on
         peak, at_peak = total, dict(live)
@@ -79,7 +79,7 @@ def held_blocks() -> dict[int, int]:
         addr = seg["address"]
         for block in seg["blocks"]:
             if block["state"] == "active_allocated":
-                held[addr] = block["size"]
+                held[addr] = block.get("requested_size", block["size"])  # as the trace's allocations count
             addr += block["size"]
     return held
 
@@ -137,7 +137,7 @@ def run_steps(cfg, record_step: int | None) -> dict:
         trainer.grpo_step = inner
         torch.cuda.memory._record_memory_history(enabled=None)
     records = bs.read_metrics(cfg.output_dir)
-    steady = records[2:] if len(records) > 2 else records
+    steady = records[record_step:] or records  # after the recorded step: recording slows those up to it
     return {"step_s": statistics.median(r["step_time"] for r in steady),
             "peak_gib": [round(r["peak_mem_gib"], 3) for r in records],
             "records": steady[-1], "replay": seen["result"]}
@@ -146,7 +146,9 @@ def run_steps(cfg, record_step: int | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
-    parser.add_argument("--steps", type=int, default=4, help="steps a run (the history is recorded in the third)")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="steps a run (the history is recorded from its start to the third's end and replayed "
+                             "to the third's peak; the step time is the median of those after it)")
     parser.add_argument("--variants", nargs="*", default=["eager-layers", "release"], choices=list(VARIANTS),
                         help="runs besides the product's, each replayed too: " + "; ".join(
                             f"{k}: {v[1]}" for k, v in VARIANTS.items()))

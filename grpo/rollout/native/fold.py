@@ -35,7 +35,8 @@ from grpo.rollout.native.plan import LayerProjections
 
 
 def can_fold(projections: Sequence[LayerProjections | None]) -> bool:
-    """Whether every layer runs on the kernels, with an adapter on each projection and dense weights."""
+    """Whether every layer runs on the kernels or packed (its projections planned), with an adapter on each
+    projection and dense weights."""
     return bool(projections) and all(
         p is not None and all(d.lora_a is not None and d.scale_inv is None for d in p.each()) for p in projections)
 

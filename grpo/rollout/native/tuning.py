@@ -95,7 +95,7 @@ class EngineTuning:
 
     def resolved(self, device: torch.device, llama_mlp: bool, rows: int) -> EngineTuning:
         """The same choices with every "auto"/None made concrete for an engine of up to `rows` rows over a
-        model on `device`."""
+        model on `device`, but packed_layers, which the engine's plan reads with its gemm."""
         cuda = device.type == "cuda"
         tuning = replace(self, use_cuda_graph=cuda if self.use_cuda_graph is None else self.use_cuda_graph,
                          compile=("default" if cuda else None) if self.compile == "auto" else self.compile,
