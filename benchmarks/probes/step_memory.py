@@ -99,10 +99,10 @@ def summarize(peak: int, live: dict[int, tuple[int, list]], top: int = 25) -> di
                         or [grpo_frame(frames)[1]]} for s, frames in biggest]}
 
 
-def run_steps(cfg, record_step: int | None) -> dict:
-    """Runs `cfg`; with `record_step` (1-based), records the allocator's history from the run's start (so that
-    what the step finds held names the code that made it: the weights, the optimizer, the engine) and replays
-    it to that step's peak."""
+def run_steps(cfg, record_step: int) -> dict:
+    """Runs `cfg`, recording the allocator's history from the run's start (so that what step `record_step`,
+    1-based, finds held names the code that made it: the weights, the optimizer, the engine) to that step's
+    end, and replays it to that step's peak."""
     import grpo.trainer as trainer
 
     inner = trainer.grpo_step
@@ -127,9 +127,8 @@ def run_steps(cfg, record_step: int | None) -> dict:
             seen["result"] = summarize(peak, live)
             seen["result"]["entries"] = len(trace) - start
 
-    held = held_blocks() if record_step else {}
-    if record_step:
-        torch.cuda.memory._record_memory_history(max_entries=history, stacks="python")
+    held = held_blocks()
+    torch.cuda.memory._record_memory_history(max_entries=history, stacks="python")
     trainer.grpo_step = step
     try:
         trainer.train(cfg)
