@@ -120,6 +120,10 @@ class NativeEngine:
         self._state: DecodeState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        # captures warm up and capture on one stream of the engine's own: cuBLAS keeps a workspace for each
+        # stream it has run on until the process ends (32 MiB on the H200), and a new warm-up stream per capture
+        # held 96 MiB more after each generate under release_memory (benchmarks/RESULTS.md, "Thirteenth hold")
+        self._capture_stream: torch.cuda.Stream | None = None
         self._fingerprint: tuple | None = None
         self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
         self._fold = False  # whether this generate folds the adapters in (EngineTuning.fold_adapter)
@@ -239,7 +243,9 @@ class NativeEngine:
         st = self._state
         st.pos[:rows] = 0
         st.step.zero_()
-        side = torch.cuda.Stream(self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -248,7 +254,7 @@ class NativeEngine:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
             self._step(rows, kv_len, sampling, stop)
         self._graphs[key] = graph
         return graph
