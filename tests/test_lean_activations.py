@@ -25,12 +25,13 @@ def same(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
+                                    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])  # gate's, up's
 @pytest.mark.parametrize("wanted", [(True, True), (True, False), (False, True)])  # which of gate, up need grads
-def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtype, wanted):
+def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtypes, wanted):
     torch.manual_seed(0)
-    gate, up = (torch.randn(48, 200, dtype=dtype, requires_grad=w) for w in wanted)
-    grad = torch.randn(48, 200, dtype=dtype)
+    gate, up = (torch.randn(48, 200, dtype=d, requires_grad=w) for d, w in zip(dtypes, wanted))
+    grad = torch.randn(48, 200, dtype=torch.promote_types(*dtypes))
     eager, eager_grads = gradients(lambda g, u: F.silu(g) * u, (gate, up), grad)
     lean, lean_grads = gradients(SiluMul.apply, (gate, up), grad)
     assert torch.equal(lean, eager) and all(same(a, b) for a, b in zip(lean_grads, eager_grads))
