@@ -14,19 +14,20 @@
 #                                                                           SIDE=probe: the token step's
 #                                                                           profile; memory: the bench step's
 #                                                                           peak; 0: none)
-#   calls 2-11  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 11 also carries .vx/SHA and
+#   calls 2-12  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 12 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
-#   call  12    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 360  (where an earlier hold left it) puts
+#   call  13    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 360  (where an earlier hold left it) puts
 #                                                                           FlashInfer's kernels in place, waits
-#   calls 13-   (nothing carried)      scripts/engine_peers.sh status 360   waits, shows the chain, copies results
-#               (waits of 360 s or less: on 2026-12-04 the machine went back after each of two 540-s polls, in
-#               two sessions, and stayed after both of 300 and 360 s that day; the cause is not known)
+#   calls 14-   (nothing carried)      scripts/engine_peers.sh status 360   waits, shows the chain, copies results
+#               (on 2026-12-04 the first machine of three holds running went back 12-16 minutes after its start,
+#               after polls of 540, 540 and 330 s or between two: plan a machine's stages to end by then, and
+#               copy what each poll brings before the next; the cause is not known)
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
 # Every call copies what the chain has written so far to $OUT (results.tgz: the stages' logs, their results, and
 # compilers.log, the compiler processes seen while they ran), Triton's autotuning results
 # (autotune.tgz) and the kernels FlashInfer built (flashinfer-ops.tgz); the last poll, with WARM=1, also every
 # kernel Triton compiled and vLLM's compiled graphs (warm-caches.tgz: start-ups spent minutes compiling). Keep the
-# last of each in .jit/ for the next hold: call 12 carries flashinfer-ops.tgz and warm-caches.tgz. A new checkout
+# last of each in .jit/ for the next hold: call 13 carries flashinfer-ops.tgz and warm-caches.tgz. A new checkout
 # has no .jit/: commit autotune.tgz (a few KB of JSON) with the hold's results, where call 1 finds it.
 #
 # STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
@@ -220,7 +221,7 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   if [ -d $EP/triton-cache ]; then
     (cd $EP/triton-cache && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T - 2>/dev/null) || true
   fi
-  if [ "${WARM:-0}" = 1 ]; then  # the last poll: the compiled kernels and graphs too, for the next hold's call 12
+  if [ "${WARM:-0}" = 1 ]; then  # the last poll: the compiled kernels and graphs too, for the next hold's call 13
     mkdir -p $EP/warm-out && ln -sfn $EP/triton-cache $EP/warm-out/triton
     ln -sfn $HOME/.cache/vllm $EP/warm-out/vllm
     (cd $EP/warm-out && tar -czhf "$OUT/warm-caches.tgz" --exclude='*.lock' triton vllm 2>/dev/null) || true
@@ -273,7 +274,7 @@ case "${1:-}" in
       (cd $EP/side-src && setsid nohup env EP=$EP bash scripts/engine_peers.sh side > $EP/side.log 2>&1 < /dev/null &)
       echo "side probes started"
     fi ;;
-  vllm-part)  # calls 2-11
+  vllm-part)  # calls 2-12
     bash scripts/trl_comparison.sh vllm-part
     if [ -f /tmp/cmp/vllm.ready ] && [ ! -f $EP/chain.pid ]; then start_chain; fi ;;
   restart)  # stop the chain (its whole session: `timeout` puts each stage in a process group of its own)

