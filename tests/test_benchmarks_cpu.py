@@ -611,3 +611,29 @@ def test_the_engine_probes_busy_time_counts_overlapping_kernels_once(monkeypatch
     assert probe.covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # 0-12 and 20-25
     assert probe.covered_us([(30, 40), (0, 10), (10, 15)]) == 25  # unordered, touching
     assert probe.covered_us([]) == 0
+
+
+def test_the_memory_probe_groups_the_peak_by_grpo_frame_and_autograd_node(monkeypatch):
+    # What autograd's backward allocates has no Python frame; recorded with C++ frames (--stacks all) it is
+    # named by its autograd node, so that the peak's unnamed part can be told apart.
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("step_memory")
+    ours = [{"filename": "/r/grpo/lean_activations.py", "line": 86, "name": "_mlp_forward"},
+            {"filename": "/s/peft/tuners/lora/layer.py", "line": 1102, "name": "forward"}]
+    mm = [{"filename": "", "line": 0, "name": "at::native::mm_out"},
+          {"filename": "", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply(variable_list&&)"},
+          {"filename": "", "line": 0, "name": "torch::autograd::generated::MulBackward0::apply(variable_list&&)"}]
+    gib = 2**30
+    live = {1: (gib, ours), 2: (gib // 2, mm), 3: (gib // 2, mm), 4: (gib // 4, []), 5: (gib // 8, None)}
+    out = probe.summarize(3 * gib, live)
+    assert out["peak_gib"] == 3.0
+    assert {g["where"]: g["gib"] for g in out["groups"]} == {
+        "lean_activations.py:86 _mlp_forward <- layer.py:1102 forward": 1.0, "autograd's backward: MmBackward0": 1.0,
+        "no Python frame (autograd's backward)": 0.25, "held before the history began": 0.125}
+    assert out["blocks"][0] == {"mib": 1024.0, "stack": ["lean_activations.py:86 _mlp_forward"]}
+    # the replay: the peak and what is alive then, from what was held and the allocator's entries after it
+    trace = [{"action": "alloc", "addr": 10, "size": 5, "frames": ours}, {"action": "alloc", "addr": 11, "size": 7},
+             {"action": "free_requested", "addr": 10}, {"action": "alloc", "addr": 12, "size": 2, "frames": mm}]
+    peak, at_peak = probe.live_at_peak({1: 3}, trace)
+    assert peak == 15 and at_peak == {1: (3, None), 10: (5, ours), 11: (7, [])}

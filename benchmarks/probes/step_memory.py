@@ -3,20 +3,22 @@
 Issue 31 wants the bf16 peak of the bench step (16 rows of 128 + 512 tokens) below TRL's 4.54 GiB; ours was
 4.89 GiB (2026-12-04). This runs `grpo.trainer.train` at the bench config as the suite does
 (`bench_setup.step_config`) and records the CUDA allocator's history from the run's start to the end of its
-third step (torch's `_record_memory_history`, Python stacks). Replaying it finds the moment of that step's
-peak and what was alive then, grouped by the innermost frame in grpo/ (file, line and function) with the frame
-outside grpo/ that made each. Autograd's backward runs without Python frames: what it allocates is one group.
+third step (torch's `_record_memory_history`, Python stacks; `--stacks all`: C++ too). Replaying it finds the
+moment of that step's peak and what was alive then, grouped by the innermost frame in grpo/ (file, line and
+function) with the frame outside grpo/ that made each. Autograd's backward runs without Python frames: what it
+allocates is one group, or with `--stacks all` one group per autograd node (MmBackward0, ...).
 Then the same steps with transformers' own MLP and norms (`--no-lean-activations`), with the engine released
 before each training pass (`--engine-standby release`: where the peak goes without the KV cache), each replayed
 too, and with each `--chunk-mib` as the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`;
 128 MiB on 2026-12-04: a higher peak): peak and step time.
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128]
+    PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128] [--stacks all]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -39,6 +41,7 @@ VARIANTS = {"eager-layers": ({"lean_activations": False}, "transformers' own MLP
 
 def grpo_frame(frames: list[dict]) -> tuple[str, str]:
     """(the innermost frame in grpo/, the innermost frame outside it) of an allocation's Python stack."""
+    frames = python_frames(frames)
     ours = next((f for f in frames if "/grpo/" in f["filename"]), None)
     other = next((f for f in frames if "/grpo/" not in f["filename"]), None)
 
@@ -46,6 +49,24 @@ def grpo_frame(frames: list[dict]) -> tuple[str, str]:
         return "-" if f is None else f"{f['filename'].rsplit('/', 2)[-2:][-1]}:{f['line']} {f['name']}"
 
     return name(ours), name(other)
+
+
+def python_frames(frames: list[dict]) -> list[dict]:
+    return [f for f in frames if f["filename"].endswith(".py")]
+
+
+_AUTOGRAD_NODE = re.compile(r"\w+Backward\d*")  # in a C++ frame's name: torch::autograd::generated::MmBackward0::apply
+
+
+def where(frames: list[dict] | None) -> str:
+    """An allocation's group: its innermost frame in grpo/ and the innermost outside; without Python frames
+    (autograd's backward) the innermost autograd node among its C++ frames, where they were recorded."""
+    if frames is None:
+        return "held before the history began"
+    if python_frames(frames):
+        return " <- ".join(grpo_frame(frames))
+    node = next((m.group(0) for f in frames if (m := _AUTOGRAD_NODE.search(f["name"]))), None)
+    return f"autograd's backward: {node}" if node else "no Python frame (autograd's backward)"
 
 
 def live_at_peak(held: dict[int, int], trace: list[dict], start: int = 0) -> tuple[int, dict[int, tuple[int, list]]]:
@@ -87,19 +108,18 @@ def held_blocks() -> dict[int, int]:
 def summarize(peak: int, live: dict[int, tuple[int, list]], top: int = 25) -> dict:
     groups: dict[str, int] = defaultdict(int)
     for size, frames in live.values():
-        key = ("held before the history began" if frames is None else "no Python frame (autograd's backward)" if not frames
-               else " <- ".join(grpo_frame(frames)))
-        groups[key] += size
+        groups[where(frames)] += size
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])
-    biggest = sorted(((size, frames) for size, frames in live.values() if frames), key=lambda sf: -sf[0])[:top]
+    biggest = sorted(((size, frames) for size, frames in live.values() if frames is not None),
+                     key=lambda sf: -sf[0])[:top]
     return {"peak_gib": peak / GiB,
             "groups": [{"where": k, "gib": v / GiB} for k, v in ranked[:top]],
             "blocks": [{"mib": s / 2**20, "stack": [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
-                                                    for f in frames if "/grpo/" in f["filename"]][:6]
-                        or [grpo_frame(frames)[1]]} for s, frames in biggest]}
+                                                    for f in python_frames(frames) if "/grpo/" in f["filename"]][:6]
+                        or [where(frames)]} for s, frames in biggest]}
 
 
-def run_steps(cfg, record_step: int) -> dict:
+def run_steps(cfg, record_step: int, stacks: str = "python") -> dict:
     """Runs `cfg`, recording the allocator's history from the run's start (so that what step `record_step`,
     1-based, finds held names the code that made it: the weights, the optimizer, the engine) to that step's
     end, and replays it to that step's peak."""
@@ -128,7 +148,7 @@ def run_steps(cfg, record_step: int) -> dict:
             seen["result"]["entries"] = len(trace) - start
 
     held = held_blocks()
-    torch.cuda.memory._record_memory_history(max_entries=history, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=history, stacks=stacks)
     trainer.grpo_step = step
     try:
         trainer.train(cfg)
@@ -153,6 +173,9 @@ def main() -> None:
                             f"{k}: {v[1]}" for k, v in VARIANTS.items()))
     parser.add_argument("--chunk-mib", type=int, nargs="*", default=[],
                         help="the log-prob kernel's chunk budgets to run the steps at besides 512 (MiB)")
+    parser.add_argument("--stacks", choices=["python", "all"], default="python",
+                        help="the stacks recorded: all adds C++ frames, which name the autograd node of what autograd's "
+                             "backward allocates (slower to record and to read)")
     add_out_argument(parser)
     args = parser.parse_args()
     rec = Recorder("step_memory", args.out)
@@ -172,7 +195,7 @@ def main() -> None:
                              output_dir=root / f"run-{i}", cuda=True, **overrides)
         bs.free_memory()
         held = torch.cuda.memory_allocated() / GiB  # what earlier runs left: their peaks include it
-        out = run_steps(cfg, record_step=3)
+        out = run_steps(cfg, record_step=3, stacks=args.stacks)
         rec.record("run", name=name, dtype=args.dtype, chunk_mib=mib, step_s=out["step_s"], peak_gib=out["peak_gib"],
                    held_before_gib=held, last=out["records"])
         rec.say(f"{name}: step {out['step_s']:.3f} s, peaks {out['peak_gib']} GiB ({held:.3f} held before the run)")
