@@ -47,6 +47,9 @@
 # Measured 2026-12-02: convert 2.9 min, the probes 0.5 min each, a run 4 and its evaluation 1; this chain ~16
 # minutes after the carrying (~2 min). FLAGS=--engine-fold-adapter: whether the adapters folded in decode learn
 # as the product does (issue 31; the fold's step time and gap are in benchmarks/RESULTS.md, "ninth and tenth").
+# TOGETHER=1: no probes, and the two runs (then their evaluations) at once on the one GPU, for a learning A/B
+# whose step times are not the question (~9 minutes after the carrying: machines went back 12-16 minutes after
+# their start on 2026-12-04, which a 16-minute chain does not survive).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -208,24 +211,31 @@ speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one h
   begin_chain
   local probe=(timeout 120 python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
                --out $CMP/probe)
-  stage train-pass-vary "${probe[@]}" --vary || true                      # new widths every pass, as in a run
-  stage train-pass-torch "${probe[@]}" --vary --sdpa torch || true        # cuDNN's attention back in
-  stage train-pass-trainer "${probe[@]}" --vary --trainer || true
-  stage train-pass-bucket "${probe[@]}" --vary --trainer --bucket 64 || true
-  local run
+  if [ "${TOGETHER:-0}" != 1 ]; then
+    stage train-pass-vary "${probe[@]}" --vary || true                    # new widths every pass, as in a run
+    stage train-pass-torch "${probe[@]}" --vary --sdpa torch || true      # cuDNN's attention back in
+    stage train-pass-trainer "${probe[@]}" --vary --trainer || true
+    stage train-pass-bucket "${probe[@]}" --vary --trainer --bucket 64 || true
+  fi
+  local run pids=()
   for run in asis lever; do
-    local extra=()
-    if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
-    # a run or evaluation that fails is in stages.log; the other run still goes
-    stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
-      --output-dir $CMP/$run "${extra[@]}" || continue
-    stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter \
-      --per-problem $CMP/eval-$run.jsonl || continue
-    last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json || true
+    if [ "${TOGETHER:-0}" = 1 ]; then speed_run $run & pids+=($!); else speed_run $run || true; fi
   done
+  for run in "${pids[@]}"; do wait $run || true; done
   stage compare python3 -m grpo.compare_evals $CMP/eval-asis.jsonl $CMP/eval-lever.jsonl
   cp $CMP/compare.log $CMP/compare-speed.txt
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
+}
+
+speed_run() {  # speed_run asis|lever: STEPS steps of the preset (lever: with $FLAGS), then its evaluation
+  local run=$1 extra=()
+  if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
+  # a run or evaluation that fails is in stages.log; the other run still goes
+  stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
+    --output-dir $CMP/$run "${extra[@]}" || return 1
+  stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter --per-problem $CMP/eval-$run.jsonl \
+    || return 1
+  last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json || true
 }
 
 case "${1:-}" in
@@ -264,7 +274,7 @@ case "${1:-}" in
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src
       cp "$0" $CMP/chain.sh
-      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" bash $CMP/chain.sh ${CHAIN:-chain} \
+      setsid nohup env STEPS=$STEPS FLAGS="$FLAGS" TOGETHER=${TOGETHER:-0} bash $CMP/chain.sh ${CHAIN:-chain} \
         > $CMP/chain.log 2>&1 < /dev/null &
       echo "chain ${CHAIN:-chain} started"
     fi
