@@ -46,7 +46,7 @@ class SiluMul(torch.autograd.Function):
         d_up = d_gate = None
         if ctx.needs_input_grad[1]:
             silu = F.silu(gate)
-            d_up = silu.mul_(grad) if silu.dtype == grad.dtype else grad * silu
+            d_up = silu.mul_(grad) if (silu.dtype, silu.shape) == (grad.dtype, grad.shape) else grad * silu
         if ctx.needs_input_grad[0]:
             d_gate = (grad * up).to(gate.dtype)  # eager's product hands SiLU its gradient in SiLU's dtype
             torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)

@@ -47,9 +47,9 @@
 # Measured 2026-12-02: convert 2.9 min, the probes 0.5 min each, a run 4 and its evaluation 1; this chain ~16
 # minutes after the carrying (~2 min). FLAGS=--engine-fold-adapter: whether the adapters folded in decode learn
 # as the product does (issue 31; the fold's step time and gap are in benchmarks/RESULTS.md, "ninth and tenth").
-# TOGETHER=1: no probes, and the two runs (then their evaluations) at once on the one GPU, for a learning A/B
-# whose step times are not the question (~9 minutes after the carrying: machines went back 12-16 minutes after
-# their start on 2026-12-04, which a 16-minute chain does not survive).
+# TOGETHER=1 (on the qwen-part calls, as CHAIN): no probes, and the two runs (then their evaluations) at once
+# on the one GPU, for a learning A/B whose step times are not the question (~9 minutes after the carrying:
+# machines went back 12-16 minutes after their start on 2026-12-04, which a 16-minute chain does not survive).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -282,7 +282,8 @@ case "${1:-}" in
   vllm-part)  # calls 24-34
     mkdir -p /tmp/vx && mv .vx/part-* /tmp/vx/ && ls /tmp/vx | tr '\n' ' ' && echo   # as `kit.sh recv`
     if [ -f .vx/SHA ]; then  # (with the last part; kit.sh install says so where one is missing)
-      bash .vx/kit.sh install && cp .vx/kit.sh $CMP/kit.sh && rm -rf /tmp/vx /tmp/vx.tar && touch $CMP/vllm.ready
+      bash .vx/kit.sh install || { echo "the kit did not install; the parts here: $(ls /tmp/vx | tr '\n' ' ')"; exit 1; }
+      cp .vx/kit.sh $CMP/kit.sh && rm -rf /tmp/vx /tmp/vx.tar && touch $CMP/vllm.ready
     fi
     tail -3 $CMP/stages.log 2>/dev/null || true
     collect ;;

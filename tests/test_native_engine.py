@@ -407,7 +407,10 @@ def test_cuda_graph_rollout_equals_eager_rollout():
 @cuda
 def test_generates_with_the_memory_released_between_them_hold_no_more_each_time():
     # each generate captures its graphs anew; their warm-ups ran on a new stream each, and cuBLAS kept a
-    # workspace for every one (96 MiB more a step at the bench)
+    # workspace for every one (96 MiB more a step at the bench). torch hands out streams from a pool of 32 a
+    # device: once earlier tests had given each a workspace the memory would not grow, so they are dropped first.
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     model = small_llama(seed=6).cuda()
     engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=16))
     sampling = Sampling(max_new_tokens=40, temperature=1.0, seed=1)

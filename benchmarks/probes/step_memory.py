@@ -52,7 +52,8 @@ def grpo_frame(frames: list[dict]) -> tuple[str, str]:
 
 
 def python_frames(frames: list[dict]) -> list[dict]:
-    return [f for f in frames if f["filename"].endswith(".py")]
+    """The Python frames of a stack recorded with C++ frames too (Python's: a .py file, or <string>, <eval...>)."""
+    return [f for f in frames if f["filename"].endswith(".py") or f["filename"].startswith("<")]
 
 
 _AUTOGRAD_NODE = re.compile(r"\w+Backward\d*")  # in a C++ frame's name: torch::autograd::generated::MmBackward0::apply
