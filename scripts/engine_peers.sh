@@ -21,7 +21,8 @@
 #   calls 14-   (nothing carried)      scripts/engine_peers.sh status 360   waits, shows the chain, copies results
 #               (on 2026-12-04 the first machine of three holds running went back 12-16 minutes after its start,
 #               after polls of 540, 540 and 330 s or between two: plan a machine's stages to end by then, and
-#               copy what each poll brings before the next; the cause is not known)
+#               copy what each poll brings before the next; one call that day was told the machine was
+#               "taken back for other work")
 #   any later   STAGES="..." scripts/engine_peers.sh restart                 stops the chain, runs STAGES instead
 # Every call copies what the chain has written so far to $OUT (results.tgz: the stages' logs, their results, and
 # compilers.log, the compiler processes seen while they ran), Triton's autotuning results

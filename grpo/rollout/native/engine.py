@@ -120,9 +120,10 @@ class NativeEngine:
         self._state: DecodeState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
-        # captures warm up and capture on one stream of the engine's own: cuBLAS keeps a workspace for each
-        # stream it has run on until the process ends (32 MiB on the H200), and a new warm-up stream per capture
-        # held 96 MiB more after each generate under release_memory (benchmarks/RESULTS.md, "Thirteenth hold")
+        # captures warm up and capture on one stream of the engine's own: cuBLAS keeps a workspace (32 MiB on
+        # the H200) for each stream it has run on, torch's pool has 32 streams, and a new warm-up stream per
+        # capture held 96 MiB more after each generate under release_memory, up to 1 GiB (benchmarks/RESULTS.md,
+        # "Thirteenth hold")
         self._capture_stream: torch.cuda.Stream | None = None
         self._fingerprint: tuple | None = None
         self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
