@@ -238,9 +238,9 @@ class NativeEngine:
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
-        # warm up on a side stream (cuBLAS handles, compilation), then capture; both write garbage into
-        # the state, which generate resets before the prefill. Positions start at 0 so the warm-up
-        # writes stay inside the cache.
+        # warm up (cuBLAS handles, compilation), then capture, on the engine's capture stream; both write
+        # garbage into the state, which generate resets before the prefill. Positions start at 0 so the
+        # warm-up writes stay inside the cache.
         st = self._state
         st.pos[:rows] = 0
         st.step.zero_()
