@@ -11,6 +11,10 @@ it (benchmarks/RESULTS.md, "Twelfth hold"). Two of those activations are copies 
   copy in backward: the same ops as autograd's, so the gradients are again eager's bit for bit (the CPU
   tests: float32, bf16, and a float32 weight on bf16 activations).
 Without checkpointing (the Qwen preset's micro-batches keep their activations), every layer saves less.
+And the MLP's backward makes fewer tensors of the intermediate size: two, the down projection's input
+gradients from the base and the adapter, where eager makes six. Autograd adds those two in place when they
+are plain products, which they are on the tokens as rows (on 3-D inputs they come back as views, and autograd
+made their sum anew), and `SiluMul` makes its gradients in gate's and up's own buffers.
 
 Only where autograd records: generation, evaluation and the reference's pass (no grad) call the modules' own
 forward. Only for the modules whose forward this reproduces exactly: Llama's, Qwen2's and Qwen3's
@@ -31,26 +35,31 @@ SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (F.silu b
 
 
 class SiluMul(torch.autograd.Function):
-    """silu(gate) * up, saving gate and up only."""
+    """silu(gate) * up, saving gate and up only. `consume`: gate and up are the caller's own temporaries, which
+    nothing reads after this product's backward; it then makes the gradients in their buffers."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, consume: bool = False) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        ctx.consume = consume
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        # eager's ops, each gradient made in its own buffer in place: no temporary of the intermediate size
-        # stands beside the two (160 MiB less at the bench step's peak)
+        # eager's ops, so its gradients bit for bit; each made in place where that keeps eager's dtype: in new
+        # buffers, or consumed, in the inputs' own (d_gate in up's, then d_up in gate's, once d_gate read gate),
+        # which leaves no tensor of the intermediate size beside gate, up and grad (320 MiB less at the bench)
+        in_place = gate.dtype == up.dtype == grad.dtype and gate.shape == up.shape == grad.shape
+        reuse = in_place and ctx.consume and not torch.is_grad_enabled()
         d_up = d_gate = None
-        if ctx.needs_input_grad[1]:
-            silu = F.silu(gate)
-            d_up = silu.mul_(grad) if (silu.dtype, silu.shape) == (grad.dtype, grad.shape) else grad * silu
         if ctx.needs_input_grad[0]:
-            d_gate = (grad * up).to(gate.dtype)  # eager's product hands SiLU its gradient in SiLU's dtype
+            d_gate = up.mul_(grad) if reuse else (grad * up).to(gate.dtype)  # eager: SiLU's gradient in its dtype
             torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-        return d_gate, d_up
+        if ctx.needs_input_grad[1]:
+            silu = F.silu(gate, inplace=reuse)
+            d_up = silu.mul_(grad) if in_place else grad * silu
+        return d_gate, d_up, None
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -83,7 +92,12 @@ class RMSNormFn(torch.autograd.Function):
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return type(self).forward(self, x)
-    return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+    # On the tokens as rows (2-D): the projections' input gradients then come back as plain products, which
+    # autograd adds in place; on 3-D inputs they come back as views, and each sum was a new tensor. gate and up
+    # are this forward's own, so the product's backward consumes them.
+    rows = x.reshape(-1, x.shape[-1])
+    y = self.down_proj(SiluMul.apply(self.gate_proj(rows), self.up_proj(rows), True))
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

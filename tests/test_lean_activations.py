@@ -28,13 +28,53 @@ def same(a, b) -> bool:
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
                                     (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])  # gate's, up's
 @pytest.mark.parametrize("wanted", [(True, True), (True, False), (False, True)])  # which of gate, up need grads
-def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtypes, wanted):
+@pytest.mark.parametrize("consume", [False, True])  # True: the gradients made in gate's and up's buffers
+def test_silu_mul_gives_eagers_values_and_gradients_bit_for_bit(dtypes, wanted, consume):
     torch.manual_seed(0)
     gate, up = (torch.randn(48, 200, dtype=d, requires_grad=w) for d, w in zip(dtypes, wanted))
     grad = torch.randn(48, 200, dtype=torch.promote_types(*dtypes))
     eager, eager_grads = gradients(lambda g, u: F.silu(g) * u, (gate, up), grad)
-    lean, lean_grads = gradients(SiluMul.apply, (gate, up), grad)
+    kept = gate.detach().clone(), up.detach().clone()
+    lean, lean_grads = gradients(lambda g, u: SiluMul.apply(g, u, consume), (gate, up), grad)
     assert torch.equal(lean, eager) and all(same(a, b) for a, b in zip(lean_grads, eager_grads))
+    if not consume:  # the caller's tensors as they were
+        assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])
+
+
+@pytest.mark.parametrize("fp8", [False, True])  # FP8Linear projections (on the CPU: dequantized for each product)
+def test_an_mlps_backward_makes_no_tensor_of_the_intermediate_size_but_down_projs_two_input_gradients(fp8):
+    # eager: those two, their sum (autograd gets them as views of the 3-D input's products and adds them anew),
+    # SiLU's two products and its backward; the lean MLP adds them in place and makes its gradients in gate's
+    # and up's buffers
+    from peft import LoraConfig, get_peft_model
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from grpo.model import compute_adapters_in_base_dtype
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=128, intermediate_size=384)).to(torch.bfloat16).requires_grad_(False)
+    if fp8:
+        from grpo.kernels.fp8 import quantize_linears_
+        quantize_linears_(mlp)
+    peft = get_peft_model(torch.nn.ModuleDict({"mlp": mlp}),
+                          LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    compute_adapters_in_base_dtype(peft)  # --lora-compute base, the default
+    mlp = peft.base_model.model["mlp"]
+    intermediate = 2 * 24 * 384 * 2  # bytes
+
+    def made_in_backward():
+        y = mlp(torch.randn(2, 24, 128, dtype=torch.bfloat16, requires_grad=True))
+        grad = torch.randn_like(y)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            y.backward(grad)
+        return sorted(e.name for e in prof.events()
+                      if e.name.startswith("aten::") and e.self_cpu_memory_usage == intermediate)
+
+    assert len(made_in_backward()) == 6
+    lean_activations.install(mlp)
+    assert made_in_backward() == ["aten::mm", "aten::mm"]
 
 
 @pytest.mark.parametrize("dtype,weight_dtype,wanted", [  # wanted: whether x and the weight need grads
