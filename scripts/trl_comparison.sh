@@ -50,6 +50,8 @@
 # TOGETHER=1 (on the qwen-part calls, as CHAIN): no probes, and the two runs (then their evaluations) at once
 # on the one GPU, for a learning A/B whose step times are not the question (~9 minutes after the carrying:
 # machines went back 12-16 minutes after their start on 2026-12-04, which a 16-minute chain does not survive).
+# TOGETHER=stagger: no probes; the preset as it is alone (its step time clean: issue 31's 2.5-s goal), then the
+# lever's run beside that run's evaluation (~10.5 minutes after the carrying).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
@@ -211,16 +213,21 @@ speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one h
   begin_chain
   local probe=(timeout 120 python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
                --out $CMP/probe)
-  if [ "${TOGETHER:-0}" != 1 ]; then
+  if [ "${TOGETHER:-0}" = 0 ]; then
     stage train-pass-vary "${probe[@]}" --vary || true                    # new widths every pass, as in a run
     stage train-pass-torch "${probe[@]}" --vary --sdpa torch || true      # cuDNN's attention back in
     stage train-pass-trainer "${probe[@]}" --vary --trainer || true
     stage train-pass-bucket "${probe[@]}" --vary --trainer --bucket 64 || true
   fi
   local run pids=()
-  for run in asis lever; do
-    if [ "${TOGETHER:-0}" = 1 ]; then speed_run $run & pids+=($!); else speed_run $run || true; fi
-  done
+  if [ "${TOGETHER:-0}" = stagger ]; then  # asis alone (its step time clean), then lever beside its evaluation
+    speed_train asis && { speed_eval asis & pids+=($!); }
+    speed_run lever || true
+  else
+    for run in asis lever; do
+      if [ "${TOGETHER:-0}" = 1 ]; then speed_run $run & pids+=($!); else speed_run $run || true; fi
+    done
+  fi
   for run in "${pids[@]}"; do wait $run || true; done
   stage compare python3 -m grpo.compare_evals $CMP/eval-asis.jsonl $CMP/eval-lever.jsonl
   cp $CMP/compare.log $CMP/compare-speed.txt
@@ -228,11 +235,19 @@ speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one h
 }
 
 speed_run() {  # speed_run asis|lever: STEPS steps of the preset (lever: with $FLAGS), then its evaluation
+  # (a run or evaluation that fails is in stages.log; the other run still goes)
+  speed_train $1 && speed_eval $1
+}
+
+speed_train() {  # speed_train asis|lever: STEPS steps of the preset, lever with $FLAGS on top
   local run=$1 extra=()
   if [ $run = lever ]; then read -r -a extra <<< "$FLAGS"; fi
-  # a run or evaluation that fails is in stages.log; the other run still goes
   stage ours-$run python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 \
-    --output-dir $CMP/$run "${extra[@]}" || return 1
+    --output-dir $CMP/$run "${extra[@]}"
+}
+
+speed_eval() {  # speed_eval asis|lever: the run's adapter on the 319 held-out problems, per problem
+  local run=$1
   stage eval-$run python3 -m grpo.eval "${EVAL[@]}" --adapter $CMP/$run/adapter --per-problem $CMP/eval-$run.jsonl \
     || return 1
   last_json_line $CMP/eval-$run.log > $CMP/eval-$run.json || true
