@@ -456,6 +456,8 @@ def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
             with dg.tuning(tiles={key: swept}):
                 assert dg.tile_config(*key) == swept
             assert dg.tile_config(*key) == dg._TUNED.get(key, untouched)
+    # and the 64-row table holds only keys the sweep puts in force
+    assert set(dg._TUNED_64_ROWS) <= {tiles.tile_key(name, fp8) for name in tiles.GROUPS for fp8 in (False, True)}
 
 
 def test_the_engine_probe_gives_gemm_to_the_engine_and_every_other_knob_to_its_tuning(monkeypatch):

@@ -100,7 +100,7 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank, pdl)
         a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
         b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
         projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
-    for m in (64, 32, 16, 3, 1):  # every row tile; the tiles tuned at 16 rows shrink to fit at 64
+    for m in (64, 32, 16, 3, 1):  # every row tile (bf16 at 64 rows: the 64-row tiles; FP8 shrinks the 16-row ones)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
         with dg.tuning(pdl=pdl):
@@ -286,6 +286,18 @@ def test_auto_attention_takes_the_kernel_on_cuda_from_16_rows_and_sdpa_elsewhere
     assert auto_attention(cpu, 64) == "sdpa"  # not the interpreter, even where it could run
     monkeypatch.setattr(decode_attention, "can_run", lambda device: False)  # no triton
     assert auto_attention(cuda, 64) == "sdpa"
+
+
+def test_launches_of_33_to_64_rows_take_the_tiles_swept_at_64_rows_and_a_tuning_choice_takes_every_row_count():
+    key = ("gated", 16384, 2048, False)  # Llama-3.2-1B's gate/up, bf16: tuned at 16 rows and at 64
+    assert dg._TUNED_64_ROWS[key] != dg._TUNED[key]
+    assert [dg.tile_config(*key, rows) for rows in (1, 16, 32)] == [dg._TUNED[key]] * 3
+    assert [dg.tile_config(*key, rows) for rows in (33, 64)] == [dg._TUNED_64_ROWS[key]] * 2
+    fp8_key = ("gated", 16384, 2048, True)  # not swept at 64 rows: its 16-row tiles
+    assert dg.tile_config(*fp8_key, 64) == dg._TUNED[fp8_key]
+    mine = dg.TileConfig(16, 128, 4, 2)
+    with dg.tuning(tiles={key: mine}):
+        assert dg.tile_config(*key, 16) == dg.tile_config(*key, 64) == mine
 
 
 def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():

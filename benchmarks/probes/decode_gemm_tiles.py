@@ -125,7 +125,7 @@ def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
-    cfg = dg.tile_config(*tile_key(name, fp8))
+    cfg = dg.tile_config(*tile_key(name, fp8), rows)
     rec.record("check", group=name, fp8=fp8, rank=rank, rows=rows, cfg=cfg.__dict__, rel_err=round(rel, 6),
                ok=rel < 1e-2)
 

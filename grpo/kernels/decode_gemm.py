@@ -185,6 +185,16 @@ _TUNED = {
     ("proj", 2048, 1536, False): TileConfig(32, 128, 4, 6, split_k=2),
     ("proj", 1536, 1536, False): TileConfig(16, 256, 4, 4),
 }
+# Launches of 33-64 rows (the sampler's 64-row batches) read this table first: the 16-row tiles' K steps of
+# 256 were 17-45% slower there. Llama-3.2-1B's bf16 shapes, swept at 64 rows on the H200 (2026-12-04,
+# benchmarks/RESULTS.md): a layer's four groups 67.7 -> 52.1 us. The o projection's swept best (16, 256, 4, 4:
+# 6.51 us against 6.74) broke the probe's CUDA-graph capture with the adapter, so its runner-up is here.
+_TUNED_64_ROWS = {
+    ("gated", 16384, 2048, False): TileConfig(32, 128, 4, 4),
+    ("proj", 2048, 8192, False): TileConfig(32, 128, 4, 6, split_k=2),
+    ("proj", 3072, 2048, False): TileConfig(32, 128, 4, 4),
+    ("proj", 2048, 2048, False): TileConfig(32, 128, 4, 6, split_k=2),
+}
 
 
 @dataclass(frozen=True)
@@ -245,10 +255,12 @@ def _untuned_tiles(kind: str, n: int, k: int) -> TileConfig:
     return TileConfig(block_n, block_k, 4, 4, split_k=split_k)
 
 
-def tile_config(kind: str, n: int, k: int, fp8: bool) -> TileConfig:
-    """The tiles for one launch. `kind` is "proj" or "gated"; n the group's output features in all."""
+def tile_config(kind: str, n: int, k: int, fp8: bool, rows: int = 16) -> TileConfig:
+    """The tiles for one launch of `rows` rows. `kind` is "proj" or "gated"; n the group's output features in
+    all. A `tuning(tiles=...)` choice holds at every row count."""
     key = (kind, n, k, fp8)
-    cfg = _TUNING.get().tiles.get(key) or _TUNED.get(key) or _untuned_tiles(kind, n, k)
+    wide = _TUNED_64_ROWS.get(key) if _block_m(rows) == 64 else None
+    cfg = _TUNING.get().tiles.get(key) or wide or _TUNED.get(key) or _untuned_tiles(kind, n, k)
     if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
         raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
     if cfg.split_k != 1 and (kind != "proj" or cfg.split_k < 1):
@@ -432,7 +444,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
-    cfg = tile_config("proj", n_all, k, fp8)
+    cfg = tile_config("proj", n_all, k, fp8, m)
     args = []
     for i in range(3):
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
@@ -477,7 +489,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     pdl = _pdl(x2, rank)
     xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = tile_config("gated", 2 * n, k, fp8)  # keyed by the group's outputs in all, gate and up
+    cfg = tile_config("gated", 2 * n, k, fp8, m)  # keyed by the group's outputs in all, gate and up
 
     def launch(cfg: TileConfig) -> None:
         kernels.gated_kernel[(-(-n // cfg.block_n),)](
