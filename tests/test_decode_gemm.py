@@ -100,7 +100,7 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank, pdl)
         a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
         b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
         projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
-    for m in (64, 32, 16, 3, 1):  # every row tile (bf16 at 64 rows: the 64-row tiles; FP8 shrinks the 16-row ones)
+    for m in (64, 32, 16, 3, 1):  # every row tile (at 64 rows the tiles swept there)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
         with dg.tuning(pdl=pdl):
@@ -293,8 +293,8 @@ def test_launches_of_33_to_64_rows_take_the_tiles_swept_at_64_rows_and_a_tuning_
     assert dg._TUNED_64_ROWS[key] != dg._TUNED[key]
     assert [dg.tile_config(*key, rows) for rows in (1, 16, 32)] == [dg._TUNED[key]] * 3
     assert [dg.tile_config(*key, rows) for rows in (33, 64)] == [dg._TUNED_64_ROWS[key]] * 2
-    fp8_key = ("gated", 16384, 2048, True)  # not swept at 64 rows: its 16-row tiles
-    assert dg.tile_config(*fp8_key, 64) == dg._TUNED[fp8_key]
+    fp8_o = ("proj", 2048, 2048, True)  # not swept at 64 rows: its 16-row tiles
+    assert dg.tile_config(*fp8_o, 64) == dg._TUNED[fp8_o]
     mine = dg.TileConfig(16, 128, 4, 2)
     with dg.tuning(tiles={key: mine}):
         assert dg.tile_config(*key, 16) == dg.tile_config(*key, 64) == mine
