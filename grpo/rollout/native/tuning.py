@@ -62,7 +62,8 @@ class EngineTuning:
         sampling from W + scale * B A rounded (which drops the adapter's smallest changes, so the trainer
         corrects for the sampler). On the H200 (2026-12-03) the bench step took 1.032 s against 1.075 and the
         long one 3.487 against 3.715; the sampler-trainer gap with a random B ~ N(0, 1e-3) rose from 0.022 to
-        0.026 nats a token. Off (the CLI's --engine-fold-adapter) until a learning run shows it learns as well.
+        0.026 nats a token. Off by default (the CLI's --engine-fold-adapter); on in the qwen1.5b-gsm8k preset,
+        whose 60 steps learned as well folded (2026-12-04).
     packed_layers: steps the decode kernels do not run (more rows than kernel_rows, or gemm="modules") run
         each layer's dense projections as torch's GEMMs on their own weights, with the adapters' A matrices
         of one input stacked and A, B copied into the activations' dtype once a generate (`packed.py`), in
