@@ -504,7 +504,8 @@ def test_rope_in_attention_gives_the_rollout_of_the_launches_apart_in_the_captur
 
 @pytest.mark.cuda
 @cuda
-def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample_near_the_unfolded_step():
+@pytest.mark.parametrize("fold_kernel", [False, True])  # torch's ops, or the Triton kernel (EngineTuning.fold_kernel)
+def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample_near_the_unfolded_step(fold_kernel):
     from peft import LoraConfig, get_peft_model
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -513,7 +514,8 @@ def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample
     before = {name: p.clone() for name, p in lora.named_parameters()}
     sampling = Sampling(max_new_tokens=24, temperature=1.0, seed=5)
     plain = NativeEngine(lora, max_seq_len=64, max_batch=6, pad_id=PAD).generate(PROMPTS, 2, sampling)
-    engine = NativeEngine(lora, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(fold_adapter=True))
+    engine = NativeEngine(lora, max_seq_len=64, max_batch=6, pad_id=PAD,
+                          tuning=EngineTuning(fold_adapter=True, fold_kernel=fold_kernel))
     for _ in range(2):  # the second replays the graphs captured by the first
         out = engine.generate(PROMPTS, 2, sampling)
         assert engine._fold

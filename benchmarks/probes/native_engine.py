@@ -20,7 +20,8 @@ Plans (`--variants` picks steps by name instead):
             (eager, and inside the graph)
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
             where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
-            them; the adapters folded into the weights (EngineTuning.fold_adapter); the prefill compiled
+            them; the adapters folded into the weights (EngineTuning.fold_adapter; by the Triton kernel:
+            fold_kernel, its cost in prefill_ms); the prefill compiled
             (EngineTuning.compile_prefill); the same with q's and K's rotaries and the K/V write apart
             (before EngineTuning.rope_in_attention)
   wide      the product's token step with the adapter at the sampler's 64 and 256 rows (at 256 also with the
@@ -462,7 +463,7 @@ PLANS = {
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
     "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph",
-              "lora_prefill_compiled", "lora_rope_apart", "lora_rope_apart_graph"],
+              "lora_folded_kernel", "lora_prefill_compiled", "lora_rope_apart", "lora_rope_apart_graph"],
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
@@ -652,6 +653,9 @@ def main() -> None:
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))
+    folded_kernel = folded | {"fold_kernel": True}  # the fold and its restore as one Triton launch a weight each
+    step("lora_folded_kernel", lambda: run_engine(rec, "bf16+LoRA r32 folded by the kernel", lora, wl,
+                                                  engine_kw=folded_kernel))
     compiled_prefill = product | {"compile_prefill": True}  # each layer of the prefill one compiled function
     step("lora_prefill_compiled", lambda: run_engine(rec, "bf16+LoRA r32 prefill compiled", lora, wl,
                                                      engine_kw=compiled_prefill))

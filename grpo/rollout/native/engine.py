@@ -381,7 +381,8 @@ class NativeEngine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         # where self._fold the weights hold the adapters for the prefill and the decode both (the prefill's
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
-        with fold.folded(self._projections) if self._fold else nullcontext():
+        kernel = None if self.tuning.fold_kernel else False  # None: the kernel where triton runs
+        with fold.folded(self._projections, kernel) if self._fold else nullcontext():
             with fold.adapters_off(self.model) if self._fold else nullcontext():
                 self._prefill(prompt_ids, n)
             sync()

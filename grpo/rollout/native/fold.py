@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
+from grpo.kernels import decode_gemm
 from grpo.kernels.decode_gemm import DecodeProj
 from grpo.rollout.native.plan import LayerProjections
 
@@ -90,6 +91,56 @@ def _unfold(d: DecodeProj, kept: _Kept) -> None:
     w.copy_(back)
 
 
+class _KernelFolds:
+    """The same fold and restore in one Triton launch a weight each way (`grpo/kernels/_fold_triton.py`), D
+    computed inside the tiles: the torch ops above write D and two float32 sums of every weight's size and
+    wait on the GPU once a weight to size its kept list (the bench step's fold took about 50 ms on the H200).
+    Here a first pass counts every weight's kept elements, with one wait for all of them. The kernel's D is
+    float32 FMAs in its own order, so W + D may round apart from the torch ops' in the last bit."""
+
+    BLOCK_N, BLOCK_K = 32, 128
+
+    def __init__(self, ds: Sequence[DecodeProj]) -> None:
+        from grpo.kernels import _fold_triton
+
+        self.kernels = _fold_triton
+        self.counts = torch.zeros(len(ds), dtype=torch.int32, device=ds[0].weight.device)
+        for i, d in enumerate(ds):
+            self._launch(d, _fold_triton.COUNT, i)
+        self.sizes = dict(zip(map(id, ds), self.counts.tolist()))  # the one wait on the GPU
+        self.counts.zero_()  # now each FOLD launch's place in its kept list
+        self.slot = {id(d): i for i, d in enumerate(ds)}
+
+    def _launch(self, d: DecodeProj, mode: int, i: int, kept: _Kept | None = None) -> None:
+        w = d.weight
+        n, k = w.shape
+        r = d.lora_a.shape[0]
+        grid = (-(-n // self.BLOCK_N), -(-k // self.BLOCK_K))
+        self.kernels.fold_kernel[grid](
+            w, d.lora_a.contiguous(), d.lora_b.contiguous(), float(d.lora_scale), n, k, r, self.counts[i:],
+            kept.index if kept is not None else self.counts, kept.values if kept is not None else w,
+            MODE=mode, INT=self.kernels.INT_OF_SIZE[w.element_size()],
+            BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, BLOCK_R=max(16, 1 << (r - 1).bit_length()))
+
+    def fold(self, d: DecodeProj) -> _Kept:
+        size, device = self.sizes[id(d)], d.weight.device
+        # (at least one element each: Triton refuses an empty tensor's null pointer, even under a mask)
+        kept = _Kept(torch.empty(max(size, 1), dtype=torch.int32, device=device)[:size],
+                     torch.empty(max(size, 1), dtype=d.weight.dtype, device=device)[:size])
+        self._launch(d, self.kernels.FOLD, self.slot[id(d)], kept)
+        return kept
+
+    def unfold(self, d: DecodeProj, kept: _Kept) -> None:
+        self._launch(d, self.kernels.UNFOLD, self.slot[id(d)])
+        d.weight.view(-1)[kept.index] = kept.values
+
+
+def kernel_folds(ds: Sequence[DecodeProj]) -> bool:
+    """Whether `folded` takes the Triton kernel: triton runs on the weights' device (CUDA, or the CPU under
+    the interpreter in tests) and the weights are contiguous."""
+    return bool(ds) and decode_gemm.can_run(ds[0].weight.device) and all(d.weight.is_contiguous() for d in ds)
+
+
 @contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """peft's LoRA layers in `model` compute their base layer alone (its weight holds the adapter while
@@ -109,23 +160,28 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def folded(projections: Sequence[LayerProjections]) -> Iterator[int]:
+def folded(projections: Sequence[LayerProjections], kernel: bool | None = None) -> Iterator[int]:
     """Inside, each projection's weight holds W + scale * B A; after (an exception included), W again, bit
     for bit. Yields how many elements were kept aside. The caller holds no_grad; `can_fold` must be true.
+    `kernel`: the Triton kernel (`_KernelFolds`) or torch's ops; None: the kernel where `kernel_folds`.
     Each weight is restored even where another's restore fails (the first error is raised after); an
     exception raised from a signal handler between a weight's fold and its record would leave that one
     weight folded (the next start reloads the base weights; the adapters are never touched)."""
+    ds = [d for p in projections for d in p.each()]
     done: list[tuple[DecodeProj, _Kept]] = []
+    fold_one, unfold_one = _fold, _unfold
     try:
-        for p in projections:
-            for d in p.each():
-                done.append((d, _fold(d)))
+        if kernel_folds(ds) if kernel is None else kernel:
+            folds = _KernelFolds(ds)
+            fold_one, unfold_one = folds.fold, folds.unfold
+        for d in ds:
+            done.append((d, fold_one(d)))
         yield sum(k.index.numel() for _, k in done)
     finally:
         error = None
         for d, kept in reversed(done):
             try:
-                _unfold(d, kept)
+                unfold_one(d, kept)
             except BaseException as exc:  # noqa: BLE001 -- restore the others first, then raise it
                 error = error or exc
         if error is not None:

@@ -64,6 +64,10 @@ class EngineTuning:
         long one 3.487 against 3.715; the sampler-trainer gap with a random B ~ N(0, 1e-3) rose from 0.022 to
         0.026 nats a token. Off by default (the CLI's --engine-fold-adapter); on in the qwen1.5b-gsm8k preset,
         whose 60 steps learned as well folded (2026-12-04).
+    fold_kernel: fold and restore with one Triton launch a weight each way, D computed inside the tiles
+        (`fold._KernelFolds`), where triton runs; else torch's ops, which write D and two float32 sums of each
+        weight and wait on the GPU once a weight (about 50 ms of the bench step's prefill on the H200,
+        2026-12-04). Off until timed on the GPU (`native_engine.py --plan bench`, `lora_folded_kernel`).
     packed_layers: steps the decode kernels do not run (more rows than kernel_rows, or gemm="modules") run
         each layer's dense projections as torch's GEMMs on their own weights, with the adapters' A matrices
         of one input stacked and A, B copied into the activations' dtype once a generate (`packed.py`), in
@@ -84,6 +88,7 @@ class EngineTuning:
     kernel_rows: int = decode_gemm.MAX_ROWS
     rope_in_attention: bool = True
     fold_adapter: bool = False
+    fold_kernel: bool = False
     packed_layers: bool | None = None
 
     def __post_init__(self) -> None:
