@@ -120,7 +120,9 @@ class _KernelFolds:
             w, d.lora_a.contiguous(), d.lora_b.contiguous(), float(d.lora_scale), n, k, r, self.counts[i:],
             kept.index if kept is not None else self.counts, kept.values if kept is not None else w,
             MODE=mode, INT=self.kernels.INT_OF_SIZE[w.element_size()],
-            BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, BLOCK_R=max(16, 1 << (r - 1).bit_length()))
+            BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, BLOCK_R=max(16, 1 << (r - 1).bit_length()),
+            enable_fp_fusion=False)  # D rounded once, then added: a fused multiply-add in one mode only would
+        # round W + D and W - D apart from the count's prediction
 
     def fold(self, d: DecodeProj) -> _Kept:
         size, device = self.sizes[id(d)], d.weight.device
