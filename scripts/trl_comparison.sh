@@ -45,8 +45,9 @@
 # --pad-to-multiple-of 64), each evaluated on the 319 held-out problems and compared problem by problem: step
 # time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM.
 # Measured 2026-12-02: convert 2.9 min, the probes 0.5 min each, a run 4 and its evaluation 1; this chain ~16
-# minutes after the carrying (~2 min). FLAGS=--engine-fold-adapter: whether the adapters folded in decode learn
-# as the product does (issue 31; the fold's step time and gap are in benchmarks/RESULTS.md, "ninth and tenth").
+# minutes after the carrying (~2 min). FLAGS=--engine-fold-adapter measured 2026-12-04 (TOGETHER=stagger) that
+# the adapters folded in decode learn as the preset did, which has folded since: the same A/B is now
+# FLAGS=--no-engine-fold-adapter (benchmarks/RESULTS.md, "Fourteenth hold").
 # TOGETHER=1 (on the qwen-part calls, as CHAIN): no probes, and the two runs (then their evaluations) at once
 # on the one GPU, for a learning A/B whose step times are not the question (~9 minutes after the carrying:
 # machines went back 12-16 minutes after their start on 2026-12-04, which a 16-minute chain does not survive).
