@@ -104,36 +104,37 @@ class _KernelFolds:
         from grpo.kernels import _fold_triton
 
         self.kernels = _fold_triton
+        self.slot = {id(d): i for i, d in enumerate(ds)}  # each weight's counter
         self.counts = torch.zeros(len(ds), dtype=torch.int32, device=ds[0].weight.device)
-        for i, d in enumerate(ds):
-            self._launch(d, _fold_triton.COUNT, i)
-        self.sizes = dict(zip(map(id, ds), self.counts.tolist()))  # the one wait on the GPU
+        for d in ds:
+            self._launch(d, _fold_triton.COUNT)
+        self.sizes = self.counts.tolist()  # the one wait on the GPU
         self.counts.zero_()  # now each FOLD launch's place in its kept list
-        self.slot = {id(d): i for i, d in enumerate(ds)}
 
-    def _launch(self, d: DecodeProj, mode: int, i: int, kept: _Kept | None = None) -> None:
+    def _launch(self, d: DecodeProj, mode: int, kept: _Kept | None = None) -> None:
         w = d.weight
         n, k = w.shape
         r = d.lora_a.shape[0]
         grid = (-(-n // self.BLOCK_N), -(-k // self.BLOCK_K))
         self.kernels.fold_kernel[grid](
-            w, d.lora_a.contiguous(), d.lora_b.contiguous(), float(d.lora_scale), n, k, r, self.counts[i:],
-            kept.index if kept is not None else self.counts, kept.values if kept is not None else w,
+            w, d.lora_a.contiguous(), d.lora_b.contiguous(), float(d.lora_scale), n, k, r,
+            self.counts[self.slot[id(d)]:], kept.index if kept is not None else self.counts,
+            kept.values if kept is not None else w,
             MODE=mode, INT=self.kernels.INT_OF_SIZE[w.element_size()],
             BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, BLOCK_R=max(16, 1 << (r - 1).bit_length()),
             enable_fp_fusion=False)  # D rounded once, then added: a fused multiply-add in one mode only would
         # round W + D and W - D apart from the count's prediction
 
     def fold(self, d: DecodeProj) -> _Kept:
-        size, device = self.sizes[id(d)], d.weight.device
-        # (at least one element each: Triton refuses an empty tensor's null pointer, even under a mask)
+        size, device = self.sizes[self.slot[id(d)]], d.weight.device
+        # (at least one element each: Triton checks every pointer argument, and an empty tensor's may be null)
         kept = _Kept(torch.empty(max(size, 1), dtype=torch.int32, device=device)[:size],
                      torch.empty(max(size, 1), dtype=d.weight.dtype, device=device)[:size])
-        self._launch(d, self.kernels.FOLD, self.slot[id(d)], kept)
+        self._launch(d, self.kernels.FOLD, kept)
         return kept
 
     def unfold(self, d: DecodeProj, kept: _Kept) -> None:
-        self._launch(d, self.kernels.UNFOLD, self.slot[id(d)])
+        self._launch(d, self.kernels.UNFOLD)
         d.weight.view(-1)[kept.index] = kept.values
 
 
