@@ -382,7 +382,8 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 
 @pytest.mark.parametrize("probe", ["fp8_and_logprobs", "native_engine", "decode_gemm_tiles", "decode_gemm_sass",
-                                   "saved_activations", "prefill_interrupt", "train_pass", "engine_sampling"])
+                                   "saved_activations", "prefill_interrupt", "train_pass", "engine_sampling",
+                                   "step_profile"])
 def test_every_probe_parses_its_command_line_as_a_script(probe):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], cwd=ROOT, env=env,
@@ -639,3 +640,29 @@ def test_the_memory_probe_groups_the_peak_by_grpo_frame_and_autograd_node(monkey
              {"action": "free_requested", "addr": 10}, {"action": "alloc", "addr": 12, "size": 2, "frames": mm}]
     peak, at_peak = probe.live_at_peak({1: 3}, trace)
     assert peak == 15 and at_peak == {1: (3, None), 10: (5, ours), 11: (7, [])}
+
+
+def test_the_step_profile_gives_each_kernel_to_the_phase_that_launched_it_and_counts_overlaps_once(monkeypatch):
+    # A kernel runs after its launch returns, often past its phase's range: it belongs to the innermost range
+    # holding its launch (runtime or driver API, by correlation id). Host ops' own time leaves out their children.
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("step_profile")
+
+    def ev(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        ev("user_annotation", "phase:update", 0, 100), ev("user_annotation", "phase:update/forward", 0, 40),
+        ev("cpu_op", "aten::mm", 5, 20), ev("cpu_op", "aten::t", 6, 4),
+        ev("cuda_runtime", "cudaLaunchKernel", 10, 2, correlation=1),
+        ev("cuda_driver", "cuLaunchKernelEx", 50, 2, correlation=2),
+        ev("cuda_runtime", "cudaLaunchKernel", 150, 2, correlation=3),  # outside every phase
+        ev("kernel", "gemm", 60, 30, tid=7, correlation=1), ev("kernel", "gemm", 80, 30, tid=7, correlation=2),
+        ev("kernel", "add", 160, 5, tid=7, correlation=3)]}
+    rows = {r["phase"]: r for r in probe.summarize(trace)}
+    assert rows["iteration"]["gpu_busy_ms"] == pytest.approx(0.055)  # 60-110 and 160-165 us
+    assert rows["update/forward"]["kernels"] == 1 and rows["update"]["kernels"] == 1 and rows["other"]["kernels"] == 1
+    assert rows["update/forward"]["wall_ms"] == pytest.approx(0.040)
+    assert rows["update"]["gpu_busy_ms"] == pytest.approx(0.030)
+    assert dict(rows["update/forward"]["top_host_ops_self_ms"]) == pytest.approx({"aten::mm": 0.016, "aten::t": 0.004})

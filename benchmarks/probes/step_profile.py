@@ -1,0 +1,208 @@
+"""Where the bench step's time goes on the GPU and on the host: one steady step under torch's profiler, by phase.
+
+Issue 31 wants the bench step (16 rows of 128 + 512 tokens) at or below 1.0 s; it took 1.05-1.13 s on the H200
+(2026-12-04), and its phases move by up to 8% between machine starts, which says the host sets part of the pace.
+This runs `grpo.trainer.train` at the bench config as the suite does (`bench_setup.step_config`) and profiles
+one loop iteration after the warm-up: from one `grpo_step`'s start to the next's, so the trainer's bookkeeping
+between steps is in it. Each phase is a profiler range (the functions `grpo.step` and `grpo.groups` call, wrapped
+here): sample (the engine's generate), score, reference, the update's forwards (`sequence_logprobs`) and the
+rest of the update (backward, clipping, optimizer), and what is left of the iteration. For each: its wall time,
+the GPU's busy time in it (the union of its kernels' intervals), the top kernels and the top host ops by their
+own time. The Chrome trace goes beside the results, gzipped.
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--fold] [--peft-forward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gzip
+import json
+import shutil
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_setup
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_setup as bs  # noqa: E402
+from timing import Recorder, add_out_argument  # noqa: E402
+
+# (module, function) -> the phase it is: each call runs inside a profiler range of that name
+PHASES = {("grpo.groups", "sample"): "sample", ("grpo.groups", "score"): "score",
+          ("grpo.step", "reference_and_old_logprobs"): "reference",
+          ("grpo.step", "sequence_logprobs"): "update/forward", ("grpo.step", "update_policy"): "update"}
+
+
+@contextlib.contextmanager
+def phase_ranges():
+    """Wraps each function of PHASES in a profiler range named after its phase, for as long as this lasts."""
+    import importlib
+
+    saved = []
+    for (module_name, fn_name), phase in PHASES.items():
+        module = importlib.import_module(module_name)
+        fn = getattr(module, fn_name)
+
+        def ranged(*args, _fn=fn, _phase=phase, **kwargs):
+            with torch.profiler.record_function(f"phase:{_phase}"):
+                return _fn(*args, **kwargs)
+
+        setattr(module, fn_name, functools.wraps(fn)(ranged))
+        saved.append((module, fn_name, fn))
+    try:
+        yield
+    finally:
+        for module, fn_name, fn in saved:
+            setattr(module, fn_name, fn)
+
+
+def profile_iteration(cfg, at_step: int, trace_path: Path) -> None:
+    """Runs `cfg`, profiling from step `at_step`'s start (1-based) to the next step's, and saves the trace."""
+    import grpo.trainer as trainer
+
+    inner = trainer.grpo_step
+    seen = {"n": 0}
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA])
+
+    def step(setup, index, in_flight):
+        seen["n"] += 1
+        if seen["n"] == at_step:
+            torch.cuda.synchronize()
+            prof.start()
+        elif seen["n"] == at_step + 1:
+            torch.cuda.synchronize()
+            prof.stop()
+            prof.export_chrome_trace(str(trace_path))
+        return inner(setup, index, in_flight)
+
+    trainer.grpo_step = step
+    try:
+        with phase_ranges():
+            trainer.train(cfg)
+    finally:
+        trainer.grpo_step = inner
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(trace: dict, top: int = 12) -> list[dict]:
+    """Per phase (and the whole iteration): wall, GPU busy, top kernels and host ops by their own time.
+    A kernel belongs to the phase whose host range launched it (by its correlation id); graph replays'
+    kernels to the range of the replay's launch."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("phase:")]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    start = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+
+    def innermost(ts: float) -> str:
+        """The innermost phase range holding host time ts ('other' outside all)."""
+        holding = [r for r in ranges if r["ts"] <= ts <= r["ts"] + r["dur"]]
+        return min(holding, key=lambda r: r["dur"])["name"][6:] if holding else "other"
+
+    by_phase: dict[str, list] = defaultdict(list)
+    for k in kernels:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        by_phase[innermost(launch["ts"]) if launch else "unlaunched"].append(k)
+    ops_by_phase: dict[str, list] = defaultdict(list)
+    for op in ops:
+        ops_by_phase[innermost(op["ts"])].append(op)
+    wall = defaultdict(float)
+    for r in ranges:
+        wall[r["name"][6:]] += r["dur"]
+    out = [{"phase": "iteration", "wall_ms": (end - start) / 1e3,
+            "gpu_busy_ms": union_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) / 1e3,
+            "kernels": len(kernels)}]
+    for phase in sorted(set(by_phase) | set(wall) | set(ops_by_phase)):
+        ks = by_phase.get(phase, [])
+        kernel_ms = defaultdict(float)
+        for k in ks:
+            kernel_ms[k["name"][:90]] += k["dur"] / 1e3
+        op_ms = defaultdict(float)
+        for op in self_times(ops_by_phase.get(phase, [])):
+            op_ms[op[0]] += op[1] / 1e3
+        out.append({"phase": phase, "wall_ms": wall.get(phase, 0.0) / 1e3,
+                    "gpu_busy_ms": union_us([(k["ts"], k["ts"] + k["dur"]) for k in ks]) / 1e3,
+                    "kernels": len(ks),
+                    "top_kernels_ms": sorted(kernel_ms.items(), key=lambda kv: -kv[1])[:top],
+                    "top_host_ops_self_ms": sorted(op_ms.items(), key=lambda kv: -kv[1])[:top]})
+    return out
+
+
+def self_times(ops: list[dict]) -> list[tuple[str, float]]:
+    """(name, self time in us) of host ops: each op's duration less its direct children's (same thread)."""
+    by_thread: dict[int, list] = defaultdict(list)
+    for op in ops:
+        by_thread[op.get("tid", 0)].append(op)
+    result = []
+    for thread_ops in by_thread.values():
+        thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, children's time]
+        for op in thread_ops:
+            while stack and op["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+                done = stack.pop()
+                result.append((done[0]["name"], done[0]["dur"] - done[1]))
+            if stack:
+                stack[-1][1] += op["dur"]
+            stack.append([op, 0.0])
+        result.extend((e["name"], e["dur"] - c) for e, c in stack)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--fold", action="store_true", help="the adapters folded in decode (--engine-fold-adapter)")
+    parser.add_argument("--peft-forward", action="store_true",
+                        help="peft's own LoRA forward in the training pass (without grpo.lora_addmm)")
+    parser.add_argument("--steps", type=int, default=7, help="steps a run; the fourth is profiled")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    rec = Recorder("step_profile", args.out)
+    if args.peft_forward:
+        import grpo.lora_addmm
+
+        grpo.lora_addmm.install = lambda model: 0
+    root = Path(tempfile.mkdtemp(prefix="step-profile-"))
+    model_dir = bs.build_model_dir(root / "model", size="1b", device="cuda")
+    from transformers import AutoTokenizer
+
+    prompts = bs.write_prompts(root / "prompts.jsonl", AutoTokenizer.from_pretrained(model_dir), bs.BENCH.prompt_len)
+    cfg = bs.step_config(model_dir, prompts, bs.BENCH, fp8=args.dtype == "fp8", steps=args.steps,
+                         output_dir=root / "run", cuda=True, engine_fold_adapter=args.fold)
+    trace_path = root / "trace.json"
+    profile_iteration(cfg, at_step=4, trace_path=trace_path)
+    records = bs.read_metrics(cfg.output_dir)
+    rec.record("steps", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
+               step_s=[round(r["step_time"], 4) for r in records], profiled=records[3] if len(records) > 3 else None)
+    summary = summarize(json.loads(trace_path.read_text()))
+    for row in summary:
+        rec.record("phase", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward, **row)
+        rec.say(f"{row['phase']:16s} wall {row['wall_ms']:8.1f} ms  GPU busy {row['gpu_busy_ms']:8.1f} ms  "
+                f"{row['kernels']} kernels")
+    name = f"trace-{args.dtype}{'-folded' if args.fold else ''}{'-peft' if args.peft_forward else ''}.json.gz"
+    with open(trace_path, "rb") as src, gzip.open(Path(rec.path).parent / name, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+
+
+if __name__ == "__main__":
+    main()
