@@ -64,9 +64,11 @@ class Config:
     lora_compute: str = _f("base", "Dtype of the adapters' matmuls: base (the base model's dtype, bf16 on GPUs, "
                            "as peft's under TRL's bf16 autocast; the adapters stay float32 for the optimizer) or "
                            "float32 (peft's own way: each projection's input is cast to float32 and that copy "
-                           "saved for backward; its gradients a little more exact). On the H200 float32 took "
-                           "1.53 s and 5.51 GiB a bench step against 1.44 s and 4.73 GiB, and the Qwen preset "
-                           "learned as well with base (benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
+                           "saved for backward; its gradients a little more exact). base also adds the adapter's "
+                           "product to the projection's output inside one GEMM in the training pass "
+                           "(grpo.lora_addmm). On the H200 float32 took 1.53 s and 5.51 GiB a bench step against "
+                           "1.44 s and 4.73 GiB, and the Qwen preset learned as well with base "
+                           "(benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
     lean_activations: bool = _f(True, "Save less for backward in the training pass, with the same values and "
                                 "gradients: SiLU's output is recomputed from the MLP's gate, and each RMSNorm keeps "

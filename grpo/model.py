@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo import lean_activations
+from grpo import lean_activations, lora_addmm
 from grpo.batch import head_refusal
 from grpo.config import DTYPES, LORA_TARGETS, Config
 from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
@@ -169,6 +169,7 @@ def add_lora(model, cfg: Config):
     policy = get_peft_model(model, lora)
     if cfg.lora_compute == "base":
         compute_adapters_in_base_dtype(policy)
+        lora_addmm.install(policy)  # in training, the adapter's product added inside one GEMM
     if cfg.lean_activations:
         lean_activations.install(model)
     if cfg.gradient_checkpointing:

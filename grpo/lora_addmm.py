@@ -1,0 +1,64 @@
+"""The training pass's LoRA layers: the adapter's product added inside one GEMM, where peft makes three tensors.
+
+peft's LoRA Linear computes `base(x) + lora_B(lora_A(x)) * scaling`: after the base GEMM, the adapter's (rows, out)
+product, a second tensor of that size for `* scaling`, and a third for the sum. Each is a pass over the layer's
+whole output, and autograd's backward of `* scaling` is one more over the output's gradient. On the H200 those
+passes were a fifth of the bench step's training pass (2026-12-04, `benchmarks/probes/step_profile.py`).
+
+Here the rows' base output takes the product in place, `y.addmm_(x A^T, B^T, alpha=scaling)`: cuBLAS reads y in
+the GEMM's epilogue and adds `scaling * (x A^T) B^T` summed in float32, rounding once where peft rounds three
+times. Its backward scales only the rank-wide tensors (rows x r and r x out). Nothing is saved that peft's path
+did not save, and the sums y, x A^T and their gradients are one tensor fewer each.
+
+Only where autograd records (the training pass; the engine, the evaluation and the reference pass call peft's
+own forward), and only in the case this reproduces: one active adapter without DoRA or other variants, not merged,
+without a bias on B, and adapters that multiply in the activations' dtype (`--lora-compute base`,
+`model.LinearInInputDtype`). Everything else goes to peft's forward. The CPU tests compare values and gradients
+with peft's.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+
+def _fast_path(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether this call is the plain case `_forward` reproduces."""
+    from grpo.model import LinearInInputDtype
+
+    if args or kwargs or not torch.is_grad_enabled() or layer.disable_adapters or layer.merged:
+        return False
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1 or active[0] in layer.lora_variant:
+        return False
+    a, b = layer.lora_A[active[0]], layer.lora_B[active[0]]
+    return type(a) is LinearInInputDtype and type(b) is LinearInInputDtype and b.bias is None and a.bias is None
+
+
+def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if not _fast_path(self, x, args, kwargs):
+        return type(self).forward(self, x, *args, **kwargs)
+    name = next(a for a in self.active_adapters if a in self.lora_A)
+    rows = x.reshape(-1, x.shape[-1])
+    y = self.base_layer(rows)  # (rows, out): a tensor of its own for nn.Linear and FP8Linear on 2-D inputs
+    if y._base is not None:  # a view: adding in place would make autograd copy the gradient back through it
+        y = y.clone()
+    down = self.lora_A[name](self.lora_dropout[name](rows))  # (rows, r) in the activations' dtype
+    y.addmm_(down, self.lora_B[name].weight.to(y.dtype).t(), alpha=self.scaling[name])
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def install(model: nn.Module) -> int:
+    """Gives `model`'s peft LoRA Linear layers the one-GEMM training forward: on each module (a bound method),
+    as `lean_activations.install` does. Returns how many layers changed."""
+    from peft.tuners.lora.layer import Linear
+
+    changed = 0
+    for module in model.modules():
+        if type(module) is Linear:
+            module.forward = types.MethodType(_forward, module)
+            changed += 1
+    return changed

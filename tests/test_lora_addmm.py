@@ -1,0 +1,192 @@
+"""grpo.lora_addmm: peft's LoRA layers in the training pass with the adapter's product added inside one GEMM, against
+peft's own forward: values and gradients, the cases left to peft, and the tensors it no longer makes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from grpo import lora_addmm
+from grpo.config import Config
+from grpo.model import add_lora
+
+
+def _policy(dtype, fp8: bool = False, device: str = "cpu", shapes: dict | None = None, **cfg):
+    """A tiny Llama with rsLoRA (--lora-compute base) and B made non-zero, without the one-GEMM forward."""
+    model = tiny_llama(seed=3, dtype=dtype, **(shapes or {})).to(device)
+    if fp8:
+        from grpo.kernels.fp8 import quantize_linears_
+        from grpo.config import LORA_TARGETS
+
+        quantize_linears_(model, LORA_TARGETS)
+    policy = add_lora(model, Config(gradient_checkpointing=False, **cfg))
+    for module in policy.modules():  # peft's forward again (add_lora installed the one-GEMM one)
+        if _installed(module):
+            del module.forward
+    torch.manual_seed(1)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    return policy.to(device)
+
+
+def _installed(module) -> bool:
+    forward = module.__dict__.get("forward")
+    return forward is not None and forward.__func__ is lora_addmm._forward
+
+
+def _loss_and_grads(policy, ids):
+    out = policy(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+    policy.zero_grad(set_to_none=True)
+    return out.logits.detach().float(), grads
+
+
+def test_add_lora_installs_it_on_every_adapted_projection_with_base_compute_only():
+    from peft.tuners.lora.layer import Linear
+
+    def installed(policy):
+        return sum(_installed(m) for m in policy.modules() if type(m) is Linear)
+
+    base = add_lora(tiny_llama(), Config(gradient_checkpointing=False))
+    assert installed(base) == 2 * 7  # two layers, the seven projections
+    assert installed(add_lora(tiny_llama(), Config(gradient_checkpointing=False, lora_compute="float32"))) == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])  # FP8Linear projections (on the CPU: dequantized for each product)
+def test_values_and_gradients_match_pefts_forward(fp8):
+    peft_policy = _policy(torch.float32, fp8=fp8)
+    ours = copy.deepcopy(peft_policy)
+    assert lora_addmm.install(ours) == 14
+    ids = torch.randint(0, 128256, (2, 20))
+    logits_peft, grads_peft = _loss_and_grads(peft_policy, ids)
+    logits_ours, grads_ours = _loss_and_grads(ours, ids)
+    # float32: the one rounding of the GEMM's epilogue against peft's three differs in the last bits only
+    assert torch.allclose(logits_ours, logits_peft, rtol=1e-5, atol=1e-5)
+    assert grads_ours.keys() == grads_peft.keys()
+    for name, g in grads_peft.items():
+        assert torch.allclose(grads_ours[name], g, rtol=1e-4, atol=1e-6), name
+    # the adapters matter here, so a product left out or scaled wrongly could not pass
+    with torch.no_grad(), peft_policy.disable_adapter():
+        base = peft_policy(input_ids=ids).logits.float()
+    assert (logits_peft - base).abs().max() > 100 * (logits_ours - logits_peft).abs().max()
+
+
+def test_in_bf16_it_is_no_further_from_float32_than_peft_is():
+    truth = _policy(torch.float32)
+    peft_policy = _policy(torch.bfloat16)
+    peft_policy.load_state_dict({k: v.to(peft_policy.state_dict()[k].dtype) for k, v in truth.state_dict().items()})
+    ours = copy.deepcopy(peft_policy)
+    lora_addmm.install(ours)
+    ids = torch.randint(0, 128256, (2, 20))
+    logits_true, grads_true = _loss_and_grads(truth, ids)
+    results = [_loss_and_grads(p, ids) for p in (peft_policy, ours)]
+    (logits_peft, grads_peft), (logits_ours, grads_ours) = results
+    assert (logits_ours - logits_true).norm() < 1.2 * (logits_peft - logits_true).norm()
+
+    def median_error(grads):
+        errors = sorted(float((grads[n].float() - t).norm() / t.norm()) for n, t in grads_true.items())
+        return errors[len(errors) // 2]
+
+    assert median_error(grads_ours) < 1.2 * median_error(grads_peft) and median_error(grads_ours) < 0.1
+
+
+def test_no_grad_disabled_and_merged_adapters_take_pefts_forward():
+    peft_policy = _policy(torch.float32)
+    ours = copy.deepcopy(peft_policy)
+    lora_addmm.install(ours)
+    ids = torch.randint(0, 128256, (1, 12))
+    with torch.no_grad():  # the engine, the evaluation: peft's own ops, bit for bit
+        assert torch.equal(ours(input_ids=ids).logits, peft_policy(input_ids=ids).logits)
+        with ours.disable_adapter(), peft_policy.disable_adapter():
+            assert torch.equal(ours(input_ids=ids).logits, peft_policy(input_ids=ids).logits)
+    with ours.disable_adapter():  # with grad on too: the base model alone
+        with torch.no_grad(), peft_policy.disable_adapter():
+            base = peft_policy(input_ids=ids).logits
+        assert torch.equal(ours(input_ids=ids).logits.detach(), base)
+    layer = ours.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(5, layer.in_features)
+    expected = layer(x).detach()
+    layer.merge()
+    assert layer.merged and torch.allclose(layer(x).detach(), expected, atol=1e-5)
+
+
+def test_the_training_forward_makes_no_scaled_copy_or_sum_of_a_projections_output():
+    from peft.tuners.lora.layer import Linear
+
+    peft_policy = _policy(torch.bfloat16)
+    layer = peft_policy.base_model.model.model.layers[0].mlp.up_proj
+    assert type(layer) is Linear
+    x = torch.randn(3, 7, layer.in_features, dtype=torch.bfloat16)
+
+    def nodes(out):
+        names, stack, seen = [], [out.grad_fn], set()
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            names.append(type(fn).__name__)
+            stack.extend(f for f, _ in fn.next_functions)
+        return names
+
+    peft_nodes = nodes(layer(x))
+    lora_addmm.install(layer)
+    ours = layer(x)
+    assert ours.shape == (3, 7, layer.out_features)
+    # peft: the product, its scaling and the sum, each a tensor of the output's size; ours: one GEMM into it
+    assert "MulBackward0" in peft_nodes and "AddBackward0" in peft_nodes
+    assert "MulBackward0" not in nodes(ours) and "AddBackward0" not in nodes(ours) and "AddmmBackward0" in nodes(ours)
+
+
+def test_under_gradient_checkpointing_the_gradients_are_those_without_it():
+    ids = torch.randint(0, 128256, (2, 16))
+    grads = []
+    for checkpointing in (False, True):
+        policy = add_lora(tiny_llama(seed=3), Config(gradient_checkpointing=checkpointing))
+        torch.manual_seed(1)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.05)
+        policy.train()  # checkpointing recomputes in training mode only
+        assert sum(_installed(m) for m in policy.modules()) == 14
+        grads.append(_loss_and_grads(policy, ids)[1])
+    for name, g in grads[0].items():
+        assert g.abs().sum() > 0 and torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8", [False, True])  # True: FP8Linear on the FP8 tensor cores (_scaled_mm), K and N of 512
+def test_on_cuda_in_bf16_it_is_no_further_from_float32_than_peft_is(fp8):
+    shapes = dict(hidden=512, intermediate=1024, heads=8, kv_heads=8)  # every projection's K and N a multiple of 512
+    truth = _policy(torch.float32, device="cuda", shapes=shapes)
+    peft_policy = _policy(torch.bfloat16, fp8=fp8, device="cuda", shapes=shapes)
+    if fp8:  # the truth: the same FP8 weights, dequantized to float32
+        from grpo.kernels.fp8 import FP8Linear, dequantize_fp8_block
+
+        for name, module in peft_policy.named_modules():
+            if isinstance(module, FP8Linear):
+                dense = truth.get_submodule(name)
+                dense.weight.data = dequantize_fp8_block(module.weight, module.weight_scale_inv, torch.float32)
+    state = {k: v for k, v in truth.state_dict().items() if "lora_" in k}
+    peft_policy.load_state_dict(state, strict=False)
+    ours = copy.deepcopy(peft_policy)
+    lora_addmm.install(ours)
+    ids = torch.randint(0, 128256, (2, 64), device="cuda")
+    logits_true, grads_true = _loss_and_grads(truth, ids)
+    (logits_peft, grads_peft), (logits_ours, grads_ours) = (_loss_and_grads(p, ids) for p in (peft_policy, ours))
+    assert (logits_ours - logits_true).norm() < 1.2 * (logits_peft - logits_true).norm(), \
+        (float((logits_ours - logits_true).norm()), float((logits_peft - logits_true).norm()))
+
+    def median_error(grads):
+        errors = sorted(float((grads[n].float() - t).norm() / t.norm()) for n, t in grads_true.items())
+        return errors[len(errors) // 2]
+
+    bound = 0.2 if fp8 else 0.1  # FP8's quantized activations and gradients: 0.108 for both on the H200 (2026-12-04)
+    assert median_error(grads_ours) < 1.2 * median_error(grads_peft) and median_error(grads_ours) < bound, \
+        (median_error(grads_ours), median_error(grads_peft))
