@@ -29,7 +29,7 @@ def _skip_without_unsloth() -> None:
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
               micro_batch: int | None = None, lora_compute: str | None = None, impl: str = "ours",
               engine: str = "native", attention: str = "auto", vllm_share: float | None = None,
-              fold_adapter: bool = False) -> dict:
+              fold_adapter: bool = True) -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -106,15 +106,14 @@ def test_grpo_step_in_micro_batches_of_8(benchmark, bench_env, results, tmp_path
 @pytest.mark.bench_order(32)
 @pytest.mark.bench_cost(40)
 @pytest.mark.parametrize("config_name", ["bench", "long"])
-def test_grpo_step_with_the_adapters_folded(benchmark, bench_env, results, tmp_path, config_name):
-    """bf16 with the native engine's adapters folded into the base weights for the prefill and the decode
-    (--engine-fold-adapter, off by default; FP8 weights do not fold), the long config in micro-batches of
-    4 as its goal's: the step time the fold saves and the sampler-trainer gap it adds (the results' `gap`),
-    beside the default's rows of the same run. Until 2026-12-03 this test compiled the prefill too
-    (compile_prefill): FP8's prefill took 153 ms a step with it against 66 without (benchmarks/RESULTS.md)."""
-    micro, impl = (4, "ours-mb4-folded") if config_name == "long" else (None, "ours-folded")
+def test_grpo_step_with_the_adapters_unfolded(benchmark, bench_env, results, tmp_path, config_name):
+    """bf16 with the native engine sampling through the adapters (--no-engine-fold-adapter; the product folds
+    them into the base weights for the prefill and the decode since 2026-12-04, and FP8 weights never fold), the
+    long config in micro-batches of 4 as its goal's: what the fold saves a step, and the sampler-trainer gap it
+    adds (the results' `gap`), beside the product's rows of the same run."""
+    micro, impl = (4, "ours-mb4-unfolded") if config_name == "long" else (None, "ours-unfolded")
     _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", micro_batch=micro, impl=impl,
-              fold_adapter=True)
+              fold_adapter=False)
 
 
 @pytest.mark.bench_order(33)

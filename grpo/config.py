@@ -176,16 +176,16 @@ class Config:
                                "step from 1.27 to 1.18 s and the Qwen preset's decode from 1.20 to 1.12 s a step "
                                "on the H200; sdpa below, where it is not yet timed).", "sampling",
                                choices=["auto", "sdpa", "kernel"])
-    engine_fold_adapter: bool = _f(False, "Fold the LoRA adapters into the base weights for each generation and take "
+    engine_fold_adapter: bool = _f(True, "Fold the LoRA adapters into the base weights for each generation and take "
                                    "them out exactly after, where the native engine decodes on its kernels or, past "
-                                   "their 64 rows, packed layers (CUDA, bf16 weights: FP8 weights do not fold): no "
-                                   "adapter work in a token step (on the H200 the bench step took 1.032 s against 1.075, the long "
-                                   "one 3.487 against 3.715). The sampler then samples from W + scale*B*A rounded "
-                                   "to bf16, which drops the adapter's smallest changes (most of them early in a "
-                                   "run); the importance weights correct for the difference. On in the qwen1.5b-gsm8k "
-                                   "preset, whose 60 steps learned as well folded (held-out strict 0.586 against 0.602, "
-                                   "McNemar p 0.60) at 1.76 s a step against 2.12; off elsewhere until measured "
-                                   "there.", "sampling")
+                                   "their 64 rows, packed layers (CUDA, bf16 weights: FP8 weights do not fold; other "
+                                   "engines never fold): no adapter work in a token step. On the H200 the bench step "
+                                   "took 0.975 s against 1.107 and the Qwen preset 1.76 against 2.12 (2026-12-04). "
+                                   "The sampler then samples from W + scale*B*A rounded to bf16, which drops the "
+                                   "adapter's smallest changes (most of them early in a run); the importance weights "
+                                   "correct for the difference, and the Qwen preset's 60 steps learned as well folded "
+                                   "(held-out strict 0.586 against 0.602, McNemar p 0.60). --no-engine-fold-adapter "
+                                   "samples through the adapters as they are.", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: sized "
@@ -386,7 +386,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
                            num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
                            max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
-                           micro_batch_size=16, gradient_checkpointing=False, engine_fold_adapter=True,
+                           micro_batch_size=16, gradient_checkpointing=False,
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
 }

@@ -309,9 +309,6 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     if cfg.engine_attention != "auto" and loaded.engine_name != "native":  # a choice that would do nothing
         console.print(f"[yellow]--engine-attention {cfg.engine_attention} is not used[/]: it picks the native "
                       f"engine's attention, and this run samples with {loaded.engine_name}")
-    if cfg.engine_fold_adapter and not native:
-        console.print(f"[yellow]--engine-fold-adapter is not used[/]: it folds the native engine's adapters, and "
-                      f"this run samples with {loaded.engine_name}")
     console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{engine_notes} | "
                   f"{len(prompts)} prompts ({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | "
                   f"P={cfg.prompts_per_step}"

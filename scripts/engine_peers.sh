@@ -10,7 +10,7 @@
 #   call  1     carry .whl, .jit/autotune.tgz   engine_peers.sh wheels      installs .whl into /tmp/site; while
 #                                                                           the kit is carried, issue 31's bench
 #                                                                           and long steps with the adapters
-#                                                                           folded use the idle GPU (~2.5 min;
+#                                                                           unfolded use the idle GPU (~2.5 min;
 #                                                                           SIDE=probe: the token step's
 #                                                                           profile; memory: the bench step's
 #                                                                           peak; 0: none)
@@ -48,14 +48,14 @@
 #                  carried, first step 50 s; 10.3 without, first step 233 s of Triton's FP8 autotuning) ~5-10
 #   unsloth-bf16   bench: ours --engine unsloth on bf16 (3.9)                                             ~4
 #   trl-vllm       bench: TRL 1.16 with vllm_mode="colocate" (1.9)                                        ~2
-#   folded         bench and long (micro-batches of 4): ours native bf16 with the adapters folded in decode
-#                  (issue 31), their step time and sampler-trainer gap, and the long step without; not a default
-#                  stage since the side slot runs it while the kit is carried (the chain's `ours` holds the
-#                  bench step without)                                                                    ~2.5
+#   folded         bench and long (micro-batches of 4): ours native bf16 with the adapters not folded in
+#                  decode (--no-engine-fold-adapter; the product folds since 2026-12-04), their step time and
+#                  sampler-trainer gap, and the long step folded; not a default stage since the side slot runs it
+#                  while the kit is carried (the chain's `ours` holds the bench step folded)                                                                    ~2.5
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4
-#   speed          issue 31's suite in one process: the bench step (bf16, FP8, with the adapters folded,
+#   speed          issue 31's suite in one process: the bench step (bf16, FP8, with the adapters unfolded,
 #                  --lora-compute float32, torch's sdpa in decode, micro-batches of 8), the long config (and in
 #                  micro-batches of 4, with the kernel and sdpa), 64 and 256 rows, and the sampler at 16, 64
 #                  and 256 rows (ours with sdpa and with the attention kernel, ours without the adapter, plain
@@ -105,7 +105,7 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run (LIMIT
 
 side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
   # device; the chain waits for this, ~3 minutes at most). SIDE=1 (default): the bench and long steps with the
-  # adapters folded in decode, and the long step without, in one process (results/side/); SIDE=probe: where the
+  # adapters not folded in decode, and the long step folded, in one process (results/side/); SIDE=probe: where the
   # bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the product's
   # engine at 16 rows without the adapter, with it, folded, and with the rotaries and the K/V write apart;
   # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16;
@@ -123,7 +123,7 @@ side() {  # issue 31 on the GPU that idles while the kit is carried (the file co
       | cut -c1-220 >> $EP/stages.log || true
   else
     timeout -k 5 240 python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
-      --bench-results-dir $EP/results/side -k "adapters_folded or long_config_in_micro" \
+      --bench-results-dir $EP/results/side -k "adapters_unfolded or long_config_in_micro" \
       > $EP/results/side/levers.log 2>&1 || true
     tail -n 3 $EP/results/side/levers.log | cut -c1-300 >> $EP/stages.log || true
   fi
@@ -187,7 +187,7 @@ chain() {
       vllm-cuda) stage $s 720 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
-      folded) bench $s vllm -k "adapters_folded or long_config_in_micro" ;;
+      folded) bench $s vllm -k "adapters_unfolded or long_config_in_micro" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
       # -s: vLLM's own lines (its KV cache); faulthandler_timeout: every thread's stack in the log past 600 s
       unsloth-fp8) LIMIT=720 bench $s unsloth -s -o faulthandler_timeout=600 -k "unsloth_path and fp8" ;;
@@ -198,7 +198,7 @@ chain() {
         --bench-results-dir $EP/results/sampler -k sampler_at_rows ;;
       speed) stage $s 1500 vllm python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py \
         benchmarks/test_bench_sampler.py --benchmark --bench-results-dir $EP/results/speed \
-        -k "bench_config or adapters_folded or multiplying_in_float32 or micro_batches_of_8 or long_config \
+        -k "bench_config or adapters_unfolded or multiplying_in_float32 or micro_batches_of_8 or long_config \
             or more_rows or sdpa_attention or sampler" ;;
       *) echo "unknown stage $s" >> $EP/stages.log ;;
     esac

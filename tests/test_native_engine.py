@@ -673,9 +673,8 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
     assert "--engine-attention kernel is not used: it picks the native engine's attention, and this run samples " \
         "with hf" in console.export_text()
     console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto", engine_fold_adapter=True), World(), torch.device("cpu"), loaded)
-    assert "--engine-fold-adapter is not used: it folds the native engine's adapters, and this run samples with " \
-        "hf" in console.export_text()
+    print_banner(console, Config(engine="auto"), World(), torch.device("cpu"), loaded)
+    assert Config().engine_fold_adapter and "fold" not in console.export_text()  # on by default, native only
     engine = build_engine("native", small_llama(), pad_id=PAD, max_seq_len=16, max_batch=64, attention="auto")
     native = types.SimpleNamespace(**{**vars(loaded), "engine_name": "native", "keep_engine": True, "engine": engine})
     console = Console(record=True, width=300)
@@ -683,7 +682,7 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
     assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # auto's pick on a CPU
     folding = build_engine("native", small_llama(), pad_id=PAD, max_seq_len=16, max_batch=64, fold_adapter=True)
     console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto", engine_fold_adapter=True), World(), torch.device("cpu"),
+    print_banner(console, Config(engine="auto"), World(), torch.device("cpu"),
                  types.SimpleNamespace(**{**vars(native), "engine": folding}))
     assert "(kept between steps, sdpa attention, adapters folded where it decodes on its kernels)" \
         in console.export_text()

@@ -326,9 +326,9 @@ def test_engine_attention_and_fold_reach_the_trainers_engine(tiny_llama_dir, tmp
 
     monkeypatch.setattr(NativeEngine, "__init__", recording_init)
     train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", engine_attention="sdpa", max_steps=1,
-                   log_completions_steps=0))
-    train(tiny_cfg(tiny_llama_dir, tmp_path / "fold", engine="native", engine_attention="sdpa",
-                   engine_fold_adapter=True, max_steps=1, log_completions_steps=0))
+                   engine_fold_adapter=False, log_completions_steps=0))
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "fold", engine="native", engine_attention="sdpa", max_steps=1,
+                   log_completions_steps=0))  # folding by default
     assert seen == [("sdpa", False), ("sdpa", True)]
     if os.environ.get("TRITON_INTERPRET") != "1":  # on a CPU without the interpreter the kernel cannot run
         with pytest.raises(ValueError, match="attention='kernel' needs triton and a CUDA model"):

@@ -210,14 +210,14 @@ def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_
                           tuning=EngineTuning(fold_adapter=True))
     out = engine.generate(PROMPTS, 2, sampling)
     assert engine._fold and all(layer.proj.q.rank == 0 for layer in engine._layers)  # the kernels read no adapter
+    assert engine.needs_importance_correction  # the folded weights are not the trainer's numerics
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
     for name, p in lora.named_parameters():
         assert torch.equal(p, before[name]), name
     with lora.disable_adapter():  # peft's switch off: the kernels take no layer (plan.decode_proj), nothing folds
         engine.generate(PROMPTS, 1, sampling)
-        assert not engine._fold
-    assert engine.needs_importance_correction  # the folded weights are not the trainer's numerics
+        assert not engine._fold and not engine.needs_importance_correction
 
 
 def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():

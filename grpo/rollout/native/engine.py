@@ -78,10 +78,10 @@ class NativeEngine:
     @property
     def needs_importance_correction(self) -> bool:
         """Whether the trainer weights tokens by pi_trainer/pi_sampler: not where the sampler's log-probs come
-        from the trainer's own modules, but with the adapters folded into the weights for a generation
-        (EngineTuning.fold_adapter), whose rounding drops the adapter's changes smaller than half a weight's
-        last bit: early in training much of its change (`fold.py`)."""
-        return self.tuning.fold_adapter
+        from the trainer's own modules, but where the last generate folded the adapters into the weights
+        (EngineTuning.fold_adapter, where it decodes on its kernels), whose rounding drops the adapter's changes
+        smaller than half a weight's last bit: early in training much of its change (`fold.py`)."""
+        return self._fold
 
     def __init__(self, model: nn.Module, *, max_seq_len: int, max_batch: int, pad_id: int, gemm: str = "auto",
                  tuning: EngineTuning = EngineTuning()) -> None:

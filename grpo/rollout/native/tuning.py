@@ -62,12 +62,14 @@ class EngineTuning:
         sampling from W + scale * B A rounded (which drops the adapter's smallest changes, so the trainer
         corrects for the sampler). On the H200 (2026-12-03) the bench step took 1.032 s against 1.075 and the
         long one 3.487 against 3.715; the sampler-trainer gap with a random B ~ N(0, 1e-3) rose from 0.022 to
-        0.026 nats a token. Off by default (the CLI's --engine-fold-adapter); on in the qwen1.5b-gsm8k preset,
-        whose 60 steps learned as well folded (2026-12-04).
+        0.026 nats a token. Off for an engine built alone; the trainer folds by default (--engine-fold-adapter,
+        since 2026-12-04: the Qwen preset's 60 steps learned as well folded, and the bench step took 0.975 s
+        against 1.107), and weights its tokens by pi_trainer/pi_sampler where a generate folded.
     fold_kernel: fold and restore with one Triton launch a weight each way, D computed inside the tiles
         (`fold._KernelFolds`), where triton runs; else torch's ops, which write D and two float32 sums of each
-        weight and wait on the GPU once a weight (about 50 ms of the bench step's prefill on the H200,
-        2026-12-04). Off until timed on the GPU (`native_engine.py --plan bench`, `lora_folded_kernel`).
+        weight and wait on the GPU once a weight. On the H200 (2026-12-04, `native_engine.py --plan bench`) the
+        bench engine's prefill with the fold took 35.5 ms this way against 95.8 (25.2 without folding), its
+        restores bit for bit (the CUDA test of the folded engine, both ways).
     packed_layers: steps the decode kernels do not run (more rows than kernel_rows, or gemm="modules") run
         each layer's dense projections as torch's GEMMs on their own weights, with the adapters' A matrices
         of one input stacked and A, B copied into the activations' dtype once a generate (`packed.py`), in
@@ -88,7 +90,7 @@ class EngineTuning:
     kernel_rows: int = decode_gemm.MAX_ROWS
     rope_in_attention: bool = True
     fold_adapter: bool = False
-    fold_kernel: bool = False
+    fold_kernel: bool = True
     packed_layers: bool | None = None
 
     def __post_init__(self) -> None:
