@@ -2,13 +2,13 @@
 
 peft's LoRA Linear computes `base(x) + lora_B(lora_A(x)) * scaling`: after the base GEMM, the adapter's (rows, out)
 product, a second tensor of that size for `* scaling`, and a third for the sum. Each is a pass over the layer's
-whole output, and autograd's backward of `* scaling` is one more over the output's gradient. On the H200 those
-passes were a fifth of the bench step's training pass (2026-12-04, `benchmarks/probes/step_profile.py`).
+whole output, and autograd's backward of `* scaling` is one more over the output's gradient.
 
 Here the rows' base output takes the product in place, `y.addmm_(x A^T, B^T, alpha=scaling)`: cuBLAS reads y in
 the GEMM's epilogue and adds `scaling * (x A^T) B^T` summed in float32, rounding once where peft rounds three
 times. Its backward scales only the rank-wide tensors (rows x r and r x out). Nothing is saved that peft's path
-did not save, and the sums y, x A^T and their gradients are one tensor fewer each.
+did not save. On the H200 the bench step's update took 210 ms of GPU time against 227 with peft's forward
+(2026-12-04, `benchmarks/probes/step_profile.py --peft-forward`).
 
 Only where autograd records (the training pass; the engine, the evaluation and the reference pass call peft's
 own forward), and only in the case this reproduces: one active adapter without DoRA or other variants, not merged,
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 
-def _fast_path(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+def _fast_path(layer, args: tuple, kwargs: dict) -> bool:
     """Whether this call is the plain case `_forward` reproduces."""
     from grpo.model import LinearInInputDtype
 
@@ -39,7 +39,7 @@ def _fast_path(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if not _fast_path(self, x, args, kwargs):
+    if not _fast_path(self, args, kwargs):
         return type(self).forward(self, x, *args, **kwargs)
     name = next(a for a in self.active_adapters if a in self.lora_A)
     rows = x.reshape(-1, x.shape[-1])
