@@ -18,8 +18,8 @@ def _policy(dtype, fp8: bool = False, device: str = "cpu", shapes: dict | None =
     """A tiny Llama with rsLoRA (--lora-compute base) and B made non-zero, without the one-GEMM forward."""
     model = tiny_llama(seed=3, dtype=dtype, **(shapes or {})).to(device)
     if fp8:
-        from grpo.kernels.fp8 import quantize_linears_
         from grpo.config import LORA_TARGETS
+        from grpo.kernels.fp8 import quantize_linears_
 
         quantize_linears_(model, LORA_TARGETS)
     policy = add_lora(model, Config(gradient_checkpointing=False, **cfg))
