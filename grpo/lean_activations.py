@@ -17,8 +17,10 @@ are plain products, which they are on the tokens as rows (on 3-D inputs they com
 made their sum anew), and `SiluMul` makes its gradients in gate's and up's own buffers.
 
 Only where autograd records: generation, evaluation and the reference's pass (no grad) call the modules' own
-forward. Only for the modules whose forward this reproduces exactly: Llama's, Qwen2's and Qwen3's
-(`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values and gradients with the modules' own.
+forward, unless `install(model, norm_kernel=True)` gave the norms `grpo.kernels.rmsnorm`'s one launch each way
+(with grad or without; off in the product until timed on a GPU). Only for the modules whose forward this
+reproduces exactly: Llama's, Qwen2's and Qwen3's (`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values
+and gradients with the modules' own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from grpo.kernels import rmsnorm
 
 MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP")  # forward: down_proj(act_fn(gate_proj(x)) * up_proj(x))
 NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * (x32 * rsqrt(mean(x32^2) + eps)).to()
@@ -101,16 +105,18 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if self.__dict__.get("norm_kernel") and rmsnorm.kernel_runs(hidden_states, self.weight):
+        return rmsnorm.rms_norm(hidden_states, self.weight, self.variance_epsilon)
     if not torch.is_grad_enabled():
         return type(self).forward(self, hidden_states)
     return RMSNormFn.apply(hidden_states, self.weight, self.variance_epsilon)
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, norm_kernel: bool = False) -> int:
     """Gives `model`'s MLPs (with SiLU) and RMSNorms of the known classes the lean forward: on each module,
     not its class, so other models of the class keep transformers' forward (a bound method on the module:
     deepcopy keeps it, but `torch.save` of the whole model would not load back; save state dicts).
-    Returns how many modules changed."""
+    `norm_kernel`: the norms take `grpo.kernels.rmsnorm` where it runs. Returns how many modules changed."""
     changed = 0
     for module in model.modules():
         name = type(module).__name__
@@ -118,6 +124,7 @@ def install(model: nn.Module) -> int:
             module.forward = types.MethodType(_mlp_forward, module)
         elif name in NORM_CLASSES:
             module.forward = types.MethodType(_norm_forward, module)
+            module.norm_kernel = norm_kernel
         else:
             continue
         changed += 1

@@ -11,6 +11,7 @@ the GPU's busy time in it (the union of its kernels' intervals), the top kernels
 own time. The Chrome trace goes beside the results, gzipped.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--fold] [--peft-forward]
+        [--norm-kernel]
 """
 
 from __future__ import annotations
@@ -174,6 +175,9 @@ def main() -> None:
     parser.add_argument("--fold", action="store_true", help="the adapters folded in decode (--engine-fold-adapter)")
     parser.add_argument("--peft-forward", action="store_true",
                         help="peft's own LoRA forward in the training pass (without grpo.lora_addmm)")
+    parser.add_argument("--norm-kernel", action="store_true",
+                        help="the RMSNorms as grpo.kernels.rmsnorm's one launch each way (lean_activations.install's "
+                             "norm_kernel; off in the product until timed)")
     parser.add_argument("--steps", type=int, default=7, help="steps a run; the fourth is profiled")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -182,6 +186,10 @@ def main() -> None:
         import grpo.lora_addmm
 
         grpo.lora_addmm.install = lambda model: 0
+    if args.norm_kernel:
+        import grpo.lean_activations
+
+        grpo.lean_activations.install = functools.partial(grpo.lean_activations.install, norm_kernel=True)
     root = Path(tempfile.mkdtemp(prefix="step-profile-"))
     model_dir = bs.build_model_dir(root / "model", size="1b", device="cuda")
     from transformers import AutoTokenizer
@@ -192,14 +200,16 @@ def main() -> None:
     trace_path = root / "trace.json"
     profile_iteration(cfg, at_step=4, trace_path=trace_path)
     records = bs.read_metrics(cfg.output_dir)
-    rec.record("steps", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
+    rec.record("steps", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward, norm_kernel=args.norm_kernel,
                step_s=[round(r["step_time"], 4) for r in records], profiled=records[3] if len(records) > 3 else None)
     summary = summarize(json.loads(trace_path.read_text()))
     for row in summary:
-        rec.record("phase", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward, **row)
+        rec.record("phase", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
+                   norm_kernel=args.norm_kernel, **row)
         rec.say(f"{row['phase']:16s} wall {row['wall_ms']:8.1f} ms  GPU busy {row['gpu_busy_ms']:8.1f} ms  "
                 f"{row['kernels']} kernels")
-    name = f"trace-{args.dtype}{'-folded' if args.fold else ''}{'-peft' if args.peft_forward else ''}.json.gz"
+    name = (f"trace-{args.dtype}{'-folded' if args.fold else ''}{'-peft' if args.peft_forward else ''}"
+            f"{'-norm-kernel' if args.norm_kernel else ''}.json.gz")
     with open(trace_path, "rb") as src, gzip.open(Path(rec.path).parent / name, "wb") as dst:
         shutil.copyfileobj(src, dst)
 
