@@ -111,11 +111,11 @@ def copy_bandwidth(bench_env) -> float | None:
 def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it), attending with
     torch's sdpa; with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
-    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place: the product; and with
-    the kernel and the adapter folded into the base weights (`EngineTuning.fold_adapter`), whose token step
-    reads the base weights alone. Past the decode kernels' rows the product runs the projections as torch's
-    GEMMs with the adapters packed (`EngineTuning.packed_layers`); there `lora-modules` times peft's modules
-    in their place, as the engine ran such steps before 2026-12-04."""
+    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place: the product until
+    2026-12-04; and with the kernel and the adapter folded into the base weights (`EngineTuning.fold_adapter`),
+    whose token step reads the base weights alone: the trainer's engine since. Past the decode kernels' rows
+    the product runs the projections as torch's GEMMs with the adapters packed (`EngineTuning.packed_layers`);
+    there `lora-modules` times peft's modules in their place, as the engine ran such steps before 2026-12-04."""
     import contextlib
 
     from grpo.kernels import decode_attention, decode_gemm

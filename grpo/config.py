@@ -184,8 +184,9 @@ class Config:
                                    "The sampler then samples from W + scale*B*A rounded to bf16, which drops the "
                                    "adapter's smallest changes (most of them early in a run); the importance weights "
                                    "correct for the difference, and the Qwen preset's 60 steps learned as well folded "
-                                   "(held-out strict 0.586 against 0.602, McNemar p 0.60). --no-engine-fold-adapter "
-                                   "samples through the adapters as they are.", "sampling")
+                                   "(held-out strict 0.586 against 0.602, McNemar p 0.60). The run's evaluations "
+                                   "sample folded too; grpo.eval of a saved adapter does not fold. "
+                                   "--no-engine-fold-adapter samples through the adapters as they are.", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: sized "

@@ -43,9 +43,9 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return type(self).forward(self, x, *args, **kwargs)
     name = next(a for a in self.active_adapters if a in self.lora_A)
     rows = x.reshape(-1, x.shape[-1])
-    y = self.base_layer(rows)  # (rows, out): a tensor of its own for nn.Linear and FP8Linear on 2-D inputs
-    if y._base is not None:  # a view: adding in place would make autograd copy the gradient back through it
-        y = y.clone()
+    y = self.base_layer(rows)  # (rows, out): a tensor of its own for nn.Linear, and for FP8Linear unless its
+    if y._base is not None:  # rows were padded to 16 for cuBLAS; a view: adding in place would make autograd
+        y = y.clone()  # copy the gradient back through it, so one copy here (peft's way made two tensors)
     down = self.lora_A[name](self.lora_dropout[name](rows))  # (rows, r) in the activations' dtype
     y.addmm_(down, self.lora_B[name].weight.to(y.dtype).t(), alpha=self.scaling[name])
     return y.view(*x.shape[:-1], y.shape[-1])

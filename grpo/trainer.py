@@ -44,6 +44,7 @@ from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
 from grpo.failures import add_note, describe
+from grpo.kernels.fp8 import FP8Linear
 from grpo.model import (attention_without_cudnn, default_device, load_policy, load_unsloth_policy, model_positions,
                         model_summary)
 from grpo.optim import make_optimizer, make_scheduler
@@ -299,10 +300,11 @@ def print_banner(console, cfg: Config, world: World, device: torch.device, loade
     # how the engine runs where that was a choice: kept between steps or not, the native engine's attention
     # (--engine-attention auto picks it by the rows)
     native = loaded.engine_name == "native"
+    folds = (native and loaded.engine.tuning.fold_adapter and device.type == "cuda"  # FP8 weights never fold
+             and not any(isinstance(m, FP8Linear) for m in loaded.policy.modules()))
     notes = [*(["kept between steps"] if loaded.keep_engine else []),
              *([f"{loaded.engine.tuning.attention} attention"] if native else []),
-             *(["adapters folded where it decodes on its kernels"] if native and loaded.engine.tuning.fold_adapter
-               else [])]
+             *(["adapters folded where it decodes on its kernels"] if folds else [])]
     engine_notes = f" ({', '.join(notes)})" if notes else ""
     if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")

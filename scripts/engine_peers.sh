@@ -51,7 +51,7 @@
 #   folded         bench and long (micro-batches of 4): ours native bf16 with the adapters not folded in
 #                  decode (--no-engine-fold-adapter; the product folds since 2026-12-04), their step time and
 #                  sampler-trainer gap, and the long step folded; not a default stage since the side slot runs it
-#                  while the kit is carried (the chain's `ours` holds the bench step folded)                                                                    ~2.5
+#                  while the kit is carried (the chain's `ours` holds the bench step folded)                ~2.5
 # and on request:
 #   unsloth-share  bench: ours --engine unsloth on bf16 with vLLM at the peers' share 0.35 (A/B for the
 #                  share sized for the run, whose vLLM generate took 1.73 s where 0.35's took 1.26)    ~4

@@ -14,9 +14,12 @@ from grpo.config import Config
 from grpo.model import add_lora
 
 
+VOCAB = 512  # a small head: the projections are the point, and the tests stay quick
+
+
 def _policy(dtype, fp8: bool = False, device: str = "cpu", shapes: dict | None = None, **cfg):
     """A tiny Llama with rsLoRA (--lora-compute base) and B made non-zero, without the one-GEMM forward."""
-    model = tiny_llama(seed=3, dtype=dtype, **(shapes or {})).to(device)
+    model = tiny_llama(seed=3, dtype=dtype, **({"vocab_size": VOCAB} | (shapes or {}))).to(device)
     if fp8:
         from grpo.config import LORA_TARGETS
         from grpo.kernels.fp8 import quantize_linears_
@@ -52,9 +55,10 @@ def test_add_lora_installs_it_on_every_adapted_projection_with_base_compute_only
     def installed(policy):
         return sum(_installed(m) for m in policy.modules() if type(m) is Linear)
 
-    base = add_lora(tiny_llama(), Config(gradient_checkpointing=False))
+    base = add_lora(tiny_llama(vocab_size=VOCAB), Config(gradient_checkpointing=False))
     assert installed(base) == 2 * 7  # two layers, the seven projections
-    assert installed(add_lora(tiny_llama(), Config(gradient_checkpointing=False, lora_compute="float32"))) == 0
+    float32 = Config(gradient_checkpointing=False, lora_compute="float32")
+    assert installed(add_lora(tiny_llama(vocab_size=VOCAB), float32)) == 0
 
 
 @pytest.mark.parametrize("fp8", [False, True])  # FP8Linear projections (on the CPU: dequantized for each product)
@@ -62,7 +66,7 @@ def test_values_and_gradients_match_pefts_forward(fp8):
     peft_policy = _policy(torch.float32, fp8=fp8)
     ours = copy.deepcopy(peft_policy)
     assert lora_addmm.install(ours) == 14
-    ids = torch.randint(0, 128256, (2, 20))
+    ids = torch.randint(0, VOCAB, (2, 20))
     logits_peft, grads_peft = _loss_and_grads(peft_policy, ids)
     logits_ours, grads_ours = _loss_and_grads(ours, ids)
     # float32: the one rounding of the GEMM's epilogue against peft's three differs in the last bits only
@@ -82,7 +86,7 @@ def test_in_bf16_it_is_no_further_from_float32_than_peft_is():
     peft_policy.load_state_dict({k: v.to(peft_policy.state_dict()[k].dtype) for k, v in truth.state_dict().items()})
     ours = copy.deepcopy(peft_policy)
     lora_addmm.install(ours)
-    ids = torch.randint(0, 128256, (2, 20))
+    ids = torch.randint(0, VOCAB, (2, 20))
     logits_true, grads_true = _loss_and_grads(truth, ids)
     results = [_loss_and_grads(p, ids) for p in (peft_policy, ours)]
     (logits_peft, grads_peft), (logits_ours, grads_ours) = results
@@ -99,7 +103,7 @@ def test_no_grad_disabled_and_merged_adapters_take_pefts_forward():
     peft_policy = _policy(torch.float32)
     ours = copy.deepcopy(peft_policy)
     lora_addmm.install(ours)
-    ids = torch.randint(0, 128256, (1, 12))
+    ids = torch.randint(0, VOCAB, (1, 12))
     with torch.no_grad():  # the engine, the evaluation: peft's own ops, bit for bit
         assert torch.equal(ours(input_ids=ids).logits, peft_policy(input_ids=ids).logits)
         with ours.disable_adapter(), peft_policy.disable_adapter():
@@ -144,10 +148,10 @@ def test_the_training_forward_makes_no_scaled_copy_or_sum_of_a_projections_outpu
 
 
 def test_under_gradient_checkpointing_the_gradients_are_those_without_it():
-    ids = torch.randint(0, 128256, (2, 16))
+    ids = torch.randint(0, VOCAB, (2, 16))
     grads = []
     for checkpointing in (False, True):
-        policy = add_lora(tiny_llama(seed=3), Config(gradient_checkpointing=checkpointing))
+        policy = add_lora(tiny_llama(seed=3, vocab_size=VOCAB), Config(gradient_checkpointing=checkpointing))
         torch.manual_seed(1)
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -163,7 +167,8 @@ def test_under_gradient_checkpointing_the_gradients_are_those_without_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fp8", [False, True])  # True: FP8Linear on the FP8 tensor cores (_scaled_mm), K and N of 512
 def test_on_cuda_in_bf16_it_is_no_further_from_float32_than_peft_is(fp8):
-    shapes = dict(hidden=512, intermediate=1024, heads=8, kv_heads=8)  # every projection's K and N a multiple of 512
+    # every projection's K and N a multiple of 512; Llama's vocabulary, as when the bounds below were measured
+    shapes = dict(hidden=512, intermediate=1024, heads=8, kv_heads=8, vocab_size=128256)
     truth = _policy(torch.float32, device="cuda", shapes=shapes)
     peft_policy = _policy(torch.bfloat16, fp8=fp8, device="cuda", shapes=shapes)
     if fp8:  # the truth: the same FP8 weights, dequantized to float32
@@ -190,3 +195,41 @@ def test_on_cuda_in_bf16_it_is_no_further_from_float32_than_peft_is(fp8):
     bound = 0.2 if fp8 else 0.1  # FP8's quantized activations and gradients: 0.108 for both on the H200 (2026-12-04)
     assert median_error(grads_ours) < 1.2 * median_error(grads_peft) and median_error(grads_ours) < bound, \
         (median_error(grads_ours), median_error(grads_peft))
+
+
+@pytest.mark.parametrize("view", [False, True])  # True: a base layer whose product is a view (FP8's padded rows)
+def test_a_biased_base_dropout_and_a_view_for_a_product_give_pefts_values_and_gradients(view):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.model import compute_adapters_in_base_dtype
+
+    class Base(torch.nn.Linear):  # Qwen's q/k/v: a bias on the base layer
+        def forward(self, x):
+            y = super().forward(torch.cat([x, x[:1]]) if view else x)
+            return y[: x.shape[0]] if view else y  # the first rows of a longer product: a view
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = Base(24, 40, bias=True)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    net = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["proj"],
+                                           init_lora_weights=False))
+    compute_adapters_in_base_dtype(net)
+    ours = copy.deepcopy(net)
+    assert lora_addmm.install(ours) == 1
+    x = torch.randn(5, 24)
+    results = []
+    for model in (net, ours):
+        torch.manual_seed(7)  # the same dropout mask: one draw of x's size in both
+        y = model(x)
+        grads = torch.autograd.grad(y.square().sum(), [p for p in model.parameters() if p.requires_grad])
+        results.append((y.detach(), grads))
+    (y_peft, g_peft), (y_ours, g_ours) = results
+    assert torch.allclose(y_ours, y_peft, rtol=1e-5, atol=1e-6)
+    assert len(g_ours) == len(g_peft) == 2 and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                                                    for a, b in zip(g_ours, g_peft))

@@ -681,11 +681,22 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
     print_banner(console, Config(engine="auto"), World(), torch.device("cpu"), native)
     assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # auto's pick on a CPU
     folding = build_engine("native", small_llama(), pad_id=PAD, max_seq_len=16, max_batch=64, fold_adapter=True)
+    for device in ("cuda", "cpu"):  # the line only (nothing runs); on a CPU nothing folds, and it says nothing
+        console = Console(record=True, width=300)
+        print_banner(console, Config(engine="auto"), World(), torch.device(device),
+                     types.SimpleNamespace(**{**vars(native), "engine": folding}))
+        said = "(kept between steps, sdpa attention, adapters folded where it decodes on its kernels)" \
+            in console.export_text()
+        assert said == (device == "cuda")
+    from grpo.config import LORA_TARGETS
+    from grpo.kernels.fp8 import quantize_linears_
+
+    fp8 = small_llama()
+    quantize_linears_(fp8, LORA_TARGETS)
     console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto"), World(), torch.device("cpu"),
-                 types.SimpleNamespace(**{**vars(native), "engine": folding}))
-    assert "(kept between steps, sdpa attention, adapters folded where it decodes on its kernels)" \
-        in console.export_text()
+    print_banner(console, Config(engine="auto"), World(), torch.device("cuda"),
+                 types.SimpleNamespace(**{**vars(native), "engine": folding, "policy": fp8}))
+    assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # FP8 weights never fold
 
 
 def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):

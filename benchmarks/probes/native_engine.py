@@ -476,8 +476,9 @@ QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, compl
 
 
 def product_engine_kw() -> dict:
-    """make_engine's arguments for the engine as the trainer builds it: EngineTuning's defaults, the decode
-    kernels where they apply (run_engine and kernel_breakdown say whether to graph)."""
+    """make_engine's arguments for the engine as the trainer builds it, but for the fold (the trainer folds
+    bf16 adapters since 2026-12-04: the `lora_folded*` steps): EngineTuning's defaults, the decode kernels
+    where they apply (run_engine and kernel_breakdown say whether to graph)."""
     kw = {f.name: getattr(EngineTuning(), f.name) for f in fields(EngineTuning) if f.name != "use_cuda_graph"}
     return kw | {"gemm": "auto"}
 
@@ -649,7 +650,8 @@ def main() -> None:
     step("lora", lambda: run_engine(rec, "bf16+LoRA r32 graph", lora, wl))
     step("lora_product", lambda: run_engine(rec, "bf16+LoRA r32 product", lora, wl, engine_kw=product))
     step("lora_product_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 product", lora, engine_kw=product))
-    folded = product | {"fold_adapter": True}  # the adapters folded into the weights for prefill and decode
+    # the adapters folded into the weights for prefill and decode, by torch's ops
+    folded = product | {"fold_adapter": True, "fold_kernel": False}
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))

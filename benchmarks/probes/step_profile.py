@@ -10,7 +10,7 @@ rest of the update (backward, clipping, optimizer), and what is left of the iter
 the GPU's busy time in it (the union of its kernels' intervals), the top kernels and the top host ops by their
 own time. The Chrome trace goes beside the results, gzipped.
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--fold] [--peft-forward]
+    PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--no-fold] [--peft-forward]
         [--norm-kernel]
 """
 
@@ -172,7 +172,8 @@ def self_times(ops: list[dict]) -> list[tuple[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
-    parser.add_argument("--fold", action="store_true", help="the adapters folded in decode (--engine-fold-adapter)")
+    parser.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
+                        help="the adapters folded in decode, as the trainer does by default (--engine-fold-adapter)")
     parser.add_argument("--peft-forward", action="store_true",
                         help="peft's own LoRA forward in the training pass (without grpo.lora_addmm)")
     parser.add_argument("--norm-kernel", action="store_true",
@@ -200,7 +201,8 @@ def main() -> None:
     trace_path = root / "trace.json"
     profile_iteration(cfg, at_step=4, trace_path=trace_path)
     records = bs.read_metrics(cfg.output_dir)
-    rec.record("steps", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward, norm_kernel=args.norm_kernel,
+    rec.record("steps", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
+               norm_kernel=args.norm_kernel,
                step_s=[round(r["step_time"], 4) for r in records], profiled=records[3] if len(records) > 3 else None)
     summary = summarize(json.loads(trace_path.read_text()))
     for row in summary:
@@ -208,7 +210,7 @@ def main() -> None:
                    norm_kernel=args.norm_kernel, **row)
         rec.say(f"{row['phase']:16s} wall {row['wall_ms']:8.1f} ms  GPU busy {row['gpu_busy_ms']:8.1f} ms  "
                 f"{row['kernels']} kernels")
-    name = (f"trace-{args.dtype}{'-folded' if args.fold else ''}{'-peft' if args.peft_forward else ''}"
+    name = (f"trace-{args.dtype}{'' if args.fold else '-unfolded'}{'-peft' if args.peft_forward else ''}"
             f"{'-norm-kernel' if args.norm_kernel else ''}.json.gz")
     with open(trace_path, "rb") as src, gzip.open(Path(rec.path).parent / name, "wb") as dst:
         shutil.copyfileobj(src, dst)

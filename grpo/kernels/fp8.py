@@ -263,8 +263,10 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bi
     x2 = x.reshape(-1, k)
     if mode == "scaled_mm" and x2.stride(1) != 1:
         x2 = x2.contiguous()
+    # on rows the product itself, not a view of it (`lora_addmm` adds to it in place), unless fp8_mm_fwd padded
+    # the rows to _PAD_M for cuBLAS and returns the first ones
     y = _FP8LinearFn.apply(x2, w_fp8, scale_inv, mode, bwd)
-    if x.dim() != 2:  # on rows the product itself, not a view of it (`lora_addmm` adds to it in place)
+    if x.dim() != 2:
         y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -100,8 +100,9 @@ class Engine(Protocol):
     training can reuse the memory (vLLM sleeps).
 
     `needs_importance_correction`: True when `Rollout.sampler_logp` comes from other numerics than the
-    trainer's forward (vLLM's kernels), so the loss weights tokens by pi_trainer/pi_sampler
-    (`--is-correction`); False when the engine runs the policy's own modules (native, hf).
+    trainer's forward (vLLM's kernels; the native engine's generates with the adapters folded into the
+    weights), so the loss weights tokens by pi_trainer/pi_sampler (`--is-correction`); False when the engine
+    runs the policy's own modules as they are (hf, the native engine unfolded).
 
     `standby_bytes()`: the bytes the engine would keep held between steps if `release_memory()` were
     not called (`--engine-standby auto` keeps an engine that holds little); None when it must release

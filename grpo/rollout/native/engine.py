@@ -3,9 +3,10 @@
 It decodes with the very modules the trainer trains: the embedding, each layer's norms, the q/k/v/o
 and gate/up/down projections (whatever they are: nn.Linear, an FP8Linear subclass, a peft LoRA
 wrapper with its adapters active), the final norm and the lm_head are *called*, or their tensors read
-by the decode kernels, never copied, so the sampler always samples the current policy. What the
-package writes by hand is the rest of a Llama decoder (`layer.py`: rotary embeddings, the attention
-over its own static KV cache) and the loop here.
+by the decode kernels, never copied, so the sampler always samples the current policy (with the adapters
+folded in, `EngineTuning.fold_adapter`, that policy's weights rounded once: the trainer weights its tokens
+for the difference). What the package writes by hand is the rest of a Llama decoder (`layer.py`: rotary
+embeddings, the attention over its own static KV cache) and the loop here.
 
 One `generate(prompt_ids, num_generations, sampling)`:
 

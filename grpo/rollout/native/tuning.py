@@ -1,7 +1,8 @@
 """`EngineTuning`: how the native engine runs a step (graphs, compile, attention, streams, buckets).
 
 Benchmarks and tests choose these; the product runs the defaults, but for `attention`, which a user may
-choose (`--engine-attention`, through `grpo.rollout.build_engine`). They are kept off `NativeEngine`'s
+choose (`--engine-attention`, through `grpo.rollout.build_engine`), and `fold_adapter`, which the trainer
+turns on (`--engine-fold-adapter`, its default). They are kept off `NativeEngine`'s
 constructor so that its arguments are what a user decides: the model, the cache's size, the pad id, and
 `gemm`.
 """
@@ -31,7 +32,8 @@ def auto_attention(device: torch.device, rows: int) -> str:
 
 @dataclass(frozen=True)
 class EngineTuning:
-    """How the engine runs a step, for benchmarks and tests; the defaults are the product's.
+    """How the engine runs a step, for benchmarks and tests; the defaults are the product's (but for
+    `attention` and `fold_adapter`: the module's docstring).
 
     use_cuda_graph: capture the one-token step in CUDA graphs; None is "on CUDA".
     compile: a torch.compile mode for the step ("default", "max-autotune-no-cudagraphs"), None for
