@@ -25,23 +25,24 @@ import torch
 from torch import nn
 
 
-def _fast_path(layer, args: tuple, kwargs: dict) -> bool:
-    """Whether this call is the plain case `_forward` reproduces."""
-    from grpo.model import LinearInInputDtype
+def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
+    """The adapter whose product `_forward` adds, where this call is the plain case it reproduces; else None."""
+    from grpo.model import LinearInInputDtype  # (here: grpo.model imports this module)
 
     if args or kwargs or not torch.is_grad_enabled() or layer.disable_adapters or layer.merged:
-        return False
+        return None
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     if len(active) != 1 or active[0] in layer.lora_variant:
-        return False
+        return None
     a, b = layer.lora_A[active[0]], layer.lora_B[active[0]]
-    return type(a) is LinearInInputDtype and type(b) is LinearInInputDtype and b.bias is None and a.bias is None
+    plain = type(a) is LinearInInputDtype and type(b) is LinearInInputDtype and b.bias is None and a.bias is None
+    return active[0] if plain else None
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if not _fast_path(self, args, kwargs):
+    name = _plain_adapter(self, args, kwargs)
+    if name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    name = next(a for a in self.active_adapters if a in self.lora_A)
     rows = x.reshape(-1, x.shape[-1])
     y = self.base_layer(rows)  # (rows, out): a tensor of its own for nn.Linear, and for FP8Linear unless its
     if y._base is not None:  # rows were padded to 16 for cuBLAS; a view: adding in place would make autograd

@@ -51,7 +51,7 @@ from grpo.kernels import decode_gemm
 from grpo.model import compute_adapters_in_base_dtype
 from grpo.rollout.native import EngineTuning, NativeEngine
 from grpo.rollout.native.state import StopRule
-from timing import Recorder, add_out_argument, copy_tbps, graph_us  # beside this file
+from timing import Recorder, add_out_argument, copy_tbps, covered_us, graph_us  # beside this file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for the suite's helpers
 from bench_setup import weight_bytes  # noqa: E402
@@ -247,16 +247,6 @@ def _record_families(rec: Recorder, kind: str, label: str, prof, steps: int, **e
                sum_us=round(total), sum_launches=sum(count.values()), **extra)
     for us, c, key in sorted(top, reverse=True)[:10]:
         rec.record("kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
-    return total
-
-
-def covered_us(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) spans: the time at least one of them ran."""
-    total, reached = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reached:
-            total += end - max(start, reached)
-            reached = end
     return total
 
 

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_setup
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_setup as bs  # noqa: E402
-from timing import Recorder, add_out_argument  # noqa: E402
+from timing import Recorder, add_out_argument, covered_us  # noqa: E402
 
 # (module, function) -> the phase it is: each call runs inside a profiler range of that name
 PHASES = {("grpo.groups", "sample"): "sample", ("grpo.groups", "score"): "score",
@@ -91,17 +91,6 @@ def profile_iteration(cfg, at_step: int, trace_path: Path) -> None:
         trainer.grpo_step = inner
 
 
-def union_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
 def summarize(trace: dict, top: int = 12) -> list[dict]:
     """Per phase (and the whole iteration): wall, GPU busy, top kernels and host ops by their own time.
     A kernel belongs to the phase whose host range launched it (by its correlation id); graph replays'
@@ -131,7 +120,7 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
     for r in ranges:
         wall[r["name"][6:]] += r["dur"]
     out = [{"phase": "iteration", "wall_ms": (end - start) / 1e3,
-            "gpu_busy_ms": union_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) / 1e3,
+            "gpu_busy_ms": covered_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) / 1e3,
             "kernels": len(kernels)}]
     for phase in sorted(set(by_phase) | set(wall) | set(ops_by_phase)):
         ks = by_phase.get(phase, [])
@@ -142,7 +131,7 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
         for op in self_times(ops_by_phase.get(phase, [])):
             op_ms[op[0]] += op[1] / 1e3
         out.append({"phase": phase, "wall_ms": wall.get(phase, 0.0) / 1e3,
-                    "gpu_busy_ms": union_us([(k["ts"], k["ts"] + k["dur"]) for k in ks]) / 1e3,
+                    "gpu_busy_ms": covered_us([(k["ts"], k["ts"] + k["dur"]) for k in ks]) / 1e3,
                     "kernels": len(ks),
                     "top_kernels_ms": sorted(kernel_ms.items(), key=lambda kv: -kv[1])[:top],
                     "top_host_ops_self_ms": sorted(op_ms.items(), key=lambda kv: -kv[1])[:top]})

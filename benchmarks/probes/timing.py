@@ -9,6 +9,7 @@ Timers, each a median so that one slow run does not move the figure:
 - `host_ms(fn)`: host wall time per call with the GPU queue not drained (what the enqueueing costs).
 - `peak_extra_gib(fn)`: the peak allocated while fn() runs, above what was allocated before it.
 - `copy_tbps()`: device copy bandwidth (read + write), the ceiling of every memory-bound figure.
+- `covered_us(spans)`: the union of (start, end) spans, a GPU's busy time where kernels overlap.
 
 The writer, `Recorder`: every figure a probe measures is one JSON line `{"kind": ..., ..., "t": seconds
 since the start}`, printed as it comes and appended at once to `<out>/<probe>-<start time>.jsonl`, so what
@@ -136,6 +137,16 @@ def copy_tbps(numel: int = 1 << 28) -> float:
 # --------------------------------------------------------------------------------------------------
 # the results writer
 # --------------------------------------------------------------------------------------------------
+def covered_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans: the time at least one of them ran."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
 def default_out() -> Path:
     """$OUT when set (the device machine's output folder), else outputs/probes/ in the repository."""
     return Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "outputs" / "probes"

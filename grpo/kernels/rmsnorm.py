@@ -37,16 +37,17 @@ def kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.shape[0] <= MAX_COLS)
 
 
-def _warps(block: int) -> int:
-    """Warps for one row of `block` columns: 16 columns a thread up to 2048, then more warps (16 at most)."""
-    return min(16, max(4, block // 512))
+def _launch(n: int) -> dict:
+    """One row of n columns a program: the block a power of two, 16 columns a thread up to 2048, then more warps
+    (16 at most)."""
+    block = 1 << (n - 1).bit_length()
+    return {"BLOCK": block, "num_warps": min(16, max(4, block // 512))}
 
 
 class _RMSNormKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from grpo.kernels import _rmsnorm_triton as k
-        from triton import next_power_of_2
 
         n = x.shape[-1]
         rows = x.reshape(-1, n)
@@ -55,9 +56,8 @@ class _RMSNormKernel(torch.autograd.Function):
         y = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         if rows.shape[0]:
-            block = next_power_of_2(n)
             k.rmsnorm_forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
-                                                       BLOCK=block, num_warps=_warps(block))
+                                                       **_launch(n))
         ctx.save_for_backward(rows, weight, rstd)
         return y.view(*x.shape[:-1], n)
 
@@ -65,7 +65,6 @@ class _RMSNormKernel(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         from grpo.kernels import _rmsnorm_triton as k
-        from triton import next_power_of_2
 
         rows, weight, rstd = ctx.saved_tensors
         n = rows.shape[-1]
@@ -74,9 +73,8 @@ class _RMSNormKernel(torch.autograd.Function):
             g = g.contiguous()
         dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         if rows.shape[0]:
-            block = next_power_of_2(n)
             k.rmsnorm_backward_kernel[(rows.shape[0],)](g, rows, weight, rstd, dx, n, g.stride(0), rows.stride(0),
-                                                        dx.stride(0), BLOCK=block, num_warps=_warps(block))
+                                                        dx.stride(0), **_launch(n))
         return dx.view(grad.shape[:-1] + (n,)), None, None
 
 
