@@ -8,12 +8,14 @@
 # the Llama 3.2 tokenizer the tests read, TRL 1.16 for the colocated peer) and .vx/ (the vLLM kit). There, each
 # a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl, .jit/autotune.tgz   engine_peers.sh wheels      installs .whl into /tmp/site; while
-#                                                                           the kit is carried, issue 31's bench
-#                                                                           and long steps with the adapters
-#                                                                           unfolded use the idle GPU (~2.5 min;
-#                                                                           SIDE=probe: the token step's
-#                                                                           profile; memory: the bench step's
-#                                                                           peak; 0: none)
+#                                                                           the kit is carried, the idle GPU
+#                                                                           runs the joined run's first process,
+#                                                                           ours native bf16 and FP8, and the
+#                                                                           RMSNorm kernel's CUDA test (~3 min;
+#                                                                           SIDE=1: issue 31's bench and long
+#                                                                           steps unfolded; probe: the token
+#                                                                           step's profile; memory: the bench
+#                                                                           step's peak; 0: none)
 #   calls 2-12  carry .vx/part-NN      scripts/engine_peers.sh vllm-part    (call 12 also carries .vx/SHA and
 #                                                                            .vx/kit.sh: installs, starts the chain)
 #   call  13    carry .jit/flashinfer-ops.tgz   engine_peers.sh status 360  (where an earlier hold left it) puts
@@ -31,14 +33,16 @@
 # last of each in .jit/ for the next hold: call 13 carries flashinfer-ops.tgz and warm-caches.tgz. A new checkout
 # has no .jit/: commit autotune.tgz (a few KB of JSON) with the hold's results, where call 1 finds it.
 #
-# STAGES (default: the suite's peers, ours first as the joined run's anchor; the CUDA tests passed in full on
-# 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
+# STAGES (default: the suite's peers after ours native, the joined run's anchor, in the side slot; the CUDA tests
+# passed in full on 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
 # not stop the next; minutes as measured 2026-12-02 and 2026-12-03 (07:55-08:11: ours 4.4, unsloth-grpo 4.6 with
-# .jit carried). The default stages need ~22 minutes once the kit is in (~5.5-8.5 minutes into a hold, the
+# .jit carried). The default stages need ~17-19 minutes once the kit is in (~5.5-8.5 minutes into a hold, the
 # machine's start included; 10.3 for unsloth-grpo without .jit/autotune.tgz), so a hold has no minute to spare:
 # give the last poll's wait at most the device time left less 2 minutes (a poll cut by the budget returns
 # nothing), and begin each call within 30 s of the last one's end (else the machine, the chain with it, goes
 # back). What a hold does not reach goes to the next (STAGES=...):
+#   ours-vllm      bench: ours --engine vllm (ours native runs in the side slot, SIDE=ours, the default, so
+#                  that the chain starts 2-2.5 minutes shorter)                                           ~2.5
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.4-4.6; vLLM's start-up 2 of them) ~5
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block. On a fresh machine FlashInfer compiles its FP8
 #                  block-scale GEMM for batches under 32 rows (nvcc, inside vLLM's CUDA-graph capture: 139 s of
@@ -77,7 +81,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EP=${EP:-/tmp/ep}
-STAGES=${STAGES:-ours unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm}
+STAGES=${STAGES:-ours-vllm unsloth-fp8 unsloth-grpo unsloth-bf16 trl-vllm}
 export GRPO_CACHE=${GRPO_CACHE:-/tmp/grpo-cache} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # FlashInfer's kernels in one place for every stage: Unsloth points FlashInfer's workspace at its own compile
 # folder where this is unset (unsloth_zoo's vllm_utils), so its first vLLM start on a machine built FlashInfer's
@@ -103,20 +107,30 @@ bench() {  # bench NAME SITE -k EXPR: one process of the joined suite run (LIMIT
     --bench-join $EP/results/peers.json --bench-results-dir $EP/results/$name "$@"
 }
 
-side() {  # issue 31 on the GPU that idles while the kit is carried (the file copies cost the host, not the
-  # device; the chain waits for this, ~3 minutes at most). SIDE=1 (default): the bench and long steps with the
+side() {  # the GPU that idles while the kit is carried (the file copies cost the host, not the device; the
+  # chain waits for this, ~3 minutes at most). SIDE=ours (default): the joined run's ours native, bf16 and FP8,
+  # then tests/test_rmsnorm.py's CUDA test (issue 31); SIDE=1: issue 31's bench and long steps with the
   # adapters not folded in decode, and the long step folded, in one process (results/side/); SIDE=probe: where the
   # bench's token step goes inside its CUDA graph (benchmarks/probes/native_engine.py --plan bench: the product's
   # engine at 16 rows without the adapter, with it, folded, and with the rotaries and the K/V write apart;
   # kernels by family, the GPU's idle time); with PROBE_PLAN=wide, the same at 64 and 256 rows and FP8's at 16;
   # SIDE=memory: what the bench step's bf16 peak is made of (benchmarks/probes/step_memory.py)
   export PYTHONPATH=$PWD:/tmp/site
-  echo "$(date -u +%T) start side (issue 31: ${SIDE:-1})" >> $EP/stages.log
-  if [ "${SIDE:-1}" = memory ]; then
+  echo "$(date -u +%T) start side (${SIDE:-ours})" >> $EP/stages.log
+  if [ "${SIDE:-ours}" = ours ]; then  # the first process of the joined run, then the RMSNorm kernel's CUDA test
+    mkdir -p $EP/results/ours
+    timeout -k 5 300 python3 -m pytest -p no:cacheprovider benchmarks/test_bench_step.py --benchmark \
+      --bench-join $EP/results/peers.json --bench-results-dir $EP/results/ours -k bench_config \
+      > $EP/ours.log 2>&1 || echo "$(date -u +%T) FAILED ours (ours.log)" >> $EP/stages.log
+    tail -n 3 $EP/ours.log | cut -c1-300 >> $EP/stages.log || true
+    timeout -k 5 120 python3 -m pytest -p no:cacheprovider -m cuda tests/test_rmsnorm.py \
+      > $EP/results/side/rmsnorm-cuda.log 2>&1 || true
+    tail -n 1 $EP/results/side/rmsnorm-cuda.log | cut -c1-200 >> $EP/stages.log || true
+  elif [ "${SIDE:-ours}" = memory ]; then
     timeout -k 5 240 python3 benchmarks/probes/step_memory.py --out $EP/results/side \
       > $EP/results/side/step-memory.log 2>&1 || true
     grep -h "peaks\|replayed" $EP/results/side/step-memory.log | cut -c1-220 >> $EP/stages.log || true
-  elif [ "${SIDE:-1}" = probe ]; then
+  elif [ "${SIDE:-ours}" = probe ]; then
     timeout -k 5 200 python3 benchmarks/probes/native_engine.py --budget-s 150 --plan ${PROBE_PLAN:-bench} \
       --out $EP/results/side > $EP/results/side/native-engine.log 2>&1 || true
     grep -h '"kind": "graph_step"\|"kind": "engine"' $EP/results/side/native_engine-*.jsonl 2>/dev/null \
@@ -187,6 +201,7 @@ chain() {
       vllm-cuda) stage $s 720 vllm python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k "not unsloth" ;;
       unsloth-cuda) stage $s 1000 unsloth python3 -m pytest -x -s -p no:cacheprovider tests/test_vllm_cuda.py -k unsloth ;;
       ours) bench $s vllm -k "bench_config or vllm_engine" ;;
+      ours-vllm) bench $s vllm -k vllm_engine ;;
       folded) bench $s vllm -k "adapters_unfolded or long_config_in_micro" ;;
       unsloth-grpo) bench $s unsloth -k unsloth_grpo ;;
       # -s: vLLM's own lines (its KV cache); faulthandler_timeout: every thread's stack in the log past 600 s
@@ -270,7 +285,7 @@ case "${1:-}" in
     if [ -n "$tuned" ]; then
       mkdir -p $EP/triton-cache && tar -xzf $tuned -C $EP/triton-cache && echo "autotuning of an earlier hold: $tuned"
     fi
-    if [ "${SIDE:-1}" != 0 ] && [ ! -f $EP/side.log ]; then
+    if [ "${SIDE:-ours}" != 0 ] && [ ! -f $EP/side.log ]; then
       mkdir -p $EP/results/side && snapshot $EP/side-src
       (cd $EP/side-src && setsid nohup env EP=$EP bash scripts/engine_peers.sh side > $EP/side.log 2>&1 < /dev/null &)
       echo "side probes started"
