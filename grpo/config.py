@@ -70,10 +70,12 @@ class Config:
                            "1.44 s and 4.73 GiB, and the Qwen preset learned as well with base "
                            "(benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
-    lean_activations: bool = _f(True, "Save less for backward in the training pass, with the same values and "
-                                "gradients: SiLU's output is recomputed from the MLP's gate, and each RMSNorm keeps "
-                                "its input and per-token rstd instead of a float32 copy (grpo.lean_activations; "
-                                "Llama, Qwen2 and Qwen3; --engine unsloth trains Unsloth's own modules).", "model")
+    lean_activations: bool = _f(True, "Save less for backward in the training pass: SiLU's output is recomputed "
+                                "from the MLP's gate, and each RMSNorm keeps its input and per-token rstd instead of "
+                                "a float32 copy (grpo.lean_activations; Llama, Qwen2 and Qwen3; --engine unsloth "
+                                "trains Unsloth's own modules). On CUDA the RMSNorms run as one Triton launch each "
+                                "way (grpo.kernels.rmsnorm: values within a rounding of the module's); elsewhere "
+                                "values and gradients are the modules' bit for bit.", "model")
 
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), or a path to a "

@@ -28,9 +28,10 @@ def test_without_a_kernel_to_run_the_norms_keep_torchs_ops_bit_for_bit():
     eager = tiny_llama(seed=4)
     lean = copy.deepcopy(eager)
     asked = copy.deepcopy(eager)
-    assert lean_activations.install(lean) == lean_activations.install(asked, norm_kernel=True) > 0
+    assert lean_activations.install(lean, norm_kernel=False) == lean_activations.install(asked) > 0
     norm = asked.model.norm
-    assert norm.norm_kernel and not rmsnorm.kernel_runs(torch.zeros(2, norm.weight.shape[0]), norm.weight)
+    assert norm.norm_kernel and not lean.model.norm.norm_kernel
+    assert not rmsnorm.kernel_runs(torch.zeros(2, norm.weight.shape[0]), norm.weight)
     ids = torch.randint(0, 128256, (2, 12))
     loss, grad = _loss_and_grad(lean, ids)
     loss_asked, grad_asked = _loss_and_grad(asked, ids)
@@ -69,8 +70,8 @@ def test_on_cuda_in_bf16_the_kernels_are_as_close_to_float32_as_torchs_ops():
     assert errors["kernel"][0] < 5e-3 and errors["kernel"][1] < 1e-2, errors
     model = tiny_llama(seed=4, dtype=torch.bfloat16).cuda()
     lean, fused = copy.deepcopy(model), copy.deepcopy(model)
-    lean_activations.install(lean)
-    lean_activations.install(fused, norm_kernel=True)
+    lean_activations.install(lean, norm_kernel=False)
+    lean_activations.install(fused)
     ids = torch.randint(0, 128256, (2, 40), device="cuda")
     (loss, grad), (loss_f, grad_f) = _loss_and_grad(lean, ids), _loss_and_grad(fused, ids)
     assert abs(float(loss - loss_f)) < 1e-2 and float((grad_f - grad).float().norm() / grad.float().norm()) < 2e-2

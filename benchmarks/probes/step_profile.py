@@ -11,7 +11,7 @@ the GPU's busy time in it (the union of its kernels' intervals), the top kernels
 own time. The Chrome trace goes beside the results, gzipped.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--no-fold] [--peft-forward]
-        [--norm-kernel]
+        [--no-norm-kernel]
 """
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ def main() -> None:
                         help="the adapters folded in decode, as the trainer does by default (--engine-fold-adapter)")
     parser.add_argument("--peft-forward", action="store_true",
                         help="peft's own LoRA forward in the training pass (without grpo.lora_addmm)")
-    parser.add_argument("--norm-kernel", action="store_true",
-                        help="the RMSNorms as grpo.kernels.rmsnorm's one launch each way (lean_activations.install's "
-                             "norm_kernel; off in the product until timed)")
+    parser.add_argument("--norm-kernel", action=argparse.BooleanOptionalAction, default=True,
+                        help="the RMSNorms as grpo.kernels.rmsnorm's one launch each way, as the trainer runs them "
+                             "(--no-norm-kernel: torch's ops, lean_activations.install's norm_kernel=False)")
     parser.add_argument("--steps", type=int, default=7, help="steps a run; the fourth is profiled")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -176,10 +176,10 @@ def main() -> None:
         import grpo.lora_addmm
 
         grpo.lora_addmm.install = lambda model: 0
-    if args.norm_kernel:
+    if not args.norm_kernel:
         import grpo.lean_activations
 
-        grpo.lean_activations.install = functools.partial(grpo.lean_activations.install, norm_kernel=True)
+        grpo.lean_activations.install = functools.partial(grpo.lean_activations.install, norm_kernel=False)
     root = Path(tempfile.mkdtemp(prefix="step-profile-"))
     model_dir = bs.build_model_dir(root / "model", size="1b", device="cuda")
     from transformers import AutoTokenizer
@@ -200,7 +200,7 @@ def main() -> None:
         rec.say(f"{row['phase']:16s} wall {row['wall_ms']:8.1f} ms  GPU busy {row['gpu_busy_ms']:8.1f} ms  "
                 f"{row['kernels']} kernels")
     name = (f"trace-{args.dtype}{'' if args.fold else '-unfolded'}{'-peft' if args.peft_forward else ''}"
-            f"{'-norm-kernel' if args.norm_kernel else ''}.json.gz")
+            f"{'' if args.norm_kernel else '-no-norm-kernel'}.json.gz")
     with open(trace_path, "rb") as src, gzip.open(Path(rec.path).parent / name, "wb") as dst:
         shutil.copyfileobj(src, dst)
 

@@ -3,7 +3,8 @@
 transformers' Llama/Qwen RMSNorm (`rms_norm_ref`) is a float32 copy of x, its square, a mean, a product with
 rstd, a cast back and the weight's product: each a kernel reading and writing the whole (tokens, hidden)
 activation, and autograd's backward more of them (`lean_activations.RMSNormFn` saves less but runs the same
-ops). On the H200 the bench step's update spent 28 ms in them (2026-12-04, `benchmarks/probes/step_profile.py`).
+ops). On the H200 the bench step's update spent 28 ms in them (2026-12-04, `benchmarks/probes/step_profile.py`);
+with these kernels its update took 114-116 ms of GPU time where it took 140 (RESULTS.md, "Sixteenth hold").
 `rms_norm` reads x once and writes y once, keeping one float32 rstd per row for backward, which reads x and the
 gradient once and writes dx once. The weight must be frozen (it is under LoRA); a trainable weight takes
 `lean_activations.RMSNormFn`.
@@ -11,8 +12,8 @@ gradient once and writes dx once. The weight must be frozen (it is under LoRA); 
 The arithmetic is the module's (float32, the normalized row rounded to x's dtype before the weight multiplies
 it) with the row's sum in Triton's order: values within a rounding of x's dtype of the module's, not bit for
 bit. Where it runs: CUDA, or the CPU under TRITON_INTERPRET=1 (the tests, against `rms_norm_ref` and its
-autograd gradients); a row of at most MAX_COLS features. Off in the product until timed on a GPU:
-`lean_activations.install(model, norm_kernel=True)` takes it.
+autograd gradients); a row of at most MAX_COLS features. `lean_activations.install` gives it to the model's
+norms (the trainer's default; `norm_kernel=False` keeps torch's ops).
 """
 
 from __future__ import annotations
