@@ -18,11 +18,12 @@ made their sum anew), and `SiluMul` makes its gradients in gate's and up's own b
 
 Only where autograd records: generation, evaluation and the reference's pass (no grad) call the modules' own
 forward, except the norms where `grpo.kernels.rmsnorm` runs (CUDA): there they take its one launch each way,
-with grad or without, and their values are within a rounding of the module's, not bit for bit. On the H200 it
-took the bench step's update from 140 to 114 ms of GPU time and the reference pass from 54 to 45 (2026-12-04,
-benchmarks/RESULTS.md, "Sixteenth hold"); `install(model, norm_kernel=False)` keeps torch's ops. Only for the modules whose forward this
-reproduces exactly: Llama's, Qwen2's and Qwen3's (`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values
-and gradients with the modules' own.
+with grad or without (the native engine's decode graph too), and their values are within a rounding of the
+module's, not bit for bit. On the H200 it took the bench step's update from 140 to 114 ms of GPU time and the
+reference pass from 54 to 45 (2026-12-04, benchmarks/RESULTS.md, "Sixteenth hold"); `install(model,
+norm_kernel=False)` keeps torch's ops. Only for the modules whose forward this reproduces exactly: Llama's,
+Qwen2's and Qwen3's (`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values and gradients with the
+modules' own.
 """
 
 from __future__ import annotations

@@ -34,15 +34,16 @@
 # has no .jit/: commit autotune.tgz (a few KB of JSON) with the hold's results, where call 1 finds it.
 #
 # STAGES (default: the suite's peers after ours native, the joined run's anchor, in the side slot; the CUDA tests
-# passed in full on 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes), a failed one does
-# not stop the next; minutes as measured 2026-12-02 and 2026-12-03 (07:55-08:11: ours 4.4, unsloth-grpo 4.6 with
-# .jit carried). The default stages need ~17-19 minutes once the kit is in (~5.5-8.5 minutes into a hold, the
-# machine's start included; 10.3 for unsloth-grpo without .jit/autotune.tgz), so a hold has no minute to spare:
-# give the last poll's wait at most the device time left less 2 minutes (a poll cut by the budget returns
-# nothing), and begin each call within 30 s of the last one's end (else the machine, the chain with it, goes
-# back). What a hold does not reach goes to the next (STAGES=...):
+# passed in full on 2026-12-02). Each runs under its own timeout (the chain is not held to a call's 10 minutes),
+# a failed one does not stop the next. The default stages took 14.2 minutes on 2026-12-04 (12:37-12:52, .jit/
+# carried: ours-vllm 2.9, unsloth-fp8 3.5, unsloth-grpo 3.5, unsloth-bf16 2.6, trl-vllm 1.7) once the kit was in
+# (~5.5-8.5 minutes into a hold, the machine's start included; unsloth-grpo 10.3 without .jit/autotune.tgz), so
+# a hold has a few minutes to spare at most: give the last poll's wait at most the device time left less 2
+# minutes (a poll cut by the budget returns nothing), and begin each call within 30 s of the last one's end (else
+# the machine, the chain with it, goes back: on 2026-12-04 a second call begun late found a fresh machine and
+# lost call 1's install and side slot). What a hold does not reach goes to the next (STAGES=...):
 #   ours-vllm      bench: ours --engine vllm (ours native runs in the side slot, SIDE=ours, the default, so
-#                  that the chain starts 2-2.5 minutes shorter)                                           ~2.5
+#                  that the chain starts 2-2.5 minutes shorter)                                           ~3
 #   ours           bench: ours native bf16 and FP8, ours --engine vllm (4.4-4.6; vLLM's start-up 2 of them) ~5
 #   unsloth-fp8    bench: ours --engine unsloth on FP8-Block. On a fresh machine FlashInfer compiles its FP8
 #                  block-scale GEMM for batches under 32 rows (nvcc, inside vLLM's CUDA-graph capture: 139 s of
