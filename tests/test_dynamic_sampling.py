@@ -218,8 +218,11 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
         loss.backward()
         assert any(float(g.abs().max()) > 0 for g in in_order)
         for got, sorted_got, p in zip(in_order, optimizer.grads, params):
-            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-7, msg=norm)
-            torch.testing.assert_close(sorted_got, p.grad, rtol=1e-4, atol=1e-7, msg=f"{norm}, sorted")
+            # float32 sums in another order: ~1e-6 of the largest entry apart (seen), where a wrong share of the
+            # batch would be 10% or more; an absolute 1e-7 failed entries near zero on some random models
+            atol = 1e-5 * float(p.grad.abs().max())
+            torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=atol, msg=norm)
+            torch.testing.assert_close(sorted_got, p.grad, rtol=1e-4, atol=atol, msg=f"{norm}, sorted")
 
 
 # --------------------------------------------------------------------------------------------------
