@@ -38,6 +38,10 @@ class Batch:
     # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention, which the
     # trainer leaves out: `grpo.model.attention_without_cudnn`)
     width_multiple: int = 1
+    # The mask on the host (make_batch keeps one), from which `counted` finds the counted tokens without waiting
+    # for the device: a pass over the batch then never stops the host from queueing the work after it. None:
+    # `counted` reads `mask` (a wait for the device).
+    host_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is None:
@@ -54,7 +58,7 @@ class Batch:
         lengths = self.lengths[sl]
         return Batch(self.input_ids[sl, :self.width(lengths)],
                      *(t[sl] for t in (self.start, self.completion_ids, self.mask, self.sampler_logp)), lengths,
-                     self.width_multiple)
+                     self.width_multiple, None if self.host_mask is None else self.host_mask[sl])
 
     def width(self, lengths: tuple[int, ...]) -> int:
         """How wide the forward over rows of these lengths runs: the longest, rounded up to `width_multiple`,
@@ -67,7 +71,14 @@ class Batch:
         at = torch.tensor(order, device=self.input_ids.device)
         return Batch(*(t[at] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
                                        self.sampler_logp)), tuple(self.lengths[i] for i in order),
-                     self.width_multiple)
+                     self.width_multiple, None if self.host_mask is None else self.host_mask[order])
+
+    def counted(self) -> torch.Tensor:
+        """(tokens,) the flat positions (row * T + t) of the counted completion tokens, row by row, on the
+        device: from `host_mask` where the batch has one, copied without waiting for the device."""
+        if self.host_mask is None:
+            return self.mask.flatten().nonzero().squeeze(1)
+        return self.host_mask.flatten().nonzero().squeeze(1).to(self.mask.device, non_blocking=True)
 
 
 def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
@@ -80,9 +91,10 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
         input_ids[i, len(p):len(p) + T] = rollout.completion_ids[i]
     start = torch.tensor([len(p) for p in rows])
     parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
-    # On the host: the prompts' lengths are, the counted tokens come from the rollout (on the sampler's device)
-    lengths = tuple(len(p) + n for p, n in zip(rows, rollout.mask.sum(1).tolist()))
-    return Batch(*(t.to(device) for t in parts), lengths)
+    # On the host: the prompts' lengths are; the mask comes from the rollout (on the sampler's device), once
+    host_mask = rollout.mask.to("cpu", torch.bool)
+    lengths = tuple(len(p) + n for p, n in zip(rows, host_mask.sum(1).tolist()))
+    return Batch(*(t.to(device) for t in parts), lengths, host_mask=host_mask)
 
 
 def micro_batches(batch: Batch, adv: torch.Tensor, micro: int, pad_to_multiple_of: int = 1
@@ -130,8 +142,11 @@ def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
     positions = positions.clamp(max=hidden.shape[1] - 1)
     h = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     lm_head = base.get_output_embeddings().weight
-    logp = token_logprobs(h[batch.mask], lm_head, batch.completion_ids[batch.mask], temperature)
-    return torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(batch.mask, logp)
+    at = batch.counted()  # flat positions, not the bool mask: indexing by a mask waits for the device
+    logp = token_logprobs(h.flatten(0, 1).index_select(0, at), lm_head,
+                          batch.completion_ids.flatten().index_select(0, at), temperature)
+    out = torch.zeros(batch.mask.numel(), dtype=logp.dtype, device=logp.device)
+    return out.index_copy(0, at, logp).view(batch.mask.shape)
 
 
 def head_refusal(model) -> str | None:

@@ -188,7 +188,11 @@ class PolicyUpdate:
 def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Tensor,
                   ref_logp: torch.Tensor | None, old_logp: torch.Tensor | None, in_flight: InFlight) -> PolicyUpdate:
     """mu passes over the micro-batches, each ending in a clipped gradient and an optimizer step; a
-    non-finite loss or gradient on any rank stops them (the passes before it did update)."""
+    non-finite loss or gradient on any rank stops them (the passes before it did update).
+
+    Inside a pass nothing waits for the device: the losses' finiteness and the statistics stay device tensors
+    until every micro-batch's backward is queued, so the host queues the next micro-batch while the device
+    runs this one. A non-finite loss still runs its backward (its gradients are dropped with the step)."""
     cfg, world, policy, optimizer = s.cfg, s.world, s.policy, s.optimizer
     policy.train()
     train_s = optimizer_s = 0.0
@@ -205,6 +209,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     for n_pass in range(cfg.num_iterations):
         t = s.clock()
         optimizer.zero_grad(set_to_none=True)
+        bad_loss = torch.zeros((), dtype=torch.bool, device=s.device)  # a non-finite loss in this pass
         for sl in slices:
             mb = batch.rows(sl)
             logp = sequence_logprobs(policy, mb, cfg.temperature)
@@ -226,17 +231,16 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
             # whole step's batch so that the gradient, accumulated and summed over ranks, equals
             # one pass over all the step's rows (N*P*G, or the groups --dynamic-sampling kept).
             share = (mb.mask.sum() / n_tokens) if cfg.loss_norm == "token" else len(mb) / n_rows
-            if not torch.isfinite(loss):
-                nonfinite = True
-                break
+            bad_loss |= ~torch.isfinite(loss.detach())
             (loss * share).backward()
             stats["loss"] = loss.detach()
-            accumulate_stats(agg, stats, float(share), cfg.num_iterations)
+            accumulate_stats(agg, stats, share, cfg.num_iterations)
         if len(batch) == 0:  # this rank kept no group: it adds nothing, and steps as the others do
             agg = no_stats()
             for p in s.params:
                 p.grad = torch.zeros_like(p)
-        nonfinite = world.sum_grads_(s.params, nonfinite)  # a bad loss on any rank skips the step on all
+        # the pass's one wait for the device; a bad loss on any rank skips the step on all
+        nonfinite = world.sum_grads_(s.params, bool(bad_loss))
         train_s += s.clock() - t
         if nonfinite:
             break
@@ -250,6 +254,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
         in_flight.updated = True
         optimizer_s += s.clock() - t
     gap_stats = gap.over_ranks(world)  # every rank leaves the passes at the same point
+    agg = host_stats(agg)
     if nonfinite:  # every rank agrees on it, so none enters reduce_stats alone
         optimizer.zero_grad(set_to_none=True)
         return PolicyUpdate(agg, None, True, train_s, optimizer_s, gap_stats)
@@ -261,13 +266,23 @@ def no_stats() -> dict[str, float]:
     return {**{k: 0.0 for k in (*STAT_KEYS, "loss")}, "ratio_min": math.inf, "ratio_max": -math.inf}
 
 
-def accumulate_stats(agg: dict[str, float], stats: dict[str, torch.Tensor], share: float, passes: int) -> None:
+def accumulate_stats(agg: dict, stats: dict[str, torch.Tensor], share: torch.Tensor | float, passes: int) -> None:
     """Adds one micro-batch's stats into `agg`: means weighted by its share of the step's batch over
-    the passes, but true extremes of the ratio."""
+    the passes, but true extremes of the ratio. On the stats' device, in float64 (`host_stats` reads them)."""
     for k, v in stats.items():
-        if k == "ratio_min":
-            agg[k] = min(agg.get(k, math.inf), float(v))
+        v = torch.as_tensor(v).detach().double()
+        if k not in agg:
+            agg[k] = v if k in ("ratio_min", "ratio_max") else v * share / passes
+        elif k == "ratio_min":
+            agg[k] = torch.minimum(agg[k], v)
         elif k == "ratio_max":
-            agg[k] = max(agg.get(k, -math.inf), float(v))
+            agg[k] = torch.maximum(agg[k], v)
         else:
-            agg[k] = agg.get(k, 0.0) + float(v) * share / passes
+            agg[k] = agg[k] + v * share / passes
+
+
+def host_stats(agg: dict) -> dict[str, float]:
+    """`accumulate_stats`' sums as Python floats, read from the device at once."""
+    keys = [k for k, v in agg.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([agg[k].reshape(()) for k in keys]).tolist() if keys else []  # one copy, one wait
+    return {**agg, **dict(zip(keys, values))}

@@ -4,6 +4,9 @@ spoil (on the H200, cuDNN's backward returned NaN for every padded row when it w
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,6 +121,47 @@ def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logpro
     # the share of real tokens in what the forwards run: 39 of 6 x 11 in one pass, of 2 x (3 + 7 + 11) sorted
     assert real_token_share(batch, one) == 39 / 66 and real_token_share(ordered, slices) == 39 / 42
     assert real_token_share(ordered, []) == 1.0
+
+
+def test_the_hosts_copy_of_the_mask_finds_the_same_tokens_in_every_micro_batch_and_order():
+    policy = small_policy()
+    batch = make_batch(ragged_rollout(), PAD, torch.device("cpu"))
+    assert batch.host_mask is not None and torch.equal(batch.host_mask, batch.mask)
+    from_device = dataclasses.replace(batch, host_mask=None)  # counted() reads the device's mask instead
+    order = [4, 1, 5, 0, 3, 2]
+    for part, same in ((batch.rows(slice(1, 4)), from_device.rows(slice(1, 4))),
+                       (batch.take(order), from_device.take(order)), (batch, from_device)):
+        assert torch.equal(part.host_mask, part.mask)
+        assert torch.equal(part.counted(), same.counted())
+        assert part.counted().tolist() == part.mask.flatten().nonzero().flatten().tolist()
+        logp = sequence_logprobs(policy, part, temperature=0.7)
+        assert torch.equal(logp, sequence_logprobs(policy, same, temperature=0.7))
+        assert (logp[~part.mask] == 0).all() and (logp[part.mask] < 0).all()
+        logp.sum().backward()  # the gradient flows back through the positions' gather and scatter
+        grads = [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+        policy.zero_grad(set_to_none=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_training_pass_and_its_statistics_never_wait_for_the_device():
+    from grpo.loss import SamplerGap, clipped_surrogate, importance_weights
+
+    policy = small_policy().cuda()
+    batch = make_batch(ragged_rollout(), PAD, torch.device("cuda"))
+    adv = torch.linspace(-1, 1, len(batch), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises
+    try:
+        logp = sequence_logprobs(policy, batch, temperature=1.0)
+        weights, _ = importance_weights(logp, batch.sampler_logp, batch.mask)
+        loss, stats = clipped_surrogate(logp, logp.detach(), adv, batch.mask, is_weights=weights)
+        loss.backward()
+        SamplerGap().add(logp, batch.sampler_logp, batch.mask)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss) and stats
 
 
 def test_widths_rounded_up_to_a_multiple_leave_the_logprobs_as_they_are():

@@ -70,18 +70,23 @@ def importance_weights(
                  "is_clipped_frac": zero}
         return maskf, stats
 
-    ratio, samples = _ratios(logp, sampler_logp, mask, is_level)
+    ratio = _ratio(logp, sampler_logp, mask, is_level)
     clipped = _clipped(ratio, is_correction, is_cap, is_cap_low)
     weights = ratio.clamp(max=is_cap) if is_correction == "truncate" else torch.where(clipped, zero, ratio)
     weights = (weights * maskf).detach()  # (B, T)
 
     clipped_tokens = (clipped & mask).to(dtype).sum()
-    if samples.numel() == 0:  # nothing counts: report a neutral ratio
-        samples = ratio.new_ones(1)
+    # The ratio's statistics over its samples: each counted token, or each row with one at sequence level.
+    # Masked reductions, not a selection of the samples, so that the device is never waited for.
+    values, counted = (ratio, mask) if is_level == "token" else (ratio[:, :1], mask.any(-1, keepdim=True))
+    if values.numel() == 0:  # no rows or no columns (shapes: known without the device)
+        values, counted = ratio.new_ones(1), mask.new_zeros(1)
+    count = counted.sum()
+    some = count > 0  # nothing counts: a neutral ratio 1
     stats = {
-        "is_ratio_mean": samples.mean().detach(),
-        "is_ratio_max": samples.max().detach(),
-        "is_ratio_min": samples.min().detach(),
+        "is_ratio_mean": torch.where(some, torch.where(counted, values, 0).sum() / count.clamp(min=1), 1).detach(),
+        "is_ratio_max": torch.where(some, values.masked_fill(~counted, -math.inf).amax(), 1).detach(),
+        "is_ratio_min": torch.where(some, values.masked_fill(~counted, math.inf).amin(), 1).detach(),
         "is_clipped_frac": (clipped_tokens / n_tokens.clamp(min=1)).detach(),
     }
     return weights, stats
@@ -105,7 +110,7 @@ def clipped_by_correction(
     mask = mask.bool()
     if is_correction == "none":
         return torch.zeros_like(mask)
-    ratio, _ = _ratios(logp, sampler_logp, mask, is_level)
+    ratio = _ratio(logp, sampler_logp, mask, is_level)
     return _clipped(ratio, is_correction, is_cap, is_cap_low) & mask
 
 
@@ -125,20 +130,17 @@ def _dtype(logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(logp.dtype, sampler_logp.dtype), torch.float32)
 
 
-def _ratios(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, is_level: str
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ratio (B, T), samples): the ratio each token is weighted by (its own, or its row's geometric
-    mean), and one ratio per counted token (per non-empty row at sequence level) for the statistics."""
+def _ratio(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, is_level: str) -> torch.Tensor:
+    """(B, T): the ratio each token is weighted by, its own or its row's geometric mean."""
     dtype = _dtype(logp, sampler_logp)
     logp, sampler_logp = logp.detach().to(dtype), sampler_logp.detach().to(dtype)
     # Masked positions get log-ratio 0 so padding never overflows exp().
     log_ratio = torch.where(mask, logp - sampler_logp, 0.0)  # (B, T)
     if is_level == "token":
-        ratio = log_ratio.exp()  # (B, T)
-        return ratio, ratio[mask]
+        return log_ratio.exp()
     lengths = mask.to(dtype).sum(-1)  # (B,)
     seq_ratio = (log_ratio.sum(-1) / lengths.clamp(min=1)).exp()  # (B,) geometric mean per row
-    return seq_ratio.unsqueeze(-1).expand_as(log_ratio), seq_ratio[lengths > 0]
+    return seq_ratio.unsqueeze(-1).expand_as(log_ratio)
 
 
 def _clipped(ratio: torch.Tensor, is_correction: str, is_cap: float, is_cap_low: float | None) -> torch.Tensor:
@@ -167,23 +169,25 @@ class SamplerGap:
         self.abs_sum = self.abs_max = self.clipped = self.tokens = 0.0
 
     def add(self, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> None:
-        """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask."""
-        diff = (logp.detach().double() - sampler_logp.double()).abs()[mask]  # (tokens,) a bf16 gap would round
+        """One micro-batch: (B, T) trainer and sampler log-probs of its tokens, (B, T) mask. The sums stay on
+        the device until `over_ranks`, so the micro-batches' passes never wait for it."""
+        mask = mask.bool()
+        diff = (logp.detach().double() - sampler_logp.double()).abs()  # (B, T) a bf16 gap would round
         clipped = clipped_by_correction(logp.detach(), sampler_logp, mask, is_level=self.is_level,
                                         is_correction=self.is_correction, is_cap=self.is_cap)
-        self.abs_sum += float(diff.sum())
-        if diff.numel():
-            top = float(diff.max())
-            if math.isnan(top) or top > self.abs_max:  # a NaN stays: it says more than any number would
-                self.abs_max = top
-        self.clipped += float(clipped.sum())
-        self.tokens += diff.numel()
+        counted = diff.masked_fill(~mask, 0)  # |diff| >= 0, so padding's 0 never wins the max; a NaN stays
+        self.abs_sum = self.abs_sum + counted.sum()
+        if counted.numel():
+            self.abs_max = torch.maximum(counted.amax(), torch.as_tensor(self.abs_max, dtype=counted.dtype,
+                                                                          device=counted.device))
+        self.clipped = self.clipped + clipped.sum()
+        self.tokens = self.tokens + mask.sum()
 
     def over_ranks(self, world) -> dict[str, float]:
         """The gap over every rank's tokens of `world` (a `grpo.distributed.World`: its `reduce_stats` sums,
         and takes the max of keys ending in _max); a collective: every rank calls it."""
-        total = world.reduce_stats({"abs_sum": self.abs_sum, "clipped": self.clipped, "tokens": self.tokens,
-                                    "abs_max": self.abs_max})  # keys ending in _max take the max
+        total = world.reduce_stats({"abs_sum": float(self.abs_sum), "clipped": float(self.clipped),
+                                    "tokens": float(self.tokens), "abs_max": float(self.abs_max)})  # _max: the max
         tokens = max(total["tokens"], 1.0)
         return {"gap/logp_abs_mean": total["abs_sum"] / tokens, "gap/logp_abs_max": total["abs_max"],
                 "gap/is_clipped_frac": total["clipped"] / tokens}
