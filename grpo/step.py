@@ -202,7 +202,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     n_tokens = world.sum(batch.mask.sum()).clamp(min=1)
     # When the sampler's numerics are not ours, weight each token by pi_trainer/pi_sampler.
     correct_sampler = s.engine.needs_importance_correction and cfg.is_correction != "none"
-    agg: dict[str, float] = {}
+    agg: dict = {}  # statistics: device tensors until host_stats
     gap = SamplerGap(is_level=cfg.is_level, is_correction=cfg.is_correction, is_cap=cfg.is_cap)
     nonfinite = False
     grad_norm = None
