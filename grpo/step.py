@@ -209,7 +209,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     for n_pass in range(cfg.num_iterations):
         t = s.clock()
         optimizer.zero_grad(set_to_none=True)
-        bad_loss = torch.zeros((), dtype=torch.bool, device=s.device)  # a non-finite loss in this pass
+        bad_loss = torch.zeros((), dtype=torch.bool, device=batch.mask.device)  # a non-finite loss in this pass
         for sl in slices:
             mb = batch.rows(sl)
             logp = sequence_logprobs(policy, mb, cfg.temperature)
