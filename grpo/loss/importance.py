@@ -177,9 +177,9 @@ class SamplerGap:
                                         is_correction=self.is_correction, is_cap=self.is_cap)
         counted = diff.masked_fill(~mask, 0)  # |diff| >= 0, so padding's 0 never wins the max; a NaN stays
         self.abs_sum = self.abs_sum + counted.sum()
-        if counted.numel():
-            self.abs_max = torch.maximum(counted.amax(), torch.as_tensor(self.abs_max, dtype=counted.dtype,
-                                                                          device=counted.device))
+        if counted.numel():  # (the first max is the micro-batch's own: 0.0 to the device would be a wait)
+            top = counted.amax()
+            self.abs_max = torch.maximum(self.abs_max, top) if isinstance(self.abs_max, torch.Tensor) else top
         self.clipped = self.clipped + clipped.sum()
         self.tokens = self.tokens + mask.sum()
 
