@@ -1,0 +1,232 @@
+"""Where an FP8Linear call spends the host's time: its forward and backward beside each piece they are made of.
+
+The FP8 bench step loses 0.05-0.2 s to bf16's, most of it in the training pass, where its GPU is busy for
+less time than bf16's (2026-12-04: update 103 against 113 ms of GPU time, 509 against 371 ms of wall time,
+profiled): the host sets the pace. This times, per call, with the GPU queue not drained (`timing.host_ms`,
+microseconds here), the module's forward and backward beside each piece: the activation's quantization and
+the weight's transpose (Triton launches), `_scaled_mm`, the scales' copy, the empty tensors, an
+autograd.Function that does no work, and the same pieces inside an autograd backward, which runs on the
+engine's own thread:
+- `launch_us`: a Triton launch through the JIT function and through its compiled kernel, and the lookups the
+  JIT's run makes, on the main thread and inside a backward;
+- `backward_variants_us`: a Function with the FP8 forward and a backward of one piece or another, with and
+  without `once_differentiable`: which piece of the module's backward costs what;
+- `host_us`: the module, the bf16 `nn.Linear`, and each piece on its own; at the rows given.
+Only the rows' few (16) keep the GPU from setting the pace; at the bench's 10240 rows the in-backward figures
+follow the GPU's time. The profiler's tables of the module's forward + backward go to the .log.
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/fp8_host.py --out DIR [--rows 16 10240] [--shapes 2048x2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import Recorder, add_out_argument, host_ms  # noqa: E402
+
+from grpo.kernels.fp8 import (  # noqa: E402
+    FP8Linear,
+    _FP8LinearFn,
+    fp8_mm_bwd,
+    fp8_mm_fwd,
+    quantize_fp8_rows,
+    transpose_fp8,
+)
+
+
+def host_us(fn, calls: int = 200, repeats: int = 5) -> float:
+    """Median over `repeats` of the host's microseconds per call."""
+    return statistics.median(host_ms(fn, calls) for _ in range(repeats)) * 1e3
+
+
+class _Nothing(torch.autograd.Function):
+    """The autograd.Function structure of _FP8LinearFn with no work in it: what autograd itself costs."""
+
+    @staticmethod
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(w)
+        return torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        (w,) = ctx.saved_tensors
+        return torch.empty((gy.shape[0], w.shape[1]), dtype=gy.dtype, device=gy.device), None
+
+
+def in_backward(body):
+    """body() run inside an autograd backward: on the engine's thread, as the module's backward is."""
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, gt):
+            body()
+            return gt
+
+    xs = torch.zeros(16, device="cuda", requires_grad=True)
+    gs = torch.ones_like(xs)
+    return lambda: torch.autograd.grad(InBackward.apply(xs), xs, gs)
+
+
+def launch_pieces() -> dict:
+    """What a Triton launch is made of, on the main thread and inside an autograd backward: the launch through
+    the JIT function, through its compiled kernel with the stream given, and the lookups the JIT's run makes."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    @triton.jit
+    def _one(x_ptr, V: tl.constexpr):
+        tl.store(x_ptr, V)
+
+    t = torch.zeros(1, device="cuda")
+    compiled = _one[(1,)](t, V=1.0)
+    stream = torch.cuda.current_stream().cuda_stream
+    fns = {
+        "python_call": lambda: None,
+        "jit_launch": lambda: _one[(1,)](t, V=1.0),
+        "compiled_launch": lambda: compiled[(1, 1, 1)](t, 1.0, stream=stream),
+        "compiled_launch_own_stream": lambda: compiled[(1, 1, 1)](t, 1.0),
+        "driver_device_stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+        "knobs_debug": lambda: knobs.runtime.debug,
+        "torch_current_device": torch.cuda.current_device,
+        "torch_empty": lambda: torch.empty(1, device="cuda"),
+    }
+    out = {}
+    for name, fn in fns.items():
+        out[f"main_{name}"] = round(host_us(fn), 2)
+        out[f"in_backward_{name}"] = round(host_us(in_backward(fn)), 2)
+    return out
+
+
+def backward_variants(m: int, k: int, n: int) -> dict:
+    """An autograd.Function with _FP8LinearFn's forward and a backward of one piece or another: which piece of
+    the module's backward costs the host what it does."""
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    fp8 = FP8Linear.from_linear(lin)
+    w, s = fp8.weight, fp8.weight_scale_inv
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    g_fp8, sg = quantize_fp8_rows(g, pad_rows_to=16)
+    w_cm = transpose_fp8(w).t()
+    s_bwd = s.t().contiguous().t()
+    bodies = {
+        "empty": lambda gy, w_, s_: torch.empty((gy.shape[0], k), dtype=gy.dtype, device=gy.device),
+        "fp8_mm_bwd": lambda gy, w_, s_: fp8_mm_bwd(gy, w_, s_),
+        "fp8_mm_bwd_contiguous": lambda gy, w_, s_: fp8_mm_bwd(gy.contiguous(), w_, s_),
+        "quant": lambda gy, w_, s_: quantize_fp8_rows(gy, pad_rows_to=16)[0],
+        "transpose": lambda gy, w_, s_: transpose_fp8(w_),
+        "scale_copy": lambda gy, w_, s_: s_.t().contiguous().t(),
+        "scaled_mm": lambda gy, w_, s_: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype),
+    }
+    out = {}
+    for name, body in bodies.items():
+        for once in (True, False):
+            class Variant(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x2, w_, s_):
+                    ctx.save_for_backward(w_, s_)
+                    return fp8_mm_fwd(x2, w_, s_)
+
+                @staticmethod
+                def backward(ctx, gy, body=body):
+                    w_, s_ = ctx.saved_tensors
+                    body(gy, w_, s_)
+                    return torch.empty((gy.shape[0], k), dtype=gy.dtype, device=gy.device), None, None
+
+            if once:
+                Variant.backward = staticmethod(torch.autograd.function.once_differentiable(Variant.backward))
+            fn = (lambda V=Variant: torch.autograd.grad(V.apply(x, w, s), x, g))
+            out[f"{name}{'_once' if once else ''}"] = round(host_us(fn), 2)
+    out["module"] = round(host_us(lambda: torch.autograd.grad(fp8(x), x, g)), 2)
+    out["function"] = round(host_us(lambda: torch.autograd.grad(_FP8LinearFn.apply(x, w, s, "scaled_mm", "fp8"),
+                                                                 x, g)), 2)
+    return out
+
+
+def pieces(m: int, k: int, n: int) -> tuple[dict, dict]:
+    """Host microseconds of the module, of bf16's nn.Linear and of each piece, and the callables timed."""
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    fp8 = FP8Linear.from_linear(lin)
+    w, s = fp8.weight, fp8.weight_scale_inv
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    xd = x.detach()
+    g_fp8, sg = quantize_fp8_rows(g, pad_rows_to=16)
+    x_fp8, sx = quantize_fp8_rows(xd, pad_rows_to=16)
+    w_cm = transpose_fp8(w).t()
+    s_bwd = s.t().contiguous().t()
+    s_fwd = s.contiguous().t()
+    fns = {
+        "bf16_linear_fwd_bwd": lambda: torch.autograd.grad(lin(x), x, g),
+        "bf16_linear_fwd": lambda: lin(x),
+        "fp8_module_fwd_bwd": lambda: torch.autograd.grad(fp8(x), x, g),
+        "fp8_module_fwd": lambda: fp8(x),
+        "fp8_function_fwd": lambda: _FP8LinearFn.apply(x, w, s, "scaled_mm", "fp8"),
+        "nothing_function_fwd_bwd": lambda: torch.autograd.grad(_Nothing.apply(x, w), x, g),
+        "nothing_function_fwd": lambda: _Nothing.apply(x, w),
+        "fp8_mm_fwd": lambda: fp8_mm_fwd(xd, w, s),
+        "fp8_mm_bwd": lambda: fp8_mm_bwd(g, w, s),
+        "quant": lambda: quantize_fp8_rows(xd, pad_rows_to=16),
+        "transpose": lambda: transpose_fp8(w),
+        "scaled_mm_fwd": lambda: torch._scaled_mm(x_fp8, w.t(), scale_a=sx, scale_b=s_fwd, out_dtype=xd.dtype),
+        "scaled_mm_bwd": lambda: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype),
+        "scale_copy": lambda: s.t().contiguous().t(),
+        "two_empties": lambda: (torch.empty((m, k), dtype=torch.float8_e4m3fn, device="cuda"),
+                                torch.empty((k // 128, m), dtype=torch.float32, device="cuda")),
+        "in_backward_nothing": in_backward(lambda: None),
+        "in_backward_fp8_mm_bwd": in_backward(lambda: fp8_mm_bwd(g, w, s)),
+        "in_backward_quant": in_backward(lambda: quantize_fp8_rows(g, pad_rows_to=16)),
+        "in_backward_scaled_mm_bwd": in_backward(
+            lambda: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype)),
+    }
+    return {name: round(host_us(fn), 2) for name, fn in fns.items()}, fns
+
+
+def profile_table(rec: Recorder, fn, label: str) -> None:
+    """The profiler's top host ops of 20 calls of fn, by their own time and by their total, into the .log."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    for key in ("self_cpu_time_total", "cpu_time_total"):
+        rec.say(f"{label}, by {key}:\n" + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 10240], help="rows (tokens) a call")
+    ap.add_argument("--shapes", nargs="+", default=["2048x2048", "2048x8192"], help="KxN of the projection")
+    add_out_argument(ap)
+    args = ap.parse_args()
+    rec = Recorder("fp8_host", args.out)
+    rec.record("env", torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    rec.record("launch_us", **launch_pieces())
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        for m in args.rows:
+            rec.record("backward_variants_us", m=m, k=k, n=n, **backward_variants(m, k, n))
+            times, fns = pieces(m, k, n)
+            rec.record("host_us", m=m, k=k, n=n, **times)
+            if m <= 64:
+                profile_table(rec, fns["fp8_module_fwd_bwd"], f"FP8Linear forward + backward, {m} x {k} -> {n}")
+
+
+if __name__ == "__main__":
+    main()
