@@ -383,7 +383,7 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 @pytest.mark.parametrize("probe", ["fp8_and_logprobs", "native_engine", "decode_gemm_tiles", "decode_gemm_sass",
                                    "saved_activations", "prefill_interrupt", "train_pass", "engine_sampling",
-                                   "step_profile"])
+                                   "step_profile", "fp8_host"])
 def test_every_probe_parses_its_command_line_as_a_script(probe):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], cwd=ROOT, env=env,
