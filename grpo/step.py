@@ -190,9 +190,10 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     """mu passes over the micro-batches, each ending in a clipped gradient and an optimizer step; a
     non-finite loss or gradient on any rank stops them (the passes before it did update).
 
-    Inside a pass nothing waits for the device: the losses' finiteness and the statistics stay device tensors
-    until every micro-batch's backward is queued, so the host queues the next micro-batch while the device
-    runs this one. A non-finite loss still runs its backward (its gradients are dropped with the step)."""
+    Inside a pass nothing of ours waits for the device: the losses' finiteness and the statistics stay device
+    tensors until every micro-batch's backward is queued, so the host queues the next micro-batch while the
+    device runs this one. (transformers' forward waits once, to ask whether rows without an attention mask are
+    packed sequences.) A non-finite loss still runs its backward (its gradients are dropped with the step)."""
     cfg, world, policy, optimizer = s.cfg, s.world, s.policy, s.optimizer
     policy.train()
     train_s = optimizer_s = 0.0
