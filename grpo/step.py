@@ -192,8 +192,9 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
 
     Inside a pass nothing of ours waits for the device: the losses' finiteness and the statistics stay device
     tensors until every micro-batch's backward is queued, so the host queues the next micro-batch while the
-    device runs this one. (transformers' forward of each micro-batch waits once, to ask whether rows without a mask are
-    packed sequences.) A non-finite loss still runs its backward (its gradients are dropped with the step)."""
+    device runs this one. (transformers' forward of each micro-batch waits once, to ask whether rows without a
+    mask are packed sequences.) A non-finite loss still runs its backward (its gradients are dropped with the
+    step)."""
     cfg, world, policy, optimizer = s.cfg, s.world, s.policy, s.optimizer
     policy.train()
     train_s = optimizer_s = 0.0
