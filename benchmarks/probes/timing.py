@@ -134,9 +134,6 @@ def copy_tbps(numel: int = 1 << 28) -> float:
     return 2 * src.numel() * src.element_size() / (ms / 1e3) / 1e12
 
 
-# --------------------------------------------------------------------------------------------------
-# the results writer
-# --------------------------------------------------------------------------------------------------
 def covered_us(spans: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) spans: the time at least one of them ran."""
     total, reached = 0.0, float("-inf")
@@ -147,6 +144,9 @@ def covered_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+# --------------------------------------------------------------------------------------------------
+# the results writer
+# --------------------------------------------------------------------------------------------------
 def default_out() -> Path:
     """$OUT when set (the device machine's output folder), else outputs/probes/ in the repository."""
     return Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "outputs" / "probes"
