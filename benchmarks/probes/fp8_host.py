@@ -11,7 +11,10 @@ engine's own thread:
   JIT's run makes, on the main thread and inside a backward;
 - `backward_variants_us`: a Function with the FP8 forward and a backward of one piece or another, with and
   without `once_differentiable`: which piece of the module's backward costs what;
-- `host_us`: the module, the bf16 `nn.Linear`, and each piece on its own; at the rows given.
+- `host_us`: the module, the bf16 `nn.Linear`, and each piece on its own and inside a backward
+  (`fp8_and_logprobs.backward_pieces`, its `overhead` section's pieces); at the rows given. (The files of
+  2026-12-04 in results/2026-12-04h-fp8-host/ came from this probe's first version, which timed the pieces
+  itself: its keys are the pieces' plain names.)
 Only the rows' few (16) keep the GPU from setting the pace; at the bench's 10240 rows the in-backward figures
 follow the GPU's time. The profiler's tables of the module's forward + backward go to the .log.
 
@@ -111,14 +114,19 @@ def launch_pieces() -> dict:
     return out
 
 
+def operands(m: int, k: int, n: int):
+    """A random bf16 nn.Linear K -> N (frozen), its FP8Linear, an input (M, K) that requires grad and an output
+    gradient (M, N)."""
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return lin, FP8Linear.from_linear(lin), x, torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+
 def backward_variants(m: int, k: int, n: int) -> dict:
     """An autograd.Function with _FP8LinearFn's forward and a backward of one piece or another: which piece of
     the module's backward costs the host what it does."""
-    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    fp8 = FP8Linear.from_linear(lin)
+    _, fp8, x, g = operands(m, k, n)
     w, s = fp8.weight, fp8.weight_scale_inv
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     g_fp8, sg = quantize_fp8_rows(g, pad_rows_to=16)
     w_cm = transpose_fp8(w).t()
     s_bwd = s.t().contiguous().t()
@@ -157,42 +165,23 @@ def backward_variants(m: int, k: int, n: int) -> dict:
 
 
 def pieces(m: int, k: int, n: int) -> tuple[dict, dict]:
-    """Host microseconds of the module, of bf16's nn.Linear and of each piece, and the callables timed."""
-    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    fp8 = FP8Linear.from_linear(lin)
-    w, s = fp8.weight, fp8.weight_scale_inv
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    xd = x.detach()
-    g_fp8, sg = quantize_fp8_rows(g, pad_rows_to=16)
-    x_fp8, sx = quantize_fp8_rows(xd, pad_rows_to=16)
-    w_cm = transpose_fp8(w).t()
-    s_bwd = s.t().contiguous().t()
-    s_fwd = s.contiguous().t()
+    """Host microseconds of bf16's nn.Linear, of the FP8 module and of an autograd.Function doing nothing, and of
+    each piece of the module (`fp8_and_logprobs.backward_pieces`: on the main thread and inside a backward); and
+    the callables timed here."""
+    from fp8_and_logprobs import backward_pieces
+
+    lin, fp8, x, g = operands(m, k, n)
     fns = {
         "bf16_linear_fwd_bwd": lambda: torch.autograd.grad(lin(x), x, g),
         "bf16_linear_fwd": lambda: lin(x),
         "fp8_module_fwd_bwd": lambda: torch.autograd.grad(fp8(x), x, g),
-        "fp8_module_fwd": lambda: fp8(x),
-        "fp8_function_fwd": lambda: _FP8LinearFn.apply(x, w, s, "scaled_mm", "fp8"),
-        "nothing_function_fwd_bwd": lambda: torch.autograd.grad(_Nothing.apply(x, w), x, g),
-        "nothing_function_fwd": lambda: _Nothing.apply(x, w),
-        "fp8_mm_fwd": lambda: fp8_mm_fwd(xd, w, s),
-        "fp8_mm_bwd": lambda: fp8_mm_bwd(g, w, s),
-        "quant": lambda: quantize_fp8_rows(xd, pad_rows_to=16),
-        "transpose": lambda: transpose_fp8(w),
-        "scaled_mm_fwd": lambda: torch._scaled_mm(x_fp8, w.t(), scale_a=sx, scale_b=s_fwd, out_dtype=xd.dtype),
-        "scaled_mm_bwd": lambda: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype),
-        "scale_copy": lambda: s.t().contiguous().t(),
-        "two_empties": lambda: (torch.empty((m, k), dtype=torch.float8_e4m3fn, device="cuda"),
-                                torch.empty((k // 128, m), dtype=torch.float32, device="cuda")),
-        "in_backward_nothing": in_backward(lambda: None),
-        "in_backward_fp8_mm_bwd": in_backward(lambda: fp8_mm_bwd(g, w, s)),
-        "in_backward_quant": in_backward(lambda: quantize_fp8_rows(g, pad_rows_to=16)),
-        "in_backward_scaled_mm_bwd": in_backward(
-            lambda: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype)),
+        "nothing_function_fwd_bwd": lambda: torch.autograd.grad(_Nothing.apply(x, fp8.weight), x, g),
+        "nothing_function_fwd": lambda: _Nothing.apply(x, fp8.weight),
     }
-    return {name: round(host_us(fn), 2) for name, fn in fns.items()}, fns
+    times = {name: round(host_us(fn), 2) for name, fn in fns.items()}
+    for key, ms in backward_pieces(x, g, fp8).items():
+        times[key.replace("_host_ms", "_us")] = round(ms * 1e3, 2)
+    return times, fns
 
 
 def profile_table(rec: Recorder, fn, label: str) -> None:
