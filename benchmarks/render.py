@@ -53,7 +53,7 @@ IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step",
               "ours-packed": "ours, packed layers past the kernels' rows",
               "ours-packed-folded": "ours, packed layers, the adapters folded", "ours-mb4-folded":
               "ours, micro-batches of 4, the adapters folded in decode",
-              "ours-unfolded": "ours, --no-engine-fold-adapter",
+              "ours-unfolded": "ours, --no-engine-fold-adapter", "ours-fp8-gemm": "ours, --fp8-gemm fp8",
               "ours-mb4-unfolded": "ours, micro-batches of 4, --no-engine-fold-adapter",
               "ours-lora-bf16": "ours, --lora-compute base",
               "ours-lora-fp32": "ours, --lora-compute float32", "ours-vllm": "ours, --engine vllm",

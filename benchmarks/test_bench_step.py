@@ -29,7 +29,7 @@ def _skip_without_unsloth() -> None:
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
               micro_batch: int | None = None, lora_compute: str | None = None, impl: str = "ours",
               engine: str = "native", attention: str = "auto", vllm_share: float | None = None,
-              fold_adapter: bool = True) -> dict:
+              fold_adapter: bool = True, fp8_gemm: str = "auto") -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -45,7 +45,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     cfg = bs.step_config(model_dir, bench_env.prompts(shape), shape, fp8=dtype == "fp8" and not fp8_block,
                          steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
                          micro_batch_size=micro_batch, engine=engine, engine_attention=attention,
-                         vllm_gpu_memory_utilization=vllm_share, engine_fold_adapter=fold_adapter,
+                         vllm_gpu_memory_utilization=vllm_share, engine_fold_adapter=fold_adapter, fp8_gemm=fp8_gemm,
                          **({} if lora_compute is None else {"lora_compute": lora_compute}))  # None: the product's
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
@@ -75,6 +75,15 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
 def test_grpo_step_at_bench_config(benchmark, bench_env, results, tmp_path, dtype):
     """4 prompts x G=4, 128-token prompts, 512 completion tokens: steady-state step time and memory."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", dtype)
+
+
+@pytest.mark.bench_order(30)
+@pytest.mark.bench_cost(15)
+def test_grpo_step_on_the_fp8_tensor_cores(benchmark, bench_env, results, tmp_path):
+    """FP8 at the bench config with --fp8-gemm fp8: the training pass and the prefill as FP8 GEMMs (`_scaled_mm`,
+    activations quantized per 1x128 group; a Python autograd node a projection), the product until 2026-12-04,
+    beside the product's dense bf16 products from the FP8 weights (--fp8-gemm auto with checkpointing)."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "fp8", impl="ours-fp8-gemm", fp8_gemm="fp8")
 
 
 @pytest.mark.bench_order(31)

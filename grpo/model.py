@@ -175,7 +175,20 @@ def add_lora(model, cfg: Config):
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_fp8_gemm(model, cfg)
     return policy
+
+
+def set_fp8_gemm(model, cfg: Config) -> int:
+    """Every FP8Linear multiplies as --fp8-gemm says (see its help); returns how many there are.
+    auto is dense only with checkpointing: without it autograd would keep every layer's dense weight."""
+    from grpo.kernels.fp8 import FP8Linear
+
+    dense = cfg.fp8_gemm == "dense" or (cfg.fp8_gemm == "auto" and cfg.gradient_checkpointing)
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for layer in layers:
+        layer.gemm = "dense" if dense else "auto"  # FP8Linear's auto: scaled_mm where it runs
+    return len(layers)
 
 
 def save_lora(policy, folder) -> None:

@@ -123,11 +123,14 @@ def test_fp8linear_is_a_frozen_nn_linear_that_keeps_its_format():
     assert list(fp8.state_dict()) == keys
 
 
+@pytest.mark.parametrize("gemm", ["auto", "dense"])  # on the CPU auto is dequant: the weight dequantized per product
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("in_f,out_f,lead", [(200, 300, (3, 5)), (128, 256, (1,)), (64, 130, (4,))])
-def test_fp8linear_forward_and_input_gradient_match_the_dequantized_float64_linear(dtype, tol, in_f, out_f, lead):
+def test_fp8linear_forward_and_input_gradient_match_the_dequantized_float64_linear(dtype, tol, in_f, out_f, lead,
+                                                                                   gemm):
     torch.manual_seed(3)
     fp8 = FP8Linear.from_linear(nn.Linear(in_f, out_f)).to(dtype)
+    fp8.gemm = gemm
     x = torch.randn(*lead, in_f, dtype=dtype, requires_grad=True)
     y = fp8(x)
     assert y.dtype == dtype and y.shape == (*lead, out_f)
@@ -140,6 +143,39 @@ def test_fp8linear_forward_and_input_gradient_match_the_dequantized_float64_line
     (y64 * g).sum().backward()
     assert rel(x.grad, x64.grad) < tol
     assert fp8.weight.grad is None and fp8.weight_scale_inv.grad is None
+
+
+def test_dense_gemm_backward_is_torch_s_own_node_and_gives_the_dequant_function_s_values():
+    torch.manual_seed(13)
+    fp8 = FP8Linear.from_linear(nn.Linear(256, 384))
+    x = torch.randn(2, 7, 256, requires_grad=True)
+    g = torch.randn(2, 7, 384)
+    out = {}
+    for gemm in ("dequant", "dense"):
+        fp8.gemm = gemm
+        y = fp8(x)
+        # dense: no Python autograd.Function in the graph, so none runs in the backward
+        python_nodes = []
+        stack = [y.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None:
+                python_nodes += [node] if isinstance(node, torch.autograd.function.BackwardCFunction) else []
+                stack += [next_fn for next_fn, _ in node.next_functions]
+        assert bool(python_nodes) == (gemm == "dequant")
+        (grad_x,) = torch.autograd.grad(y, x, g)
+        out[gemm] = (y.detach(), grad_x)
+    for a, b in zip(out["dense"], out["dequant"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dequantizing_kernel_is_what_runs_where_triton_does_and_the_reference_elsewhere():
+    codes, scale = quantize_fp8_block(torch.randn(130, 260))
+    with pytest.raises(ValueError, match="expected"):
+        dequantize_fp8_block(codes, scale[:1])
+    ref = dequantize_fp8_block(codes, scale, torch.float32, impl="ref")
+    assert torch.equal(dequantize_fp8_block(codes, scale, torch.float32), ref)  # auto on the CPU: the reference
+    assert ref[0, 0] == codes[0, 0].float() * scale[0, 0] and ref[129, 259] == codes[129, 259].float() * scale[1, 2]
 
 
 def test_fp8linear_output_is_close_to_the_original_bf16_linear():
@@ -225,6 +261,20 @@ def test_rslora_trains_on_fp8_linears_and_disable_adapter_gives_the_base():
         if isinstance(m, FP8Linear):
             name = n.replace("base_model.model.", "").replace(".base_layer", "")
             assert torch.equal(m.weight.view(torch.uint8), codes_before[name].view(torch.uint8))
+
+
+@pytest.mark.parametrize("choice,checkpointing,expected", [("auto", True, "dense"), ("auto", False, "auto"),
+                                                            ("dense", False, "dense"), ("fp8", True, "auto")])
+def test_fp8_gemm_flag_sets_every_fp8_layer_and_auto_is_dense_only_where_layers_are_recomputed(choice, checkpointing,
+                                                                                                expected):
+    from grpo.config import Config
+    from grpo.model import add_lora
+
+    model = tiny_llama(seed=6)
+    quantize_linears_(model, TARGETS)
+    policy = add_lora(model, Config(fp8_gemm=choice, gradient_checkpointing=checkpointing))
+    layers = [m for m in policy.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 2 * 7 and {m.gemm for m in layers} == {expected}  # FP8Linear's auto: its FP8 GEMMs
 
 
 def test_lora_adapters_get_the_same_dtype_as_on_a_bf16_base_never_float8():
@@ -331,6 +381,30 @@ def test_triton_transpose_and_padded_quantization_on_cuda():
     codes_ref, scale_ref = quantize_fp8_rows_ref(x, pad_rows_to=16)
     assert codes.shape == (48, 512) and scale.stride() == (1, 48) and (codes[37:].float() == 0).all()
     torch.testing.assert_close(scale[:37], scale_ref[:37], rtol=1e-6, atol=0)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("n,k", [(2048, 2048), (640, 200), (8192, 2048)])  # 640 x 200: partial edge blocks
+def test_the_dequantizing_kernel_matches_the_reference_bit_for_bit_on_cuda(n, k):
+    codes, scale = quantize_fp8_block(torch.randn(n, k, device="cuda") * 5)
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16), (torch.float32, torch.int32)):
+        kernel = dequantize_fp8_block(codes, scale, dtype)
+        assert torch.equal(kernel.view(bits), dequantize_fp8_block(codes, scale, dtype, impl="ref").view(bits))
+
+
+@pytest.mark.cuda
+@cuda
+def test_dense_gemm_matches_dequantized_float64_closer_than_scaled_mm_on_cuda():
+    torch.manual_seed(14)
+    fp8 = FP8Linear.from_linear(nn.Linear(2048, 512, bias=False, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
+    truth = x.double() @ fp8.dequantized_weight(torch.float64).t()
+    errors = {}
+    for gemm in ("dense", "scaled_mm"):
+        fp8.gemm = gemm
+        errors[gemm] = rel(fp8(x), truth)
+    assert errors["dense"] < 0.01 and errors["dense"] < errors["scaled_mm"] / 2, errors  # weight-only: X stays bf16
 
 
 @pytest.mark.cuda

@@ -29,6 +29,12 @@ quantized activations are padded with zero rows to a multiple of 16 and the outp
 
 Only the fp8 weight and its scales are saved for backward: no activation is kept.
 
+The other way, `gemm="dense"` (the trainer's with gradient checkpointing, `--fp8-gemm`): W dequantized to bf16
+by one Triton pass per call, then torch's own linear. Its backward is a C++ node; the FP8 GEMMs' is Python,
+and a Python backward's torch ops and launches cost their host several times what they do on the main thread
+(benchmarks/probes/fp8_host.py), which made FP8's training pass slower than bf16's on the host-bound bench
+step. Its numerics are weight-only FP8, as the decode kernels' are.
+
 Everywhere else (CPU, GPUs before Hopper, shapes whose K or N is not a multiple of 512, fp32 inputs)
 the same autograd function dequantizes W to the input's dtype for each product: slower, exact with
 respect to the stored weight, and the only path the CPU tests exercise.
@@ -90,9 +96,13 @@ def _check_pair(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
 
 
 def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """E4M3 codes (N, K) times their block scales, in float32, rounded once to `dtype`."""
+                         dtype: torch.dtype = torch.bfloat16, impl: str = "auto") -> torch.Tensor:
+    """E4M3 codes (N, K) times their block scales, in float32, rounded once to `dtype`.
+    `impl`: auto (one Triton pass on CUDA, torch's ops elsewhere), ref, or triton (also on the CPU, under
+    Triton's interpreter). Both compute the same float32 product, so they agree bit for bit."""
     _check_pair(w_fp8, scale_inv)
+    if impl == "triton" or (impl == "auto" and _use_triton(w_fp8)):
+        return _dequantize_triton(w_fp8, scale_inv, dtype)
     n, k = w_fp8.shape
     scale = scale_inv.float()
     if n % BLOCK == 0 and k % BLOCK == 0:  # broadcast the scales without materialising them
@@ -152,7 +162,21 @@ def _triton_kernels():
             tile = tl.load(src_ptr + r[:, None] * C + c[None, :], mask=(r[:, None] < R) & (c[None, :] < C))
             tl.store(dst_ptr + c[:, None] * R + r[None, :], tl.trans(tile), mask=(c[:, None] < C) & (r[None, :] < R))
 
-        _TRITON.update(triton=triton, quant=_quant_rows_kernel, transpose=_transpose_kernel)
+        @triton.jit
+        def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, K_BLOCKS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            # one (BLOCK_N, BLOCK_K) tile, inside one 128x128 block (both divide 128): codes times its scale
+            pid_n = tl.program_id(0)
+            pid_k = tl.program_id(1)
+            rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+            inside = (rows < N)[:, None] & (cols < K)[None, :]
+            scale = tl.load(s_ptr + (pid_n * BLOCK_N // 128) * K_BLOCKS + pid_k * BLOCK_K // 128)
+            bits = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=inside, other=0)
+            w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+            tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=inside)
+
+        _TRITON.update(triton=triton, quant=_quant_rows_kernel, transpose=_transpose_kernel,
+                       dequant=_dequant_kernel)
     return _TRITON
 
 
@@ -191,6 +215,17 @@ def transpose_fp8(w_fp8: torch.Tensor) -> torch.Tensor:
     tile = 64
     kernels["transpose"][(kernels["triton"].cdiv(n, tile), kernels["triton"].cdiv(k, tile))](
         w_fp8.view(torch.uint8), out.view(torch.uint8), n, k, BLOCK=tile, num_warps=4)
+    return out
+
+
+def _dequantize_triton(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    kernels = _triton_kernels()
+    n, k = w_fp8.shape
+    out = torch.empty((n, k), dtype=dtype, device=w_fp8.device)
+    tile_n, tile_k = 32, 128
+    kernels["dequant"][(kernels["triton"].cdiv(n, tile_n), kernels["triton"].cdiv(k, tile_k))](
+        w_fp8.contiguous().view(torch.uint8), scale_inv.float().contiguous(), out, n, k, scale_inv.shape[1],
+        BLOCK_N=tile_n, BLOCK_K=tile_k, num_warps=4)
     return out
 
 
@@ -253,10 +288,19 @@ class _FP8LinearFn(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                *, gemm: str = "auto", bwd: str = "fp8") -> torch.Tensor:
-    """Functional FP8 linear: x (..., K) -> (..., N). `gemm`: auto, scaled_mm or dequant."""
+    """Functional FP8 linear: x (..., K) -> (..., N). `gemm`:
+      scaled_mm  FP8 tensor-core GEMMs both ways (Hopper), X quantized per 1x128 group: `_FP8LinearFn`
+      dequant    W dequantized to x's dtype for each product, forward and backward: `_FP8LinearFn`
+      dense      W dequantized once (one kernel) and `F.linear`: torch's own autograd node, so no Python runs
+                 in the backward, where each FP8 call spent most of its host time (benchmarks/RESULTS.md);
+                 what autograd saves for dX is that dense weight, so keep it to recomputed layers (gradient
+                 checkpointing), where only the layer being recomputed holds its dense weights
+      auto       scaled_mm where it runs, else dequant (`grpo.config`'s --fp8-gemm picks dense for the trainer)"""
     n, k = w_fp8.shape
     if x.shape[-1] != k:
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight expects {k}")
+    if gemm == "dense":
+        return F.linear(x, dequantize_fp8_block(w_fp8, scale_inv, x.dtype), None if bias is None else bias.to(x.dtype))
     mode = gemm
     if gemm == "auto":
         mode = "scaled_mm" if _scaled_mm_ok(x, n, k) else "dequant"
@@ -290,7 +334,7 @@ class FP8Linear(nn.Linear):
         self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
         self.compute_dtype = compute_dtype
-        self.gemm = "auto"  # auto | scaled_mm | dequant
+        self.gemm = "auto"  # auto | scaled_mm | dequant | dense (fp8_linear says what each is)
         self.bwd = "fp8"  # fp8 | dequant (only with scaled_mm)
 
     @classmethod
