@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--norm-kernel", action=argparse.BooleanOptionalAction, default=True,
                         help="the RMSNorms as grpo.kernels.rmsnorm's one launch each way, as the trainer runs them "
                              "(--no-norm-kernel: torch's ops, lean_activations.install's norm_kernel=False)")
+    parser.add_argument("--fp8-gemm", choices=["auto", "dense", "fp8"], default="auto",
+                        help="with --dtype fp8, the trainer's --fp8-gemm: how the FP8 layers multiply outside decode")
     parser.add_argument("--steps", type=int, default=7, help="steps a run; the fourth is profiled")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -186,20 +188,21 @@ def main() -> None:
 
     prompts = bs.write_prompts(root / "prompts.jsonl", AutoTokenizer.from_pretrained(model_dir), bs.BENCH.prompt_len)
     cfg = bs.step_config(model_dir, prompts, bs.BENCH, fp8=args.dtype == "fp8", steps=args.steps,
-                         output_dir=root / "run", cuda=True, engine_fold_adapter=args.fold)
+                         output_dir=root / "run", cuda=True, engine_fold_adapter=args.fold, fp8_gemm=args.fp8_gemm)
     trace_path = root / "trace.json"
     profile_iteration(cfg, at_step=4, trace_path=trace_path)
     records = bs.read_metrics(cfg.output_dir)
     rec.record("steps", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
-               norm_kernel=args.norm_kernel,
+               norm_kernel=args.norm_kernel, fp8_gemm=args.fp8_gemm,
                step_s=[round(r["step_time"], 4) for r in records], profiled=records[3] if len(records) > 3 else None)
     summary = summarize(json.loads(trace_path.read_text()))
     for row in summary:
         rec.record("phase", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
-                   norm_kernel=args.norm_kernel, **row)
+                   norm_kernel=args.norm_kernel, fp8_gemm=args.fp8_gemm, **row)
         rec.say(f"{row['phase']:16s} wall {row['wall_ms']:8.1f} ms  GPU busy {row['gpu_busy_ms']:8.1f} ms  "
                 f"{row['kernels']} kernels")
-    name = (f"trace-{args.dtype}{'' if args.fold else '-unfolded'}{'-peft' if args.peft_forward else ''}"
+    name = (f"trace-{args.dtype}{'' if args.fp8_gemm == 'auto' else '-' + args.fp8_gemm}"
+            f"{'' if args.fold else '-unfolded'}{'-peft' if args.peft_forward else ''}"
             f"{'' if args.norm_kernel else '-no-norm-kernel'}.json.gz")
     with open(trace_path, "rb") as src, gzip.open(Path(rec.path).parent / name, "wb") as dst:
         shutil.copyfileobj(src, dst)

@@ -171,8 +171,7 @@ def _triton_kernels():
             cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
             inside = (rows < N)[:, None] & (cols < K)[None, :]
             scale = tl.load(s_ptr + (pid_n * BLOCK_N // 128) * K_BLOCKS + pid_k * BLOCK_K // 128)
-            bits = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=inside, other=0)
-            w = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=inside, other=0.0).to(tl.float32) * scale
             tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=inside)
 
         _TRITON.update(triton=triton, quant=_quant_rows_kernel, transpose=_transpose_kernel,
@@ -219,13 +218,18 @@ def transpose_fp8(w_fp8: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_triton(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # As few torch calls as can be: in the training pass this also runs inside autograd's backward (the layers
+    # checkpointing recomputes), where each one costs the host several times what it does on the main thread.
+    if not w_fp8.is_contiguous():
+        w_fp8 = w_fp8.contiguous()
+    if scale_inv.dtype != torch.float32 or not scale_inv.is_contiguous():
+        scale_inv = scale_inv.float().contiguous()
     kernels = _triton_kernels()
     n, k = w_fp8.shape
     out = torch.empty((n, k), dtype=dtype, device=w_fp8.device)
     tile_n, tile_k = 32, 128
     kernels["dequant"][(kernels["triton"].cdiv(n, tile_n), kernels["triton"].cdiv(k, tile_k))](
-        w_fp8.contiguous().view(torch.uint8), scale_inv.float().contiguous(), out, n, k, scale_inv.shape[1],
-        BLOCK_N=tile_n, BLOCK_K=tile_k, num_warps=4)
+        w_fp8, scale_inv, out, n, k, scale_inv.shape[1], BLOCK_N=tile_n, BLOCK_K=tile_k, num_warps=4)
     return out
 
 
@@ -331,7 +335,7 @@ class FP8Linear(nn.Linear):
         _check_pair(w_fp8, scale_inv)
         self.out_features, self.in_features = w_fp8.shape
         self.weight = nn.Parameter(w_fp8, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
         self.compute_dtype = compute_dtype
         self.gemm = "auto"  # auto | scaled_mm | dequant | dense (fp8_linear says what each is)
