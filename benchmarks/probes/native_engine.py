@@ -457,10 +457,27 @@ PLANS = {
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
-             "lora_packed_256", "lora_packed_256_graph", "fp8_lora_product", "fp8_lora_product_graph"],
+             "lora_packed_256", "lora_packed_256_graph", "fp8_lora_product", "fp8_lora_product_graph",
+             "fp8_lora_256_fp8", "fp8_lora_256_dense"],
 }
 # the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.packed_layers)
 WIDE_STEPS = (("lora_product_64", 64, False), ("lora_product_256", 256, False), ("lora_packed_256", 256, True))
+
+def run_fp8_modules(rec: Recorder, gemm: str, model, wbytes: int, engine_kw: dict) -> None:
+    """FP8's token step at 256 rows, where its layers call their modules, with FP8Linear's `gemm` as the
+    trainer's --fp8-gemm sets it: fp8 (FP8Linear's auto, the FP8 GEMMs) or dense (a bf16 copy each call)."""
+    from grpo.kernels.fp8 import FP8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for layer in layers:
+        layer.gemm = "auto" if gemm == "fp8" else gemm
+    try:
+        run_engine(rec, f"fp8+LoRA r32 product 256 rows, --fp8-gemm {gemm}", model, wbytes, engine_kw=engine_kw,
+                   rows=256)
+    finally:
+        for layer in layers:
+            layer.gemm = "auto"
+
 
 QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, completions up to 384 tokens
 
@@ -678,6 +695,8 @@ def main() -> None:
         step("fp8_lora_product", lambda: run_engine(rec, "fp8+LoRA r32 product", fp8_lora, wfl, engine_kw=product))
         step("fp8_lora_product_graph", lambda: graph_breakdown(rec, "fp8+LoRA r32 product", fp8_lora,
                                                                engine_kw=product))
+        for gemm_mode in ("fp8", "dense"):  # past the kernels' rows FP8 layers run their modules: as --fp8-gemm says
+            step(f"fp8_lora_256_{gemm_mode}", lambda g=gemm_mode: run_fp8_modules(rec, g, fp8_lora, wfl, product))
         with fp8_lora.disable_adapter():
             step("fp8_graph", lambda: run_engine(rec, "fp8 graph (same run)", fp8_lora, wf))
 
