@@ -70,13 +70,14 @@ class Config:
                            "1.44 s and 4.73 GiB, and the Qwen preset learned as well with base "
                            "(benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
-    fp8_gemm: str = _f("auto", "How FP8 base layers multiply in the training pass and the prefill: dense (the "
-                       "weight dequantized to bf16 by one kernel each call, then torch's own linear: no Python in "
-                       "the backward, but autograd keeps that dense weight for it), fp8 (FP8 tensor-core GEMMs on "
-                       "Hopper, activations quantized per 1x128 group, only the FP8 weight kept; elsewhere a dense "
-                       "copy for each product), or auto: dense with gradient checkpointing (only the layer being "
-                       "recomputed holds dense weights), fp8 without it. The decode kernels read the FP8 weight "
-                       "either way.", "model", choices=["auto", "dense", "fp8"])
+    fp8_gemm: str = _f("auto", "How FP8 base layers multiply outside the decode kernels (the training and "
+                       "reference passes, the prefill): dense (the weight dequantized to bf16 by one kernel each "
+                       "call, then torch's own linear: no Python in the backward, but autograd keeps that dense "
+                       "weight for it), fp8 (FP8 tensor-core GEMMs on Hopper, activations quantized per 1x128 group, "
+                       "only the FP8 weight kept; elsewhere a dense copy for each product), or auto: dense with "
+                       "gradient checkpointing (only the layer being recomputed holds dense weights), fp8 without "
+                       "it. The decode kernels read the FP8 weight either way.", "model",
+                       choices=["auto", "dense", "fp8"])
     lean_activations: bool = _f(True, "Save less for backward in the training pass: SiLU's output is recomputed "
                                 "from the MLP's gate, and each RMSNorm keeps its input and per-token rstd instead of "
                                 "a float32 copy (grpo.lean_activations; Llama, Qwen2 and Qwen3; --engine unsloth "

@@ -463,6 +463,7 @@ PLANS = {
 # the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.packed_layers)
 WIDE_STEPS = (("lora_product_64", 64, False), ("lora_product_256", 256, False), ("lora_packed_256", 256, True))
 
+
 def run_fp8_modules(rec: Recorder, gemm: str, model, wbytes: int, engine_kw: dict) -> None:
     """FP8's token step at 256 rows, where its layers call their modules, with FP8Linear's `gemm` as the
     trainer's --fp8-gemm sets it: fp8 (FP8Linear's auto, the FP8 GEMMs) or dense (a bf16 copy each call)."""
