@@ -696,8 +696,9 @@ def main() -> None:
         step("fp8_lora_product", lambda: run_engine(rec, "fp8+LoRA r32 product", fp8_lora, wfl, engine_kw=product))
         step("fp8_lora_product_graph", lambda: graph_breakdown(rec, "fp8+LoRA r32 product", fp8_lora,
                                                                engine_kw=product))
-        for gemm_mode in ("fp8", "dense"):  # past the kernels' rows FP8 layers run their modules: as --fp8-gemm says
-            step(f"fp8_lora_256_{gemm_mode}", lambda g=gemm_mode: run_fp8_modules(rec, g, fp8_lora, wfl, product))
+        # past the kernels' rows FP8 layers run their modules, multiplying as --fp8-gemm says
+        step("fp8_lora_256_fp8", lambda: run_fp8_modules(rec, "fp8", fp8_lora, wfl, product))
+        step("fp8_lora_256_dense", lambda: run_fp8_modules(rec, "dense", fp8_lora, wfl, product))
         with fp8_lora.disable_adapter():
             step("fp8_graph", lambda: run_engine(rec, "fp8 graph (same run)", fp8_lora, wf))
 
