@@ -20,10 +20,24 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from grpo.kernels._triton import have_triton
 
 BLOCK_S = 64  # positions a loop step reads
 _PROGRAMS = 264  # programs to aim for: two for each of the H200's 132 SMs
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """The chunk launch's choices: positions a loop step reads, warps a program, loads in flight (Triton's
+    software pipelining of the loop over positions), and the programs that chunking aims for.
+    `benchmarks/probes/attention_tiles.py` sweeps them."""
+
+    block_s: int = BLOCK_S
+    num_warps: int = 4
+    stages: int = 3
+    programs: int = _PROGRAMS
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
@@ -40,12 +54,12 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return torch.matmul(probs.float(), v_cache.float()).view(rows, heads, dim).to(q.dtype)
 
 
-def chunking(rows: int, n_kv: int, seq: int) -> tuple[int, int]:
+def chunking(rows: int, n_kv: int, seq: int, block_s: int = BLOCK_S, programs: int = _PROGRAMS) -> tuple[int, int]:
     """(positions a chunk, chunks a row): chunks of whole loop steps, as many as bring rows x kv heads x
-    chunks to about `_PROGRAMS`, at least one."""
-    wanted = max(1, -(-_PROGRAMS // (rows * n_kv)))
-    steps = -(-seq // BLOCK_S)
-    chunk = -(-steps // min(wanted, steps)) * BLOCK_S
+    chunks to about `programs`, at least one."""
+    wanted = max(1, -(-programs // (rows * n_kv)))
+    steps = -(-seq // block_s)
+    chunk = -(-steps // min(wanted, steps)) * block_s
     return chunk, -(-seq // chunk)
 
 
@@ -76,16 +90,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
-            out: torch.Tensor, new_kv: tuple[torch.Tensor, ...] | None = None) -> None:
+            out: torch.Tensor, new_kv: tuple[torch.Tensor, ...] | None = None,
+            tiles: AttentionTiles | None = None) -> None:
     """The chunk launch and, where there are several chunks, the combine; `new_kv` = (k, v, cos, sin): the
-    token's K/V to rotate and write, and q to rotate (`rope_store_attend`), `lengths` then the positions."""
+    token's K/V to rotate and write, and q to rotate (`rope_store_attend`), `lengths` then the positions.
+    `tiles`: the probe's sweep; else AttentionTiles' defaults."""
     from grpo.kernels import _decode_attention_triton as kernels
 
     rows, heads, dim = q.shape
     n_kv, seq = k_cache.shape[1], k_cache.shape[2]
     group = heads // n_kv
     g_pad = max(16, 1 << (group - 1).bit_length())  # tl.dot's smallest M
-    chunk, splits = chunking(rows, n_kv, seq)
+    tiles = tiles or AttentionTiles()
+    chunk, splits = chunking(rows, n_kv, seq, tiles.block_s, tiles.programs)
     if splits > 1:
         acc = torch.empty((rows * n_kv * splits, g_pad, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((rows * n_kv * splits, 2, g_pad), dtype=torch.float32, device=q.device)
@@ -93,11 +110,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengt
         acc = stats = out
     k_new, v_new, cos, sin = new_kv if new_kv is not None else (q, q, q, q)  # unread without ROPE
     kernels.attend_chunk_kernel[(rows, n_kv, splits)](
-        q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), scale, k_new, v_new, cos, sin, G=group, G_PAD=g_pad, D=dim, BLOCK_S=BLOCK_S, CHUNK=chunk,
-        SPLITS=splits, EXACT=q.dtype == torch.float32, ROPE=new_kv is not None, num_warps=4)
+        q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), out.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), scale, k_new, v_new, k_new.stride(0), cos, sin, G=group, G_PAD=g_pad,
+        D=dim, BLOCK_S=tiles.block_s,
+        CHUNK=chunk, SPLITS=splits, EXACT=q.dtype == torch.float32, ROPE=new_kv is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.stages)
     if splits > 1:
-        kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, q.stride(0), G=group, G_PAD=g_pad, D=dim,
+        kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, out.stride(0), G=group, G_PAD=g_pad, D=dim,
                                                     SPLITS=splits, num_warps=4)
 
 
@@ -122,7 +141,10 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     chunk kernel (`EngineTuning.rope_in_attention`). Called eagerly (it writes the caches: in a compiled graph
     inductor would copy the cache views whole), captured in the engine's CUDA graph like the rest."""
     rows, dim = q.shape[0], cos.shape[-1]
-    q3 = q.contiguous().view(rows, -1, dim)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows may be strided: column
+    if k.stride(0) != v.stride(0):  # slices of one q/k/v product (packed.PackedGroup's stacked GEMM)
+        k, v = k.contiguous(), v.contiguous()
+    q3 = q.view(rows, -1, dim)
     problem = check_shapes(q3, k_cache, v_cache)
     kv_shape, rot_shape = (rows, k_cache.shape[1] * dim), (rows, dim)
     if problem is None and (k.shape != kv_shape or v.shape != kv_shape or cos.shape != rot_shape
@@ -132,7 +154,7 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     if problem is not None:
         raise ValueError(f"rope_store_attend: {problem}")
     out = q3.new_empty(q3.shape)
-    new_kv = tuple(t.contiguous() for t in (k, v, cos, sin))  # the kernel reads them as dense rows
+    new_kv = (k, v, cos.contiguous(), sin.contiguous())  # k, v: each row's heads one after another
     _launch(q3, k_cache, v_cache, pos, scale, out, new_kv)  # the kernel adds 1: no launch for pos + 1
     return out
 
