@@ -281,3 +281,16 @@ def test_the_chunked_argmax_takes_the_first_of_tied_maxima_across_chunks():
     x[1, [1001, 1000]] = 5.0  # one chunk, two places
     token, _ = sample_with_noise(x, 0.0, 0, 1.0, 0.0, None)
     assert token.tolist() == [600, 1000]
+
+
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.1), (0.7, 0.0), (0.0, 0.0)])
+def test_bf16_logits_sample_what_their_float32_copy_samples(temperature, min_p):
+    # The native engine keeps each step's logits as the output layer gives them (bf16), not a float32 copy:
+    # the sampler computes in float32 from them, so tokens and log-probs are those of the copy, bit for bit.
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 1000, generator=g) * 4).bfloat16()
+    noise = torch.empty(6, 1000).exponential_(generator=g)
+    got = sample_with_noise(logits, temperature, 0, 1.0, min_p, noise)
+    want = sample_with_noise(logits.float(), temperature, 0, 1.0, min_p, noise)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].dtype == torch.float32

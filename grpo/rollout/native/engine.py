@@ -52,7 +52,7 @@ from grpo.kernels import decode_gemm
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
 from grpo.rollout.native import packed as packed_layers
-from grpo.rollout.native.layer import ModelDims, StepFunctions, TokenRows, build_layer, causal_lm
+from grpo.rollout.native.layer import ModelDims, PackedLayer, StepFunctions, TokenRows, build_layer, causal_lm
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
 from grpo.rollout.native.tuning import EngineTuning
@@ -203,8 +203,9 @@ class NativeEngine:
                                     self.tuning.rope_in_attention, pack)
                         for layer, proj, pack in zip(layers, read, packs)]
 
-    def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
-        """The tokens in state.tok through the decoder, reading the first kv_len cache positions: (B, V)."""
+    def _forward(self, rows: int, kv_len: int) -> None:
+        """The tokens in state.tok through the decoder, reading the first kv_len cache positions, their logits
+        into state.logits (B, V)."""
         st, decoder = self._state, self.lm.model
         pos, kv_range = st.pos[:rows], st.kv_range[:kv_len]
         k_views = [c[:rows, :, :kv_len] for c in st.k_caches]
@@ -217,7 +218,11 @@ class NativeEngine:
         at = TokenRows(cos, sin, valid, pos)
         for layer, k_cache, v_cache in zip(self._layers, k_views, v_views):
             x = layer(x, at, k_cache, v_cache)
-        return self._fns.head(decoder.norm, self.lm.lm_head, x)
+        head, logits = self.lm.lm_head, st.logits[:rows]
+        if type(head) is nn.Linear and head.bias is None:  # the GEMM writes the state's logits: no copy of them
+            torch.mm(self._fns.norm(decoder.norm, x).view(rows, -1), head.weight.t(), out=logits)
+        else:
+            logits.copy_(self._fns.head(decoder.norm, head, x))
 
     def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> None:
         """Sample from state.logits, record, update stop flags, forward the new token: all on device."""
@@ -230,7 +235,7 @@ class NativeEngine:
         st.record(rows, token, logp)
         stop.apply(st, rows, token)
         st.tok[:rows].copy_(token)
-        st.logits[:rows].copy_(self._forward(rows, kv_len))
+        self._forward(rows, kv_len)
         st.pos[:rows] += 1
         st.step += 1
 
@@ -384,6 +389,10 @@ class NativeEngine:
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
         kernel = None if self.tuning.fold_kernel else False  # None: the kernel where triton runs
         with fold.folded(self._projections, kernel) if self._fold else nullcontext():
+            if self._fold:  # the packs' stacked weights (packed.PackedGroup) copy the folded ones
+                for layer in self._layers:
+                    if isinstance(layer, PackedLayer):
+                        layer.pack.refresh()
             with fold.adapters_off(self.model) if self._fold else nullcontext():
                 self._prefill(prompt_ids, n)
             sync()
