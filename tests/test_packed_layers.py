@@ -34,10 +34,27 @@ def test_a_group_gives_the_references_products(bias, lora):
     group = PackedGroup.of(projs, torch.float32)
     for got, want in zip(group(x), decode_gemm.project_ref(x, projs)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    residual = torch.randn(5, 48)  # o_proj and down_proj: the residual added in the GEMM
-    (one,) = projs[:1]
-    torch.testing.assert_close(PackedGroup.of([one], torch.float32)(x, residual)[0],
-                               decode_gemm.project_ref(x, [one], residual)[0], rtol=1e-5, atol=1e-5)
+    residual = torch.randn(5, 48)  # o_proj and down_proj: the residual added in the GEMM, in place
+    want = decode_gemm.project_ref(x, projs[:1], residual)[0]
+    got = PackedGroup.of(projs[:1], torch.float32)(x, residual)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bias or got.data_ptr() == residual.data_ptr()  # the layer's x, replaced: no copy of it first
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_stacked_group_is_one_gemm_whose_column_slices_are_the_references_products(bias):
+    projs = projections([48, 16, 16], bias=bias, lora=(True, False, True))
+    x = torch.randn(5, 64)
+    group = PackedGroup.of(projs, torch.float32, stacked=True)
+    outs = group(x)
+    for got, want in zip(outs, decode_gemm.project_ref(x, projs)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert [o.stride(0) for o in outs] == [80] * 3 and outs[1].data_ptr() == outs[0].data_ptr() + 48 * 4
+    projs[2].weight.mul_(2.0)  # the weights change in place (the fold): refresh copies them into the stack
+    w = group.w.data_ptr()
+    group.refresh()
+    assert group.w.data_ptr() == w
+    torch.testing.assert_close(group(x)[2], decode_gemm.project_ref(x, projs)[2], rtol=1e-5, atol=1e-5)
 
 
 def test_the_copies_are_refreshed_in_place_and_follow_the_adapter():

@@ -15,8 +15,8 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, s_qb, s_kb, s_kh, s_ks, scale,
-                        kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, s_qb, s_ob, s_kb, s_kh, s_ks, scale,
+                        kn_ptr, vn_ptr, s_nb, cos_ptr, sin_ptr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                         CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr, ROPE: tl.constexpr):
     # Program (row b, kv head h, chunk c): the G query heads of kv head h over the row's positions
@@ -25,7 +25,8 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     # ROPE: q arrives unrotated, and the token's K and V (kn, vn: (rows, n_kv * D)) are not in the cache yet:
     # q and K are rotated here (cos, sin (rows, D)), rounded once as rope_store_kv rounds them, and the chunk
     # holding the token's position writes K and V there and reads them from its registers. len_ptr then holds
-    # the positions (a row's length is its position + 1).
+    # the positions (a row's length is its position + 1). s_qb, s_ob, s_nb: the row strides of q, the output and
+    # the token's K/V (column slices of one q/k/v product: packed.PackedGroup's stacked GEMM).
     b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -44,9 +45,9 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
         q = rotated(q_ptr + b * s_qb, (h * G + g)[:, None], d[None, :], (g < G)[:, None], cos, sin, D)
         q = q.to(q_ptr.dtype.element_ty)
         new_at = length - 1
-        k_new = rotated(kn_ptr + b * n_kv * D, h, d[None, :], d[None, :] < D, cos, sin, D)
+        k_new = rotated(kn_ptr + b * s_nb, h, d[None, :], d[None, :] < D, cos, sin, D)
         k_new = k_new.to(k_ptr.dtype.element_ty)  # (1, D)
-        v_new = tl.load(vn_ptr + b * n_kv * D + h * D + d[None, :]).to(v_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + b * s_nb + h * D + d[None, :]).to(v_ptr.dtype.element_ty)
         if (lo <= new_at) & (new_at < hi):
             tl.store(k_ptr + cache + new_at * s_ks + d[None, :], k_new)
             tl.store(v_ptr + cache + new_at * s_ks + d[None, :], v_new)
@@ -75,7 +76,7 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
         m = m_new
     if SPLITS == 1:
         out = acc / l[:, None]
-        tl.store(o_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+        tl.store(o_ptr + b * s_ob + (h * G + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < G)[:, None])
     else:  # a chunk past the row's length leaves m = -inf, l = 0, acc = 0: the combine gives it no weight
         slot = (b * n_kv + h) * SPLITS + c
@@ -85,7 +86,7 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
 
 
 @triton.jit
-def attend_combine_kernel(o_ptr, acc_ptr, stat_ptr, s_qb, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+def attend_combine_kernel(o_ptr, acc_ptr, stat_ptr, s_ob, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           SPLITS: tl.constexpr):
     # Program (row b, kv head h): sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), M the chunks' largest m
     # (chunk 0 always holds position 0, so M is finite), chunks added in order: deterministic.
@@ -103,5 +104,5 @@ def attend_combine_kernel(o_ptr, acc_ptr, stat_ptr, s_qb, G: tl.constexpr, G_PAD
         w = tl.exp(tl.load(stat_ptr + ((first + c) * 2) * G_PAD + g) - top)  # 0 for an empty chunk
         den += w * tl.load(stat_ptr + ((first + c) * 2 + 1) * G_PAD + g)
         num += w[:, None] * tl.load(acc_ptr + (first + c) * G_PAD * D + g[:, None] * D + d[None, :])
-    tl.store(o_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + b * s_ob + (h * G + g)[:, None] * D + d[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
              mask=(g < G)[:, None])

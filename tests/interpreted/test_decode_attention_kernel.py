@@ -96,6 +96,24 @@ def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(row
     assert da.chunking(rows, n_kv, seq)[1] > 1 or seq <= da.BLOCK_S  # chunks other than the token's exist
 
 
+def test_rope_store_attend_reads_q_k_and_v_as_column_slices_of_one_product():
+    # packed.PackedGroup's stacked q/k/v GEMM hands over column slices (rows strided by every head's width):
+    # read in place, they give what the same tensors give copied apart
+    rows, heads, n_kv, seq, dim = 3, 8, 2, 40, 16
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(rows, (heads + 2 * n_kv) * dim, generator=g)
+    q, k, v = qkv.split([heads * dim, n_kv * dim, n_kv * dim], dim=1)
+    angles = torch.rand(rows, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    pos = torch.tensor([0, 17, seq - 1])
+    caches = torch.randn(2, rows, n_kv, seq, dim, generator=g)
+    mine, apart = caches.clone(), caches.clone()
+    got = da.rope_store_attend(q, k, v, cos, sin, pos, mine[0], mine[1], dim**-0.5)
+    want = da.rope_store_attend(q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, pos, apart[0], apart[1],
+                                dim**-0.5)
+    assert torch.equal(got, want) and torch.equal(mine, apart)
+
+
 def test_native_engine_with_rope_in_attention_gives_the_kernel_layers_rollout(monkeypatch):
     # the kernel layer (decode GEMM kernels, the attention kernel) with q's and K's rotaries and the K/V write
     # inside the attention's launch, against the same layer with them apart

@@ -10,7 +10,10 @@ by its own GEMM (`addmm_`, in place, alpha = the adapter's scale). A and B are c
 dtype once a generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter
 each step. Measured on the H200 (benchmarks/RESULTS.md, "Twelfth hold"): only 3.7% faster than the modules at
 256 rows, since each B product still reads and writes its whole output; folded (`fold.py`), a step has none of
-those, and 256 rows took 20% less time.
+those, and 256 rows took 20% less time. q/k/v run as one GEMM on a copy of their weights stacked (copied with the
+adapters, and again once the fold has written the weights: `refresh`), and o's and down's residuals are added in
+place: with the engine's other changes of that hold, folded 256 rows took 1.496 s a generate against 1.666
+(RESULTS.md, "Nineteenth hold").
 
 The numerics are peft's with `--lora-compute base` (x A^T rounded to bf16, then B): the scale and the add
 happen inside the GEMM's float32 epilogue instead of after it, one rounding fewer.
@@ -33,51 +36,70 @@ from grpo.rollout.native.plan import LayerProjections
 
 @dataclass(eq=False)
 class PackedGroup:
-    """Projections of one input: the model's tensors (`projs`), and their adapters' copies: `a` (sum of
-    ranks, K), the A matrices stacked, and `bs`, each B (N_i, r_i) or None where a projection has none."""
+    """Projections of one input: the model's tensors (`projs`); their adapters' copies: `a` (sum of ranks, K),
+    the A matrices stacked, and `bs`, each B (N_i, r_i) or None where a projection has none; and, where the
+    group is `stacked`, a copy of its weights stacked (sum of N_i, K) and of its biases, so that one GEMM gives
+    every projection (q/k/v: at 256 rows on the H200 cuBLAS took 5.8 us for each of k's and v's GEMMs alone,
+    6.9 for q's)."""
 
     projs: tuple[DecodeProj, ...]
     a: torch.Tensor | None
     bs: tuple[torch.Tensor | None, ...]
+    w: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, projs: Sequence[DecodeProj], dtype: torch.dtype) -> PackedGroup:
+    def of(cls, projs: Sequence[DecodeProj], dtype: torch.dtype, stacked: bool = False) -> PackedGroup:
         with_lora = [p for p in projs if p.lora_a is not None]
-        k = projs[0].in_features
-        a = None
+        k, device = projs[0].in_features, projs[0].weight.device
+        a = w = bias = None
         if with_lora:
-            a = torch.empty((sum(p.rank for p in with_lora), k), dtype=dtype, device=projs[0].weight.device)
+            a = torch.empty((sum(p.rank for p in with_lora), k), dtype=dtype, device=device)
         bs = tuple(None if p.lora_b is None else torch.empty(p.lora_b.shape, dtype=dtype, device=p.lora_b.device)
                    for p in projs)
-        group = cls(tuple(projs), a, bs)
+        if stacked and len(projs) > 1:
+            w = torch.empty((sum(p.out_features for p in projs), k), dtype=projs[0].weight.dtype, device=device)
+            if projs[0].bias is not None:
+                bias = torch.empty(w.shape[0], dtype=projs[0].bias.dtype, device=device)
+        group = cls(tuple(projs), a, bs, w, bias)
         group.refresh()
         return group
 
     def refresh(self) -> None:
-        """The adapters' current values into the copies, in place."""
+        """The adapters' and the stacked weights' current values into the copies, in place."""
         at = 0
         for p, b in zip(self.projs, self.bs):
             if b is not None:
                 self.a[at: at + p.rank].copy_(p.lora_a)
                 b.copy_(p.lora_b)
                 at += p.rank
+        if self.w is not None:
+            torch.cat([p.weight for p in self.projs], out=self.w)
+            if self.bias is not None:
+                torch.cat([p.bias for p in self.projs], out=self.bias)
 
     def __call__(self, x2: torch.Tensor, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """[x W_i^T (+ bias_i) (+ residual) + scale_i * (x A_i^T) B_i^T] for x2 (M, K): (M, N_i) each."""
+        """[x W_i^T (+ bias_i) (+ residual) + scale_i * (x A_i^T) B_i^T] for x2 (M, K): (M, N_i) each, column
+        slices of one output where the group is stacked. `residual` is added in place (the layer's x, which the
+        output replaces: an out-of-place addmm copies the residual first)."""
         xa = None if self.a is None else x2 @ self.a.t()  # (M, sum of ranks)
-        outs, at = [], 0
-        for p, b in zip(self.projs, self.bs):
-            if residual is not None and p.bias is None:
-                y = torch.addmm(residual, x2, p.weight.t())
-            else:
-                y = F.linear(x2, p.weight, p.bias)
-                if residual is not None:
-                    y = y + residual
+        if self.w is not None:
+            outs = list(F.linear(x2, self.w, self.bias).split([p.out_features for p in self.projs], dim=1))
+        else:
+            outs = [self._base(p, x2, residual) for p in self.projs]
+        at = 0
+        for p, b, y in zip(self.projs, self.bs, outs):
             if b is not None:  # in place: an out-of-place addmm first copies y (7 copies a layer at 256 rows)
                 y.addmm_(xa[:, at: at + p.rank], b.t(), alpha=p.lora_scale)
                 at += p.rank
-            outs.append(y)
         return outs
+
+    @staticmethod
+    def _base(p: DecodeProj, x2: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if residual is not None and p.bias is None:
+            return residual.addmm_(x2, p.weight.t())
+        y = F.linear(x2, p.weight, p.bias)
+        return y if residual is None else y + residual
 
 
 def _where(t: torch.Tensor | None) -> tuple | None:
@@ -101,7 +123,7 @@ class LayerPack:
 
     @classmethod
     def of(cls, p: LayerProjections, dtype: torch.dtype) -> LayerPack:
-        return cls(PackedGroup.of([p.q, p.k, p.v], dtype), PackedGroup.of([p.o], dtype),
+        return cls(PackedGroup.of([p.q, p.k, p.v], dtype, stacked=True), PackedGroup.of([p.o], dtype),
                    PackedGroup.of([p.gate, p.up], dtype), PackedGroup.of([p.down], dtype),
                    tuple(_key(d) for d in p.each()))
 
