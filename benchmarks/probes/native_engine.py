@@ -228,7 +228,7 @@ def _family(name: str) -> str:
 
 def _record_families(rec: Recorder, kind: str, label: str, prof, steps: int, **extra) -> float:
     """Records GPU time and launches per step by kernel family from a profile of `steps` steps, and the
-    10 costliest kernels; returns the kernels' summed microseconds per step."""
+    16 costliest kernels; returns the kernels' summed microseconds per step."""
     fams: dict[str, float] = {}
     count: dict[str, int] = {}
     top = []
@@ -245,7 +245,7 @@ def _record_families(rec: Recorder, kind: str, label: str, prof, steps: int, **e
     total = sum(fams.values())
     rec.record(kind, variant=label, per_step_us={k: round(v) for k, v in fams.items()}, per_step_launches=count,
                sum_us=round(total), sum_launches=sum(count.values()), **extra)
-    for us, c, key in sorted(top, reverse=True)[:10]:
+    for us, c, key in sorted(top, reverse=True)[:16]:
         rec.record("kernel", variant=label, us_per_step=round(us, 1), launches_per_step=c, name=key)
     return total
 
@@ -457,11 +457,13 @@ PLANS = {
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
-             "lora_packed_256", "lora_packed_256_graph", "fp8_lora_product", "fp8_lora_product_graph",
+             "lora_packed_256", "lora_packed_256_graph", "lora_packed_folded_256", "lora_packed_folded_256_graph",
+             "fp8_lora_product", "fp8_lora_product_graph",
              "fp8_lora_256_fp8", "fp8_lora_256_dense"],
 }
-# the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.packed_layers)
-WIDE_STEPS = (("lora_product_64", 64, False), ("lora_product_256", 256, False), ("lora_packed_256", 256, True))
+# the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.packed_layers, EngineTuning.fold_adapter)
+WIDE_STEPS = (("lora_product_64", 64, False, False), ("lora_product_256", 256, False, False),
+              ("lora_packed_256", 256, True, False), ("lora_packed_folded_256", 256, True, True))
 
 
 def run_fp8_modules(rec: Recorder, gemm: str, model, wbytes: int, engine_kw: dict) -> None:
@@ -672,9 +674,9 @@ def main() -> None:
     apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
     step("lora_rope_apart", lambda: run_engine(rec, "bf16+LoRA r32 rope apart", lora, wl, engine_kw=apart))
     step("lora_rope_apart_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope apart", lora, engine_kw=apart))
-    for name, rows, packed in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed
-        kw = product | {"packed_layers": packed}
-        label = f"bf16+LoRA r32 {'packed' if packed else 'product'} {rows} rows"
+    for name, rows, packed, fold in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed
+        kw = product | {"packed_layers": packed, "fold_adapter": fold}
+        label = f"bf16+LoRA r32 {'packed' if packed else 'product'}{' folded' if fold else ''} {rows} rows"
         step(name, lambda rows=rows, label=label, kw=kw: run_engine(rec, label, lora, wl, engine_kw=kw, rows=rows))
         step(f"{name}_graph", lambda rows=rows, label=label, kw=kw: graph_breakdown(rec, label, lora, engine_kw=kw,
                                                                                       rows=rows))
