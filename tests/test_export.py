@@ -134,14 +134,17 @@ def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_di
     torch.testing.assert_close(logits(merged), expected, atol=5e-3, rtol=0)
 
     if source == "fp8_block_checkpoint":  # GGUF is written from the merged, dequantized weights
-        pytest.importorskip("gguf")
-        from transformers import AutoModelForCausalLM
-
+        gguf = pytest.importorskip("gguf")
         gguf_path = export(str(model_dir), tmp_path / "adapter", tmp_path / "out", dtype="fp16", gguf="f16",
                            overwrite=True)["gguf-f16"]
-        from_gguf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                         dtype=torch.float32).eval()
-        torch.testing.assert_close(logits(from_gguf), logits(load_dense(paths["merged"])), atol=1e-6, rtol=0)
+        # the tensors as written (transformers' GGUF loader, tests/test_gguf_export.py, parses this 128k-token
+        # vocabulary twice: a minute on two cores): down_proj's (no row reordering, unlike q and k) and the norms'
+        tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+        merged_layer = load_dense(paths["merged"]).model.layers[1]
+        for name, w in (("blk.1.ffn_down.weight", merged_layer.mlp.down_proj.weight),
+                        ("blk.1.ffn_norm.weight", merged_layer.post_attention_layernorm.weight)):
+            written = torch.from_numpy(tensors[name].data.copy()).reshape(w.shape)
+            torch.testing.assert_close(written.float(), w.to(written.dtype).float(), atol=0, rtol=0, msg=name)
 
 
 def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(tiny_llama_dir):

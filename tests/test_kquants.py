@@ -260,11 +260,18 @@ def packaged_qwen_gguf():
     return path
 
 
+@pytest.fixture(scope="module")
+def packaged_qwen_tensors() -> dict:
+    """The packaged Qwen GGUF's tensors by name, its file read once (its 151k-token vocabulary takes the reader
+    tens of seconds to parse on two cores)."""
+    return {t.name: t for t in gguf.GGUFReader(packaged_qwen_gguf()).tensors}
+
+
 @pytest.mark.parametrize("name", ["blk.3.attn_k.weight", "blk.0.attn_v.weight"])  # Q4_K, Q6_K
-def test_llama_cpp_blocks_of_the_packaged_qwen_requantize_to_themselves_mostly(name):
+def test_llama_cpp_blocks_of_the_packaged_qwen_requantize_to_themselves_mostly(packaged_qwen_tensors, name):
     """Weights that llama.cpp's quantizer wrote are a fixed point a faithful re-quantizer keeps: most
     blocks come back bit-identical and the others close (measured: docs/measurements.md)."""
-    tensor = next(t for t in gguf.GGUFReader(packaged_qwen_gguf()).tensors if t.name == name)
+    tensor = packaged_qwen_tensors[name]
     qtype = tensor.tensor_type
     raw = np.asarray(tensor.data)
     weights = gguf.quants.dequantize(raw, qtype)
