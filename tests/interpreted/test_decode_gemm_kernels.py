@@ -182,7 +182,7 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     if fp8:  # FP8Linear bases (on the CPU their forward multiplies by the dequantized weight, as the kernels do)
         quantize_linears_(base, targets)
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    sampling = Sampling(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, top_k=20, seed=3)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
     out = engine.generate(PROMPTS, 2, sampling)
@@ -204,7 +204,7 @@ def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_
     lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
                                                           init_lora_weights=False))
     before = {name: p.clone() for name, p in lora.named_parameters()}
-    sampling = Sampling(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, top_k=20, seed=3)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
                           tuning=EngineTuning(fold_adapter=True))
@@ -233,7 +233,7 @@ def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
     base = small_qwen2(seed=2)
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
                                            init_lora_weights=False))
-    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=4)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
     out = engine.generate(PROMPTS, 2, sampling)
@@ -254,7 +254,7 @@ def test_native_engine_runs_qwen3_on_the_kernels_as_through_its_modules():
 
     lora = get_peft_model(small_decoder("qwen3", seed=2), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                                                      target_modules=list(LORA_TARGETS)))
-    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=4)
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules",
                        tuning=EngineTuning(attention="matmul")).generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
