@@ -79,7 +79,8 @@ class EngineTuning:
         adapters are folded there too. None (auto): where the engine runs the decode kernels, for the steps
         wider than they take (gemm="modules" keeps the modules). On the H200 (2026-12-04, one run of the
         sampler sweep) 256 rows took 2.056 s a generate this way against 2.134 through the modules (-3.7%),
-        folded 1.714 s (-20%).
+        folded 1.714 s (-20%); folded 1.496 s against 1.666 in one start once q/k/v became one GEMM and the
+        residuals were added in place (`packed.py`).
     """
 
     use_cuda_graph: bool | None = None
