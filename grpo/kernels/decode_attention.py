@@ -18,9 +18,9 @@ in a decode layer, the rotary embeddings of q and K and the K/V write (`rope_sto
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from grpo.kernels._triton import have_triton
 
@@ -112,9 +112,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengt
     kernels.attend_chunk_kernel[(rows, n_kv, splits)](
         q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), out.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, k_new, v_new, k_new.stride(0), cos, sin, G=group, G_PAD=g_pad,
-        D=dim, BLOCK_S=tiles.block_s,
-        CHUNK=chunk, SPLITS=splits, EXACT=q.dtype == torch.float32, ROPE=new_kv is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.stages)
+        D=dim, BLOCK_S=tiles.block_s, CHUNK=chunk, SPLITS=splits, EXACT=q.dtype == torch.float32,
+        ROPE=new_kv is not None, num_warps=tiles.num_warps, num_stages=tiles.stages)
     if splits > 1:
         kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, out.stride(0), G=group, G_PAD=g_pad, D=dim,
                                                     SPLITS=splits, num_warps=4)
