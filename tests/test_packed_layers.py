@@ -106,6 +106,27 @@ def test_the_packed_step_samples_what_the_modules_do_and_serves_each_generates_a
     assert not torch.equal(after.completion_ids, b.completion_ids[::2])  # the new adapter changed the tokens
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_packed_step_of_qwen2_and_qwen3_samples_what_their_modules_do(family):
+    # q/k/v come out of one stacked GEMM as column slices: with Qwen2's biases stacked too, and Qwen3's head norms
+    # and rotaries outside the attention's launch reading those slices
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from test_native_engine import small_decoder, small_qwen2
+
+    base = small_qwen2(seed=6) if family == "qwen2" else small_decoder("qwen3", seed=6)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                            init_lora_weights=False))
+    modules, packed = engines(model)
+    s = Sampling(max_new_tokens=6, temperature=1.0, seed=5)
+    a, b = modules.generate(PROMPTS, 2, s), packed.generate(PROMPTS, 2, s)
+    assert all(layer.__class__.__name__ == "PackedLayer" for layer in packed._layers)
+    assert all(p.qkv.w is not None for p in packed._packs)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.sampler_logp, a.sampler_logp, rtol=0, atol=1e-4)
+
+
 def test_folded_into_the_packed_step_the_weights_come_back_bit_for_bit():
     model = lora_llama(seed=4)
     modules, packed = engines(model, fold_adapter=True)
