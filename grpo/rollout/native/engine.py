@@ -389,10 +389,9 @@ class NativeEngine:
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
         kernel = None if self.tuning.fold_kernel else False  # None: the kernel where triton runs
         with fold.folded(self._projections, kernel) if self._fold else nullcontext():
-            if self._fold:  # the packs' stacked weights (packed.PackedGroup) copy the folded ones
-                for layer in self._layers:
-                    if isinstance(layer, PackedLayer):
-                        layer.pack.refresh()
+            for layer in self._layers:  # the adapters' copies and the stacked weights, as this generate has them
+                if isinstance(layer, PackedLayer):
+                    layer.pack.refresh()
             with fold.adapters_off(self.model) if self._fold else nullcontext():
                 self._prefill(prompt_ids, n)
             sync()

@@ -134,15 +134,15 @@ class LayerPack:
 
 def packs_for(projections: Sequence[LayerProjections | None], dtype: torch.dtype,
               kept: Sequence[LayerPack | None]) -> list[LayerPack | None]:
-    """Each layer's pack for this generate: `kept`'s, refreshed in place (so graphs captured on it stay
-    valid), where it was made from the same tensors; a new one elsewhere; None where a layer has no projections."""
+    """Each layer's pack for this generate: `kept`'s (so graphs captured on it stay valid) where it was made from
+    the same tensors, a new one elsewhere, None where a layer has no projections. The caller refreshes them once
+    the weights hold what the generate samples from (after the fold, where it folds)."""
     out: list[LayerPack | None] = []
     for i, p in enumerate(projections):
         old = kept[i] if i < len(kept) else None
         if p is None:
             out.append(None)
         elif old is not None and old.key == tuple(_key(d) for d in p.each()):
-            old.refresh()
             out.append(old)
         else:
             out.append(LayerPack.of(p, dtype))
