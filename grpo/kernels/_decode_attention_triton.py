@@ -24,9 +24,12 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
     # ROPE: q arrives unrotated, and the token's K and V (kn, vn: (rows, n_kv * D)) are not in the cache yet:
     # q and K are rotated here (cos, sin (rows, D)), rounded once as rope_store_kv rounds them, and the chunk
-    # holding the token's position writes K and V there and reads them from its registers. len_ptr then holds
-    # the positions (a row's length is its position + 1). s_qb, s_ob, s_nb: the row strides of q, the output and
-    # the token's K/V (column slices of one q/k/v product: packed.PackedGroup's stacked GEMM).
+    # holding the token's position writes K and V there. The loop reads the cache only before that position
+    # (its store may not be visible to the loop's loads), and the token joins the softmax after the loop from
+    # registers: a select on each tile inside the loop sent K and V through registers and back to shared
+    # memory. len_ptr then holds the positions (a row's length is its position + 1). s_qb, s_ob, s_nb: the
+    # row strides of q, the output and the token's K/V (column slices of one q/k/v product:
+    # packed.PackedGroup's stacked GEMM).
     b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -36,6 +39,7 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
         length += 1
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, length)
+    cached = hi  # the loop's end: under ROPE, the token's own position is left to the end
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     cache = b * s_kb + h * s_kh
@@ -51,18 +55,17 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
         if (lo <= new_at) & (new_at < hi):
             tl.store(k_ptr + cache + new_at * s_ks + d[None, :], k_new)
             tl.store(v_ptr + cache + new_at * s_ks + d[None, :], v_new)
+        cached = tl.minimum(hi, new_at)
     else:
         q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-    for start in tl.range(lo, hi, BLOCK_S):
+    for start in tl.range(lo, cached, BLOCK_S):
         pos = start + tl.arange(0, BLOCK_S)
-        inside = pos < hi
+        inside = pos < cached
         at = cache + pos[:, None] * s_ks + d[None, :]
         k = tl.load(k_ptr + at, mask=inside[:, None], other=0.0)
-        if ROPE:  # the token's own K from registers: its store above may not be visible to this load yet
-            k = tl.where((pos == new_at)[:, None], k_new, k)
         scores = _dot(q, tl.trans(k), EXACT) * scale  # (G_PAD, BLOCK_S) float32
         scores = tl.where(inside[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each step has a position inside
@@ -70,10 +73,17 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + at, mask=inside[:, None], other=0.0)
-        if ROPE:
-            v = tl.where((pos == new_at)[:, None], v_new, v)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT)
         m = m_new
+    if ROPE:  # the token's own position, in this chunk: one more step of the softmax, K and V from registers
+        if (lo <= new_at) & (new_at < hi):
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale  # (G_PAD,)
+            m_new = tl.maximum(m, score)
+            p = tl.exp(score - m_new)
+            alpha = tl.exp(m - m_new)  # 0 where the loop read nothing (m = -inf)
+            l = l * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m = m_new
     if SPLITS == 1:
         out = acc / l[:, None]
         tl.store(o_ptr + b * s_ob + (h * G + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
