@@ -25,8 +25,9 @@ def test_decode_attention_matches_reference_for_every_row_length(rows, heads, n_
     lengths[0], lengths[-1] = 1, seq  # one position, and the whole bucket
     got = da.decode_attention(q, k, v, lengths, dim**-0.5)
     torch.testing.assert_close(got, da.decode_attention_ref(q, k, v, lengths, dim**-0.5), atol=2e-5, rtol=2e-5)
-    strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values in another layout
-    assert torch.equal(da.decode_attention(strided_q, k, v, lengths, dim**-0.5), got)
+    if rows * n_kv <= 16:  # (the interpreter takes seconds a launch at 70 rows)
+        strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values in another layout
+        assert torch.equal(da.decode_attention(strided_q, k, v, lengths, dim**-0.5), got)
 
 
 def test_positions_past_a_rows_length_are_never_read():
@@ -85,6 +86,7 @@ def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(row
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     pos = torch.randint(0, seq, (rows,), generator=g)
     pos[0], pos[-1] = 0, seq - 1  # the first position, and the last of the bucket
+    pos[1] = da.chunking(rows, n_kv, seq)[0] % seq  # a chunk's first: the loop reads nothing before the token
     k_all, v_all = torch.randn(2, rows + 1, n_kv + 1, seq + 7, dim, generator=g)  # views, as the engine's
     mine, ref = (k_all.clone(), v_all.clone()), (k_all.clone(), v_all.clone())
     got = da.rope_store_attend(q, k, v, cos, sin, pos, *(c[:rows, :n_kv, :seq] for c in mine), dim**-0.5)
