@@ -103,7 +103,7 @@ def quantize_and_return(model):
 
 
 @pytest.mark.parametrize("source", ["fp8_block_checkpoint", "load_in_fp8"])
-def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_dir, tmp_path, source):
+def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_dir, tmp_path, source, monkeypatch):
     from grpo.fp8_checkpoint import load_fp8_block_model
 
     if source == "fp8_block_checkpoint":
@@ -134,17 +134,25 @@ def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_di
     torch.testing.assert_close(logits(merged), expected, atol=5e-3, rtol=0)
 
     if source == "fp8_block_checkpoint":  # GGUF is written from the merged, dequantized weights
-        gguf = pytest.importorskip("gguf")
+        pytest.importorskip("gguf")
+        from grpo import gguf_export
+
+        # each tensor's values as the writer reads them to encode (reading the file back parses this 128k-token
+        # vocabulary: a minute on two cores; tests/test_gguf_export.py reads files back)
+        tensor_data, read = gguf_export._tensor_data, {}
+
+        def reading(model_dir, config, item):
+            read[item.name] = tensor_data(model_dir, config, item)
+            return read[item.name]
+
+        monkeypatch.setattr(gguf_export, "_tensor_data", reading)
         gguf_path = export(str(model_dir), tmp_path / "adapter", tmp_path / "out", dtype="fp16", gguf="f16",
                            overwrite=True)["gguf-f16"]
-        # the tensors as written (transformers' GGUF loader, tests/test_gguf_export.py, parses this 128k-token
-        # vocabulary twice: a minute on two cores): down_proj's (no row reordering, unlike q and k) and the norms'
-        tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-        merged_layer = load_dense(paths["merged"]).model.layers[1]
-        for name, w in (("blk.1.ffn_down.weight", merged_layer.mlp.down_proj.weight),
+        assert gguf_path.is_file()
+        merged_layer = load_dense(paths["merged"]).model.layers[1]  # down_proj's (no row reordering, unlike q and
+        for name, w in (("blk.1.ffn_down.weight", merged_layer.mlp.down_proj.weight),  # k's) and the norm's
                         ("blk.1.ffn_norm.weight", merged_layer.post_attention_layernorm.weight)):
-            written = torch.from_numpy(tensors[name].data.copy()).reshape(w.shape)
-            torch.testing.assert_close(written.float(), w.to(written.dtype).float(), atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(torch.from_numpy(read[name]), w.float(), atol=0, rtol=0, msg=name)
 
 
 def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(tiny_llama_dir):
