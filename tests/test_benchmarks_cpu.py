@@ -314,20 +314,31 @@ def test_render_puts_the_markers_under_an_existing_heading_and_lists_earlier_run
     assert "| 2026-11-01 | NVIDIA H200 | bench | ours | bf16 | 2.50 | 3.00 | 2026-11-01-h200.json |" in text
 
 
-@pytest.mark.slow
-def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
-    """--bench-smoke on the CPU: the real trainer, the native engine and the kernels, tiny sizes."""
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """One --bench-smoke run of the suite on the CPU for the tests below (a run pays a minute of imports
+    and set-up): (the process, its results file)."""
     pytest.importorskip("bitsandbytes")
-    selection = "(bench_config and bf16) or (token_logprobs and forward_backward) or adamw"
+    tmp_path = tmp_path_factory.mktemp("smoke")
+    selection = ("(bench_config and bf16) or (token_logprobs and forward_backward) or adamw or native_sampler "
+                 "or more_rows")
     proc = _pytest_benchmarks(tmp_path, "--benchmark", "--bench-smoke", "-k", selection, cuda_visible="")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("*-smoke.json")
-    data = json.loads(path.read_text())
+    return proc, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smoke_run")
+def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(smoke_run):
+    """--bench-smoke on the CPU: the real trainer, the native engine and the kernels, tiny sizes."""
+    proc, data = smoke_run
     assert data["smoke"] is True and data["gpu"] == "cpu"
-    groups = sorted((r["group"], r["config"], r["dtype"]) for r in data["records"])
+    groups = sorted((r["group"], r["config"], r["dtype"]) for r in data["records"]
+                    if not r["config"].startswith("rows"))  # (the scale benchmarks: the test below)
     assert groups == [("decode", "bench", "bf16"), ("kernel", "adamw_8bit", "fp32"),
                       ("kernel", "token_logprobs", "forward_backward"), ("step", "bench", "bf16")]
-    step = next(r for r in data["records"] if r["group"] == "step")
+    step = next(r for r in data["records"] if r["group"] == "step" and r["config"] == "bench")
     info = step["extra_info"]
     assert info["steps"] == 2 and info["completion_length"] == 6 and info["step_time_s"] > 0
     assert {"generate", "reference", "old_logprobs", "train"} <= set(info["phases_s"])
@@ -339,14 +350,10 @@ def test_the_suite_runs_end_to_end_on_a_tiny_model_in_smoke_mode(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_sampler_sweep_and_the_step_at_more_rows_run_in_smoke_mode(tmp_path):
+@pytest.mark.xdist_group("smoke_run")
+def test_the_sampler_sweep_and_the_step_at_more_rows_run_in_smoke_mode(smoke_run):
     """The scale benchmarks on the CPU: ours at three sizes with the adapter on and off, the step at two."""
-    pytest.importorskip("bitsandbytes")
-    proc = _pytest_benchmarks(tmp_path, "--benchmark", "--bench-smoke", "-k", "native_sampler or more_rows",
-                              cuda_visible="")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = (tmp_path / "results").glob("*-smoke.json")
-    records = json.loads(path.read_text())["records"]
+    records = smoke_run[1]["records"]
     sampler = {(r["config"], r["impl"]): r["extra_info"] for r in records if r["group"] == "sampler"}
     assert set(sampler) == {(c, i) for c in ("rows16", "rows64", "rows256") for i in ("ours", "ours-no-adapter")}
     assert [sampler[(c, "ours")]["rows"] for c in ("rows16", "rows64", "rows256")] == [4, 8, 16]
@@ -355,7 +362,7 @@ def test_the_sampler_sweep_and_the_step_at_more_rows_run_in_smoke_mode(tmp_path)
         assert info["tokens_per_s"] == pytest.approx(info["rows"] * info["shape"]["completion_len"] / steps_s)
         assert 0 < info["decode_ms_per_step"] <= info["ms_per_token_step"]
     steps = sorted(r["config"] for r in records if r["group"] == "step")
-    assert steps == ["rows256", "rows64"]
+    assert steps == ["bench", "rows256", "rows64"]
 
 
 def test_saved_activations_counts_the_float32_lora_inputs(monkeypatch):
@@ -381,15 +388,43 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
     assert [r["command"] for r in render.load_runs(tmp_path)] == ["first", "second"]
 
 
-@pytest.mark.parametrize("probe", ["fp8_and_logprobs", "native_engine", "decode_gemm_tiles", "decode_gemm_sass",
-                                   "saved_activations", "prefill_interrupt", "train_pass", "engine_sampling",
-                                   "step_profile", "fp8_host"])
-def test_every_probe_parses_its_command_line_as_a_script(probe):
+SCRIPT_PROBES = ["fp8_and_logprobs", "native_engine", "decode_gemm_tiles", "decode_gemm_sass", "saved_activations",
+                 "prefill_interrupt", "train_pass", "engine_sampling", "step_profile", "fp8_host", "attention_tiles"]
+# Each probe run as a script (its folder first on the path, as `python probe.py` puts it) with --help, in one
+# process: a process a probe spent its seconds importing torch ten times over.
+HELP_EACH = """
+import contextlib, io, json, runpy, sys, traceback
+folder, names, path, said = sys.argv[1], sys.argv[2:], list(sys.path), {}
+for name in names:
+    sys.path[:] = [folder, *path]
+    sys.argv, out, err, code = [name + ".py", "--help"], io.StringIO(), io.StringIO(), None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(f"{folder}/{name}.py", run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        except Exception:
+            code, _ = "raised", traceback.print_exc()
+    said[name] = dict(code=code, stdout=out.getvalue(), stderr=err.getvalue())
+print(json.dumps(said))
+"""
+
+
+@pytest.fixture(scope="module")
+def probes_help() -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(PROBES / f"{probe}.py"), "--help"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", HELP_EACH, str(PROBES), *SCRIPT_PROBES], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith(f"usage: {probe}.py")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.xdist_group("probes_help")
+@pytest.mark.parametrize("probe", SCRIPT_PROBES)
+def test_every_probe_parses_its_command_line_as_a_script(probes_help, probe):
+    said = probes_help[probe]
+    assert said["code"] == 0, said["stderr"][-2000:]
+    assert said["stdout"].startswith(f"usage: {probe}.py")
 
 
 def test_the_train_pass_probe_gives_each_pass_new_widths_and_runs_the_trainers_update(monkeypatch):
