@@ -20,7 +20,8 @@ One `generate(prompt_ids, num_generations, sampling)`:
 4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled),
    writing its KV straight into its n rows;
 5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
-   drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
+   drawn outside the graph from a seeded generator; with `EngineTuning.sample_kernel`,
+   `grpo.kernels.race_sample`, its draws made inside it), record token, sampler logp and mask, update
    the stop flags on the device, run the forward of that token into the next logits. The host looks
    at the flags only every `check_every` steps, to stop early once every row has finished. With
    `EngineTuning.fold_adapter` the prefill and the decode read the adapters folded into the base weights
@@ -49,6 +50,8 @@ import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm
+from grpo.kernels.race_sample import can_sample as can_race
+from grpo.kernels.race_sample import race_sample
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
 from grpo.rollout.native import packed as packed_layers
@@ -227,8 +230,11 @@ class NativeEngine:
     def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> None:
         """Sample from state.logits, record, update stop flags, forward the new token: all on device."""
         st = self._state
-        token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
-                                   sampling.min_p, st.noise[:rows] if sampling.temperature > 0 else None)
+        if self._samples_in_kernel(sampling):  # the race's draws made inside it, keyed by seed and step
+            token, logp = race_sample(st.logits[:rows], sampling.temperature, sampling.min_p, st.seed, st.step)
+        else:
+            token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
+                                       sampling.min_p, st.noise[:rows] if sampling.temperature > 0 else None)
         alive = st.alive[:rows]
         token = torch.where(alive, token, self.pad_id)  # (B,)
         logp = torch.where(alive, logp, 0.0)
@@ -238,6 +244,10 @@ class NativeEngine:
         self._forward(rows, kv_len)
         st.pos[:rows] += 1
         st.step += 1
+
+    def _samples_in_kernel(self, sampling: Sampling) -> bool:
+        """`grpo.kernels.race_sample` samples this step (EngineTuning.sample_kernel), not torch's ops."""
+        return self.tuning.sample_kernel and can_race(sampling.temperature, sampling.top_k, sampling.top_p)
 
     def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> torch.cuda.CUDAGraph:
         key = (rows, kv_len, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, stop)
@@ -336,7 +346,7 @@ class NativeEngine:
         steps taken."""
         st, steps = self._state, 0
         for i in range(max_new):
-            if sampling.temperature > 0:
+            if sampling.temperature > 0 and not self._samples_in_kernel(sampling):
                 st.noise[:rows].exponential_(generator=generator)
             kv_len = self._kv_bucket(max_prompt, i)
             if self.tuning.use_cuda_graph:
@@ -385,6 +395,7 @@ class NativeEngine:
             st.tails[stop.window][:rows] = -1
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        st.seed.fill_(seed)
         # where self._fold the weights hold the adapters for the prefill and the decode both (the prefill's
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
         kernel = None if self.tuning.fold_kernel else False  # None: the kernel where triton runs

@@ -34,6 +34,7 @@ class DecodeState:
     tok: torch.Tensor  # (max_batch,) long: the token the next forward consumes
     pos: torch.Tensor  # (max_batch,) long: its position
     step: torch.Tensor  # (1,) long: output column of the next sample
+    seed: torch.Tensor  # (1,) long: the generate's seed, the key of race_sample's draws (EngineTuning.sample_kernel)
     alive: torch.Tensor  # (max_batch,) bool: the row has not stopped yet
     finished: torch.Tensor  # (max_batch,) bool: stopped by a stop token or sequence
     out_ids: torch.Tensor  # (max_batch, max_seq_len) long
@@ -59,6 +60,7 @@ class DecodeState:
             logits=torch.zeros(B, V, device=dev, dtype=dt), noise=torch.ones(B, V, device=dev),
             tok=torch.full((B,), pad_id, device=dev, dtype=torch.long),
             pos=torch.zeros(B, device=dev, dtype=torch.long), step=torch.zeros(1, device=dev, dtype=torch.long),
+            seed=torch.zeros(1, device=dev, dtype=torch.long),
             alive=torch.ones(B, device=dev, dtype=torch.bool), finished=torch.zeros(B, device=dev, dtype=torch.bool),
             out_ids=torch.full((B, S), pad_id, device=dev, dtype=torch.long),
             out_logp=torch.zeros(B, S, device=dev), out_mask=torch.zeros(B, S, device=dev, dtype=torch.bool),
@@ -67,7 +69,7 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.noise, self.tok,
-               self.pos, self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
+               self.pos, self.step, self.seed, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
         return out + list(self.tails.values()) + list(self.consts.values())
 
     def record(self, rows: int, token: torch.Tensor, logp: torch.Tensor) -> None:

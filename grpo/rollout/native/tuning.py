@@ -81,6 +81,10 @@ class EngineTuning:
         sampler sweep) 256 rows took 2.056 s a generate this way against 2.134 through the modules (-3.7%),
         folded 1.714 s (-20%); folded 1.496 s against 1.666 in one start once q/k/v became one GEMM and the
         residuals were added in place (`packed.py`).
+    sample_kernel: sample with `grpo.kernels.race_sample` (three Triton launches that draw the race's Exp(1)
+        noise themselves, only where min_p keeps a token) where the sampling has no top-k or top-p, in place of
+        torch's ops on a (rows, V) float32 noise tensor drawn before each step (131 MB at 256 rows). Another
+        random stream than torch's for the same seed. Off until timed on a GPU.
     """
 
     use_cuda_graph: bool | None = None
@@ -95,6 +99,7 @@ class EngineTuning:
     fold_adapter: bool = False
     fold_kernel: bool = True
     packed_layers: bool | None = None
+    sample_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1:
@@ -118,6 +123,9 @@ class EngineTuning:
         if tuning.attention == "kernel" and not decode_attention.can_run(device):
             raise ValueError(f"attention='kernel' needs triton and a CUDA model (or TRITON_INTERPRET=1 on CPU); "
                              f"the model is on {device}: use 'sdpa'")
+        if tuning.sample_kernel and not decode_attention.can_run(device):
+            raise ValueError(f"sample_kernel=True needs triton and a CUDA model (or TRITON_INTERPRET=1 on CPU); "
+                             f"the model is on {device}: leave it False")
         if tuning.streams and not llama_mlp:
             raise ValueError("streams=True needs Llama MLPs (gate/up/down_proj and act_fn) in every layer; pass "
                              "streams=False")
