@@ -10,6 +10,7 @@ shapes (without that the loads are scalar and the code is not what the GPU runs)
 
     .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel gated --fp8 --tile 32 256 4 3
     .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel proj --fp8 --unpack convert --split-k 4
+    .venv/bin/python benchmarks/probes/decode_gemm_sass.py --kernel attention   # the attention's loop, too
     TRITON_DIR=/path/to/site-packages python benchmarks/probes/decode_gemm_sass.py ...   # another triton
 
 The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
@@ -90,6 +91,29 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
+def compile_attention(rope: bool):
+    """The decode attention's chunk kernel as the engine launches it for Llama-3.2-1B (32 query heads over 8 kv
+    heads of 64, one chunk a row, `AttentionTiles`' defaults), compiled for sm_90: `rope_store_attend`'s (q and
+    K rotated and the token's K/V written in it) or, without `rope`, `decode_attention`'s."""
+    triton = _import_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from grpo.kernels import _decode_attention_triton as kernels
+    from grpo.kernels.decode_attention import AttentionTiles
+
+    fn, tiles = kernels.attend_chunk_kernel, AttentionTiles()
+    const = dict(G=4, G_PAD=16, D=64, BLOCK_S=tiles.block_s, CHUNK=640, SPLITS=1, EXACT=False, ROPE=rope)
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else "*fp32" if n in ("acc_ptr", "stat_ptr") else "*i64" if n == "len_ptr"
+           else "*bf16" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in names}
+    divisible = [n for n in names if sig[n].startswith("*") or n.startswith("s_")]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tiles.num_warps, "num_stages": tiles.stages})
+
+
 def sass_loops(cubin: bytes) -> list[dict]:
     """Each loop of the kernel (a backward branch) with its instruction count and opcode histogram."""
     triton = _import_triton()
@@ -119,8 +143,10 @@ def sass_loops(cubin: bytes) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", choices=["proj", "gated"], default="gated",
-                    help="proj: one projection with the residual; gated: gate/up with the SiLU product")
+    ap.add_argument("--kernel", choices=["proj", "gated", "attention"], default="gated",
+                    help="proj: one projection with the residual; gated: gate/up with the SiLU product; attention: "
+                         "the decode attention's loop over positions, with the rotaries and K/V write in its launch "
+                         "and without (the other flags do not apply)")
     ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
     ap.add_argument("--unpack", choices=["convert", "bits"], default="bits",
                     help="how FP8 codes become bf16 (decode_gemm.Tuning.unpack, set by decode_gemm.tuning(unpack=...))")
@@ -135,6 +161,17 @@ def main() -> None:
     ap.add_argument("--dump", type=Path, default=None, help="also write .ttgir/.ptx/.cubin here")
     ap.add_argument("--json", action="store_true", help="print the loops as one JSON list instead")
     args = ap.parse_args()
+    if args.kernel == "attention":
+        loops = {way: [loop for loop in sass_loops(compile_attention(way == "rope").asm["cubin"])
+                       if loop["instructions"] >= 8] for way in ("rope", "plain")}
+        if args.json:
+            print(json.dumps(loops))
+            return
+        for way, found in loops.items():
+            for loop in found:
+                print(f"attention ({way}): {loop['instructions']} instructions a warp per loop step")
+                print("   ", " ".join(f"{op}:{n}" for op, n in list(loop["ops"].items())[:16]))
+        return
     compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, lora=args.lora,
                               unpack=args.unpack, split_k=args.split_k, bias=args.bias, pdl=args.pdl)
     if args.dump:
