@@ -35,11 +35,11 @@ def full_logits(model, prompt: list[int], completion: list[int]) -> torch.Tensor
     return logits[len(prompt) - 1 : len(prompt) + len(completion) - 1]  # (T, V)
 
 
-def small_llama(seed: int = 0, vocab: int = 1024) -> nn.Module:
+def small_llama(seed: int = 0, vocab: int = 1024, layers: int = 2) -> nn.Module:
     """tiny_llama with a small vocabulary (special ids moved inside it): fast enough for many rollouts."""
     from transformers import LlamaForCausalLM
 
-    cfg = tiny_llama_config(vocab_size=vocab)
+    cfg = tiny_llama_config(vocab_size=vocab, layers=layers)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 4, 1, 2
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
@@ -571,11 +571,11 @@ def test_attention_and_stream_variants_give_the_same_rollout(model, attention, s
         torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
 
-def small_qwen2(seed: int = 0, vocab: int = 1024) -> nn.Module:
+def small_qwen2(seed: int = 0, vocab: int = 1024, layers: int = 2) -> nn.Module:
     """A tiny random Qwen2 (what the packaged Qwen2.5-Coder is): q/k/v projections with bias, tied embeddings."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       tie_word_embeddings=True, rope_theta=1000000.0, pad_token_id=PAD, bos_token_id=1,
                       eos_token_id=2)

@@ -63,8 +63,8 @@ def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_att
     from grpo.rollout.native import EngineTuning, NativeEngine
     from test_native_engine import PAD, PROMPTS, small_llama
 
-    lora = get_peft_model(small_llama(seed=4), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
-                                                          init_lora_weights=False))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), init_lora_weights=False)
+    lora = get_peft_model(small_llama(seed=4, layers=1), config)
     sampling = Sampling(max_new_tokens=5, temperature=1.0, seed=6)
 
     def rollout(attention: str):  # a bucket of 64 past the longest row: the kernel reads each row to its own end
@@ -130,8 +130,8 @@ def test_native_engine_with_rope_in_attention_gives_the_kernel_layers_rollout(mo
     from grpo.rollout.native import EngineTuning, NativeEngine
     from test_native_engine import PAD, PROMPTS, small_llama
 
-    lora = get_peft_model(small_llama(seed=5), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
-                                                          init_lora_weights=False))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), init_lora_weights=False)
+    lora = get_peft_model(small_llama(seed=5, layers=1), config)
     sampling = Sampling(max_new_tokens=3, temperature=1.0, seed=7)
 
     def rollout(rope_in_attention: bool):
@@ -163,7 +163,7 @@ def test_rope_in_attention_leaves_qwen3s_head_norms_where_they_were(monkeypatch)
     from grpo.rollout.native import layer as native_layer
     from test_native_engine import PAD, PROMPTS, small_decoder
 
-    model = small_decoder("qwen3", seed=3)
+    model = small_decoder("qwen3", seed=3, layers=1)
     sampling = Sampling(max_new_tokens=3, temperature=1.0, seed=2)
 
     def fused(*args):

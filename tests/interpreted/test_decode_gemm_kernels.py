@@ -178,7 +178,7 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     from test_native_engine import PAD, PROMPTS, small_llama
 
     targets = list(LORA_TARGETS)
-    base = small_llama(seed=1)
+    base = small_llama(seed=1, layers=1)
     if fp8:  # FP8Linear bases (on the CPU their forward multiplies by the dequantized weight, as the kernels do)
         quantize_linears_(base, targets)
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
@@ -201,8 +201,8 @@ def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_
     from grpo.rollout.native import EngineTuning, NativeEngine
     from test_native_engine import PAD, PROMPTS, small_llama
 
-    lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
-                                                          init_lora_weights=False))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), init_lora_weights=False)
+    lora = get_peft_model(small_llama(seed=1, layers=1), config)
     before = {name: p.clone() for name, p in lora.named_parameters()}
     sampling = Sampling(max_new_tokens=4, temperature=1.0, top_k=20, seed=3)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
@@ -230,7 +230,7 @@ def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
     from grpo.rollout.native import NativeEngine
     from test_native_engine import PAD, PROMPTS, small_qwen2
 
-    base = small_qwen2(seed=2)
+    base = small_qwen2(seed=2, layers=1)
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
                                            init_lora_weights=False))
     sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
@@ -252,8 +252,8 @@ def test_native_engine_runs_qwen3_on_the_kernels_as_through_its_modules():
     from grpo.rollout.native import EngineTuning, NativeEngine
     from test_native_engine import PAD, PROMPTS, small_decoder
 
-    lora = get_peft_model(small_decoder("qwen3", seed=2), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                                     target_modules=list(LORA_TARGETS)))
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=list(LORA_TARGETS))
+    lora = get_peft_model(small_decoder("qwen3", seed=2, layers=1), config)
     sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules",
                        tuning=EngineTuning(attention="matmul")).generate(PROMPTS, 2, sampling)
@@ -342,25 +342,50 @@ def test_e4m3_bit_moves_give_every_code_times_2_to_the_minus_120():
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))  # -0 stays -0
 
 
-@pytest.mark.parametrize("unpack", [None, "convert", "bits"])  # None: bf16 weights
-def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unpack):
-    # benchmarks/probes/decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the
-    # pipelined 16-byte async copies the H200 runs (scalar loads would mean it compiled something else).
-    # FP8 codes become bf16 through the conversion unit ("convert") or by bit moves alone ("bits").
-    # Its own process: kernels cannot be compiled while TRITON_INTERPRET=1.
+# What benchmarks/probes/decode_gemm_sass.py compiles for the tests below, in one process of its own (kernels
+# cannot be compiled while TRITON_INTERPRET=1; a process a compile spent its seconds importing torch): name ->
+# compile_kernel's arguments
+SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4)),
+        "gated-convert": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="convert"),
+        "gated-bits": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="bits"),
+        "qkv-qwen2": dict(kind="proj", fp8=True, tile=(32, 256, 4, 3), bias=True, split_k=4),
+        "lora-epilogue": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2),
+        "lora-epilogue-pdl": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2,
+                                  pdl=True)}
+COMPILE_EACH = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import decode_gemm_sass as sass
+out = {}
+for name, spec in json.loads(sys.argv[2]).items():
+    spec["tile"] = tuple(spec["tile"])
+    compiled = sass.compile_kernel(**spec)
+    out[name] = dict(loops=sass.sass_loops(compiled.asm["cubin"]),
+                     ptx_waits="griddepcontrol.wait" in compiled.asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def sass_compiled() -> dict:
     import json
     import os
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tile = ["32", "128" if unpack else "256", "4", "4"]
-    sass = root / "benchmarks" / "probes" / "decode_gemm_sass.py"
-    proc = subprocess.run([sys.executable, str(sass), "--kernel", "gated",
-                           "--tile", *tile, "--json"] + (["--fp8", "--unpack", unpack] if unpack else []),
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_EACH, str(root / "benchmarks" / "probes"), json.dumps(SASS)],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    loops = [loop for loop in json.loads(proc.stdout.splitlines()[-1]) if loop["instructions"] > 8]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("unpack", ["bf16", "convert", "bits"])
+def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(sass_compiled, unpack):
+    # decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the pipelined 16-byte
+    # async copies the H200 runs (scalar loads would mean it compiled something else). FP8 codes become bf16
+    # through the conversion unit ("convert") or by bit moves alone ("bits").
+    loops = [loop for loop in sass_compiled[f"gated-{unpack}"]["loops"] if loop["instructions"] > 8]
     assert len(loops) == 2  # gate's K loop and up's
     ops = loops[0]["ops"]
     assert any(op.startswith("HMMA") for op in ops) and "LDGSTS.E.BYPASS.128" in ops
@@ -369,19 +394,9 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(unp
     assert ("PRMT" in ops and "SHF.R.U32.HI" in ops) == (unpack == "bits")
 
 
-def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90():
+def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90(sass_compiled):
     # the q/k/v launch of Qwen2 (biases, FP8 codes, split K) compiles for the H200, with tensor-core products
-    import json
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "decode_gemm_sass.py"), "--kernel",
-                           "proj", "--fp8", "--bias", "--split-k", "4", "--tile", "32", "256", "4", "3", "--json"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    loops = json.loads(proc.stdout.splitlines()[-1])
+    loops = sass_compiled["qkv-qwen2"]["loops"]
     assert any(op.startswith("HMMA") for loop in loops for op in loop["ops"])
 
 
@@ -399,22 +414,8 @@ def test_lora_down_and_the_tiles_count_arrivals_in_counters_of_their_own():
     assert not dg._COUNTERS[x.device].any()
 
 
-def test_sass_tool_compiles_the_lora_epilogue_to_wait_for_lora_down_only_when_launched_beside_it(tmp_path):
+def test_sass_tool_compiles_the_lora_epilogue_to_wait_for_lora_down_only_when_launched_beside_it(sass_compiled):
     # Tuning.pdl: griddepcontrol.wait (SASS ACQBULK) before the LoRA term, the K loop unchanged
-    import json
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    loops = {}
-    for pdl in (False, True):
-        dump = tmp_path / str(pdl)
-        proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "decode_gemm_sass.py"), "--kernel",
-                               "proj", "--split-k", "2", "--rows", "64", "--tile", "32", "128", "4", "6", "--lora",
-                               "--json", "--dump", str(dump)] + (["--pdl"] if pdl else []),
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        loops[pdl] = [loop["instructions"] for loop in json.loads(proc.stdout.splitlines()[-1])]
-        assert ("griddepcontrol.wait" in (dump / "proj.ptx").read_text()) == pdl
-    assert loops[True] == loops[False]
+    apart, beside = sass_compiled["lora-epilogue"], sass_compiled["lora-epilogue-pdl"]
+    assert beside["ptx_waits"] and not apart["ptx_waits"]
+    assert [loop["instructions"] for loop in beside["loops"]] == [loop["instructions"] for loop in apart["loops"]]
