@@ -54,10 +54,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
                    unpack: str = "bits", split_k: int = 1, bias: bool = False, pdl: bool = False):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
     compiled kernel (asm: ttgir, ptx, cubin). `pdl`: as launched beside its lora_down (Tuning.pdl)."""
-    triton = _import_triton()
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    _import_triton()
     from grpo.kernels import _decode_gemm_triton as kernels
     from grpo.kernels.decode_gemm import _UNPACK_MODES
 
@@ -86,32 +83,37 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     divisible = [n for n in names if sig[n].startswith("*") or n in ("stride_xm", "K", "N", "N0", "N1", "N2")]
+    return _compile_sm90(fn, sig, const, divisible, {"num_warps": warps})
+
+
+def _compile_sm90(fn, sig: dict, const: dict, divisible: list[str], options: dict):
+    """`fn` compiled for sm_90 with `sig`'s types, `const`'s constexprs, and `divisible`'s arguments specialized
+    as multiples of 16 (as a launch specializes them)."""
+    triton = _import_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_attention(rope: bool):
     """The decode attention's chunk kernel as the engine launches it for Llama-3.2-1B (32 query heads over 8 kv
     heads of 64, one chunk a row, `AttentionTiles`' defaults), compiled for sm_90: `rope_store_attend`'s (q and
     K rotated and the token's K/V written in it) or, without `rope`, `decode_attention`'s."""
-    triton = _import_triton()
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    _import_triton()
     from grpo.kernels import _decode_attention_triton as kernels
     from grpo.kernels.decode_attention import AttentionTiles
 
     fn, tiles = kernels.attend_chunk_kernel, AttentionTiles()
     const = dict(G=4, G_PAD=16, D=64, BLOCK_S=tiles.block_s, CHUNK=640, SPLITS=1, EXACT=False, ROPE=rope)
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in const else "*fp32" if n in ("acc_ptr", "stat_ptr") else "*i64" if n == "len_ptr"
-           else "*bf16" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in names}
-    divisible = [n for n in names if sig[n].startswith("*") or n.startswith("s_")]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tiles.num_warps, "num_stages": tiles.stages})
+    types = {"acc_ptr": "*fp32", "stat_ptr": "*fp32", "len_ptr": "*i64", "scale": "fp32"}  # else bf16 or int32
+    sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    divisible = [n for n in fn.arg_names if sig[n].startswith("*") or n.startswith("s_")]
+    return _compile_sm90(fn, sig, const, divisible, {"num_warps": tiles.num_warps, "num_stages": tiles.stages})
 
 
 def sass_loops(cubin: bytes) -> list[dict]:

@@ -25,8 +25,6 @@ import math
 import numpy as np
 import torch
 
-from grpo.kernels.decode_gemm import can_run  # noqa: F401  (re-exported: where the kernels run)
-
 BLOCK = 2048  # tokens a program reads: 63 blocks of Llama's vocabulary
 
 
