@@ -404,7 +404,8 @@ for name in names:
         except SystemExit as e:
             code = e.code
         except Exception:
-            code, _ = "raised", traceback.print_exc()
+            traceback.print_exc()  # into err: the test shows it
+            code = "raised"
     said[name] = dict(code=code, stdout=out.getvalue(), stderr=err.getvalue())
 print(json.dumps(said))
 """
