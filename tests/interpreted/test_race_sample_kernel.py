@@ -56,11 +56,14 @@ def test_native_engine_sampling_in_the_kernel_samples_what_its_reference_samples
     model = small_llama(seed=1)
     sampling = Sampling(max_new_tokens=4, temperature=1.0, min_p=0.05, seed=3)
 
+    engine = NativeEngine(model, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules",
+                          tuning=EngineTuning(sample_kernel=True))
+
     def rollout():
-        return NativeEngine(model, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules",
-                            tuning=EngineTuning(sample_kernel=True)).generate(PROMPTS, 2, sampling)
+        return engine.generate(PROMPTS, 2, sampling)
 
     out = rollout()
+    assert engine._state.noise is None  # the kernel draws the race's noise: no (rows, V) buffer for torch's
     steps = []
 
     def reference(logits, temperature, min_p, seed, step):  # what each step's launches must give

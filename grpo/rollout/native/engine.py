@@ -234,7 +234,7 @@ class NativeEngine:
             token, logp = race_sample(st.logits[:rows], sampling.temperature, sampling.min_p, st.seed, st.step)
         else:
             token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
-                                       sampling.min_p, st.noise[:rows] if sampling.temperature > 0 else None)
+                                       sampling.min_p, st.noise_rows(rows) if sampling.temperature > 0 else None)
         alive = st.alive[:rows]
         token = torch.where(alive, token, self.pad_id)  # (B,)
         logp = torch.where(alive, logp, 0.0)
@@ -347,7 +347,7 @@ class NativeEngine:
         st, steps = self._state, 0
         for i in range(max_new):
             if sampling.temperature > 0 and not self._samples_in_kernel(sampling):
-                st.noise[:rows].exponential_(generator=generator)
+                st.noise_rows(rows).exponential_(generator=generator)
             kv_len = self._kv_bucket(max_prompt, i)
             if self.tuning.use_cuda_graph:
                 graphs[kv_len].replay()
@@ -372,6 +372,8 @@ class NativeEngine:
         max_prompt = max(len(p) for p in prompt_ids)
         stop = StopRule.of(sampling)
         stop.prepare(st, self.max_batch)
+        if sampling.temperature > 0 and not self._samples_in_kernel(sampling):
+            st.noise_rows(self.max_batch)  # allocated here, before a capture points a graph at it
         self._plan(rows)
         graphs = {}
         if self.tuning.use_cuda_graph:

@@ -30,7 +30,8 @@ class DecodeState:
     kv_range: torch.Tensor  # (max_seq_len,) arange: key positions
     logits: torch.Tensor  # (max_batch, V) model dtype, as the output layer gives them: next-token logits of every
     # row (the sampler computes in float32 from them; a float32 copy cost the 256-row token step 0.1 ms)
-    noise: torch.Tensor  # (max_batch, V) float32: Exp(1) draws for the next sample
+    noise: torch.Tensor | None  # (max_batch, V) float32: Exp(1) draws for the next sample; None until
+    # `noise_rows` first needs it (an engine whose kernel draws the race's noise never does: 131 MB at 256 rows)
     tok: torch.Tensor  # (max_batch,) long: the token the next forward consumes
     pos: torch.Tensor  # (max_batch,) long: its position
     step: torch.Tensor  # (1,) long: output column of the next sample
@@ -57,7 +58,7 @@ class DecodeState:
             k_caches=[torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(dims.n_layers)],
             v_caches=[torch.zeros(cache_shape, device=dev, dtype=dt) for _ in range(dims.n_layers)],
             cos=cos[0].contiguous(), sin=sin[0].contiguous(), kv_range=positions[0],
-            logits=torch.zeros(B, V, device=dev, dtype=dt), noise=torch.ones(B, V, device=dev),
+            logits=torch.zeros(B, V, device=dev, dtype=dt), noise=None,
             tok=torch.full((B,), pad_id, device=dev, dtype=torch.long),
             pos=torch.zeros(B, device=dev, dtype=torch.long), step=torch.zeros(1, device=dev, dtype=torch.long),
             seed=torch.zeros(1, device=dev, dtype=torch.long),
@@ -67,10 +68,17 @@ class DecodeState:
             tails={}, consts={},
         )
 
+    def noise_rows(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the noise buffer, allocated on first use and never moved after."""
+        if self.noise is None:
+            self.noise = torch.ones(self.logits.shape, device=self.logits.device)
+        return self.noise[:rows]
+
     def tensors(self) -> list[torch.Tensor]:
-        out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.noise, self.tok,
+        out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.tok,
                self.pos, self.step, self.seed, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
-        return out + list(self.tails.values()) + list(self.consts.values())
+        noise = [] if self.noise is None else [self.noise]
+        return out + noise + list(self.tails.values()) + list(self.consts.values())
 
     def record(self, rows: int, token: torch.Tensor, logp: torch.Tensor) -> None:
         """Write this step's token, logp and mask (the rows alive before it) into the output column."""
