@@ -22,6 +22,9 @@ from grpo.config import Config
 from grpo.distributed import NCCL_ENV_DEFAULTS, init_world, nccl_env_defaults
 from grpo.rollout import Rollout, Sampling
 
+# one worker runs this module: its two-rank launch (a module fixture) then runs once
+pytestmark = pytest.mark.xdist_group("two_rank_run")
+
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_CHAR, LAST_CHAR = 7, 70  # ids of the char tokenizer: digits, then letters (tests/conftest.py)
 
@@ -159,9 +162,22 @@ def test_default_device_is_the_local_ranks_gpu_under_torchrun(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 # Two ranks over gloo
 # --------------------------------------------------------------------------------------------------
-def test_collectives_on_two_gloo_ranks_sum_gather_and_agree_on_a_nonfinite_step(tmp_path):
-    torchrun("collectives", tmp_path)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def two_rank_run(char_llama_dir, tmp_path_factory) -> Path:
+    """One torchrun launch (its start and its workers' imports cost more than a step), whose workers run in turn:
+    the collectives into `collectives/`; 2 steps on 2 ranks into `run/`, P=2 per rank, checkpoints after each
+    step; then a resume of that run's checkpoint-1 into `resumed/`."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    dist_cfg(char_llama_dir, out / "run").save(out / "configs" / "run")
+    resumed = dist_cfg(char_llama_dir, out / "resumed", resume=str(out / "run" / "checkpoint-1"))
+    resumed.save(out / "configs" / "resumed")
+    result = torchrun("suite", out)
+    (out / "stdout.txt").write_text(result.stdout)
+    return out
+
+
+def test_collectives_on_two_gloo_ranks_sum_gather_and_agree_on_a_nonfinite_step(two_rank_run):
+    results = [json.loads((two_rank_run / "collectives" / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(results):
         assert got["world"] == [r, 2]
         assert got["sum"] == 3.0  # 1 + 2
@@ -172,17 +188,6 @@ def test_collectives_on_two_gloo_ranks_sum_gather_and_agree_on_a_nonfinite_step(
         assert got["grad"] == [3.0, 5.0, 7.0] and got["grad_none"] is True
         assert got["broadcast"] == [0.0, 0.0]  # rank 0's values
         assert not any(k in got["env"] for k in NCCL_ENV_DEFAULTS)  # gloo leaves NCCL's env alone
-
-
-@pytest.fixture(scope="module")
-def two_rank_run(char_llama_dir, tmp_path_factory) -> Path:
-    """2 steps on 2 ranks, P=2 per rank, checkpoints after each step."""
-    out = tmp_path_factory.mktemp("two-ranks")
-    cfg = dist_cfg(char_llama_dir, out / "run")
-    cfg.save(out)
-    result = torchrun("train", out / "config.json")
-    (out / "stdout.txt").write_text(result.stdout)
-    return out
 
 
 def test_two_ranks_train_the_adapter_that_one_process_trains_on_the_same_prompts(two_rank_run, char_llama_dir,
@@ -211,7 +216,7 @@ def test_rank_zero_alone_prints_logs_and_saves_with_every_ranks_rng(two_rank_run
     run = two_rank_run / "run"
     assert [r["step"] for r in records(run)] == [1, 2]  # not once per rank
     stdout = (two_rank_run / "stdout.txt").read_text()
-    assert stdout.count("step 2/2 ") == 1 and stdout.count("done") == 1
+    assert stdout.count("step 2/2 ") == 2 and stdout.count("done") == 2  # once for each of the launch's two runs
     assert sorted(p.name for p in run.iterdir()) == [".claim", "adapter", "checkpoint-1", "checkpoint-2", "config.json",
                                                      "metrics.jsonl", "metrics.png"]
     assert (run / ".claim").read_text() == ""  # rank 0's claim, released at the end
@@ -221,14 +226,12 @@ def test_rank_zero_alone_prints_logs_and_saves_with_every_ranks_rng(two_rank_run
     assert state["world_size"] == 2 and state["stream"]["per_step"] == 4  # the global stream, N*P
 
 
-def test_resume_on_two_ranks_continues_as_the_uninterrupted_two_rank_run(two_rank_run, char_llama_dir, tmp_path):
-    cfg = dist_cfg(char_llama_dir, tmp_path / "resumed", resume=str(two_rank_run / "run" / "checkpoint-1"))
-    cfg.save(tmp_path)
-    torchrun("train", tmp_path / "config.json")
-    a, b = adapter_tensors(two_rank_run / "run" / "adapter"), adapter_tensors(tmp_path / "resumed" / "adapter")
+def test_resume_on_two_ranks_continues_as_the_uninterrupted_two_rank_run(two_rank_run):
+    run, resumed = two_rank_run / "run", two_rank_run / "resumed"
+    a, b = adapter_tensors(run / "adapter"), adapter_tensors(resumed / "adapter")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7)
-    [step2] = records(tmp_path / "resumed")
+    [step2] = records(resumed)
     assert step2["step"] == 2 and step2["loss"] == pytest.approx(records(two_rank_run / "run")[1]["loss"], rel=1e-5)
 
 
@@ -244,6 +247,7 @@ def test_resuming_a_two_rank_checkpoint_in_one_process_is_refused(two_rank_run, 
 # What each torchrun worker runs: `python -m torch.distributed.run ... tests/test_distributed.py MODE ARG`
 # --------------------------------------------------------------------------------------------------
 def _collectives(out: Path) -> None:
+    out.mkdir(exist_ok=True)
     world = init_world()
     r = world.rank
     grad = torch.nn.Parameter(torch.zeros(3))
@@ -267,10 +271,12 @@ def _collectives(out: Path) -> None:
 
 if __name__ == "__main__":
     mode, arg = sys.argv[1], Path(sys.argv[2])
-    if mode == "collectives":
-        _collectives(arg)
-    else:
-        from grpo import trainer
+    from grpo import trainer
 
-        trainer.build_engine = prompt_hash_engine  # the stand-in sampler, in this worker only
+    trainer.build_engine = prompt_hash_engine  # the stand-in sampler, in this worker only
+    if mode == "suite":  # two_rank_run's: the runs in turn, each in a process group of its own
+        _collectives(arg / "collectives")
+        trainer.train(Config.load(arg / "configs" / "run" / "config.json"))
+        trainer.train(Config.load(arg / "configs" / "resumed" / "config.json"))
+    else:
         trainer.train(Config.load(arg))

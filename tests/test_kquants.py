@@ -267,6 +267,7 @@ def packaged_qwen_tensors() -> dict:
     return {t.name: t for t in gguf.GGUFReader(packaged_qwen_gguf()).tensors}
 
 
+@pytest.mark.xdist_group("packaged_qwen_tensors")  # one worker: the file is read once
 @pytest.mark.parametrize("name", ["blk.3.attn_k.weight", "blk.0.attn_v.weight"])  # Q4_K, Q6_K
 def test_llama_cpp_blocks_of_the_packaged_qwen_requantize_to_themselves_mostly(packaged_qwen_tensors, name):
     """Weights that llama.cpp's quantizer wrote are a fixed point a faithful re-quantizer keeps: most

@@ -4,6 +4,7 @@ stderr, a step line that fits 100 columns, and progress reports from generation 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -116,18 +117,50 @@ def _known_warnings_in(stderr: str) -> list[str]:
     return [p for p in patterns if re.search(p.lstrip("^"), stderr)]
 
 
-def test_known_warnings_are_hidden_unless_verbose_and_the_step_line_fits_100_columns(tiny_llama_dir, tmp_path):
-    # held-out eval (greedy: the top_k note) and gradient checkpointing (the transformers renames) are on
-    args = ["--model", str(tiny_llama_dir), "--dataset", "arithmetic", "--engine", "hf", "--max-steps", "2",
-            "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8", "--eval-size", "2",
-            "--eval-samples", "1", "--log-completions-steps", "0", "--gradient-checkpointing", "true"]
-    verbose = _run_cli([*args, "--output-dir", str(tmp_path / "v"), "-v"])
+# held-out eval (greedy: the top_k note) and gradient checkpointing (the transformers renames) are on
+CLI_RUN = ["--dataset", "arithmetic", "--engine", "hf", "--max-steps", "2", "--prompts-per-step", "2",
+           "--num-generations", "2", "--max-completion-length", "8", "--eval-size", "2", "--eval-samples", "1",
+           "--log-completions-steps", "0", "--gradient-checkpointing", "true", "--beta", "0.04",
+           "--micro-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def quiet_cli_run(tiny_llama_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """Two steps of train.py on the tiny Llama, without -v, for the tests below (a run pays its imports):
+    (the process, its output folder)."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    result = _run_cli(["--model", str(tiny_llama_dir), *CLI_RUN, "--output-dir", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, out
+
+
+@pytest.mark.xdist_group("quiet_cli_run")
+def test_train_cli_runs_two_steps_offline_and_saves_a_peft_adapter(quiet_cli_run, tiny_llama_dir):
+    _, out = quiet_cli_run
+    saved = Config.load(out / "config.json")
+    assert saved.max_steps == 2 and saved.micro_batch_size == 2 and saved.model == str(tiny_llama_dir)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in steps)
+    assert all(0 < r["train/real_token_frac"] <= 1 for r in steps)  # what padding the training forwards ran
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    loaded = PeftModel.from_pretrained(base, out / "adapter")
+    assert loaded.peft_config["default"].use_rslora and loaded.peft_config["default"].r == 32
+
+
+@pytest.mark.xdist_group("quiet_cli_run")
+def test_known_warnings_are_hidden_unless_verbose_and_the_step_line_fits_100_columns(quiet_cli_run, tiny_llama_dir,
+                                                                                     tmp_path):
+    verbose = _run_cli(["--model", str(tiny_llama_dir), *CLI_RUN, "--output-dir", str(tmp_path / "v"), "-v"])
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     shown = _known_warnings_in(verbose.stderr)
     if not shown:
         pytest.skip("none of the known warnings fires with these library versions: nothing to hide")
-    quiet = _run_cli([*args, "--output-dir", str(tmp_path / "q")])
-    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    quiet, _ = quiet_cli_run
     assert _known_warnings_in(quiet.stderr) == [], quiet.stderr
     step_lines = [line for line in quiet.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in step_lines] == ["1/2", "2/2"]

@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# one worker runs this module: its straight and killed runs (module fixtures) then run once
+pytestmark = pytest.mark.xdist_group("reliability")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

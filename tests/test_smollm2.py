@@ -18,6 +18,9 @@ from grpo import assets
 from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
 from grpo.data import build_prompts, load_examples
 
+# one worker runs this module: the model (a module fixture) then loads once
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:

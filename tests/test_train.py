@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -74,30 +73,6 @@ def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(folder / "adapter_model.safetensors")
-
-
-def test_train_cli_runs_two_steps_offline_and_saves_a_peft_adapter(tiny_llama_dir, tmp_path):
-    out = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "train.py", "--model", str(tiny_llama_dir), "--dataset", "arithmetic", "--max-steps", "2",
-           "--prompts-per-step", "2",
-           "--num-generations", "2", "--max-completion-length", "8", "--engine", "hf", "--output-dir", str(out),
-           "--beta", "0.04", "--micro-batch-size", "2"]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    saved = Config.load(out / "config.json")
-    assert saved.max_steps == 2 and saved.micro_batch_size == 2 and saved.model == str(tiny_llama_dir)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in steps)
-    assert all(0 < r["train/real_token_frac"] <= 1 for r in steps)  # what padding the training forwards ran
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    loaded = PeftModel.from_pretrained(base, out / "adapter")
-    assert loaded.peft_config["default"].use_rslora and loaded.peft_config["default"].r == 32
 
 
 def test_help_lists_every_flag_with_text():
@@ -175,6 +150,7 @@ def straight_four_steps(tiny_llama_dir, tmp_path_factory):
     return adapter_tensors(out / "adapter")
 
 
+@pytest.mark.xdist_group("straight_four_steps")  # one worker: the straight run trains once
 @pytest.mark.parametrize("how, saved_at", [("ctrl_c_on_third_call", 3), ("interrupt_on_third_call", 2)])
 def test_ctrl_c_saves_a_checkpoint_that_resumes_as_if_never_stopped(tiny_llama_dir, tmp_path, straight_four_steps,
                                                                      how, saved_at):
@@ -197,15 +173,15 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_as_if_never_stopped(tiny_llama_d
 def test_grpo_raises_a_trivial_reward_within_a_few_dozen_steps(char_llama_dir, tmp_path):
     # A tiny model over a character vocabulary, rewarded for the share of digits it writes. GRPO must
     # raise that share clearly; a wrong sign anywhere (advantage, ratio, loss) makes it fall instead.
-    cfg = tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=16, prompts_per_step=4, num_generations=8,
+    cfg = tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=10, prompts_per_step=4, num_generations=8,
                    max_completion_length=12, learning_rate=1e-2, lr_scheduler="constant", beta=0.0, min_p=0.0,
                    reward=("test_train:digit_share",), max_prompt_length=None, log_completions_steps=0,
                    lora_rank=8, lora_alpha=16, num_train_examples=64)
     train(cfg)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     share = [r["rewards/digit_share"] for r in records if "rewards/digit_share" in r]
-    first, last = sum(share[:5]) / 5, sum(share[-5:]) / 5
-    # Seen: about 0.14 over the first five steps, 1.0 over the last five.
+    first, last = sum(share[:3]) / 3, sum(share[-3:]) / 3
+    # Seen (seeds 1-3 and 11): 0.10-0.15 over the first three steps, 0.95-0.99 over the last three.
     assert last > first + 0.3 and last > 2 * first, (first, last)
 
 
