@@ -7,7 +7,7 @@ bucket of 512). Each timing is a CUDA graph of 16 calls over 16 layers' caches (
 holds at 64 rows and more), as the engine's graph runs them: microseconds a call, and the caches' bytes
 read over that time against the copy bandwidth measured in the same run.
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/attention_tiles.py [--rows 16 64 256] [--budget-s 240]
+    PYTHONPATH=$PWD python3 benchmarks/probes/attention_tiles.py [--rows 16 64 256] [--budget-s 240] [--default-only]
 
 Every figure goes to --out as JSON lines (timing.py): one `tiles` line a config, then the best per row count.
 """
@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
     ap.add_argument("--full", action="store_true", help="block 32 too, 2 warps, one stage")
+    ap.add_argument("--default-only", action="store_true",
+                    help="time the launch's default choice alone (an A/B of the kernel between two commits)")
     add_out_argument(ap)
     args = ap.parse_args()
     rec = Recorder("attention_tiles", args.out)
@@ -79,7 +81,7 @@ def main() -> None:
         rec.record("check", rows=rows, max_abs_err=float((got.float() - want.float()).abs().max()))
         read = 2 * rows * KV_HEADS * (POSITION + 1) * DIM * 2  # K and V, bf16, every row to its length
         best = None
-        for tiles in configs(args.full):
+        for tiles in [AttentionTiles()] if args.default_only else configs(args.full):
             if rec.elapsed_s() > args.budget_s:
                 rec.record("skipped", rows=rows, reason="time budget")
                 break
