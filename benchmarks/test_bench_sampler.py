@@ -118,7 +118,7 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     the product runs the projections as torch's GEMMs with the adapters packed (`EngineTuning.packed_layers`);
     there `lora-modules` times peft's modules in their place, as the engine ran such steps before 2026-12-04.
     `lora-folded-race` is the folded engine sampling with `grpo.kernels.race_sample` (`EngineTuning.sample_kernel`:
-    the race's noise drawn inside the sampler's launches), for the A/B before it is turned on."""
+    the race's noise drawn inside the sampler's launches), off in the product since it was timed (RESULTS.md)."""
     import contextlib
 
     from grpo.kernels import decode_attention, decode_gemm

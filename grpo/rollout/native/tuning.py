@@ -84,7 +84,8 @@ class EngineTuning:
     sample_kernel: sample with `grpo.kernels.race_sample` (three Triton launches that draw the race's Exp(1)
         noise themselves, only where min_p keeps a token) where the sampling has no top-k or top-p, in place of
         torch's ops on a (rows, V) float32 noise tensor drawn before each step (131 MB at 256 rows). Another
-        random stream than torch's for the same seed. Off until timed on a GPU.
+        random stream than torch's for the same seed. Off: on the H200 (2026-12-05, the folded sampler at 16 /
+        64 / 256 rows) it took 0.634 / 0.795 / 1.424 s a generate against 0.664 / 0.792 / 1.412 with torch's.
     """
 
     use_cuda_graph: bool | None = None
