@@ -67,7 +67,7 @@ def test_engine_needs_no_importance_correction_and_keeps_its_kv_cache_on_standby
 
 def test_engine_tuning_refuses_values_it_cannot_run():
     for bad in (dict(kv_bucket=0), dict(check_every=0), dict(attention="flash"), dict(kernel_rows=0),
-                dict(kernel_rows=65)):
+                dict(kernel_rows=65), dict(prefill_bucket=0), dict(prefill_graph_tokens=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineTuning(**bad)
     if os.environ.get("TRITON_INTERPRET") != "1":  # the attention kernel needs Triton on a GPU (or its interpreter)
@@ -313,6 +313,30 @@ def test_release_memory_frees_buffers_and_generation_resumes(model):
     assert torch.equal(a.completion_ids, b.completion_ids)
 
 
+def test_prefill_padded_past_the_longest_prompt_writes_the_same_cache_and_logits(model):
+    # a graphed prefill runs at the longest prompt's width rounded up to EngineTuning.prefill_bucket; the columns
+    # after every prompt's end must change nothing a decode reads: the K/V before each row's position, the logits
+    engine = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD)
+    engine.generate(PROMPTS, 2, Sampling(max_new_tokens=1, temperature=0.0))  # allocates the state
+    st, lengths = engine._state, torch.tensor([len(p) for p in PROMPTS])
+    seen = []
+    for width in (7, 16):
+        ids = torch.full((len(PROMPTS), width), 9)  # not the pad id: whatever lies past a prompt is ignored
+        for i, p in enumerate(PROMPTS):
+            ids[i, :len(p)] = torch.tensor(p)
+        with torch.no_grad():
+            engine._prefill_rows(ids, lengths, 2)
+        rows = [(r, len(PROMPTS[r // 2])) for r in range(6)]
+        seen.append(([c[r, :, :n].clone() for c in st.k_caches + st.v_caches for r, n in rows],
+                     st.logits[:6].clone(), st.pos[:6].clone()))
+    (kv7, logits7, pos7), (kv16, logits16, pos16) = seen
+    for a, b in zip(kv7, kv16):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits7, logits16, atol=1e-5, rtol=1e-5)
+    assert pos7.tolist() == pos16.tolist() == [4, 4, 7, 7, 1, 1]
+    assert torch.equal(logits7[0], logits7[1]) and not torch.equal(logits7[0], logits7[2])  # a prompt's n rows
+
+
 def test_smaller_batch_after_larger_uses_the_same_cache(model):
     engine = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD)
     engine.generate(PROMPTS, 2, Sampling(max_new_tokens=6, temperature=1.0, seed=0))
@@ -401,6 +425,34 @@ def test_cuda_graph_rollout_equals_eager_rollout():
     greedy = graphed.generate(PROMPTS, 1, Sampling(max_new_tokens=20, temperature=0.0))
     for i, p in enumerate(PROMPTS):
         assert greedy.completion_ids[i].tolist() == hf_greedy(model, p, 20)
+
+
+@pytest.mark.cuda
+@cuda
+def test_prefill_replayed_from_its_cuda_graph_gives_the_rollout_of_the_eager_prefill():
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+
+    model = get_peft_model(small_llama(seed=8), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS),
+                                                           init_lora_weights=False)).cuda()
+    sampling = Sampling(max_new_tokens=24, temperature=1.0, seed=3)
+    others = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40, 41]]  # width 17: a bucket of 32
+    eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD,
+                         tuning=EngineTuning(kv_bucket=16, prefill_graph_tokens=0))
+    want = {id(p): eager.generate(p, 2, sampling) for p in (PROMPTS, others)}
+    engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD,
+                          tuning=EngineTuning(kv_bucket=16, prefill_bucket=16))
+    for prompts in (PROMPTS, PROMPTS, others, PROMPTS, others, others):  # eager, capture, eager, replays
+        out = engine.generate(prompts, 2, sampling)
+        assert torch.equal(out.completion_ids, want[id(prompts)].completion_ids)
+        torch.testing.assert_close(out.sampler_logp, want[id(prompts)].sampler_logp, atol=1e-4, rtol=0)
+    assert sorted(k[:3] for k in engine._prefill_graphs) == [(2, 2, 32), (3, 2, 16)]
+    engine.release_memory()  # under release_memory every prefill runs eager: a capture would not be replayed
+    for _ in range(2):
+        engine.generate(PROMPTS, 2, sampling)
+        engine.release_memory()
+    assert not engine._prefill_graphs
 
 
 @pytest.mark.cuda

@@ -123,6 +123,10 @@ class NativeEngine:
         self._sample = sample_with_noise if mode is None else torch.compile(sample_with_noise, mode=mode)
         self._state: DecodeState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # prefill graphs by (prompts, n, width, folded), with the ids and lengths buffers each reads; a shape is
+        # captured the second time it is met, so one met once (and every shape under release_memory) runs eager
+        self._prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._prefill_seen: set[tuple] = set()
         self._graph_pool = None
         # captures warm up and capture on one stream of the engine's own: cuBLAS keeps a workspace (32 MiB on
         # the H200) for each stream it has run on, torch's pool has 32 streams, and a new warm-up stream per
@@ -156,11 +160,16 @@ class NativeEngine:
 
     def release_memory(self) -> None:
         """Drop the KV cache, the state buffers and the CUDA graphs; `generate` rebuilds them."""
-        self._graphs.clear()
+        self._clear_graphs()
         self._graph_pool = None
         self._state = None
         self._fingerprint = None
         self._packs = []  # (the graphs that read them are gone)
+
+    def _clear_graphs(self) -> None:
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._prefill_seen.clear()
 
     def _model_fingerprint(self) -> tuple:
         """What a captured graph depends on: parameter addresses and the adapters' switches and scales."""
@@ -260,46 +269,89 @@ class NativeEngine:
         st = self._state
         st.pos[:rows] = 0
         st.step.zero_()
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        side = self._capture_stream
+        side = self._capture_side_stream()
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._step(rows, kv_len, sampling, stop)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
+        with torch.cuda.graph(graph, pool=self._graph_pool_handle(), stream=side):
             self._step(rows, kv_len, sampling, stop)
         self._graphs[key] = graph
         return graph
 
+    def _capture_side_stream(self) -> torch.cuda.Stream:
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
+
+    def _graph_pool_handle(self):
+        """The memory pool every graph of this engine allocates from (graphs replay one at a time)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
     # ----------------------------------------------------------------------------------------------
     # prefill
     def _prefill(self, prompt_ids: list[list[int]], n: int) -> None:
-        """Run every prompt once; write its K/V into its n rows and its last logits into state.logits."""
+        """Run every prompt once; write its K/V into its n rows and its last logits into state.logits. A prompt
+        shape met a second time while the engine keeps its graphs replays a CUDA graph
+        (`EngineTuning.prefill_graph_tokens`), at the width rounded up to `prefill_bucket`."""
+        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+        bucket = self.tuning.prefill_bucket
+        width = min(-(-L // bucket) * bucket, self.max_seq_len)
+        graphed = self.tuning.use_cuda_graph and P * width <= self.tuning.prefill_graph_tokens
+        width = width if graphed else L
+        # (P, width) right-padded: causal attention keeps padding out of real tokens
+        ids = pad_rows(prompt_ids, self.pad_id, width=width, dtype=torch.long).to(self.device)
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
+        key = (P, n, width, self._fold)
+        if not graphed or key not in self._prefill_seen:  # a shape met once: no capture for it yet
+            self._prefill_seen.add(key)
+            self._prefill_rows(ids, lengths, n)
+        else:
+            self._prefill_graph_for(key, ids, lengths, n).replay()
+
+    def _prefill_rows(self, ids: torch.Tensor, lengths: torch.Tensor, n: int) -> None:
+        """The prefill of right-padded prompts ids (P, W) of `lengths` (P,) tokens, on the device alone (no host
+        sync, so that a CUDA graph can hold it): their K/V into rows [0, P * n) of the cache, positions [0, W),
+        each prompt's n rows side by side."""
         st, lm = self._state, self.lm
         decoder = lm.model
-        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
-        rows = P * n
-        # (P, L) right-padded: causal attention keeps padding out of real tokens
-        ids = pad_rows(prompt_ids, self.pad_id, width=L, dtype=torch.long).to(self.device)
-        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
-        x = decoder.embed_tokens(ids)  # (P, L, H)
-        cos, sin = st.cos[:L][None, None], st.sin[:L][None, None]  # (1, 1, L, D)
+        (P, W), rows = ids.shape, ids.shape[0] * n
+        x = decoder.embed_tokens(ids)  # (P, W, H)
+        cos, sin = st.cos[:W][None, None], st.sin[:W][None, None]  # (1, 1, W, D)
         for i, layer in enumerate(decoder.layers):
             x, k, v = self._fns.prefill(layer, x, cos, sin, self.dims)
-            st.k_caches[i][:rows, :, :L] = k.repeat_interleave(n, dim=0)  # each prompt's KV into its n rows
-            st.v_caches[i][:rows, :, :L] = v.repeat_interleave(n, dim=0)
+            for cache, kv in ((st.k_caches[i], k), (st.v_caches[i], v)):  # (P, n_kv, W, D) into each prompt's n rows
+                cache[:rows].view(P, n, *cache.shape[1:])[:, :, :, :W] = kv[:, None]
         last = x[torch.arange(P, device=self.device), lengths - 1]  # (P, H) each prompt's last token
-        logits = lm.lm_head(decoder.norm(last[:, None]))[:, 0].float()  # (P, V)
+        logits = lm.lm_head(decoder.norm(last[:, None]))[:, 0]  # (P, V)
         if logits.shape[-1] != self.dims.vocab_size:
             raise ValueError(f"lm_head gives {logits.shape[-1]} logits but config.vocab_size is "
                              f"{self.dims.vocab_size}")
-        st.logits[:rows] = logits.repeat_interleave(n, dim=0)
-        st.pos[:rows] = lengths.repeat_interleave(n)
+        st.logits[:rows].view(P, n, -1).copy_(logits[:, None])
+        st.pos[:rows].view(P, n).copy_(lengths[:, None])
+
+    def _prefill_graph_for(self, key: tuple, ids: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.cuda.CUDAGraph:
+        """The prefill's graph for `key`, its inputs ids and lengths copied into the buffers it reads; captured
+        (after a warm-up run) where there is none yet."""
+        if key in self._prefill_graphs:
+            graph, ids_in, lengths_in = self._prefill_graphs[key]
+            ids_in.copy_(ids)
+            lengths_in.copy_(lengths)
+            return graph
+        side = self._capture_side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._prefill_rows(ids, lengths, n)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool_handle(), stream=side):
+            self._prefill_rows(ids, lengths, n)
+        self._prefill_graphs[key] = (graph, ids, lengths)  # ids and lengths stay the graph's input buffers
+        return graph
 
     # ----------------------------------------------------------------------------------------------
     # generate
@@ -379,7 +431,7 @@ class NativeEngine:
         if self.tuning.use_cuda_graph:
             fingerprint = self._model_fingerprint()
             if fingerprint != self._fingerprint:  # parameters moved or adapters switched: recapture
-                self._graphs.clear()
+                self._clear_graphs()
                 self._fingerprint = fingerprint
             for kv_len in sorted({self._kv_bucket(max_prompt, i) for i in range(max_new)}):
                 graphs[kv_len] = self._graph_for(rows, kv_len, sampling, stop)

@@ -43,6 +43,16 @@ class EngineTuning:
         GEMMs; 12 ms without the adapter). Off: in the bench step on the H200 (2026-12-03) FP8's prefill took
         153 ms a step with it against 66 without (bf16 was not timed apart from the fold).
     kv_bucket: attention reads the cache in multiples of this many positions.
+    prefill_graph_tokens: with use_cuda_graph, a prefill of up to this many prompt tokens (prompts x width)
+        replays a CUDA graph, from the second time its shape is met (prompts, completions each, width) while
+        the engine keeps its graphs (not under release_memory: a capture costs more than one eager prefill);
+        0: never. Eager, the prefill is the host calling the layers' modules one op at a time: on the H200
+        (2026-12-05, the bench step profiled) FP8's took 161 ms of wall time under the profiler for 5.9 ms of
+        GPU time, bf16's (the adapters folded) 94 ms for 13.6. The graphs share the decode graphs' memory pool,
+        which keeps the working memory of the largest prefill graphed.
+    prefill_bucket: a graphed prefill's width is the longest prompt's rounded up to a multiple of this (and at
+        most max_seq_len), so prompts of nearby lengths share a graph; the padding sits after every prompt's
+        last token, where causal attention keeps it out of the prompt's K/V and logits.
     check_every: steps between host checks of "have all rows stopped".
     attention: "sdpa" (torch's fused attention), "matmul" (two batched matmuls, float32 scores and
         softmax: the K slice is upcast every step), "kernel" (`grpo.kernels.decode_attention`: Triton,
@@ -92,6 +102,8 @@ class EngineTuning:
     compile: str | None = "auto"
     compile_prefill: bool = False
     kv_bucket: int = 256
+    prefill_graph_tokens: int = 4096
+    prefill_bucket: int = 64
     check_every: int = 16
     attention: str = "auto"
     streams: bool | None = None
@@ -103,8 +115,11 @@ class EngineTuning:
     sample_kernel: bool = False
 
     def __post_init__(self) -> None:
-        if self.kv_bucket < 1 or self.check_every < 1:
-            raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}: both must be >= 1")
+        if self.kv_bucket < 1 or self.check_every < 1 or self.prefill_bucket < 1:
+            raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}, prefill_bucket="
+                             f"{self.prefill_bucket}: each must be >= 1")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens={self.prefill_graph_tokens}: use 0 (never) or more")
         if self.attention not in ("auto", "matmul", "sdpa", "kernel"):
             raise ValueError(f"attention={self.attention!r}: use 'auto', 'matmul', 'sdpa' or 'kernel'")
         if not 1 <= self.kernel_rows <= decode_gemm.MAX_ROWS:
