@@ -72,37 +72,46 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
             acc += part
     return acc
 
+# A tile's epilogue operands (LoRA's B, the bias, the residual) are loaded before its K loop, whose weight stream
+# hides their latency, and x A^T right after it, so that the tile's end waits on one load at most.
+
 @triton.jit
-def _lora_up(acc, xa_ptr, b_ptr, R, N, rn, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-             EXACT: tl.constexpr):
-    # acc += scale * (x A^T) B^T; x A^T arrives whole, float32 (BLOCK_M, BLOCK_R), from lora_down_kernel
+def _lora_b(b_ptr, R, N, rn, BLOCK_R: tl.constexpr):
+    # B's rows rn, float32 (BLOCK_N, BLOCK_R)
+    rr = tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R),
+                   other=0.0).to(tl.float32)
+
+@triton.jit
+def _lora_term(xa_ptr, b, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, EXACT: tl.constexpr,
+               PDL: tl.constexpr):
+    # scale * (x A^T) B^T (BLOCK_M, BLOCK_N) float32; x A^T arrives whole, (BLOCK_M, BLOCK_R), from lora_down_kernel
+    if PDL:  # launched while lora_down still ran: its x A^T is complete and visible after this
+        gdc_wait()
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     xa = tl.load(xa_ptr + rm[:, None] * BLOCK_R + rr[None, :])
-    b = tl.load(b_ptr + rn[:, None] * R + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
-    return acc + _dot32(xa, tl.trans(b.to(tl.float32)), EXACT) * scale
+    return _dot32(xa, tl.trans(b), EXACT) * scale
 
 @triton.jit
-def _add_bias(acc, bias_ptr, N, rn):
-    # acc (BLOCK_M, BLOCK_N) + the projection's bias at features rn, in float32
-    return acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+def _bias(bias_ptr, N, rn):
+    # the projection's bias at features rn, float32 (1, BLOCK_N)
+    return tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
 
 @triton.jit
-def _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M: tl.constexpr,
-                 HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr,
-                 EXACT: tl.constexpr, PDL: tl.constexpr):
-    # the whole K's sums in: LoRA's up-projection, the bias, the residual, one rounding, the store
+def _finish_tile(acc, lora, bias, res, rn, M, N, y_ptr, BLOCK_M: tl.constexpr, HAS_LORA: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    # the whole K's sums in: LoRA's up-projection, the bias, the residual (each loaded or made before, read
+    # only where its flag is set), one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
-        if PDL:  # launched while lora_down still ran: its x A^T is complete and visible after this
-            gdc_wait()
-        acc = _lora_up(acc, xa_ptr, b_ptr, R, N, rn, lora_scale, BLOCK_M, BLOCK_R, EXACT)
+        acc = acc + lora
     if HAS_BIAS:
-        acc = _add_bias(acc, bias_ptr, N, rn)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if HAS_RES:  # residual (M, N), contiguous
-        acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        acc = acc + bias
+    if HAS_RES:
+        acc += res
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 @triton.jit
 def _split_k_sum(part, at, stride, count_ptr, SPLIT: tl.constexpr):
@@ -128,20 +137,31 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
               EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    b = rn  # stand-ins for what the flags leave out (never read)
+    bias = rn
+    res = rn
+    lora = rn
+    if HAS_LORA:
+        b = _lora_b(b_ptr, R, N, rn, BLOCK_R)
+    if HAS_BIAS:
+        bias = _bias(bias_ptr, N, rn)
+    if HAS_RES:  # residual (M, N), contiguous
+        res = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
+                      other=0.0).to(tl.float32)
     per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * per
     acc = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, BLOCK_M,
                      BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK)
+    if HAS_LORA:  # every K slice makes it (a small product), so the last one's finish waits on no load for it
+        lora = _lora_term(xa_ptr, b, lora_scale, BLOCK_M, BLOCK_R, EXACT, PDL)
     if SPLIT_K > 1:  # the K slice that arrives last finishes the tile
-        rm = tl.arange(0, BLOCK_M)
         at = part_ptr + (slot * SPLIT_K * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         acc, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_N, count_ptr + slot, SPLIT_K)
         if last:
-            _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
-                         HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL)
+            _finish_tile(acc, lora, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES)
     else:
-        _finish_tile(acc, rn, M, N, y_ptr, b_ptr, xa_ptr, R, lora_scale, bias_ptr, res_ptr, BLOCK_M, HAS_LORA,
-                     HAS_BIAS, HAS_RES, BLOCK_R, EXACT, PDL)
+        _finish_tile(acc, lora, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
@@ -182,18 +202,22 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
     # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
+    if HAS_LORA:  # loaded before the K loops, as in _one_proj
+        b_g = _lora_b(bg, R, N, rn, BLOCK_R)
+        b_u = _lora_b(bu, R, N, rn, BLOCK_R)
+    if HAS_BIAS:
+        bias_g = _bias(eg, N, rn)
+        bias_u = _bias(eu, N, rn)
     g = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
     u = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
                    EXACT, UNPACK)
     if HAS_LORA:
-        if PDL:  # as in _finish_tile
-            gdc_wait()
-        g = _lora_up(g, xa_ptr, bg, R, N, rn, cg, BLOCK_M, BLOCK_R, EXACT)
-        u = _lora_up(u, xa_ptr + BLOCK_M * BLOCK_R, bu, R, N, rn, cu, BLOCK_M, BLOCK_R, EXACT)
+        g = g + _lora_term(xa_ptr, b_g, cg, BLOCK_M, BLOCK_R, EXACT, PDL)
+        u = u + _lora_term(xa_ptr + BLOCK_M * BLOCK_R, b_u, cu, BLOCK_M, BLOCK_R, EXACT, False)  # (waited above)
     if HAS_BIAS:
-        g = _add_bias(g, eg, N, rn)
-        u = _add_bias(u, eu, N, rn)
+        g = g + bias_g
+        u = u + bias_u
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
