@@ -307,11 +307,12 @@ class NativeEngine:
         ids = pad_rows(prompt_ids, self.pad_id, width=width, dtype=torch.long).to(self.device)
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)  # (P,)
         key = (P, n, width, self._fold)
-        if not graphed or key not in self._prefill_seen:  # a shape met once: no capture for it yet
-            self._prefill_seen.add(key)
-            self._prefill_rows(ids, lengths, n)
-        else:
+        if graphed and key in self._prefill_seen:
             self._prefill_graph_for(key, ids, lengths, n).replay()
+        else:  # a shape met once has no capture yet
+            if graphed:
+                self._prefill_seen.add(key)
+            self._prefill_rows(ids, lengths, n)
 
     def _prefill_rows(self, ids: torch.Tensor, lengths: torch.Tensor, n: int) -> None:
         """The prefill of right-padded prompts ids (P, W) of `lengths` (P,) tokens, on the device alone (no host
