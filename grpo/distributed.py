@@ -52,6 +52,7 @@ class World:
     size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where collectives run
+    owns_group: bool = False  # init_world made the process group (not the caller's own), so close() ends it
 
     @property
     def is_main(self) -> bool:
@@ -145,8 +146,8 @@ class World:
             dist.barrier()
 
     def close(self) -> None:
-        """Destroy the process group (if this run made one)."""
-        if self.size > 1:
+        """Destroy the process group if init_world made it; one the caller made stays theirs."""
+        if self.owns_group:
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -176,10 +177,12 @@ def init_world() -> World:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         os.environ.update(nccl_env_defaults(os.environ))  # read by NCCL when the group is made
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
     else:
         device = torch.device("cpu")
-        if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if device.type == "cuda":
+            dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
+        else:
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    return World(rank=rank, size=dist.get_world_size(), local_rank=local_rank, device=device)
+    return World(rank=rank, size=dist.get_world_size(), local_rank=local_rank, device=device, owns_group=owns_group)

@@ -188,6 +188,7 @@ def test_collectives_on_two_gloo_ranks_sum_gather_and_agree_on_a_nonfinite_step(
         assert got["grad"] == [3.0, 5.0, 7.0] and got["grad_none"] is True
         assert got["broadcast"] == [0.0, 0.0]  # rank 0's values
         assert not any(k in got["env"] for k in NCCL_ENV_DEFAULTS)  # gloo leaves NCCL's env alone
+        assert got["caller_group_left_open"]  # init_world found the worker's group: closing the World keeps it
 
 
 def test_two_ranks_train_the_adapter_that_one_process_trains_on_the_same_prompts(two_rank_run, char_llama_dir,
@@ -265,8 +266,9 @@ def _collectives(out: Path) -> None:
         "nonfinite": nonfinite, "grad": grad.grad.tolist(), "grad_none": no_grad.grad is None,
         "broadcast": shared.tolist(), "env": sorted(os.environ),
     }
-    (out / f"rank{r}.json").write_text(json.dumps(got))
     world.close()
+    got["caller_group_left_open"] = not world.owns_group and torch.distributed.is_initialized()
+    (out / f"rank{r}.json").write_text(json.dumps(got))
 
 
 if __name__ == "__main__":
@@ -274,9 +276,15 @@ if __name__ == "__main__":
     from grpo import trainer
 
     trainer.build_engine = prompt_hash_engine  # the stand-in sampler, in this worker only
-    if mode == "suite":  # two_rank_run's: the runs in turn, each in a process group of its own
+    if mode == "suite":  # two_rank_run's: the runs in turn, in one process group made here, which each of them
+        # finds and leaves open (World.owns_group): a default group made again after one was destroyed reads the
+        # old group's addresses from torchrun's store, and gloo's ranks then failed to connect (2026-12-05)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
         _collectives(arg / "collectives")
         trainer.train(Config.load(arg / "configs" / "run" / "config.json"))
         trainer.train(Config.load(arg / "configs" / "resumed" / "config.json"))
+        dist.destroy_process_group()
     else:
         trainer.train(Config.load(arg))
