@@ -17,8 +17,8 @@ One `generate(prompt_ids, num_generations, sampling)`:
    the adapters packed (`packed.py`, `EngineTuning.packed_layers`); its modules otherwise;
 3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
    attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
-4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled),
-   writing its KV straight into its n rows;
+4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled; a shape
+   met before replays a CUDA graph, `EngineTuning.prefill_graph_tokens`), writing its KV straight into its n rows;
 5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
    drawn outside the graph from a seeded generator; with `EngineTuning.sample_kernel`,
    `grpo.kernels.race_sample`, its draws made inside it), record token, sampler logp and mask, update

@@ -46,10 +46,11 @@ class EngineTuning:
     prefill_graph_tokens: with use_cuda_graph, a prefill of up to this many prompt tokens (prompts x width)
         replays a CUDA graph, from the second time its shape is met (prompts, completions each, width) while
         the engine keeps its graphs (not under release_memory: a capture costs more than one eager prefill);
-        0: never. Eager, the prefill is the host calling the layers' modules one op at a time: on the H200
-        (2026-12-05, the bench step profiled) FP8's took 161 ms of wall time under the profiler for 5.9 ms of
-        GPU time, bf16's (the adapters folded) 94 ms for 13.6. The graphs share the decode graphs' memory pool,
-        which keeps the working memory of the largest prefill graphed.
+        0: never. Eager, the prefill is the host calling the layers' modules one op at a time (the bench step
+        profiled on the H200, 2026-12-05: FP8's 161 ms of wall time under the profiler for 5.9 ms of GPU time).
+        Replayed, the suite's bench step's prefill took 6.6 ms against 31.5-44.5 with FP8 weights and 17.1 ms
+        against 33.4 in bf16 (the fold's launches inside), in one machine start. The graphs share the decode
+        graphs' memory pool, which keeps the working memory of the largest prefill graphed.
     prefill_bucket: a graphed prefill's width is the longest prompt's rounded up to a multiple of this (and at
         most max_seq_len), so prompts of nearby lengths share a graph; the padding sits after every prompt's
         last token, where causal attention keeps it out of the prompt's K/V and logits.
