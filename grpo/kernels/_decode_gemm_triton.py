@@ -73,7 +73,8 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
     return acc
 
 # A tile's epilogue operands (LoRA's B, the bias, the residual) are loaded before its K loop, whose weight stream
-# hides their latency, and x A^T right after it, so that the tile's end waits on one load at most.
+# hides their latency, and x A^T right after it: the finish then waits on no load of its own (split K: only on
+# the other slices' partial sums).
 
 @triton.jit
 def _lora_b(b_ptr, R, N, rn, BLOCK_R: tl.constexpr):

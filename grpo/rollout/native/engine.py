@@ -269,28 +269,27 @@ class NativeEngine:
         st = self._state
         st.pos[:rows] = 0
         st.step.zero_()
-        side = self._capture_side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(rows, kv_len, sampling, stop)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool_handle(), stream=side):
-            self._step(rows, kv_len, sampling, stop)
+        graph = self._captured(lambda: self._step(rows, kv_len, sampling, stop), warmups=2)
         self._graphs[key] = graph
         return graph
 
-    def _capture_side_stream(self) -> torch.cuda.Stream:
+    def _captured(self, run, warmups: int) -> torch.cuda.CUDAGraph:
+        """`run` warmed up `warmups` times, then captured, on the engine's capture stream, into the one memory pool
+        of all its graphs (they replay one at a time)."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
-        return self._capture_stream
-
-    def _graph_pool_handle(self):
-        """The memory pool every graph of this engine allocates from (graphs replay one at a time)."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
+        side = self._capture_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
+            run()
+        return graph
 
     # ----------------------------------------------------------------------------------------------
     # prefill
@@ -343,14 +342,7 @@ class NativeEngine:
             ids_in.copy_(ids)
             lengths_in.copy_(lengths)
             return graph
-        side = self._capture_side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._prefill_rows(ids, lengths, n)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool_handle(), stream=side):
-            self._prefill_rows(ids, lengths, n)
+        graph = self._captured(lambda: self._prefill_rows(ids, lengths, n), warmups=1)
         self._prefill_graphs[key] = (graph, ids, lengths)  # ids and lengths stay the graph's input buffers
         return graph
 
