@@ -23,17 +23,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {missing.name} is not installed in this Python ({sys.executable}); fix: run ./dev train "
               "(it sets up .venv first), or .venv/bin/python train.py", file=sys.stderr)
         return 1
-    from grpo.checkpoint import RunFinished
+    from grpo.run.checkpoint import RunFinished
 
     try:
         train(cfg)
     except RunFinished as done:  # --resume of a run that has no step left: said, and not an error
         print(f"nothing to do: {done}")
         return 0
-    except KeyboardInterrupt as stop:  # grpo.signals.Stopped carries the signal; a plain one is Ctrl-C's
+    except KeyboardInterrupt as stop:  # grpo.run.signals.Stopped carries the signal; a plain one is Ctrl-C's
         return 128 + getattr(stop, "signum", signal.SIGINT)
     except Exception as err:
-        from grpo.failures import report
+        from grpo.run.failures import report
 
         return report(err, cfg.debug)
     return 0

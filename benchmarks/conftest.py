@@ -158,7 +158,7 @@ class BenchEnv:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from grpo.config import LORA_TARGETS
-        from grpo.fp8_checkpoint import save_fp8_block_checkpoint
+        from grpo.model.fp8_checkpoint import save_fp8_block_checkpoint
 
         path = self.root / "model-fp8-block"
         if not (path / "config.json").is_file():

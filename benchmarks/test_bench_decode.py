@@ -25,7 +25,7 @@ from bench_setup import weight_bytes as param_bytes
 def test_native_generate_at_bench_config(benchmark, bench_env, results, dtype):
     """16 rows x 512 new tokens after 128-token prompts, sampled as the recipe samples (min_p 0.1)."""
     from grpo.data import build_prompts, load_jsonl
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
     from grpo.rollout import Sampling, build_engine
 
     shape = bench_env.bench

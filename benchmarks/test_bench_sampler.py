@@ -32,7 +32,7 @@ def sampler_setup(bench_env):
     import torch
 
     from grpo.data import build_prompts, load_jsonl
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
 
     shape = bench_env.scale[max(SWEEP_ROWS)]
     cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=False, steps=1,

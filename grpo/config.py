@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
 from grpo.cli import OneLineParser, add_bool_flag, print_to_a_pipe
-from grpo.durable import write_atomically
+from grpo.run.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
 from grpo.quiet import add_verbose_flag
@@ -66,7 +66,7 @@ class Config:
                            "float32 (peft's own way: each projection's input is cast to float32 and that copy "
                            "saved for backward; its gradients a little more exact). base also adds the adapter's "
                            "product to the projection's output inside one GEMM in the training pass "
-                           "(grpo.lora_addmm). On the H200 float32 took 1.53 s and 5.51 GiB a bench step against "
+                           "(grpo.model.lora_addmm). On the H200 float32 took 1.53 s and 5.51 GiB a bench step against "
                            "1.44 s and 4.73 GiB, and the Qwen preset learned as well with base "
                            "(benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
@@ -80,7 +80,7 @@ class Config:
                        choices=["auto", "dense", "fp8"])
     lean_activations: bool = _f(True, "Save less for backward in the training pass: SiLU's output is recomputed "
                                 "from the MLP's gate, and each RMSNorm keeps its input and per-token rstd instead of "
-                                "a float32 copy (grpo.lean_activations; Llama, Qwen2 and Qwen3; --engine unsloth "
+                                "a float32 copy (grpo.model.lean_activations; Llama, Qwen2 and Qwen3; --engine unsloth "
                                 "trains Unsloth's own modules). On CUDA the RMSNorms run as one Triton launch each "
                                 "way (grpo.kernels.rmsnorm: values within a rounding of the module's); elsewhere "
                                 "values and gradients are the modules' bit for bit.", "model")

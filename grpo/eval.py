@@ -160,7 +160,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
     from grpo.quiet import hide_known_warnings
-    from grpo.failures import adapter_load_error, report
+    from grpo.run.failures import adapter_load_error, report
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = eval_flag_problem(args)
     if problem:
         parser.error(problem)
-    from grpo.model import attention_without_cudnn
+    from grpo.model.load import attention_without_cudnn
 
     try:
         with attention_without_cudnn():  # as the trainer's evaluations run: every prompt width is new
@@ -222,8 +222,8 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
     from grpo import data as grpo_data
     from grpo.answer_format import SYSTEM_PROMPT
     from grpo.config import Config
-    from grpo.export import find_adapter
-    from grpo.model import default_device, load_base_model, load_tokenizer
+    from grpo.export.merge import find_adapter
+    from grpo.model.load import default_device, load_base_model, load_tokenizer
     from grpo.rollout import build_engine
     from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 
@@ -261,7 +261,7 @@ def write_jsonl(path: str, records: list[dict]) -> None:
     """`records` as JSON lines in `path` (its folder created), written aside and renamed: never half-written."""
     from pathlib import Path
 
-    from grpo.durable import write_atomically
+    from grpo.run.durable import write_atomically
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomically(Path(path), "".join(json.dumps(r) + "\n" for r in records).encode())

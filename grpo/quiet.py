@@ -7,7 +7,7 @@ still reaches stderr. Python warnings are filtered by category, module and messa
 logger that drops only the matching records.
 
 `hide_known_warnings()` is called once, at the start of each command line (`train.py`, `python -m
-grpo.eval`, `grpo.export`, `grpo.packaged_models`; `add_verbose_flag` gives each its -v), before those
+grpo.eval`, `grpo.export.merge`, `grpo.model.packaged`; `add_verbose_flag` gives each its -v), before those
 libraries are imported; importing this module changes nothing. What it deliberately is not: a blanket
 filter, or a place for this project's own warnings (fix those instead).
 """
@@ -21,7 +21,7 @@ import warnings
 # (category, module, message start): Python warnings, matched as `warnings.filterwarnings` does.
 HARMLESS_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     # transformers 5 renamed gradient checkpointing to activation checkpointing; the old names, which
-    # peft and grpo.model call, keep working until v6.
+    # peft and grpo.model.load call, keep working until v6.
     (FutureWarning, r"transformers\.modeling_utils", r"`is_gradient_checkpointing` is deprecated"),
     (FutureWarning, r"transformers\.modeling_utils", r"`gradient_checkpointing_enable` is deprecated"),
 )

@@ -5,10 +5,10 @@ What it deliberately is not: a framework. No callbacks, no trainer subclasses, n
 and seeds, model-data-sampler, optimizer, start or resume, the banner), then the loop, then recovery.
 Each phase it calls lives in its own room: one GRPO step in `grpo.step` (sample, score and keep in
 `grpo.groups`, the batch's log-probs in `grpo.batch`), the optimizer and schedule in `grpo.optim`,
-checkpoints in `grpo.checkpoint`, metrics, progress and clocks in `grpo.runlog`, signals in
-`grpo.signals`, held-out accuracy in `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler
+checkpoints in `grpo.run.checkpoint`, metrics, progress and clocks in `grpo.run.log`, signals in
+`grpo.run.signals`, held-out accuracy in `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler
 is any `Engine`, and what the loop must know of it the engine says itself; the model is the PeftModel
-that `grpo.model` loads.
+that `grpo.model.load` loads.
 
 Every stop saves. The output folder is claimed before anything is written (one run per folder). A
 first Ctrl-C, SIGTERM or SIGHUP finishes the step in flight and saves it; a second one, or any error,
@@ -37,24 +37,24 @@ import torch
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.answer_format import SYSTEM_PROMPT
-from grpo.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
+from grpo.run.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
                              new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
                              save_from_every_rank, schedule_note)
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
-from grpo.failures import add_note, describe
+from grpo.run.failures import add_note, describe
 from grpo.kernels.fp8 import FP8Linear
-from grpo.model import (attention_without_cudnn, default_device, load_policy, load_unsloth_policy, model_positions,
+from grpo.model.load import (attention_without_cudnn, default_device, load_policy, load_unsloth_policy, model_positions,
                         model_summary)
 from grpo.optim import make_optimizer, make_scheduler
 from grpo.rollout import (Engine, Sampling, VLLMOptions, auto_refusal, build_engine, resolve_engine_name,
                           unsloth_loads_the_model)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-from grpo.run_claim import RunClaim
-from grpo.runlog import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
+from grpo.run.claim import RunClaim
+from grpo.run.log import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
                          synced_clock)
-from grpo.signals import StopOnSignal, Stopped
+from grpo.run.signals import StopOnSignal, Stopped
 from grpo.step import InFlight, StepSetup, grpo_step
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
@@ -195,7 +195,7 @@ def run(cfg: Config, world: World) -> Path:
         if claim is not None:
             claim.release()
     if world.is_main:
-        from grpo.plots import plot_metrics
+        from grpo.run.plots import plot_metrics
 
         plot_metrics(log.path, out / "metrics.png")
     world.barrier()

@@ -93,11 +93,11 @@ $py train.py --preset smollm2-arithmetic \
   --gradient-checkpointing false --micro-batch-size 64 --output-dir "$out" "$@"
 echo "[learning_run] train.py took $(( $(date +%s) - start )) s"
 
-$py -m grpo.plots "$out/metrics.jsonl" "$out/metrics.png"
+$py -m grpo.run.plots "$out/metrics.jsonl" "$out/metrics.png"
 $py - "$out/metrics.jsonl" <<'EOF'
 import sys
 from statistics import mean
-from grpo.plots import read_metrics
+from grpo.run.plots import read_metrics
 
 train, evals = read_metrics(sys.argv[1])
 print("\n| step | greedy accuracy | greedy format | pass@1 | sampled format |\n|---:|---:|---:|---:|---:|")

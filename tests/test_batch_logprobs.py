@@ -208,7 +208,7 @@ def test_models_whose_logits_are_not_the_output_layers_product_are_refused_at_lo
     from conftest import tiny_llama
     from grpo.batch import head_refusal
     from grpo.config import Config
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
 
     small = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
@@ -231,7 +231,7 @@ def test_models_whose_logits_are_not_the_output_layers_product_are_refused_at_lo
 def test_attention_without_cudnn_leaves_out_cudnn_alone_and_restores_what_was_enabled():
     import pytest
 
-    from grpo.model import attention_without_cudnn
+    from grpo.model.load import attention_without_cudnn
 
     backends = torch.backends.cuda
 

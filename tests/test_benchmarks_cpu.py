@@ -658,7 +658,7 @@ def test_the_memory_probe_groups_the_peak_by_grpo_frame_and_autograd_node(monkey
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.syspath_prepend(str(PROBES))
     probe = importlib.import_module("step_memory")
-    ours = [{"filename": "/r/grpo/lean_activations.py", "line": 86, "name": "_mlp_forward"},
+    ours = [{"filename": "/r/grpo/model/lean_activations.py", "line": 86, "name": "_mlp_forward"},
             {"filename": "/s/peft/tuners/lora/layer.py", "line": 1102, "name": "forward"}]
     mm = [{"filename": "", "line": 0, "name": "at::native::mm_out"},
           {"filename": "", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply(variable_list&&)"},

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from grpo.checkpoint import (Resumable, RunState, find_checkpoint, list_checkpoints, load_checkpoint,
+from grpo.run.checkpoint import (Resumable, RunState, find_checkpoint, list_checkpoints, load_checkpoint,
                              save_checkpoint, save_from_every_rank)
 from grpo.config import Config
 from grpo.data import PromptStream
 from grpo.distributed import World
-from grpo.model import add_lora
+from grpo.model.load import add_lora
 from grpo.optim import make_optimizer, make_scheduler
 
 
@@ -109,7 +109,7 @@ def test_pruning_deletes_only_this_runs_checkpoints_and_never_the_one_just_saved
                                             ("trainer_state.json", "truncate"), ("scheduler.pt", "delete"),
                                             ("rng.pt", "zeros")])
 def test_resume_latest_skips_an_unreadable_newest_checkpoint_and_a_named_one_is_refused(tmp_path, broken, damage):
-    from grpo.checkpoint import CheckpointUnreadable, resume_checkpoint
+    from grpo.run.checkpoint import CheckpointUnreadable, resume_checkpoint
 
     parts = _parts()
     _train_once(parts)
@@ -135,7 +135,7 @@ def test_resume_latest_skips_an_unreadable_newest_checkpoint_and_a_named_one_is_
 
 
 def test_resuming_with_another_schedule_or_rate_says_what_applies(tmp_path):
-    from grpo.checkpoint import schedule_note
+    from grpo.run.checkpoint import schedule_note
 
     saved = Config(max_steps=200, learning_rate=1e-5, warmup_ratio=0.05)
     saved.save(tmp_path)
@@ -155,8 +155,8 @@ def test_an_adapter_saved_after_the_vocabulary_grew_holds_only_lora_weights_and_
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from grpo.checkpoint import save_adapter
-    from grpo.model import load_policy
+    from grpo.run.checkpoint import save_adapter
+    from grpo.model.load import load_policy
 
     cfg = Config(model=str(char_llama_dir), gradient_checkpointing=False, lora_rank=4, lora_alpha=8)
     policy, _, _ = load_policy(cfg, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The command line people already know (grpo.cli), the same in train.py, grpo.eval and grpo.export: boolean
+"""The command line people already know (grpo.cli), the same in train.py, grpo.eval and grpo.export.merge: boolean
 flags bare, --no- and true/false; no prefix matching; TRL's snake_case spellings; the nearest flag for an
 unknown one."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from grpo import eval as grpo_eval
-from grpo import export as grpo_export
+from grpo.export import merge as grpo_export
 from grpo.config import build_parser, parse_args
 
 EVAL = ["--model", "m"]

@@ -147,7 +147,7 @@ def test_world_size_without_the_rest_of_torchruns_env_is_refused_with_the_launch
 
 
 def test_default_device_is_the_local_ranks_gpu_under_torchrun(monkeypatch):
-    from grpo.model import default_device
+    from grpo.model.load import default_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -15,7 +15,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def test_every_column_of_the_step_line_is_explained_in_the_readme():
-    from grpo.runlog import step_line
+    from grpo.run.log import step_line
 
     line = step_line({"step": 3, "reward": -2.5, "reward_std": 0.5, "accuracy": 0.0, "format": 1.0, "kl": 0.0,
                       "completion_length": 22.0, "step_time": 21.0, "peak_mem_gib": 4.7}, max_steps=16)

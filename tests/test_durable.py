@@ -1,11 +1,11 @@
-"""Durable files (grpo/durable.py): a file or folder is whole under its name or not there; a failed fill
+"""Durable files (grpo/run/durable.py): a file or folder is whole under its name or not there; a failed fill
 leaves nothing behind; appended lines land in order."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.durable import append_line, fill_folder, publish, write_atomically
+from grpo.run.durable import append_line, fill_folder, publish, write_atomically
 
 
 def test_write_atomically_replaces_the_whole_file_and_leaves_no_temporary_file(tmp_path):

@@ -25,7 +25,7 @@ from grpo.data import Example, PromptStream, build_prompts
 from grpo.distributed import World
 from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
-from grpo.runlog import step_line
+from grpo.run.log import step_line
 from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
 from grpo.step import InFlight, StepSetup, update_policy
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
@@ -184,7 +184,7 @@ class _KeepGrads:
 
 
 def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_over_them(char_llama_dir):
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
 
     base = Config(model=str(char_llama_dir), dtype="fp32", lora_rank=4, lora_alpha=8, beta=0.0, max_grad_norm=0.0,
                   prompts_per_step=4, num_generations=2, seed=1)

@@ -146,7 +146,7 @@ def test_eval_cli_writes_one_line_per_held_out_problem(tiny_llama_dir, tmp_path,
 
 
 def test_eval_cli_evaluates_without_cudnns_attention_as_the_trainer_does(monkeypatch, capsys):
-    # every prompt width of an evaluation is new: cuDNN's attention would plan each (grpo.model)
+    # every prompt width of an evaluation is new: cuDNN's attention would plan each (grpo.model.load)
     enabled = []
     monkeypatch.setattr(grpo_eval, "evaluate_from_flags",
                         lambda args: enabled.append(torch.backends.cuda.cudnn_sdp_enabled()) or {"eval/prompts": 0})
@@ -229,7 +229,7 @@ def test_eval_of_a_run_adapter_takes_the_runs_system_prompt_unless_one_is_given(
 
 def test_a_truncated_adapter_config_is_named_by_eval_and_export_and_export_writes_nothing(tiny_llama_dir, run_adapter,
                                                                                           tmp_path, capsys):
-    from grpo.export import main as export_main
+    from grpo.export.merge import main as export_main
 
     config = run_adapter / "adapter" / "adapter_config.json"
     config.write_text(config.read_text()[:40])

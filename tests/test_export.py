@@ -1,4 +1,4 @@
-"""grpo.export: the PEFT adapter copied as trained, and a merged 16-bit model whose outputs match the
+"""grpo.export.merge: the PEFT adapter copied as trained, and a merged 16-bit model whose outputs match the
 adapter applied on the base (dense, or FP8 dequantized first)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from grpo.config import LORA_TARGETS, Config
-from grpo.export import dequantize_fp8_linears_, export, find_adapter, merge_adapter
+from grpo.export.merge import dequantize_fp8_linears_, export, find_adapter, merge_adapter
 from grpo.kernels.fp8 import FP8Linear, quantize_linears_
-from grpo.model import add_lora
+from grpo.model.load import add_lora
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.tensor([[128000, 791, 4062, 220, 18, 489, 220, 19, 284, 30, 4815, 1115],
@@ -104,7 +104,7 @@ def quantize_and_return(model):
 
 @pytest.mark.parametrize("source", ["fp8_block_checkpoint", "load_in_fp8"])
 def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_dir, tmp_path, source, monkeypatch):
-    from grpo.fp8_checkpoint import load_fp8_block_model
+    from grpo.model.fp8_checkpoint import load_fp8_block_model
 
     if source == "fp8_block_checkpoint":
         model_dir = fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8")
@@ -135,7 +135,7 @@ def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_di
 
     if source == "fp8_block_checkpoint":  # GGUF is written from the merged, dequantized weights
         pytest.importorskip("gguf")
-        from grpo import gguf_export
+        from grpo.export import gguf as gguf_export
 
         # each tensor's values as the writer reads them to encode (reading the file back parses this 128k-token
         # vocabulary: a minute on two cores; tests/test_gguf_export.py reads files back)
@@ -169,7 +169,7 @@ def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(
 def test_cli_exports_and_reports_both_folders(tiny_llama_dir, tmp_path):
     policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
     expected = logits(policy)
-    cmd = [sys.executable, "-m", "grpo.export", "--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"),
+    cmd = [sys.executable, "-m", "grpo.export.merge", "--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"),
            "--out", str(tmp_path / "out"), "--dtype", "bf16"]
     result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                             timeout=300)
@@ -195,7 +195,7 @@ def test_bad_inputs_give_one_line_errors_naming_the_fix(tiny_llama_dir, tmp_path
 
 def test_cli_faults_are_one_line_naming_the_path_without_a_traceback(tiny_llama_dir, tmp_path, capsys):
     from conftest import tiny_llama
-    from grpo.export import main
+    from grpo.export.merge import main
 
     trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
     other = tmp_path / "other-base"  # another architecture: hidden 32 where the adapter was trained on 64

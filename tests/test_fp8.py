@@ -1,5 +1,5 @@
 """grpo.kernels.fp8: block quantization, FP8Linear's autograd, peft LoRA on top; and FP8-Block
-checkpoints (grpo.fp8_checkpoint)."""
+checkpoints (grpo.model.fp8_checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from conftest import tiny_llama
 from torch import nn
 
 from grpo.config import LORA_TARGETS
-from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model, save_fp8_block_checkpoint
+from grpo.model.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model, save_fp8_block_checkpoint
 from grpo.kernels.fp8 import (
     FP8_DTYPE,
     FP8Linear,
@@ -268,7 +268,7 @@ def test_rslora_trains_on_fp8_linears_and_disable_adapter_gives_the_base():
 def test_fp8_gemm_flag_sets_every_fp8_layer_and_auto_is_dense_only_where_layers_are_recomputed(choice, checkpointing,
                                                                                                 expected):
     from grpo.config import Config
-    from grpo.model import add_lora
+    from grpo.model.load import add_lora
 
     model = tiny_llama(seed=6)
     quantize_linears_(model, TARGETS)

@@ -13,7 +13,7 @@ import torch
 from grpo.config import Config
 from grpo.distributed import World
 from grpo.loss.importance import SamplerGap, clipped_by_correction, importance_weights
-from grpo.runlog import step_line
+from grpo.run.log import step_line
 from grpo.trainer import train
 from test_importance import _case  # log-ratios 0.5, -0.25, 1.0 in row 0; 2.0, then padding in row 1
 
@@ -122,7 +122,7 @@ def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_ll
 
 @pytest.mark.parametrize("engine_name", ["hf", "native"])
 def test_native_and_hf_engines_in_fp32_on_cpu_sample_with_the_trainers_logprobs(char_llama_dir, engine_name):
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
     from grpo.rollout import Sampling, build_engine
     from grpo.batch import make_batch, sequence_logprobs
 

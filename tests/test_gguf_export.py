@@ -1,4 +1,4 @@
-"""grpo.gguf_export through `grpo.export --gguf`: files that transformers loads (`gguf_file=`) with the
+"""grpo.export.gguf through `grpo.export.merge --gguf`: files that transformers loads (`gguf_file=`) with the
 merged model's greedy completions (f16), llama.cpp's metadata keys and tensor names, the per-tensor types
 of the _M mixes, and one-line refusals of what cannot be written."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.export import export, main
-from grpo.gguf_export import GGUF_TYPES, _more_bits, bpe_pre_tokenizer, parse_gguf_types, tensor_types_of
+from grpo.export.merge import export, main
+from grpo.export.gguf import GGUF_TYPES, _more_bits, bpe_pre_tokenizer, parse_gguf_types, tensor_types_of
 
 gguf = pytest.importorskip("gguf")
 PROMPTS = ["The answer is", "1 + 2 =", "Once upon a time", "def main():", "Paris is the capital of"]
@@ -115,7 +115,7 @@ def test_export_gguf_f16_loads_in_transformers_with_the_merged_models_greedy_com
 
 def test_the_file_holds_the_keys_llama_cpps_converter_writes_for_the_arch(bpe_llama_dir, tmp_path):
     from grpo.assets import smollm2_gguf_path
-    from grpo.gguf_export import write_gguf
+    from grpo.export.gguf import write_gguf
 
     path = write_gguf(bpe_llama_dir, tmp_path / "tiny.gguf", "f16")
     reader = gguf.GGUFReader(path)
@@ -168,7 +168,7 @@ def test_more_bits_layers_are_llama_cpps():
 
 @pytest.mark.parametrize("gguf_type,default", [("q4_k_m", "Q4_K"), ("q5_k_m", "Q5_K")])
 def test_k_mixes_choose_each_tensors_type_as_llama_quantize_and_load_close_to_f16(tmp_path, gguf_type, default):
-    from grpo.gguf_export import write_gguf
+    from grpo.export.gguf import write_gguf
 
     model_dir = tiny_qwen2_dir(tmp_path / "qwen2")
     path = write_gguf(model_dir, tmp_path / "out" / f"{gguf_type}.gguf", gguf_type)
@@ -194,7 +194,7 @@ def test_k_mixes_choose_each_tensors_type_as_llama_quantize_and_load_close_to_f1
 def test_rows_that_are_not_whole_blocks_fall_back_as_llama_quantize_does(bpe_llama_dir):
     from transformers import AutoConfig
 
-    from grpo.gguf_export import plan_tensors
+    from grpo.export.gguf import plan_tensors
 
     types = {t.name: t.qtype for t in plan_tensors(bpe_llama_dir, AutoConfig.from_pretrained(bpe_llama_dir), "q4_k_m")}
     assert types["token_embd.weight"] == "Q8_0"  # tied output of 64 columns: Q8_0, not Q6_K
@@ -215,7 +215,7 @@ def test_pre_tokenizer_names_follow_the_tokenizers(llama_tokenizer, tmp_path):
 def test_bad_inputs_are_refused_in_one_line_before_anything_is_written(bpe_llama_dir, tmp_path, capsys):
     from transformers import GPT2Config
 
-    from grpo.gguf_export import check_convertible
+    from grpo.export.gguf import check_convertible
     from test_export import load_dense
 
     with pytest.raises(ValueError, match="--gguf f16,q3_k: unknown type q3_k; fix: choose from f16, bf16, q8_0"):
@@ -244,7 +244,7 @@ def test_k_quants_written_by_a_pool_equal_one_process_and_an_unguarded_script_ge
     import subprocess
     import sys
 
-    from grpo.gguf_export import write_gguf
+    from grpo.export.gguf import write_gguf
 
     model_dir = tiny_qwen2_dir(tmp_path / "qwen2", layers=2)
     one = write_gguf(model_dir, tmp_path / "one.gguf", "q4_k_m", workers=1)
@@ -253,7 +253,7 @@ def test_k_quants_written_by_a_pool_equal_one_process_and_an_unguarded_script_ge
 
     # Spawned workers import the __main__ script: one without the guard re-runs the export in each
     script = tmp_path / "unguarded.py"
-    script.write_text("from grpo.gguf_export import write_gguf\n"
+    script.write_text("from grpo.export.gguf import write_gguf\n"
                       f"write_gguf({str(model_dir)!r}, {str(tmp_path / 'three.gguf')!r}, 'q4_k_m', workers=2)\n")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and not list(tmp_path.glob("three.gguf*"))  # nor a partial file

@@ -1,4 +1,4 @@
-"""grpo.kquants: Q4_K / Q5_K / Q6_K blocks that gguf's dequantizer reads back, equal byte for byte to a
+"""grpo.export.kquants: Q4_K / Q5_K / Q6_K blocks that gguf's dequantizer reads back, equal byte for byte to a
 plain one-block-at-a-time transcription of llama.cpp's reference quantizer, with errors within stated
 bounds; and, when the packaged Qwen Q4_K_M GGUF is in the cache, llama.cpp's own blocks re-quantized."""
 
@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from grpo.kquants import BLOCK_BYTES, QK_K, quantize_k
+from grpo.export.kquants import BLOCK_BYTES, QK_K, quantize_k
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -235,7 +235,7 @@ def test_a_pool_of_workers_writes_the_same_bytes_as_one_process():
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from grpo.kquants import _PIECE_BLOCKS
+    from grpo.export.kquants import _PIECE_BLOCKS
 
     rng = np.random.default_rng(1)
     weights = (rng.standard_normal((_PIECE_BLOCKS * 2 + 37, QK_K)) * 0.02).astype(np.float32)  # 3 pieces, one short
@@ -249,16 +249,16 @@ def test_a_pool_of_workers_writes_the_same_bytes_as_one_process():
 def test_rows_that_are_not_whole_blocks_are_refused_by_name():
     with pytest.raises(ValueError, match="Q4_K: rows of 100 weights"):
         quantize_k(np.zeros((2, 100), dtype=np.float32), T.Q4_K)
-    with pytest.raises(ValueError, match="Q8_0: grpo.kquants writes"):
+    with pytest.raises(ValueError, match="Q8_0: grpo.export.kquants writes"):
         quantize_k(np.zeros((2, QK_K), dtype=np.float32), T.Q8_0)
 
 
 def packaged_qwen_gguf():
-    from grpo.packaged_models import QWEN25_CODER_1_5B, joined_gguf_path
+    from grpo.model.packaged import QWEN25_CODER_1_5B, joined_gguf_path
 
     path = joined_gguf_path(QWEN25_CODER_1_5B)
     if not path.is_file():
-        pytest.skip(f"{path} not in the cache (python -m grpo.packaged_models {QWEN25_CODER_1_5B.name} --gguf-only)")
+        pytest.skip(f"{path} not in the cache (python -m grpo.model.packaged {QWEN25_CODER_1_5B.name} --gguf-only)")
     return path
 
 

@@ -1,4 +1,4 @@
-"""grpo.lean_activations: the same values and gradients as transformers' modules, bit for bit, and fewer
+"""grpo.model.lean_activations: the same values and gradients as transformers' modules, bit for bit, and fewer
 bytes saved for backward."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import lean_activations
-from grpo.lean_activations import RMSNormFn, SiluMul
+from grpo.model import lean_activations
+from grpo.model.lean_activations import RMSNormFn, SiluMul
 
 
 def gradients(fn, inputs, grad):
@@ -51,7 +51,7 @@ def test_an_mlps_backward_makes_no_tensor_of_the_intermediate_size_but_down_proj
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from grpo.model import compute_adapters_in_base_dtype
+    from grpo.model.load import compute_adapters_in_base_dtype
 
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=128, intermediate_size=384)).to(torch.bfloat16).requires_grad_(False)

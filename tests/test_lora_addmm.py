@@ -1,4 +1,4 @@
-"""grpo.lora_addmm: peft's LoRA layers in the training pass with the adapter's product added inside one GEMM, against
+"""grpo.model.lora_addmm: peft's LoRA layers in the training pass with the adapter's product added inside one GEMM, against
 peft's own forward: values and gradients, the cases left to peft, and the tensors it no longer makes."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from grpo import lora_addmm
+from grpo.model import lora_addmm
 from grpo.config import Config
-from grpo.model import add_lora
+from grpo.model.load import add_lora
 
 
 VOCAB = 512  # a small head: the projections are the point, and the tests stay quick
@@ -202,7 +202,7 @@ def test_on_cuda_in_bf16_it_is_no_further_from_float32_than_peft_is(fp8):
 def test_a_biased_base_dropout_and_a_view_for_a_product_give_pefts_values_and_gradients(view):
     from peft import LoraConfig, get_peft_model
 
-    from grpo.model import compute_adapters_in_base_dtype
+    from grpo.model.load import compute_adapters_in_base_dtype
 
     class Base(torch.nn.Linear):  # Qwen's q/k/v: a bias on the base layer
         def forward(self, x):

@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_llama
 from grpo.config import Config
-from grpo.model import add_lora
+from grpo.model.load import add_lora
 
 
 def _policies():

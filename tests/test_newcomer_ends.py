@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_model_path_that_does_not_exist_is_called_a_missing_path_not_an_unreachable_hub_id(tmp_path):
-    from grpo.model import resolve_model_dir
+    from grpo.model.load import resolve_model_dir
 
     for name in ("/nonexistent", "./my-model", str(tmp_path / "gone")):
         with pytest.raises(FileNotFoundError, match=rf"^--model {name}: no such folder; fix: check the path"):

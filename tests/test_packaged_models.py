@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from grpo import assets, packaged_models
+from grpo import assets
+from grpo.model import packaged as packaged_models
 from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
 from grpo.data import chat_prompt
-from grpo.packaged_models import (
+from grpo.model.packaged import (
     PACKAGED_MODELS, QWEN25_CODER_1_5B, PackagedModel, convert_gguf, gguf_path, joined_gguf_path, packaged_model_dir,
 )
 
@@ -353,7 +354,7 @@ def test_conversion_refuses_an_end_token_the_tokenizer_lacks(tiny_gguf, tmp_path
 
 
 def test_model_flag_resolves_a_packaged_model_converting_it_once(tiny_gguf, tmp_path, cache, monkeypatch):
-    from grpo.model import resolve_model_dir
+    from grpo.model.load import resolve_model_dir
 
     path, _ = tiny_gguf
     data = path.read_bytes()
@@ -373,7 +374,7 @@ def test_model_flag_resolves_a_packaged_model_converting_it_once(tiny_gguf, tmp_
 
 
 def test_both_packaged_names_resolve_through_the_table(cache, monkeypatch):
-    from grpo.model import resolve_model_dir
+    from grpo.model.load import resolve_model_dir
 
     for name in ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"):
         converted = cache / "models" / f"{name}-bf16"

@@ -1,4 +1,4 @@
-"""grpo.plots: a PNG of metrics.jsonl (reward, accuracy, format by step), from synthetic records."""
+"""grpo.run.plots: a PNG of metrics.jsonl (reward, accuracy, format by step), from synthetic records."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.plots import plot_metrics, read_metrics, running_mean
+from grpo.run.plots import plot_metrics, read_metrics, running_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -110,14 +110,14 @@ def test_bad_metrics_files_give_a_one_line_error_naming_the_file(tmp_path):
 
 def test_module_cli_writes_metrics_png_beside_the_file(tmp_path):
     metrics = write_run(tmp_path / "metrics.jsonl", steps=4)
-    result = subprocess.run([sys.executable, "-m", "grpo.plots", str(metrics)], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "grpo.run.plots", str(metrics)], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     png_size(tmp_path / "metrics.png")
 
 
 def test_side_by_side_draws_each_run_and_refuses_a_single_one(tmp_path):
-    from grpo.plots import main, plot_side_by_side
+    from grpo.run.plots import main, plot_side_by_side
 
     a, b = write_run(tmp_path / "a.jsonl"), write_run(tmp_path / "b.jsonl", steps=20)
     for lines, path in ((a.read_text().splitlines(), a), (b.read_text().splitlines(), b)):

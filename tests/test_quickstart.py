@@ -51,7 +51,7 @@ def test_the_quickstart_preset_is_sized_to_its_cpu_budget():
 
 @pytest.mark.slow
 def test_one_quickstart_step_runs_offline_and_records_the_preset_it_ran(tmp_path):
-    from grpo.packaged_models import packaged_model_dir
+    from grpo.model.packaged import packaged_model_dir
 
     try:
         packaged_model_dir("smollm2-135m-instruct")
@@ -168,7 +168,7 @@ def test_known_warnings_are_hidden_unless_verbose_and_the_step_line_fits_100_col
 
 
 def test_the_step_line_fits_100_columns_at_its_widest():
-    from grpo.runlog import step_line
+    from grpo.run.log import step_line
 
     widest = dict(step=9999, reward=-13.0, reward_std=13.0, accuracy=1.0, format=1.0, kl=9.9999,
                   completion_length=9999.0, peak_mem_gib=139.99)

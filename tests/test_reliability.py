@@ -168,7 +168,7 @@ def test_a_second_run_into_a_used_output_dir_is_refused_and_the_first_runs_files
 
 
 def test_an_output_dir_holding_only_a_config_from_a_run_that_never_stepped_is_reused(tmp_path):
-    from grpo.checkpoint import claim_output_dir
+    from grpo.run.checkpoint import claim_output_dir
     from grpo.config import Config
     from grpo.distributed import World
 
@@ -213,7 +213,7 @@ def test_a_reward_raising_at_step_three_leaves_a_checkpoint_2_that_resumes_as_if
 
 def test_an_error_while_logging_a_finished_step_saves_that_step(char_llama_dir, straight_adapter, tmp_path, capsys,
                                                                  monkeypatch):
-    from grpo.runlog import MetricsLog
+    from grpo.run.log import MetricsLog
 
     real_write = MetricsLog.write
 
@@ -293,7 +293,7 @@ def test_a_real_read_only_mount_and_a_real_full_disk_are_one_line(char_llama_dir
         [line] = error_lines(capsys.readouterr().err)
         assert f"--output-dir {ro / 'run'}: cannot write there" in line and "read-only file system" in line
 
-    from grpo.checkpoint import CheckpointWriteError, RunState, list_checkpoints, load_checkpoint, save_checkpoint
+    from grpo.run.checkpoint import CheckpointWriteError, RunState, list_checkpoints, load_checkpoint, save_checkpoint
     from grpo.config import Config
     from grpo.distributed import World
     from test_checkpoint import _parts
@@ -316,7 +316,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_chec
         char_llama_dir, tmp_path, capsys, monkeypatch):
     # torch.save on a full disk raises this RuntimeError (seen on a 64 KiB tmpfs); the writer is patched
     # to raise it for the second checkpoint, after writing part of the file as the real one does.
-    import grpo.checkpoint as checkpoint
+    import grpo.run.checkpoint as checkpoint
 
     real_save = torch.save
 
@@ -448,10 +448,10 @@ def _expected_adapter_value(step: int, index: int) -> float:
 def _write_steps_forever(out: Path, parts) -> None:
     """A writer as the trainer writes: from the newest checkpoint on, per step a metrics line, then a
     checkpoint (keeping 2) whose adapters hold values that tell the step."""
-    from grpo.checkpoint import RunState, list_checkpoints, load_checkpoint, rng_state, save_checkpoint
+    from grpo.run.checkpoint import RunState, list_checkpoints, load_checkpoint, rng_state, save_checkpoint
     from grpo.config import Config
     from grpo.distributed import World
-    from grpo.runlog import MetricsLog
+    from grpo.run.log import MetricsLog
 
     cfg = Config(output_dir=str(out), save_total_limit=2)
     state = load_checkpoint(list_checkpoints(out)[-1], parts, World()) if list_checkpoints(out) else RunState()
@@ -469,10 +469,10 @@ def _write_steps_forever(out: Path, parts) -> None:
 
 def _check_after_kill(out: Path, saved_before: int, parts) -> tuple[int, list[str]]:
     """(the newest step saved, what is wrong) after a kill; `parts` take the checkpoint that loads."""
-    from grpo.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+    from grpo.run.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
     from grpo.config import Config
     from grpo.distributed import World
-    from grpo.runlog import MetricsLog
+    from grpo.run.log import MetricsLog
 
     if not list_checkpoints(out):
         return 0, ([] if saved_before == 0 else [f"every checkpoint gone after step {saved_before} was saved"])
@@ -499,7 +499,7 @@ def _warm_up(folder: Path, parts) -> float:
     the seconds a save and a load take here (the kills are timed by it, whatever the machine's speed)."""
     import time
 
-    from grpo.checkpoint import RunState, load_checkpoint, rng_state, save_checkpoint
+    from grpo.run.checkpoint import RunState, load_checkpoint, rng_state, save_checkpoint
     from grpo.config import Config
     from grpo.distributed import World
 
@@ -545,7 +545,7 @@ def _train_killed_mid_checkpoint(config_json: Path) -> int:
     returns the signal that ended it."""
     import io
 
-    import grpo.checkpoint as checkpoint
+    import grpo.run.checkpoint as checkpoint
     from grpo.config import Config
     from grpo.trainer import train
 

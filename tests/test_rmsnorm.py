@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from grpo import lean_activations
+from grpo.model import lean_activations
 from grpo.kernels import rmsnorm
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

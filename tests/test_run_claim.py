@@ -1,4 +1,4 @@
-"""One live run per output folder (grpo.run_claim): a second run is refused in one line naming the first,
+"""One live run per output folder (grpo.run.claim): a second run is refused in one line naming the first,
 a stale claim is taken over with a note; tested with real processes."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo.checkpoint import claim_output_dir
+from grpo.run.checkpoint import claim_output_dir
 from grpo.config import Config
 from grpo.distributed import World
-from grpo.run_claim import CLAIM_FILE, FolderInUse, RunClaim
+from grpo.run.claim import CLAIM_FILE, FolderInUse, RunClaim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import sys
 from pathlib import Path
-from grpo.checkpoint import claim_output_dir
+from grpo.run.checkpoint import claim_output_dir
 from grpo.config import Config
 from grpo.distributed import World
 out = Path(sys.argv[1])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.runlog import MetricsLog, ProgressBar, step_line
+from grpo.run.log import MetricsLog, ProgressBar, step_line
 from grpo.groups import Scores
 from grpo.step import StepResult
 

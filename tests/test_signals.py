@@ -1,4 +1,4 @@
-"""Stopping on a signal (grpo/signals.py): a first Ctrl-C, SIGTERM or SIGHUP asks the loop to stop, a second
+"""Stopping on a signal (grpo/run/signals.py): a first Ctrl-C, SIGTERM or SIGHUP asks the loop to stop, a second
 stops at once with its number, and the old handlers come back."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from grpo.signals import StopOnSignal, Stopped
+from grpo.run.signals import StopOnSignal, Stopped
 
 
 def test_the_first_ctrl_c_asks_to_stop_the_second_stops_at_once_and_restore_puts_the_old_handler_back():

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("smollm2")
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-    from grpo.packaged_models import packaged_model_dir
+    from grpo.model.packaged import packaged_model_dir
 
     try:
         return packaged_model_dir("smollm2-135m-instruct")
@@ -36,7 +36,7 @@ def smollm2_path() -> Path:
 def smollm2(smollm2_path):
     """(policy, tokenizer): the PeftModel exactly as train.py --preset smollm2-arithmetic loads it, on CPU."""
     from grpo.config import PRESETS, Config
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
 
     cfg = Config(**{**PRESETS["smollm2-arithmetic"], "gradient_checkpointing": False})
     policy, tokenizer, model_dir = load_policy(cfg, torch.device("cpu"))
@@ -113,7 +113,7 @@ def test_missing_package_error_names_the_one_pip_command(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     monkeypatch.setattr(assets, "_installed", lambda module: None)
-    from grpo.packaged_models import packaged_model_dir
+    from grpo.model.packaged import packaged_model_dir
 
     with pytest.raises((ValueError, FileNotFoundError)) as info:
         packaged_model_dir("smollm2-135m-instruct")

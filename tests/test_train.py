@@ -326,7 +326,7 @@ def test_a_run_trains_without_cudnns_attention_and_gives_it_back_after(tiny_llam
     torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default (a process that imported vLLM has it off)
     try:
         train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, log_completions_steps=0))
-        assert enabled_in_passes and not any(enabled_in_passes)  # cuDNN plans each new width (grpo.model)
+        assert enabled_in_passes and not any(enabled_in_passes)  # cuDNN plans each new width (grpo.model.load)
         assert torch.backends.cuda.cudnn_sdp_enabled()  # the rest of the process as it was
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)

@@ -142,7 +142,7 @@ def test_an_fp8_block_checkpoint_is_served_with_the_trainers_log_probs(tmp_path,
     """The FP8-Block layout (tests/engine_runs.py's model, as unsloth/Llama-3.2-1B-Instruct-FP8-Block stores
     its projections): vLLM reads it, samples differ, and its log-probs are the FP8 policy's within bf16's reach."""
     from grpo.config import Config
-    from grpo.model import load_policy
+    from grpo.model.load import load_policy
 
     path = write_small_llama("fp8-block", tmp_path / "fp8-block", llama_tokenizer)
     cfg = Config(model=str(path), lora_rank=LORA_RANK, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)
@@ -182,7 +182,7 @@ def test_a_grpo_step_with_engine_vllm_sizes_vllms_kv_cache_for_its_rows(tmp_path
         return real_llm(**kwargs)
 
     monkeypatch.setattr(rv._import_vllm(), "LLM", recording_llm)
-    monkeypatch.setattr("grpo.plots.plot_metrics", lambda *a, **k: None)  # this environment has no matplotlib
+    monkeypatch.setattr("grpo.run.plots.plot_metrics", lambda *a, **k: None)  # this environment has no matplotlib
     cfg = Config(model=str(path), engine="vllm", dataset="arithmetic", max_steps=1, prompts_per_step=2,
                  num_generations=2, max_completion_length=8, lora_rank=LORA_RANK, lora_alpha=16, optim="adamw_torch",
                  dtype="fp32", eval_size=0, save_steps=0, log_completions_steps=0, output_dir=str(tmp_path / "run"))

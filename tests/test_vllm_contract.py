@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import grpo.rollout.vllm as rv
-from grpo.model import load_unsloth_policy
+from grpo.model.load import load_unsloth_policy
 from grpo.rollout.base import Engine, Sampling
 
 
@@ -658,7 +658,7 @@ def _fake_device(monkeypatch, *, total_gib: float, peak_gib: float, in_process_g
                          ids=["engine-core-in-this-process", "engine-core-in-its-own-process"])
 def test_the_trainers_peak_leaves_out_the_part_of_vllms_pool_that_torch_counts(
         fake_vllm, tmp_path, monkeypatch, in_process_gib, trainer_gib):
-    from grpo.runlog import step_memory_gib
+    from grpo.run.log import step_memory_gib
 
     engine, _ = make_engine(tmp_path, gpu_memory_utilization=0.4)
     _fake_device(monkeypatch, total_gib=100.0, peak_gib=45.0, in_process_gib=in_process_gib)
@@ -704,7 +704,7 @@ def test_without_a_share_build_engine_sizes_vllms_kv_cache_for_its_rows(fake_vll
 
 
 def test_a_kv_cache_sized_for_the_run_reports_what_vllm_took_at_start_up(fake_vllm, tmp_path, monkeypatch):
-    from grpo.runlog import step_memory_gib
+    from grpo.run.log import step_memory_gib
 
     GiB = 2**30
     _fake_device(monkeypatch, total_gib=100.0, peak_gib=6.0, in_process_gib=None)
@@ -724,7 +724,7 @@ def test_a_kv_cache_sized_for_the_run_reports_what_vllm_took_at_start_up(fake_vl
 
 
 def test_an_engine_without_a_pool_and_a_cpu_run_report_the_trainers_memory_alone(fake_vllm, tmp_path, monkeypatch):
-    from grpo.runlog import step_memory_gib
+    from grpo.run.log import step_memory_gib
 
     engine, _ = make_engine(tmp_path)
     _fake_device(monkeypatch, total_gib=100.0, peak_gib=6.0, in_process_gib=None)

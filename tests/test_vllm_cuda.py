@@ -48,7 +48,7 @@ os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 from engine_runs import PROMPTS, rollout_trainer_logp, write_small_llama  # noqa: E402
 
 from grpo.config import Config  # noqa: E402
-from grpo.model import load_policy  # noqa: E402
+from grpo.model.load import load_policy  # noqa: E402
 from grpo.rollout.base import Sampling  # noqa: E402
 from grpo.rollout.vllm import VLLMEngine, kv_cache_bytes_for  # noqa: E402
 

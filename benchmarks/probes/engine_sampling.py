@@ -3,7 +3,7 @@
 tests/test_vllm_cuda.py's Unsloth run on an FP8-Block checkpoint gave every completion the same reward
 (2026-12-02, H200: every completion 32 characters). This looks at one engine in isolation: it writes the
 tests' model (tests/engine_runs.py, as bf16 or FP8-Block), builds the engine as the trainer
-does (`--engine unsloth`: `grpo.model.load_unsloth_policy`; `--engine vllm`: `VLLMEngine` over
+does (`--engine unsloth`: `grpo.model.load.load_unsloth_policy`; `--engine vllm`: `VLLMEngine` over
 `load_policy`), and for vLLM without an adapter and with ours (B random, so the adapter matters) records
 per case: the first rows' token ids and texts, how many distinct tokens were sampled, non-finite sampler
 log-probs, and |log p_sampler - log p_trainer| with the trainer's log-probs from the policy's forward.
@@ -33,7 +33,7 @@ def build(engine: str, path: Path, work: Path, share: float):
     import torch
 
     from grpo.config import LORA_TARGETS, Config
-    from grpo.model import load_policy, load_unsloth_policy
+    from grpo.model.load import load_policy, load_unsloth_policy
 
     if engine == "unsloth":
         return load_unsloth_policy(str(path), load_in_fp8=False, max_seq_length=256, lora_rank=8, lora_alpha=16,

@@ -6,14 +6,14 @@ solutions and greedy agreement with the merged 16-bit model, per `--gguf` type.
     # CPU smoke run: SmolLM2 without an adapter, 8 problems, 48 tokens (a few minutes on 2 cores)
     python benchmarks/probes/gguf_quality.py --smoke --out /tmp/gguf-quality-smoke
 
-Each GGUF is written as `grpo.export --gguf` writes it (from the base when no --adapter), read back by
-transformers (`gguf_file=`, dequantized) and saved as a bf16 checkpoint (`grpo.packaged_models.
+Each GGUF is written as `grpo.export.merge --gguf` writes it (from the base when no --adapter), read back by
+transformers (`gguf_file=`, dequantized) and saved as a bf16 checkpoint (`grpo.model.packaged.
 convert_gguf`), so every type is evaluated by the same `grpo.eval` code and engine as the merged model.
 Per type: `eval/greedy_accuracy` (strict, in <SOLUTION>), `eval/greedy_lenient_accuracy`, format; on the
 first `--agreement-prompts` problems, the share of greedy completions token-for-token equal to the merged
 model's and the perplexity of the merged model's greedy completions under this type; the file size.
 Results: OUT/results.json, one line per type on stdout. Writing a k-quant type of the 1.5B model takes
-about 6 minutes of CPU, spread over every core (grpo.gguf_export's worker processes): under a per-command
+about 6 minutes of CPU, spread over every core (grpo.export.gguf's worker processes): under a per-command
 time limit, run `--write-only` first; a rerun reuses the merge and the files already written.
 """
 
@@ -58,9 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def export_ggufs(args, out: Path) -> tuple[Path, dict[str, Path]]:
     """The merged checkpoint (or the base's folder) and one GGUF per type, each written once: a rerun
     reuses the merge and the files already there (so the types can be written one command at a time)."""
-    from grpo.export import export
-    from grpo.gguf_export import gguf_file_name, parse_gguf_types, write_gguf
-    from grpo.model import resolve_model_dir
+    from grpo.export.merge import export
+    from grpo.export.gguf import gguf_file_name, parse_gguf_types, write_gguf
+    from grpo.model.load import resolve_model_dir
 
     folder = out / "export"
     if args.adapter and not (folder / "merged" / "config.json").is_file():
@@ -107,7 +107,7 @@ def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None
 
     from grpo import data as grpo_data
     from grpo.eval import evaluate_from_flags
-    from grpo.model import default_device
+    from grpo.model.load import default_device
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     result = evaluate_from_flags(eval_flags(model_dir, args))
@@ -135,7 +135,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main(argv=None) -> None:
-    from grpo.packaged_models import PACKAGED_MODELS, convert_gguf
+    from grpo.model.packaged import PACKAGED_MODELS, convert_gguf
 
     args = parse_args(argv)
     out = Path(args.out)

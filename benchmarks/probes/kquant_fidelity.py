@@ -1,4 +1,4 @@
-"""How closely grpo.kquants reproduces llama.cpp's Q4_K / Q6_K blocks: the packaged Qwen2.5-Coder-1.5B
+"""How closely grpo.export.kquants reproduces llama.cpp's Q4_K / Q6_K blocks: the packaged Qwen2.5-Coder-1.5B
 Q4_K_M GGUF (written by llama.cpp's quantizer) dequantized with gguf, re-quantized with ours.
 
     python benchmarks/probes/kquant_fidelity.py [--layers 0,13,27] [--rows 4096]      # CPU, ~2 minutes
@@ -32,9 +32,9 @@ def survival(rel_deltas: list[float], rows: int) -> None:
     import gguf
     from safetensors import safe_open
 
-    from grpo.kquants import BLOCK_BYTES, quantize_k
-    from grpo.model import resolve_model_dir
-    from grpo.packaged_models import QWEN25_CODER_1_5B, gguf_path
+    from grpo.export.kquants import BLOCK_BYTES, quantize_k
+    from grpo.model.load import resolve_model_dir
+    from grpo.model.packaged import QWEN25_CODER_1_5B, gguf_path
 
     bases = {}
     for tensor in gguf.GGUFReader(gguf_path(QWEN25_CODER_1_5B)).tensors:
@@ -63,8 +63,8 @@ def survival(rel_deltas: list[float], rows: int) -> None:
 def main() -> None:
     import gguf
 
-    from grpo.kquants import BLOCK_BYTES, quantize_k
-    from grpo.packaged_models import QWEN25_CODER_1_5B, gguf_path
+    from grpo.export.kquants import BLOCK_BYTES, quantize_k
+    from grpo.model.packaged import QWEN25_CODER_1_5B, gguf_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="0,13,27", help="Layers whose matrices are re-quantized.")

@@ -270,7 +270,7 @@ def run_gap(args, train_argv: list[str], rec: Recorder) -> None:
     from transformers import AutoModelForCausalLM
 
     from grpo.config import parse_command_line
-    from grpo.model import default_device, load_policy
+    from grpo.model.load import default_device, load_policy
     from grpo.rollout.vllm import VLLMEngine
     from grpo.rollout.base import Sampling
     from grpo.rollout.native import NativeEngine
@@ -381,7 +381,7 @@ def run_replay(args, train_argv: list[str], rec: Recorder) -> None:
     """The first `--rows` rows of a `gap-batch0-<way>.pt` scored by the trainer's path on this machine (the
     flags after `--` pick the model and dtype), against the file's float32, trainer and sampler columns."""
     from grpo.config import parse_command_line
-    from grpo.model import default_device, load_policy
+    from grpo.model.load import default_device, load_policy
     from grpo.batch import Batch, sequence_logprobs
 
     cfg, _ = parse_command_line(train_argv)

@@ -48,7 +48,7 @@ import torch._dynamo
 
 from grpo.config import LORA_TARGETS
 from grpo.kernels import decode_gemm
-from grpo.model import compute_adapters_in_base_dtype
+from grpo.model.load import compute_adapters_in_base_dtype
 from grpo.rollout.native import EngineTuning, NativeEngine
 from grpo.rollout.native.state import StopRule
 from timing import Recorder, add_out_argument, copy_tbps, covered_us, graph_us  # beside this file

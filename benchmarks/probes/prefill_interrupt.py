@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo.packaged_models import packaged_model_dir
+    from grpo.model.packaged import packaged_model_dir
     from grpo.rollout import Sampling
     from grpo.rollout.hf import HFEngine
 

@@ -5,7 +5,7 @@ layer, that layer's recomputed activations: this script measures the second part
 autograd saves, counted once per storage, parameters excluded), which does not depend on the device.
 It compares peft's default float32 adapters (its input is cast to float32 and saved), the trainer's
 `--lora-compute base` (float32 adapters multiplied in bf16), adapters stored in bf16, and the trainer's
-defaults: `--lora-compute base` with `grpo.lean_activations` (SiLU's output and the norms' float32 copies
+defaults: `--lora-compute base` with `grpo.model.lean_activations` (SiLU's output and the norms' float32 copies
 not saved).
 
     PYTHONPATH=$PWD python benchmarks/probes/saved_activations.py [--tokens 2048]
@@ -24,7 +24,7 @@ from grpo.config import LORA_TARGETS
 
 VARIANTS = {"float32": "float32 adapters (peft's default)", "base": "float32 adapters, bf16 matmuls "
             "(--lora-compute base)", "bf16": "bf16 adapters", "lean": "float32 adapters, bf16 matmuls, "
-            "the lean MLP product and norms (the trainer's defaults: grpo.lean_activations)"}
+            "the lean MLP product and norms (the trainer's defaults: grpo.model.lean_activations)"}
 
 
 def saved_bytes(tokens: int, variant: str) -> dict[str, int]:
@@ -50,11 +50,11 @@ def saved_bytes(tokens: int, variant: str) -> dict[str, int]:
     lora = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
     model = get_peft_model(OneLayer(), lora, autocast_adapter_dtype=variant != "bf16")
     if variant in ("base", "lean"):
-        from grpo.model import compute_adapters_in_base_dtype
+        from grpo.model.load import compute_adapters_in_base_dtype
 
         compute_adapters_in_base_dtype(model)
     if variant == "lean":
-        from grpo import lean_activations
+        from grpo.model import lean_activations
 
         lean_activations.install(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
                         help="the adapters folded in decode, as the trainer does by default (--engine-fold-adapter)")
     parser.add_argument("--peft-forward", action="store_true",
-                        help="peft's own LoRA forward in the training pass (without grpo.lora_addmm)")
+                        help="peft's own LoRA forward in the training pass (without grpo.model.lora_addmm)")
     parser.add_argument("--norm-kernel", action=argparse.BooleanOptionalAction, default=True,
                         help="the RMSNorms as grpo.kernels.rmsnorm's one launch each way, as the trainer runs them "
                              "(--no-norm-kernel: torch's ops, lean_activations.install's norm_kernel=False)")
@@ -175,13 +175,13 @@ def main() -> None:
     args = parser.parse_args()
     rec = Recorder("step_profile", args.out)
     if args.peft_forward:
-        import grpo.lora_addmm
+        import grpo.model.lora_addmm
 
-        grpo.lora_addmm.install = lambda model: 0
+        grpo.model.lora_addmm.install = lambda model: 0
     if not args.norm_kernel:
-        import grpo.lean_activations
+        import grpo.model.lean_activations
 
-        grpo.lean_activations.install = functools.partial(grpo.lean_activations.install, norm_kernel=False)
+        grpo.model.lean_activations.install = functools.partial(grpo.model.lean_activations.install, norm_kernel=False)
     root = Path(tempfile.mkdtemp(prefix="step-profile-"))
     model_dir = bs.build_model_dir(root / "model", size="1b", device="cuda")
     from transformers import AutoTokenizer

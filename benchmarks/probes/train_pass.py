@@ -55,7 +55,7 @@ def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: to
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from grpo.config import Config
-    from grpo.model import add_lora
+    from grpo.model.load import add_lora
     from native_engine import qwen_1_5b_config  # beside this file
 
     config = (Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -135,7 +135,7 @@ def trainer_update(policy, cfg, device: torch.device):
 
     from grpo.distributed import World
     from grpo.optim import make_optimizer
-    from grpo.runlog import synced_clock
+    from grpo.run.log import synced_clock
     from grpo.step import InFlight, update_policy
 
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -148,11 +148,11 @@ def trainer_update(policy, cfg, device: torch.device):
 
 
 def sdpa_backends(name: str):
-    """The attention backends of the passes: "product" the trainer's (`grpo.model.attention_without_cudnn`),
+    """The attention backends of the passes: "product" the trainer's (`grpo.model.load.attention_without_cudnn`),
     "torch" torch's own choice (cuDNN's first on sm90 in torch 2.11, which plans every new shape)."""
     from contextlib import nullcontext
 
-    from grpo.model import attention_without_cudnn
+    from grpo.model.load import attention_without_cudnn
 
     return attention_without_cudnn() if name == "product" else nullcontext()
 

@@ -9,7 +9,7 @@ of it that it can express (`grpo_config_values`); what it cannot is refused in o
 
 | ours (Config) | TRL 1.16 |
 |---|---|
-| model, rsLoRA r/alpha/targets/dropout, gradient checkpointing | the PeftModel of `grpo.model.load_policy`: the same folder, adapters and their initialisation (seeded as train.py seeds) |
+| model, rsLoRA r/alpha/targets/dropout, gradient checkpointing | the PeftModel of `grpo.model.load.load_policy`: the same folder, adapters and their initialisation (seeded as train.py seeds) |
 | training split, chat template, system prompt, prompt-length filter | `grpo.trainer.load_prompt_sets`, in `PromptStream`'s order for max-steps steps, `shuffle_dataset=False`: every step gets the prompts ours gets; each prompt's ids checked to be ours |
 | reward preset (+ --reward) | one reward function per column, under its name (TRL logs `rewards/<name>/mean`); the answer and format functions also log `accuracy` and `format` |
 | P, G, micro-batch | `num_generations=G`, `per_device_train_batch_size` = micro-batch (default P*G), `gradient_accumulation_steps` = P*G / micro-batch: one generation batch of P*G per optimizer step |
@@ -35,7 +35,7 @@ Outputs in the run's --output-dir: config.json (our Config), trl_args.json, metr
 keys where they mean the same: step, reward, reward_std, rewards/<name>, accuracy, format, completion_length,
 frac_finished, frac_zero_std, lr, grad_norm, loss, kl, clip_frac*, step_time, peak_mem_gib; TRL's own keys beside
 them as trl/<key>), checkpoint-N/ (PEFT adapter, optimizer, schedule; `--resume latest` continues), adapter/ at
-the end. `python -m grpo.plots OUT/metrics.jsonl OUT/metrics.png` draws it; `python -m grpo.eval --adapter
+the end. `python -m grpo.run.plots OUT/metrics.jsonl OUT/metrics.png` draws it; `python -m grpo.eval --adapter
 OUT/checkpoint-N --per-problem F.jsonl` evaluates it as ours is evaluated.
 
 `--time-budget-s S`: after a step, when less than 1.5 median steps of S (counted from the start) remain, save a
@@ -60,7 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# TRL 1.16's log key -> ours (grpo/runlog.py's metrics.jsonl), where both mean the same thing.
+# TRL 1.16's log key -> ours (grpo/run/log.py's metrics.jsonl), where both mean the same thing.
 TRL_TO_OURS = {
     "reward": "reward", "reward_std": "reward_std", "frac_reward_zero_std": "frac_zero_std",
     "completions/mean_length": "completion_length", "learning_rate": "lr", "grad_norm": "grad_norm",
@@ -237,7 +237,7 @@ def run(cfg, args, started: float) -> Path:
 
     from bench_setup import step_clock
 
-    from grpo.model import default_device, load_policy
+    from grpo.model.load import default_device, load_policy
     from grpo.optim import make_optimizer, make_scheduler
 
     resume = resume_point(cfg)
@@ -304,7 +304,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo.failures import report
+    from grpo.run.failures import report
     from grpo.quiet import hide_known_warnings
 
     started = time.monotonic()

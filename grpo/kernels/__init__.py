@@ -1,5 +1,5 @@
 """Kernels that decide memory and speed: FP8 block-quantized base weights, fused token log-probs,
-decode GEMMs. Kernels know no model loading (FP8-Block checkpoints: `grpo/fp8_checkpoint.py`).
+decode GEMMs. Kernels know no model loading (FP8-Block checkpoints: `grpo/model/fp8_checkpoint.py`).
 
 Importing this package imports torch only; Triton is imported inside the functions that need it.
 """

@@ -41,7 +41,7 @@ respect to the stored weight, and the only path the CPU tests exercise.
 
 What this module deliberately is not: no weight gradient, no FP8 for embeddings, norms or the LM head,
 no use of transformers' FineGrainedFP8 integration (it fetches a kernel from a hub at run time), and no
-checkpoint reading: loading FP8-Block checkpoints is the Model room's (`grpo/fp8_checkpoint.py`).
+checkpoint reading: loading FP8-Block checkpoints is the Model room's (`grpo/model/fp8_checkpoint.py`).
 """
 
 from __future__ import annotations

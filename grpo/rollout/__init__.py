@@ -44,7 +44,7 @@ def auto_refusal(policy) -> str | None:
 
 def unsloth_loads_the_model(name: str) -> bool:
     """--engine unsloth: Unsloth loads the model and its vLLM engine together
-    (`grpo.model.load_unsloth_policy`), so that sampling and training share the base weights."""
+    (`grpo.model.load.load_unsloth_policy`), so that sampling and training share the base weights."""
     return name == "unsloth"
 
 
@@ -96,5 +96,5 @@ def build_engine(name: str, policy, *, pad_id: int, max_seq_len: int, max_batch:
                           enforce_eager=vllm.enforce_eager, **memory)
     if name == "unsloth":
         raise ValueError("--engine unsloth: Unsloth builds its engine as it loads the model "
-                         "(grpo.model.load_unsloth_policy), not over a policy")
+                         "(grpo.model.load.load_unsloth_policy), not over a policy")
     raise ValueError(f"--engine {name!r} is unknown; choose auto, native, hf, vllm or unsloth")

@@ -12,7 +12,7 @@ with the sampler's log-probabilities, so the trainer can weight each token by pi
   without an adapter was seen to give wrong outputs without an error). On CUDA the engine sleeps
   (level 1: weights to CPU, KV cache dropped) in `release_memory()` and wakes before generating;
   vLLM's CPU build has no sleep mode.
-- `UnslothEngine` (from `grpo.model.load_unsloth_policy`): Unsloth loads the model once into vLLM and
+- `UnslothEngine` (from `grpo.model.load.load_unsloth_policy`): Unsloth loads the model once into vLLM and
   trains on the same weights (FP8 or bf16); only the LoRA tensors go across each step, through
   `model.load_lora(..., load_tensors=True)`.
 
@@ -46,7 +46,7 @@ length; the trainer's default), and then measures what vLLM took (`pool_bytes()`
 core runs in this process (Unsloth's), its allocations also count in torch's allocated bytes
 (`pool_bytes_in_torch()`), which the trainer leaves out of its own peak and reports apart.
 
-Not here: building the LoRA model (grpo/model.py), choosing the engine (grpo/rollout/__init__.py).
+Not here: building the LoRA model (grpo/model/load.py), choosing the engine (grpo/rollout/__init__.py).
 Nothing happens at import: vllm and unsloth are imported inside the functions that need them.
 """
 
@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from grpo.config import DTYPES, VLLM_GPU_MEMORY_UTILIZATION
-from grpo.fp8_checkpoint import is_fp8_checkpoint
-from grpo.model import save_lora
+from grpo.model.fp8_checkpoint import is_fp8_checkpoint
+from grpo.model.load import save_lora
 from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 
@@ -440,7 +440,7 @@ def in_process_vllm_pool_bytes() -> int:
 class VLLMEngine(_VLLMRollout):
     """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
 
-    policy: the peft PeftModel being trained (its adapter is saved with `grpo.model.save_lora`).
+    policy: the peft PeftModel being trained (its adapter is saved with `grpo.model.load.save_lora`).
     model_path: the base checkpoint vLLM loads (a hub id or a directory, FP8 checkpoints included).
     work_dir: where the adapter is written (`adapter-<k>`, older ones deleted).
     llm: an already-built `vllm.LLM` (tests; it must have enable_lora and, for exact log-probs at
@@ -535,7 +535,7 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
 class UnslothEngine(_VLLMRollout):
     """Unsloth's fast_inference engine: vLLM shares the (FP8 or bf16) base weights with training.
 
-    model: the PeftModel from `grpo.model.load_unsloth_policy`, with `vllm_engine`, `fast_generate` and
+    model: the PeftModel from `grpo.model.load.load_unsloth_policy`, with `vllm_engine`, `fast_generate` and
     `load_lora`. Each call hands vLLM the current LoRA tensors (`load_lora(..., load_tensors=True)`,
     a new id each time); nothing is written but the adapter config, once.
     """

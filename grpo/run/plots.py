@@ -7,7 +7,7 @@ held-out evaluations (`eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`, `e
 `eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`; the lenient ones only where the records carry
 them) as markers joined by lines, step 0 being the untrained model.
 
-Also `python -m grpo.plots METRICS_JSONL [PNG]`; `--compare LABEL=METRICS_JSONL ... PNG` draws several runs
+Also `python -m grpo.run.plots METRICS_JSONL [PNG]`; `--compare LABEL=METRICS_JSONL ... PNG` draws several runs
 of one recipe on shared axes (`plot_side_by_side`: reward, train and held-out accuracy, step time). What
 this is not: a dashboard; use --report-to tensorboard or wandb for live curves. matplotlib is imported
 inside the plotting functions and draws on an Agg canvas without pyplot (no display, no global backend
@@ -186,8 +186,8 @@ def plot_side_by_side(runs: dict[str, str | Path], png_path: str | Path, title: 
     return png_path
 
 
-USAGE = ("usage: python -m grpo.plots METRICS_JSONL [PNG]  (default PNG: metrics.png beside it)\n"
-         "       python -m grpo.plots --compare LABEL=METRICS_JSONL LABEL=METRICS_JSONL ... PNG")
+USAGE = ("usage: python -m grpo.run.plots METRICS_JSONL [PNG]  (default PNG: metrics.png beside it)\n"
+         "       python -m grpo.run.plots --compare LABEL=METRICS_JSONL LABEL=METRICS_JSONL ... PNG")
 
 
 def main(argv: list[str] | None = None) -> int:

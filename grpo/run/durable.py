@@ -8,8 +8,8 @@ killed or the disk fills mid-write.
 - `fill_folder` then `publish`: a folder (a checkpoint, the adapter) filled under a temporary name,
   flushed file by file, then renamed to its final name and the rename flushed.
 
-What it deliberately is not: what is written, or what a failure means to the run (`grpo.checkpoint`
-words a failed checkpoint; `grpo.failures` explains OS errors). No torch: the command line's config
+What it deliberately is not: what is written, or what a failure means to the run (`grpo.run.checkpoint`
+words a failed checkpoint; `grpo.run.failures` explains OS errors). No torch: the command line's config
 writes through it.
 """
 

@@ -11,7 +11,7 @@ its one line. A run that ends cleanly empties the file; one that finds text in a
 the run before it ended without releasing it (killed, or lost with its machine) and takes over, with a note.
 
 What it deliberately is not: a queue (a second run is refused, never made to wait), or a check of what the
-folder holds (`grpo.checkpoint.claim_output_dir` decides whether a folder may take a run; this only keeps two
+folder holds (`grpo.run.checkpoint.claim_output_dir` decides whether a folder may take a run; this only keeps two
 live runs from deciding it at once).
 """
 

@@ -6,7 +6,7 @@ metrics.jsonl takes one whole line per record, in one write that is flushed to d
 (a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file.
 
 What it deliberately is not: a callback system. The loop in `grpo.trainer.run` calls these
-explicitly; nothing here decides what the run does next. Signals are `grpo.signals`'.
+explicitly; nothing here decides what the run does next. Signals are `grpo.run.signals`'.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from grpo.config import Config
-from grpo.durable import append_line, write_atomically
+from grpo.run.durable import append_line, write_atomically
 
 
 class MetricsLog:

@@ -10,10 +10,10 @@ the one just saved. On `--resume latest` an unreadable newest checkpoint is skip
 the newest intact one.
 
 The output folder holds one run: `claim_output_dir` refuses a folder that a live run holds (its claim file,
-`grpo.run_claim`), or that holds another run unless the run resumes it, or --overwrite moves the old run
+`grpo.run.claim`), or that holds another run unless the run resumes it, or --overwrite moves the old run
 aside to OUTPUT_DIR.old-N (nothing is deleted).
 
-What it deliberately is not: a model export (the final adapter is `grpo.model.save_lora`) or a
+What it deliberately is not: a model export (the final adapter is `grpo.model.load.save_lora`) or a
 general state-dict framework: the four objects it saves are named in `Resumable`.
 """
 
@@ -32,10 +32,10 @@ import torch
 from grpo.config import Config, flag
 from grpo.data import PromptStream
 from grpo.distributed import World
-from grpo.durable import fill_folder, publish
-from grpo.failures import first_line, os_fault, write_failure
-from grpo.model import save_lora
-from grpo.run_claim import CLAIM_FILE, RunClaim
+from grpo.run.durable import fill_folder, publish
+from grpo.run.failures import first_line, os_fault, write_failure
+from grpo.model.load import save_lora
+from grpo.run.claim import CLAIM_FILE, RunClaim
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}"  # a checkpoint being written; never read
@@ -116,7 +116,7 @@ class ClaimedOutput(NamedTuple):
 
 def claim_output_dir(cfg: Config, world: World) -> ClaimedOutput:
     """Every rank calls this before anything is written: rank 0 claims --output-dir (FolderInUse while
-    another live run holds it: grpo.run_claim), makes it ready for the run and writes config.json; every
+    another live run holds it: grpo.run.claim), makes it ready for the run and writes config.json; every
     rank raises rank 0's error if it could not (OutputDirError, or FileNotFoundError for a --resume with
     nothing to resume)."""
     problem = moved = claim = None

@@ -25,7 +25,7 @@ Vectorised over blocks; the element axis comes first (`(n, blocks)`) so that eve
 element in float32, in the order the C loops add: blocks equal a one-block transcription of the C byte
 for byte (tests/test_kquants.py), and 99.8% of the Q4_K blocks that llama.cpp wrote in the packaged Qwen
 re-quantize to themselves (docs/measurements.md). Rounding is to nearest, ties to even, as `nearest_int`. Not here: importance-matrix (imatrix) weighting, the other k-quants (Q2_K,
-Q3_K, IQ*), dequantizing (the `gguf` library does that), choosing a type per tensor (grpo/gguf_export.py).
+Q3_K, IQ*), dequantizing (the `gguf` library does that), choosing a type per tensor (grpo/export/gguf.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def quantize_k(weights: np.ndarray, qtype, pool: ProcessPoolExecutor | None = No
     independent)."""
     name = getattr(qtype, "name", str(qtype))
     if name not in BLOCK_BYTES:
-        raise ValueError(f"{name}: grpo.kquants writes {', '.join(BLOCK_BYTES)} only")
+        raise ValueError(f"{name}: grpo.export.kquants writes {', '.join(BLOCK_BYTES)} only")
     if weights.shape[-1] % QK_K:
         raise ValueError(f"{name}: rows of {weights.shape[-1]} weights are not a whole number of {QK_K}-blocks")
     blocks = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1, QK_K)

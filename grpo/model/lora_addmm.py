@@ -27,7 +27,7 @@ from torch import nn
 
 def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
     """The adapter whose product `_forward` adds, where this call is the plain case it reproduces; else None."""
-    from grpo.model import LinearInInputDtype  # (here: grpo.model imports this module)
+    from grpo.model.load import LinearInInputDtype  # (here: grpo.model.load imports this module)
 
     if args or kwargs or not torch.is_grad_enabled() or layer.disable_adapters or layer.merged:
         return None

@@ -2,7 +2,7 @@
 checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing. Or, for
 --engine unsloth, Unsloth's loading (`load_unsloth_policy`), which builds its vLLM engine with the model.
 
-Helpers it owns: `grpo/fp8_checkpoint.py` (telling FP8 checkpoints apart, loading FP8-Block ones).
+Helpers it owns: `grpo/model/fp8_checkpoint.py` (telling FP8 checkpoints apart, loading FP8-Block ones).
 Not here: the FP8 format and kernels themselves (`grpo/kernels/fp8.py`), and any second copy of the
 model. The reference policy is this same model with its adapters disabled.
 """
@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo import lean_activations, lora_addmm
+from grpo.model import lean_activations
+from grpo.model import lora_addmm
 from grpo.batch import head_refusal
 from grpo.config import DTYPES, LORA_TARGETS, Config
-from grpo.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
-from grpo.packaged_models import PACKAGED_MODELS, packaged_model_dir
+from grpo.model.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
+from grpo.model.packaged import PACKAGED_MODELS, packaged_model_dir
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -48,7 +49,7 @@ def default_device() -> torch.device:
 
 def resolve_model_dir(name: str) -> Path:
     """A local directory for `--model`: the path itself, a packaged model's conversion (`--model
-    smollm2-135m-instruct`, `qwen2.5-coder-1.5b-instruct`: grpo/packaged_models.py), or the HF cache."""
+    smollm2-135m-instruct`, `qwen2.5-coder-1.5b-instruct`: grpo/model/packaged.py), or the HF cache."""
     if name in PACKAGED_MODELS:
         return packaged_model_dir(name)
     path = Path(name).expanduser()

@@ -21,7 +21,7 @@ arch `llama`; Qwen2: arch `qwen2`):
   pre-tokenizer name, bos/eos/padding ids, chat template (gguf's `SpecialVocab`), and the turn's other
   end token from generation_config.json as `eot_token_id`.
 
-Not here: merging (grpo/export.py), the k-quant arithmetic (grpo/kquants.py), sentencepiece or other
+Not here: merging (grpo/export/merge.py), the k-quant arithmetic (grpo/export/kquants.py), sentencepiece or other
 non-BPE tokenizers, importance matrices, architectures other than those in `ARCHITECTURES`.
 """
 
@@ -144,7 +144,7 @@ def encode(data: np.ndarray, qtype: str, pool: ProcessPoolExecutor | None = None
     k-quants on `pool`'s workers when there is one)."""
     import gguf
 
-    from grpo.kquants import BLOCK_BYTES, quantize_k
+    from grpo.export.kquants import BLOCK_BYTES, quantize_k
 
     if qtype == "F32":
         return data.astype(np.float32)
@@ -398,9 +398,9 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
 def _kquant_pool(plan: list[PlannedTensor], workers: int | None, cleanup: ExitStack) -> ProcessPoolExecutor | None:
     """Worker processes for the k-quants of `plan`, shut down with `cleanup`; None when there are none
     to write or one worker. Spawned, not forked: the caller may hold CUDA and torch's threads."""
-    from grpo.kquants import BLOCK_BYTES
+    from grpo.export.kquants import BLOCK_BYTES
 
-    if workers is None:  # at most 16: each spawned worker imports the caller's __main__ (grpo.export: 0.2 GB)
+    if workers is None:  # at most 16: each spawned worker imports the caller's __main__ (grpo.export.merge: 0.2 GB)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         workers = min(cores, 16)
     if workers < 2 or not any(item.qtype in BLOCK_BYTES for item in plan):

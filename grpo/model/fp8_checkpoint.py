@@ -1,6 +1,6 @@
 """FP8 checkpoints on disk: telling one apart, and loading an FP8-Block one into FP8Linear layers.
 
-Owned by `grpo/model.py` (the Model room); `grpo/rollout/vllm.py` asks the same question through
+Owned by `grpo/model/load.py` (the Model room); `grpo/rollout/vllm.py` asks the same question through
 `is_fp8_checkpoint`. The format itself (E4M3 codes in 128x128 blocks, `weight_scale_inv`) and the
 layer that computes with it are `grpo/kernels/fp8.py`; this module only reads config.json and
 safetensors files and builds the model, or writes a model in that format (`save_fp8_block_checkpoint`, what

@@ -11,7 +11,7 @@ writes
                   with no peft and no quantization_config.
     OUT/gguf-TYPE/model-TYPE.gguf   with --gguf: the merged model for llama.cpp-style runtimes (and
                   transformers' `gguf_file=`), one folder per type, written from OUT/merged by
-                  grpo/gguf_export.py as llama.cpp's converter and quantizer would write it.
+                  grpo/export/gguf.py as llama.cpp's converter and quantizer would write it.
 
 An --out that holds an export already is refused; --overwrite moves it aside to OUT.old-N.
 
@@ -102,8 +102,8 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     """Write OUT/adapter, OUT/merged and OUT/gguf-TYPE/ for each of `gguf` (see the module docstring);
     returns the paths written, by name ("adapter", "merged", "gguf-q4_k_m", ...)."""
     from grpo.config import Config
-    from grpo.gguf_export import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
-    from grpo.model import load_base_model, load_tokenizer
+    from grpo.export.gguf import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
+    from grpo.model.load import load_base_model, load_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -152,7 +152,7 @@ EXPORT_PARTS = ("adapter", "merged", "gguf-*")
 def claim_export_dir(out: Path, overwrite: bool, adapter_dir: Path) -> Path | None:
     """Refuse an --out that holds an export already, unless --overwrite, which moves it aside to
     OUT.old-N (nothing deleted, as training's --overwrite); returns where it went, or None."""
-    from grpo.checkpoint import aside_path
+    from grpo.run.checkpoint import aside_path
 
     held = sorted({p.name for part in EXPORT_PARTS for p in out.glob(part)}) if out.is_dir() else []
     if not held:
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
     line (status 1)."""
     from grpo.quiet import hide_known_warnings
-    from grpo.failures import adapter_load_error, report, write_failure
+    from grpo.run.failures import adapter_load_error, report, write_failure
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -224,7 +224,7 @@ def check_export_paths(adapter: str, out: str, gguf: str = "") -> None:
     --out can be a folder."""
     from safetensors.torch import load_file
 
-    from grpo.gguf_export import parse_gguf_types
+    from grpo.export.gguf import parse_gguf_types
 
     if gguf:
         parse_gguf_types(gguf)
@@ -233,6 +233,3 @@ def check_export_paths(adapter: str, out: str, gguf: str = "") -> None:
     if taken is not None and not taken.is_dir():
         raise ValueError(f"--out {out}: {taken} is a file, not a folder; fix: pass a folder path")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
