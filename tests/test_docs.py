@@ -1,5 +1,6 @@
 """The README as a newcomer reads it: every column of the step line explained, every command one that works
-from a fresh clone, short enough to read; what runs write (outputs/, exports/) stays out of git."""
+from a fresh clone, short enough to read; what runs write (outputs/, exports/) stays out of git. The results
+page stays one page of today's figures, and benchmarks/results/ and docs/ hold only what the pages cite."""
 
 from __future__ import annotations
 
@@ -35,7 +36,36 @@ def test_every_readme_command_runs_from_a_fresh_clone():
 
 
 def test_the_readme_stays_short():
-    assert len(README.splitlines()) <= 130
+    assert len(README.splitlines()) <= 100
+
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+PAGES = [ROOT / "README.md", RESULTS, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+KEPT = [ROOT / "benchmarks" / "results", ROOT / "docs"]
+
+
+def test_the_results_page_is_one_page_of_todays_figures():
+    text = RESULTS.read_text()
+    assert len(text.splitlines()) <= 200
+    assert "## The measured defaults" in text and "## GRPO step: the latest suite run" in text
+
+
+def test_results_and_docs_hold_only_the_files_the_pages_cite():
+    cited = "\n".join(page.read_text() for page in PAGES)
+    files = [f for folder in KEPT for f in folder.rglob("*") if f.is_file()]
+    uncited = [str(f.relative_to(ROOT)) for f in files if f.suffix != ".md" and f.name not in cited]
+    assert not uncited, uncited
+    assert sum(f.stat().st_size for f in files) < 1.5e6
+
+
+def test_every_file_the_pages_name_exists():
+    missing = []
+    for page in PAGES:
+        for name in re.findall(r"[(`]((?:\.\./)?(?:docs|benchmarks|results|learning|scripts)/[\w./-]+\.\w+)[)`]",
+                               page.read_text()):
+            if not any((base / name).exists() for base in (page.parent, ROOT, ROOT / "benchmarks", ROOT / "docs")):
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, missing
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")
