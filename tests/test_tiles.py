@@ -38,7 +38,7 @@ def test_every_table_loads_and_holds_only_tiles_the_kernels_take():
     paths = sorted(tiles.TABLES.glob("*.json"))
     assert "sm90-132sm.json" in [p.name for p in paths]  # the device today's tiles were swept on
     for path in paths:
-        major, minor, sms = map(int, re.fullmatch(r"sm(\d)(\d)-(\d+)sm", path.stem).groups())
+        major, minor, sms = map(int, re.fullmatch(r"sm(\d+)(\d)-(\d+)sm", path.stem).groups())
         assert tiles.device_key((major, minor), sms) == path.stem
         table = tiles.load_table(path, sms)
         assert set(table.gemm) <= {16, 32, 64} and any(table.gemm.values())
