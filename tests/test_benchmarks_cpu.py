@@ -478,23 +478,51 @@ def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path, variant
 
 def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
     # The sweep puts each config in force with dg.tuning(tiles={tile_key: cfg}); a key the kernels do not
-    # look up would time the tuned tiles over and over and report them as the sweep's.
+    # look up would time the device's tiles over and over and report them as the sweep's.
+    import torch
+
     monkeypatch.syspath_prepend(str(PROBES))
-    tiles = importlib.import_module("decode_gemm_tiles")
+    probe = importlib.import_module("decode_gemm_tiles")
     from grpo.kernels import decode_gemm as dg
 
-    swept = dg.TileConfig(16, 128, 2, 2)
-    for name in tiles.GROUPS:
+    swept, cpu = dg.TileConfig(16, 128, 2, 2), torch.device("cpu")
+    for name in probe.GROUPS:
         for fp8 in (False, True):
-            key = tiles.tile_key(name, fp8)
-            # the table holds Llama's groups, and Qwen's in bf16 (its FP8 ones get the untuned guess)
-            assert (key in dg._TUNED) == (name in tiles.LLAMA_GROUPS or not fp8)
-            untouched = dg.tile_config(*key)
+            key = probe.tile_key(name, fp8)
+            untouched = dg.tile_config(*key, 16, cpu)
             with dg.tuning(tiles={key: swept}):
-                assert dg.tile_config(*key) == swept
-            assert dg.tile_config(*key) == dg._TUNED.get(key, untouched)
-    # and the 64-row table holds only keys the sweep puts in force
-    assert set(dg._TUNED_64_ROWS) <= {tiles.tile_key(name, fp8) for name in tiles.GROUPS for fp8 in (False, True)}
+                assert dg.tile_config(*key, 16, cpu) == dg.tile_config(*key, 64, cpu) == swept
+            assert dg.tile_config(*key, 16, cpu) == untouched
+
+
+def test_the_tile_probes_table_run_sweeps_every_entry_of_the_tuned_table(monkeypatch):
+    # --write-table rewrites what it sweeps and keeps the rest: a tuned entry it does not sweep would go stale
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("decode_gemm_tiles")
+    from grpo.kernels import tiles
+
+    table = tiles.table_for((9, 0), 132)
+    swept = {(rows, probe.tile_key(name, fmt == "fp8")) for rows, name, fmt in probe.PRODUCT_SWEEPS}
+    assert swept == {(rows, key) for rows, section in table.gemm.items() for key in section}
+    for _, name, fmt in probe.PRODUCT_SWEEPS:  # every config swept is one the kernels take
+        kind, fp8 = probe.GROUPS[name][0], fmt == "fp8"
+        assert all(tiles.tile_problem(kind, fp8, cfg) is None for cfg in probe.configs(kind, fp8))
+
+
+def test_the_attention_tiles_probe_writes_the_launch_nearest_each_row_counts_best(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("attention_tiles")
+    from grpo.kernels import tiles
+
+    steady, fast_few, fast_many = (tiles.AttentionTiles(), tiles.AttentionTiles(block_s=32),
+                                   tiles.AttentionTiles(programs_per_sm=4))
+    timings = {16: {steady: 10.5, fast_few: 10.0, fast_many: 30.0},
+               256: {steady: 52.0, fast_few: 80.0, fast_many: 50.0, tiles.AttentionTiles(stages=1): 40.0}}
+    chosen = probe.pick(timings)  # the stages=1 launch ran at one row count only
+    assert chosen == steady and probe.pick({}) is None
+    path = tmp_path / "sm90-132sm.json"
+    tiles.write_table(path, attention=chosen)
+    assert tiles.table_for((9, 0), 132, folder=tmp_path).attention == steady
 
 
 def test_the_engine_probe_gives_gemm_to_the_engine_and_every_other_knob_to_its_tuning(monkeypatch):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from grpo.kernels import decode_gemm as dg
 from grpo.kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
+from grpo.kernels.tiles import DeviceTable
 
 ROOT = Path(__file__).resolve().parents[1]
 # Triton for the interpreter, kept out of the environment's site-packages (./dev setup puts it there):
@@ -100,7 +101,7 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank, pdl)
         a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
         b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
         projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
-    for m in (64, 32, 16, 3, 1):  # every row tile (at 64 rows the tiles swept there)
+    for m in (64, 32, 16, 3, 1):  # every row tile (at 64 rows the device's tiles swept there)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         res = torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) if len(widths) == 1 else None
         with dg.tuning(pdl=pdl):
@@ -288,31 +289,45 @@ def test_auto_attention_takes_the_kernel_on_cuda_from_16_rows_and_sdpa_elsewhere
     assert auto_attention(cuda, 64) == "sdpa"
 
 
-def test_launches_of_33_to_64_rows_take_the_tiles_swept_at_64_rows_and_a_tuning_choice_takes_every_row_count():
-    key = ("gated", 16384, 2048, False)  # Llama-3.2-1B's gate/up, bf16: tuned at 16 rows and at 64
-    assert dg._TUNED_64_ROWS[key] != dg._TUNED[key]
-    assert [dg.tile_config(*key, rows) for rows in (1, 16, 32)] == [dg._TUNED[key]] * 3
-    assert [dg.tile_config(*key, rows) for rows in (33, 64)] == [dg._TUNED_64_ROWS[key]] * 2
-    qwen_o = ("proj", 1536, 1536, False)  # Qwen2.5-1.5B's o: picked at 64 rows into the first table
-    assert qwen_o not in dg._TUNED_64_ROWS and dg.tile_config(*qwen_o, 64) == dg._TUNED[qwen_o]
-    mine = dg.TileConfig(16, 128, 4, 2)
+def test_launches_read_the_devices_table_at_their_rows_and_a_tuning_choice_at_every_row_count(monkeypatch):
+    key, only_wide = ("gated", 16384, 2048, False), ("proj", 1536, 1536, False)
+    narrow, wide, mine = dg.TileConfig(32, 256, 4, 4), dg.TileConfig(32, 128, 4, 4), dg.TileConfig(16, 128, 4, 2)
+    table = DeviceTable("sm90-132sm", 132, {16: {key: narrow}, 64: {key: wide, only_wide: narrow}})
+    asked = []
+    monkeypatch.setattr(dg, "device_table", lambda device: asked.append(device) or table)
+    gpu = torch.device("cuda", 1)
+    assert [dg.tile_config(*key, rows, gpu) for rows in (1, 16, 32)] == [narrow] * 3  # row tiles of 16 and 32
+    assert [dg.tile_config(*key, rows, gpu) for rows in (33, 64)] == [wide] * 2
+    assert dg.tile_config(*only_wide, 16, gpu) == narrow  # swept at 64 rows only: read at every row count
+    assert set(asked) == {gpu}
     with dg.tuning(tiles={key: mine}):
-        assert dg.tile_config(*key, 16) == dg.tile_config(*key, 64) == mine
+        assert dg.tile_config(*key, 16, gpu) == dg.tile_config(*key, 64, gpu) == mine
 
 
 def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():
-    key, tuned = ("proj", 2048, 8192, True), dg.tile_config("proj", 2048, 8192, True)
+    cpu = torch.device("cpu")
+    key, tuned = ("proj", 2048, 8192, True), dg.tile_config("proj", 2048, 8192, True, 16, cpu)
     mine, inner = dg.TileConfig(16, 128, 4, 2), dg.TileConfig(32, 128, 8, 2)
     with dg.tuning(unpack="convert", tiles={key: mine}) as outer:
-        assert outer.unpack == "convert" and dg.tile_config(*key) == mine
+        assert outer.unpack == "convert" and dg.tile_config(*key, 16, cpu) == mine
         with dg.tuning(tiles={("gated", 64, 64, False): inner}) as nested:  # adds to the outer block's choices
-            assert nested.unpack == "convert" and dg.tile_config(*key) == mine
-            assert dg.tile_config("gated", 64, 64, False) == inner
-        assert dg.tile_config("gated", 64, 64, False) != inner
-    assert dg.tile_config(*key) == tuned != mine
+            assert nested.unpack == "convert" and dg.tile_config(*key, 16, cpu) == mine
+            assert dg.tile_config("gated", 64, 64, False, 16, cpu) == inner
+        assert dg.tile_config("gated", 64, 64, False, 16, cpu) != inner
+    assert dg.tile_config(*key, 16, cpu) == tuned != mine
     with pytest.raises(ValueError, match="unpack='fast'"):
         with dg.tuning(unpack="fast"):
             pass
+
+
+def test_a_tile_choice_the_kernels_cannot_launch_is_refused_naming_the_rule():
+    cpu = torch.device("cpu")
+    with dg.tuning(tiles={("gated", 64, 64, False): dg.TileConfig(32, 128, 4, 2, split_k=2)}):
+        with pytest.raises(ValueError, match="only projections take it"):
+            dg.tile_config("gated", 64, 64, False, 16, cpu)
+    with dg.tuning(tiles={("proj", 64, 64, False): dg.TileConfig(24, 128, 4, 2)}):
+        with pytest.raises(ValueError, match="powers of 2"):
+            dg.tile_config("proj", 64, 64, False, 16, cpu)
 
 
 def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block():
@@ -344,12 +359,3 @@ def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8, pa
     out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
     assert out.completion_ids.shape[0] == 3
     assert engine._projections == [None] * len(model.model.layers)
-
-
-@pytest.mark.parametrize("n,k", [(2048, 1536), (1536, 1536), (1536, 8960), (2048, 1024), (1024, 4096)])
-def test_untuned_projections_split_k_into_slices_that_each_hold_work(n, k):
-    # Qwen2.5-1.5B's shapes (the guess before they were tuned, and what a model of such shapes gets): K = 1536
-    # is 6 steps of 256, so 4 slices of 2 steps would leave the last one empty
-    cfg = dg._untuned_tiles("proj", n, k)
-    per = -(-(-(-k // cfg.split_k)) // cfg.block_k) * cfg.block_k  # the kernel's slice width
-    assert 1 < cfg.split_k <= 4 and per * (cfg.split_k - 1) < k

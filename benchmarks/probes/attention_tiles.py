@@ -1,4 +1,13 @@
-"""The decode attention kernel's launch choices, swept on the GPU at the sampler's row counts.
+"""The decode attention kernel's launch choices, swept on the GPU at the sampler's row counts; the sweep that
+writes them into a device's table.
+
+Re-tuning a device is one run on it, after `decode_gemm_tiles.py --write-table` (both write the same file,
+`grpo/kernels/tuned/<device key>.json`, each its own section):
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/attention_tiles.py --write-table
+
+It sweeps every launch (`configs(full=True)`) at each --rows, checks the kernel against its reference, and
+writes the launch closest to each row count's best (`pick`) as the device's `decode_attention` entry.
 
 A decode step's attention as the product runs it (`decode_attention.rope_store_attend`: q and K rotated, the
 token's K/V written, then every row's cache read to its own length), on Llama-3.2-1B's attention (32 query
@@ -19,13 +28,16 @@ import itertools
 
 import torch
 
-from grpo.kernels.decode_attention import AttentionTiles, rope_store_attend, rope_store_attend_ref
+from grpo.kernels import tiles as device_tiles
 from grpo.kernels.decode_attention import _launch as launch_attention
+from grpo.kernels.decode_attention import rope_store_attend_ref
+from grpo.kernels.tiles import AttentionTiles
 from timing import Recorder, add_out_argument, copy_tbps, graph_us  # beside this file
 
 HEADS, KV_HEADS, DIM, LAYERS = 32, 8, 64, 16
 POSITION, BUCKET = 128 + 256, 512  # halfway through 512 new tokens after 128-token prompts; the KV bucket
 MAX_SEQ = 640
+MAX_ERROR = 2e-2  # bf16 outputs of order one: a few roundings of 2^-8, far below what a wrong launch gives
 
 
 def problem(rows: int) -> tuple[dict, list[tuple]]:
@@ -46,7 +58,8 @@ def problem(rows: int) -> tuple[dict, list[tuple]]:
 
 
 def call(inputs: dict, caches: tuple, tiles: AttentionTiles) -> torch.Tensor:
-    """rope_store_attend with `tiles` (its own checks done once by the caller's reference call)."""
+    """`decode_attention.rope_store_attend`'s launches with `tiles` (its shape checks left out: the shapes are
+    this probe's own)."""
     rows = inputs["q"].shape[0]
     q3 = inputs["q"].view(rows, HEADS, DIM)
     out = torch.empty_like(q3)
@@ -55,10 +68,32 @@ def call(inputs: dict, caches: tuple, tiles: AttentionTiles) -> torch.Tensor:
     return out
 
 
+def max_error(rows: int, tiles: AttentionTiles) -> float:
+    """The largest absolute difference of the launch with `tiles` from `rope_store_attend_ref`, at `rows` rows."""
+    inputs, caches = problem(rows)
+    want = rope_store_attend_ref(**inputs, k_cache=caches[0][0].clone(), v_cache=caches[0][1].clone(),
+                                 scale=DIM**-0.5)
+    got = call(inputs, caches[0], tiles)
+    return float((got.float() - want.float()).abs().max())
+
+
 def configs(full: bool) -> list[AttentionTiles]:
+    """Loop steps, warps and stages at two programs an SM, and the default launch at 1, 4 and 8 programs an SM;
+    `full` adds 32-position steps, 2 warps and one stage."""
     blocks, warps, stages = ((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)) if full else ((64, 128), (4, 8), (2, 3, 4))
     out = [AttentionTiles(b, w, s) for b, w, s in itertools.product(blocks, warps, stages)]
-    return out + [AttentionTiles(64, 4, 3, programs=p) for p in (132, 528, 1056)]
+    return out + [AttentionTiles(64, 4, 3, programs_per_sm=p) for p in (1, 4, 8)]
+
+
+def pick(timings: dict[int, dict[AttentionTiles, float]]) -> AttentionTiles | None:
+    """The launch for every row count: of those timed at each (rows -> tiles -> microseconds), the one whose
+    times, each over its row count's best, add up least (None when none was timed at every row count)."""
+    if not timings:
+        return None
+    best = {rows: min(times.values()) for rows, times in timings.items()}
+    everywhere = set.intersection(*(set(times) for times in timings.values()))
+    score = {tiles: sum(timings[rows][tiles] / best[rows] for rows in timings) for tiles in everywhere}
+    return min(score, key=score.get, default=None)
 
 
 def main() -> None:
@@ -67,22 +102,27 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
     ap.add_argument("--full", action="store_true", help="block 32 too, 2 warps, one stage")
     ap.add_argument("--default-only", action="store_true",
-                    help="time the launch's default choice alone (an A/B of the kernel between two commits)")
+                    help="time the device's launch alone (an A/B of the kernel between two commits)")
+    ap.add_argument("--write-table", action="store_true",
+                    help="sweep every launch (--full) and write the pick into this GPU's table")
+    ap.add_argument("--table", default=None,
+                    help="with --write-table: the file to write (default: grpo/kernels/tuned/<this device's key>.json)")
     add_out_argument(ap)
     args = ap.parse_args()
     rec = Recorder("attention_tiles", args.out)
     copy = copy_tbps()
-    rec.record("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), copy_tbps=round(copy, 3))
+    table = device_tiles.device_table(torch.device("cuda", torch.cuda.current_device()))
+    rec.record("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), copy_tbps=round(copy, 3),
+               device_key=table.key)
+    budget_s = float("inf") if args.write_table else args.budget_s  # a table is written from a whole sweep
+    timings: dict[int, dict[AttentionTiles, float]] = {}
     for rows in args.rows:
+        rec.record("check", rows=rows, max_abs_err=max_error(rows, table.attention))
         inputs, caches = problem(rows)
-        want = rope_store_attend_ref(**inputs, k_cache=caches[0][0].clone(), v_cache=caches[0][1].clone(),
-                                     scale=DIM**-0.5)
-        got = rope_store_attend(**inputs, k_cache=caches[0][0], v_cache=caches[0][1], scale=DIM**-0.5)
-        rec.record("check", rows=rows, max_abs_err=float((got.float() - want.float()).abs().max()))
         read = 2 * rows * KV_HEADS * (POSITION + 1) * DIM * 2  # K and V, bf16, every row to its length
         best = None
-        for tiles in [AttentionTiles()] if args.default_only else configs(args.full):
-            if rec.elapsed_s() > args.budget_s:
+        for tiles in [table.attention] if args.default_only else configs(args.full or args.write_table):
+            if rec.elapsed_s() > budget_s:
                 rec.record("skipped", rows=rows, reason="time budget")
                 break
             try:
@@ -92,13 +132,22 @@ def main() -> None:
                 continue
             row = rec.record("tiles", rows=rows, tiles=vars(tiles), us=round(us, 2),
                              of_copy=round(read / (us * 1e-6) / (copy * 1e12), 3),
-                             default=tiles == AttentionTiles())
+                             default=tiles == table.attention)
+            timings.setdefault(rows, {})[tiles] = us
             if best is None or row["us"] < best["us"]:
                 best = row
         if best is not None:
             rec.record("best", **{k: v for k, v in best.items() if k not in ("kind", "t")})
         del caches
         torch.cuda.empty_cache()
+    if args.write_table and (chosen := pick(timings)) is not None:
+        errors = [max_error(rows, chosen) for rows in args.rows]
+        rec.record("check", tiles=vars(chosen), max_abs_err=max(errors))
+        if max(errors) > MAX_ERROR:
+            raise SystemExit(f"attention_tiles: {chosen} is {max(errors)} off its reference; no table written")
+        path = args.table or device_tiles.TABLES / f"{table.key}.json"
+        device_tiles.write_table(path, attention=chosen)
+        rec.record("table", path=str(path), attention=vars(chosen))
 
 
 if __name__ == "__main__":

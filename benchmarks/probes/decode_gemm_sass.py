@@ -1,4 +1,4 @@
-"""The decode GEMM kernels compiled for the H200 (sm_90) on any machine, GPU or not: what the inner loop
+"""The decode GEMM kernels compiled for Hopper (sm_90) on any machine, GPU or not: what the inner loop
 executes, per K step, as SASS instruction counts.
 
 Triton compiles without a GPU when given a target, and its wheel carries ptxas and nvdisasm. It shows,
@@ -14,8 +14,8 @@ shapes (without that the loads are scalar and the code is not what the GPU runs)
     TRITON_DIR=/path/to/site-packages python benchmarks/probes/decode_gemm_sass.py ...   # another triton
 
 The interpreter's triton (`./dev setup` puts 3.9 in .venv/triton-interpreter) is used when torch's
-environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled). The H200
-runs triton 3.6: `pip install --target DIR triton==3.6.0` and TRITON_DIR=DIR give the code it runs.
+environment has none (run without TRITON_INTERPRET=1: interpreted kernels cannot be compiled). To see the code
+a GPU runs, compile with the triton it runs: `pip install --target DIR triton==<its version>` and TRITON_DIR=DIR.
 """
 
 from __future__ import annotations

@@ -1,20 +1,27 @@
-"""The decode GEMM kernels on the GPU: correctness, a sweep of tile configs, and cuBLAS side by side.
+"""The decode GEMM kernels on the GPU: the sweep that writes a device's tile table, and the comparisons behind
+the kernels' defaults.
 
-Llama-3.2-1B decode shapes at 16 rows: q/k/v in one launch (2048 -> 2048 + 512 + 512), o_proj with
-the residual (2048 -> 2048), gate/up with the SiLU product (2048 -> 2 x 8192), down_proj with the
-residual (8192 -> 2048); bf16 and FP8 block weights; without and with rsLoRA r=32 (float32 adapters,
-as peft keeps them). Each timing is a CUDA graph of 16 calls that rotate over copies of the weights
-(more bytes than the 60 MB L2), replayed 20 times: the median per call, so launch gaps between
-kernels count as they do inside the engine's graph. `--groups qwen_gate_up qwen_down qwen_qkv qwen_o` take the
-packaged Qwen2.5-Coder-1.5B's shapes instead (hidden 1536, MLP 8960; bf16 tuned at 64 rows), `--sweep-rows 64`
-the rows its preset decodes.
+Re-tuning a device (a GPU whose table `grpo/kernels/tuned/<device key>.json` is missing, or after a kernel
+change) is one run on it:
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/decode_gemm_tiles.py [--budget-s 300] [--engine]
+    PYTHONPATH=$PWD python3 benchmarks/probes/decode_gemm_tiles.py --write-table
 
-By default: every group checked against its float32 reference, a sweep of tile configs per group and
-format, the best one against cuBLAS and with rsLoRA, then the picked configs checked again; `--engine`
-then times the native engine's decode step with them. `--unpack`, `--rows`, `--lora-down` and `--engine-rows` run other
-comparisons instead of the sweep (see --help). Every figure goes to --out as JSON lines (timing.py).
+It sweeps every tile config (`configs`) over each launch the product makes (`PRODUCT_SWEEPS`: Llama-3.2-1B's
+projection groups in bf16 and FP8 at 16 and 64 rows, the packaged Qwen2.5-Coder-1.5B's in bf16 at 64), checks
+each group's fastest config against its float32 reference with and without rsLoRA, and writes the checked
+picks into the device's table (`grpo.kernels.tiles.write_table`: the entries it sweeps replaced, the others
+kept); commit the file. `--table PATH` writes elsewhere.
+
+The groups: q/k/v in one launch (2048 -> 2048 + 512 + 512), o_proj with the residual (2048 -> 2048), gate/up
+with the SiLU product (2048 -> 2 x 8192), down_proj with the residual (8192 -> 2048); `qwen_*` the packaged
+Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960). Each timing is a CUDA graph of 16 calls that rotate over copies
+of the weights (more bytes than the L2 holds), replayed 20 times: the median per call, so launch gaps between
+kernels count as they do inside the engine's graph.
+
+Without --write-table: a sweep of the --groups and --formats at --sweep-rows within --budget-s, each best
+config against cuBLAS, printed as CONFIG (nothing written); `--engine` then times the native engine's decode
+step with the picks. `--unpack`, `--rows`, `--lora-down` and `--engine-rows` run the comparisons behind the
+kernels' defaults instead (see --help). Every figure goes to --out as JSON lines (timing.py).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import torch.nn.functional as F
 
 from grpo.config import LORA_TARGETS
 from grpo.kernels import decode_gemm as dg
-from grpo.kernels.fp8 import dequantize_fp8_block, fp8_linear, quantize_fp8_block
+from grpo.kernels import tiles
+from grpo.kernels.fp8 import dequantize_fp8_block, fp8_linear, quantize_fp8_block, quantize_linears_
 from timing import Recorder, add_out_argument, graph_us  # beside this file
 
 ROWS = 16
@@ -37,17 +45,22 @@ LLAMA_GROUPS = {  # name: (kind, K, output widths, residual)
     "qkv": ("proj", 2048, [2048, 512, 512], False),
     "o": ("proj", 2048, [2048], True),
 }
-QWEN_GROUPS = {  # the packaged Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960, 2 kv heads of 128): bf16 tuned
+QWEN_GROUPS = {  # the packaged Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960, 2 kv heads of 128)
     "qwen_gate_up": ("gated", 1536, [8960, 8960], False),
     "qwen_down": ("proj", 8960, [1536], True),
     "qwen_qkv": ("proj", 1536, [1536, 256, 256], False),
     "qwen_o": ("proj", 1536, [1536], True),
 }
 GROUPS = LLAMA_GROUPS | QWEN_GROUPS
+# What --write-table sweeps: (rows, group, format) for each launch the product makes. 16 rows: the training
+# step's decode; 64: the sampler's wider batches (launches of 33-64 rows read those tiles first); the packaged
+# Qwen runs in bf16 at its preset's 64 rows.
+PRODUCT_SWEEPS = ([(rows, name, fmt) for rows in (16, 64) for name in LLAMA_GROUPS for fmt in ("bf16", "fp8")]
+                  + [(64, name, "bf16") for name in QWEN_GROUPS])
 
 
 def tile_key(name: str, fp8: bool) -> tuple:
-    """The group's key in `dg.tuning(tiles=...)` and the tuned table: (kind, output features in all, K, fp8)."""
+    """The group's key in `dg.tuning(tiles=...)` and the device's table: (kind, output features in all, K, fp8)."""
     kind, k, widths, _ = GROUPS[name]
     return kind, sum(widths), k, fp8
 
@@ -98,25 +111,25 @@ def run_modules(kind: str, x, projs, res, fp8_module: bool = False):
     return outs[0] + res if res is not None else outs[0]
 
 
-def configs(kind: str, fp8: bool, full: bool) -> list[dg.TileConfig]:
-    """The sweep: every tile shape (`full`), or the few that won on the H200; projections also split
-    over K in 2 and 4 slices (their few tiles leave SMs idle otherwise)."""
-    if full:
-        out = [dg.TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
-               if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
-        out += [dg.TileConfig(64, 256, 8, 3), dg.TileConfig(128, 128, 8, 3), dg.TileConfig(32, 256, 8, 4),
-                dg.TileConfig(16, 256, 4, 6), dg.TileConfig(32, 128, 4, 6), dg.TileConfig(16, 512, 4, 5),
-                dg.TileConfig(32, 512, 8, 3), dg.TileConfig(16, 256, 2, 4), dg.TileConfig(16, 512, 2, 4),
-                dg.TileConfig(16, 256, 2, 6), dg.TileConfig(16, 1024, 2, 3), dg.TileConfig(32, 256, 2, 4)]
-    else:
-        out = [dg.TileConfig(bn, bk, 4, 4) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512))]
+def configs(kind: str, fp8: bool) -> list[dg.TileConfig]:
+    """The sweep: tile shapes of 16-64 outputs (128 with 8 warps) and K steps of 128-1024, 2-6 stages, each one
+    the kernels take for the format; projections also split over K in 2 and 4 slices (their few tiles leave
+    SMs idle otherwise)."""
+    out = [dg.TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
+           if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
+    out += [dg.TileConfig(64, 256, 8, 3), dg.TileConfig(128, 128, 8, 3), dg.TileConfig(32, 256, 8, 4),
+            dg.TileConfig(16, 256, 4, 6), dg.TileConfig(32, 128, 4, 6), dg.TileConfig(16, 512, 4, 5),
+            dg.TileConfig(32, 512, 8, 3), dg.TileConfig(16, 256, 2, 4), dg.TileConfig(16, 512, 2, 4),
+            dg.TileConfig(16, 256, 2, 6), dg.TileConfig(16, 1024, 2, 3), dg.TileConfig(32, 256, 2, 4)]
+    out = [cfg for cfg in out if tiles.tile_problem(kind, fp8, cfg) is None]
     if kind == "proj":
         out += [dg.TileConfig(bn, bk, 4, st, split) for split in (2, 4)
                 for bn, bk, st in ((32, 256, 4), (32, 256, 3), (32, 512, 3), (16, 512, 4), (64, 256, 4), (32, 128, 6))]
     return out
 
 
-def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS) -> None:
+def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS) -> bool:
+    """The group's launch with the tiles in force against its float32 reference: whether it is within 1e-2."""
     kind, k, widths, residual = GROUPS[name]
     projs = make_projs(k, widths, fp8, rank, seed=1)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -125,13 +138,14 @@ def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
-    cfg = dg.tile_config(*tile_key(name, fp8), rows)
+    cfg = dg.tile_config(*tile_key(name, fp8), rows, x.device)
     rec.record("check", group=name, fp8=fp8, rank=rank, rows=rows, cfg=cfg.__dict__, rel_err=round(rel, 6),
                ok=rel < 1e-2)
+    return rel < 1e-2
 
 
 def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
-    """At `rows` rows: the tuned tiles (fitted to the rows) against the module path (cuBLAS for bf16,
+    """At `rows` rows: the device's tiles (fitted to the rows) against the module path (cuBLAS for bf16,
     FP8Linear's blockwise _scaled_mm for FP8), and both with rsLoRA r32, checked; the kernels with rsLoRA also
     launched after their lora_down (`dg.tuning(pdl=False)`) and beside it (pdl=True, the default)."""
     kind, k, widths, residual = GROUPS[name]
@@ -161,7 +175,7 @@ def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
 
 
 def compare_unpack(rec: Recorder, name: str, modes: list[str]) -> None:
-    """One group at its tuned tiles: bf16 beside FP8 with each way of unpacking the codes (`dg.Tuning.unpack`),
+    """One group at the device's tiles: bf16 beside FP8 with each way of unpacking the codes (`dg.Tuning.unpack`),
     each FP8 way checked against the reference, also with activations 2^-12 as large (tiny products)."""
     kind, k, widths, residual = GROUPS[name]
     row = dict(kind="unpack", group=name)
@@ -209,7 +223,7 @@ def compare_lora_down(rec: Recorder, name: str, rows: int) -> None:
                    rel_err=round(((got - ref).norm() / ref.norm()).item(), 6))
 
 
-def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool, rows: int = ROWS) -> dg.TileConfig | None:
+def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, rows: int = ROWS) -> dg.TileConfig | None:
     """Time each config of the sweep on one group and format at `rows` rows; the fastest is timed against
     cuBLAS and with rsLoRA, and returned (None when none ran). Each config is in force only while it is timed."""
     kind, k, widths, residual = GROUPS[name]
@@ -220,7 +234,7 @@ def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool, rows
     res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
     key = tile_key(name, fp8)
     best = None
-    for cfg in configs(kind, fp8, full):
+    for cfg in configs(kind, fp8):
         if rec.elapsed_s() > budget_s:
             rec.record("skipped", group=name, fp8=fp8, reason="budget")
             break
@@ -246,18 +260,12 @@ def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, full: bool, rows
         lk = graph_us(lambda c: run_kernels(kind, x, c, res), lcopies)
     lm = graph_us(lambda c: run_modules(kind, x, c, res), lcopies)
     rec.record("lora", group=name, fp8=fp8, kernels_us=round(lk, 2), modules_us=round(lm, 2))
-    if fp8:  # diagnostic: the same codes read without their scales (what the scale multiply costs)
-        bare = [[dg.DecodeProj(p.weight) for p in c] for c in copies]
-        with dg.tuning(tiles={tile_key(name, False): best_cfg}):
-            us = graph_us(lambda c: run_kernels(kind, x, c, res), bare)
-        rec.record("fp8_without_scales", group=name, us=round(us, 2))
     return best_cfg
 
 
 def build_models():
     """The bf16 Llama-3.2-1B-shaped model and an FP8 copy of it (native_engine.py builds both)."""
     import native_engine as ngc
-    from grpo.kernels.fp8 import quantize_linears_
 
     fp8 = ngc.build_model()
     quantize_linears_(fp8, LORA_TARGETS)
@@ -279,7 +287,7 @@ def engine_with_configs(rec: Recorder) -> None:
 
 
 def engine_per_unpack(rec: Recorder, modes: list[str]) -> None:
-    """The decode step (native engine, kernels, tuned tiles): bf16, then FP8 unpacked each way, then
+    """The decode step (native engine, kernels, the device's tiles): bf16, then FP8 unpacked each way, then
     both with rsLoRA r32."""
     import native_engine as ngc
 
@@ -306,27 +314,44 @@ def engine_rows(rec: Recorder, rows_list: list[int]) -> None:
                 ngc.run_engine(rec, f"{label} {rows} rows {gemm}", m, ngc.weight_bytes(m), engine_kw=kw, rows=rows)
 
 
+def sweep_into_table(rec: Recorder, path) -> None:
+    """--write-table: each launch of PRODUCT_SWEEPS swept, its fastest config checked with and without rsLoRA,
+    and the checked picks written into the table at `path`."""
+    picked: dict[int, dict[tuple, dg.TileConfig]] = {}  # rows -> tile_key -> the sweep's fastest config
+    for rows, name, fmt in PRODUCT_SWEEPS:
+        fp8 = fmt == "fp8"
+        cfg = sweep(rec, name, fp8, float("inf"), rows)  # no budget: a table is written from a whole sweep
+        if cfg is None:
+            continue
+        with dg.tuning(tiles={tile_key(name, fp8): cfg}):
+            if all([check_group(rec, name, fp8, rank, rows) for rank in (0, 32)]):
+                picked.setdefault(rows, {})[tile_key(name, fp8)] = cfg
+    tiles.write_table(path, gemm=picked)
+    rec.record("table", path=str(path), entries={rows: len(section) for rows, section in picked.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write-table", action="store_true",
+                    help="sweep every launch the product makes on this GPU and write the picks into its tile table")
+    ap.add_argument("--table", default=None,
+                    help="with --write-table: the file to write (default: grpo/kernels/tuned/<this device's key>.json)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     ap.add_argument("--groups", nargs="+", default=list(LLAMA_GROUPS), choices=list(GROUPS),
                     help="the projection groups (default: Llama-3.2-1B's; qwen_*: the packaged Qwen2.5-Coder-1.5B's)")
     ap.add_argument("--sweep-rows", type=int, default=ROWS, choices=[16, 32, 64],
-                    help="rows of the checks and the sweep (the qwen1.5b-gsm8k preset decodes 64)")
+                    help="rows of the checks and the sweep (the sampler's wider batches: 64)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--pairs", nargs="+", default=None, metavar="GROUP:FORMAT",
                     help="sweep only these, e.g. gate_up:bf16 down:fp8 (default: every group x format)")
-    ap.add_argument("--full", action="store_true", help="every tile shape, not only the few that won on the H200")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
     ap.add_argument("--unpack", nargs="+", default=None, choices=sorted(dg._UNPACK_MODES),
                     help="instead of the sweep: each group in bf16 and in FP8 unpacked each of these ways "
                          "(decode_gemm.tuning(unpack=...)); with --engine, the decode step per way too")
-    ap.add_argument("--fp8-unpack", default=dg.Tuning().unpack, choices=sorted(dg._UNPACK_MODES),
-                    help="the FP8 unpacking the sweep and the engine runs use")
     ap.add_argument("--engine-rows", type=int, nargs="+", default=None,
                     help="instead of the sweep: the decode step at these row counts, kernels against modules")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
-                    help="instead of the sweep: the tuned tiles at these row counts against cuBLAS")
+                    help="instead of the sweep: the device's tiles at these row counts against cuBLAS")
     ap.add_argument("--lora-down", action="store_true",
                     help="instead of the sweep: each group's LoRA down-projection alone over splits of K, at "
                          "the --rows (default: --sweep-rows)")
@@ -335,9 +360,14 @@ def main() -> None:
     import triton
 
     rec = Recorder("decode_gemm_tiles", args.out)
-    rec.record("env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
-    with dg.tuning(unpack=args.fp8_unpack):
-        run(rec, args)
+    device = torch.device("cuda", torch.cuda.current_device())
+    key = tiles.device_table(device).key
+    rec.record("env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
+               device_key=key)
+    if args.write_table:
+        sweep_into_table(rec, args.table or tiles.TABLES / f"{key}.json")
+        return
+    run(rec, args)
 
 
 def run(rec: Recorder, args: argparse.Namespace) -> None:
@@ -371,7 +401,7 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
         (name, fmt) for name in args.groups for fmt in args.formats]
     picked: dict[tuple, dg.TileConfig] = {}  # tile_key -> the sweep's fastest config
     for name, fmt in pairs:
-        cfg = sweep(rec, name, fmt == "fp8", args.budget_s, args.full, args.sweep_rows)
+        cfg = sweep(rec, name, fmt == "fp8", args.budget_s, args.sweep_rows)
         if cfg is not None:
             picked[tile_key(name, fmt == "fp8")] = cfg
     with dg.tuning(tiles=picked):

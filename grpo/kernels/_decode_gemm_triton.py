@@ -9,7 +9,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Products of float32 operands: "tf32" on the tensor cores, or "ieee" (exact float32 FMAs) where the
 # model itself is float32 (EXACT). The LoRA products of a bf16 model run in TF32: their result is a small
-# correction to the base output, which is rounded to bf16 anyway ("ieee" there was 3x slower on the H200).
+# correction to the base output, which is rounded to bf16 anyway, and "ieee" there costs several times the
+# time (benchmarks/RESULTS.md, "The measured defaults").
 
 
 @triton.jit
@@ -22,7 +23,7 @@ def _dot32(a, b, EXACT: tl.constexpr):
 # into the high halves of two registers' 16-bit lanes, AND drops each sign, SHF moves exponent and mantissa
 # under bf16's low exponent bits, LOP3 puts the sign back at bit 15. The result is code * 2^-120 exactly
 # (the exponent biases differ by 120; E4M3 subnormals land on bf16 subnormals), all on the integer pipes;
-# the hardware's conversion (E4M3 -> f16 -> bf16, two instructions per code) was the FP8 kernels' limit.
+# the hardware's conversion (E4M3 -> f16 -> bf16, two instructions per code) would bound the FP8 kernels.
 _E4M3_BITS = tl.constexpr("""{
         .reg .b32 t0, t1, m0, m1;
         prmt.b32 t0, $2, 0, 0x1404;

@@ -18,26 +18,12 @@ in a decode layer, the rotary embeddings of q and K and the K/V write (`rope_sto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from grpo.kernels._triton import have_triton
-
-BLOCK_S = 64  # positions a loop step reads
-_PROGRAMS = 264  # programs to aim for: two for each of the H200's 132 SMs
-
-
-@dataclass(frozen=True)
-class AttentionTiles:
-    """The chunk launch's choices: positions a loop step reads, warps a program, loads in flight (Triton's
-    software pipelining of the loop over positions), and the programs that chunking aims for.
-    `benchmarks/probes/attention_tiles.py` sweeps them."""
-
-    block_s: int = BLOCK_S
-    num_warps: int = 4
-    stages: int = 3
-    programs: int = _PROGRAMS
+from grpo.kernels.decode_gemm import can_run as gemm_can_run
+from grpo.kernels.decode_gemm import rope, rope_store_kv_ref
+from grpo.kernels.tiles import AttentionTiles, device_table
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
@@ -54,13 +40,18 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return torch.matmul(probs.float(), v_cache.float()).view(rows, heads, dim).to(q.dtype)
 
 
-def chunking(rows: int, n_kv: int, seq: int, block_s: int = BLOCK_S, programs: int = _PROGRAMS) -> tuple[int, int]:
+def chunking(rows: int, n_kv: int, seq: int, block_s: int, programs: int) -> tuple[int, int]:
     """(positions a chunk, chunks a row): chunks of whole loop steps, as many as bring rows x kv heads x
-    chunks to about `programs`, at least one."""
+    chunks to about `programs` (`launch_programs`), at least one."""
     wanted = max(1, -(-programs // (rows * n_kv)))
     steps = -(-seq // block_s)
     chunk = -(-steps // min(wanted, steps)) * block_s
     return chunk, -(-seq // chunk)
+
+
+def launch_programs(device: torch.device, tiles: AttentionTiles) -> int:
+    """The programs a chunk launch on `device` aims for: `tiles.programs_per_sm` on each of the device's SMs."""
+    return tiles.programs_per_sm * device_table(device).sm_count
 
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -94,15 +85,15 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengt
             tiles: AttentionTiles | None = None) -> None:
     """The chunk launch and, where there are several chunks, the combine; `new_kv` = (k, v, cos, sin): the
     token's K/V to rotate and write, and q to rotate (`rope_store_attend`), `lengths` then the positions.
-    `tiles`: the probe's sweep; else AttentionTiles' defaults."""
-    from grpo.kernels import _decode_attention_triton as kernels
+    `tiles`: the probe's sweep; else the device's table (`grpo.kernels.tiles`)."""
+    from grpo.kernels import _decode_attention_triton as kernels  # triton: imported on first use
 
     rows, heads, dim = q.shape
     n_kv, seq = k_cache.shape[1], k_cache.shape[2]
     group = heads // n_kv
     g_pad = max(16, 1 << (group - 1).bit_length())  # tl.dot's smallest M
-    tiles = tiles or AttentionTiles()
-    chunk, splits = chunking(rows, n_kv, seq, tiles.block_s, tiles.programs)
+    tiles = tiles or device_table(q.device).attention
+    chunk, splits = chunking(rows, n_kv, seq, tiles.block_s, launch_programs(q.device, tiles))
     if splits > 1:
         acc = torch.empty((rows * n_kv * splits, g_pad, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((rows * n_kv * splits, 2, g_pad), dtype=torch.float32, device=q.device)
@@ -125,8 +116,6 @@ def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     """A decode step's attention from its projections' outputs: K rotated and K/V written at each row's position
     (`decode_gemm.rope_store_kv_ref`), q rotated (float32, rounded once), then `decode_attention_ref` up to and
     including that position. q (B, nh * D), k and v (B, n_kv * D), cos and sin (B, D); returns (B, nh, D)."""
-    from grpo.kernels.decode_gemm import rope, rope_store_kv_ref
-
     rows, dim = q.shape[0], cos.shape[-1]
     rope_store_kv_ref(k, v, cos, sin, pos, k_cache, v_cache)
     q_rot = rope(q.float().view(rows, -1, dim), cos.float()[:, None], sin.float()[:, None]).to(q.dtype)
@@ -135,10 +124,10 @@ def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """`rope_store_attend_ref` in the attention's own launches: the rotary embeddings of q and K and the K/V
-    write, two launches a layer before (a compiled rotary for q, `decode_gemm.rope_store_kv`), happen inside the
-    chunk kernel (`EngineTuning.rope_in_attention`). Called eagerly (it writes the caches: in a compiled graph
-    inductor would copy the cache views whole), captured in the engine's CUDA graph like the rest."""
+    """`rope_store_attend_ref` in the attention's own launches (`EngineTuning.rope_in_attention`): the rotary
+    embeddings of q and K and the K/V write happen inside the chunk kernel, in place of two launches a layer (a
+    compiled rotary for q, `decode_gemm.rope_store_kv`). Called eagerly (it writes the caches: in a compiled
+    graph inductor would copy the cache views whole), captured in the engine's CUDA graph like the rest."""
     rows, dim = q.shape[0], cos.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows may be strided: column
     if k.stride(0) != v.stride(0):  # slices of one q/k/v product (packed.PackedGroup's stacked GEMM)
@@ -165,6 +154,4 @@ def _(q, k_cache, v_cache, lengths, scale):
 
 def can_run(device: torch.device) -> bool:
     """Triton runs on `device`: CUDA (Ampere or newer), or the CPU under TRITON_INTERPRET=1 (tests)."""
-    from grpo.kernels.decode_gemm import can_run as gemm_can_run
-
     return have_triton() and gemm_can_run(device)

@@ -1,21 +1,17 @@
 """Decode GEMMs: a few rows (M <= 64) times whole weights, at memory speed, LoRA and FP8 fused in.
 
-Measured on the H200: a bf16 Llama-3.2-1B layer's projections in 44 us against 67 us through cuBLAS,
-the decode step 1.33 ms against 1.62 ms, and 1.23 ms with FP8 weights (benchmarks/RESULTS.md, "The
-decode step and its kernels"; the cuBLAS figures in docs/benchmarks-history-2026-11.md).
-
 A decode step multiplies 16 rows by every weight of the model once, so its GEMMs are memory-bound:
-the time is the bytes of the weights over the bandwidth. cuBLAS reaches only part of it at M = 16
-(0.4-3.1 TB/s of the 4.3 measured on the H200 for the Llama-3.2-1B projections), and with LoRA a
-projection becomes five launches (base GEMM, A, B, scale, add). These kernels stream each weight once
-in tiles of BLOCK_N output features, with the rows padded to 16 for the tensor cores, and fuse what a
-decode layer does around its projections:
+the time is the bytes of the weights over the bandwidth. cuBLAS reaches only part of it at M = 16, and
+with LoRA a projection becomes five launches (base GEMM, A, B, scale, add); these kernels beat both
+(benchmarks/RESULTS.md, "The measured defaults"). They stream each weight once in tiles of BLOCK_N
+output features, with the rows padded to 16 for the tensor cores, and fuse what a decode layer does
+around its projections:
 
 - FP8 block weights (float8_e4m3fn codes with 128x128 float32 scales) are read as codes, half the bytes
-  of bf16, turned into bf16 by moving their bits (`Tuning.unpack`: the conversion unit was the bottleneck)
-  and multiplied as bf16 with the block scale applied to each 128-wide partial product. The
-  activations stay bf16 (weight-only FP8: no activation quantization in decode; quantizing them inside
-  the kernels, as FP8Linear's `_scaled_mm` path does, measured slower: docs/benchmarks-history-2026-11.md).
+  of bf16, turned into bf16 by moving their bits (`Tuning.unpack`: it spares the conversion unit, the
+  bottleneck otherwise) and multiplied as bf16 with the block scale applied to each 128-wide partial
+  product. The activations stay bf16 (weight-only FP8: quantizing them too, as FP8Linear's `_scaled_mm`
+  path does, is slower at a few rows: benchmarks/RESULTS.md, "The measured defaults").
 - Split-K for projections with few output tiles (down, o): K slices in separate programs, the last one
   to finish adding the partial sums in a fixed order (deterministic) and finishing the tile.
 - A LoRA adapter's up-projection: `y += scaling * (x A^T) B^T`, with `x A^T` from `lora_down` (split
@@ -24,16 +20,17 @@ decode layer does around its projections:
 - the gated MLP, `silu(x Wg^T) * (x Wu^T)`, in one launch;
 - a residual add (`o_proj`, `down_proj`);
 - and, beside the GEMMs, `rope_store_kv`: K's rotary embedding and the K/V cache write of a decode
-  step, one launch per layer (two scatters and the rotary kernels before).
+  step, one launch per layer in place of two scatters and the rotary kernels.
 
 Everything accumulates in float32 and rounds once into the output's dtype. `project_ref` and
 `project_gated_ref` are the plain-PyTorch definitions the tests compare with (the Triton kernels run
 on CPU under TRITON_INTERPRET=1 in the tests, with float32 activations: the interpreter mishandles
 bf16 loads).
 
-Launch choices (tile configs, how FP8 codes are unpacked) default to what was tuned on the H200;
-benchmarks and tests change them for a block of code with `with tuning(...)`, never by rebinding
-module names.
+Launch choices: the tiles come from the device's tuned table, or a guess where no sweep has run there
+(`grpo.kernels.tiles`); how FP8 codes are unpacked and whether adapter launches go dependently are
+`Tuning`'s defaults. Benchmarks and tests change them for a block of code with `with tuning(...)`, never
+by rebinding module names.
 """
 
 from __future__ import annotations
@@ -50,11 +47,10 @@ import torch.nn.functional as F
 from grpo.kernels._triton import have_triton
 from grpo.kernels.fp8 import BLOCK as FP8_BLOCK
 from grpo.kernels.fp8 import dequantize_fp8_block
+from grpo.kernels.tiles import TileConfig, device_table, tile_problem
 
-# The kernels take up to MAX_ROWS rows (row tiles of 16, 32 or 64), and the engine uses them up to
-# there in either weight format: on the H200 a decode step at 32 / 64 rows took 1.57 / 2.15 ms with the
-# kernels against 1.96 / 2.27 through the modules in bf16, and 2.04 / 2.47 against 2.52 / 3.02 with FP8
-# weights (FP8Linear's blockwise _scaled_mm); benchmarks/RESULTS.md.
+# The kernels take up to MAX_ROWS rows (row tiles of 16, 32 or 64); the engine uses them up to there in either
+# weight format, where they beat the modules (benchmarks/RESULTS.md, "The measured defaults").
 MAX_ROWS = 64
 
 _UNPACK_MODES = {"convert": 0, "bits": 1}  # the kernels' UNPACK constant for each way
@@ -158,67 +154,20 @@ def _triton_kernels():
 
 
 @dataclass(frozen=True)
-class TileConfig:
-    block_n: int = 32  # output features per program
-    block_k: int = 256  # reduction step (FP8 weights: in 128-wide sub-blocks, one scale each)
-    num_warps: int = 4
-    stages: int = 3  # software-pipelined loads in flight
-    split_k: int = 1  # K slices, one program each, for projections with few tiles (q/k/v, o, down)
-
-
-# Picked on the H200 by benchmarks/probes/decode_gemm_tiles.py (16 rows, Llama-3.2-1B shapes; the sweeps
-# in docs/benchmarks-history-2026-11.md, the resulting step in benchmarks/RESULTS.md):
-# (kind, output features in all, K, fp8) -> config. Other shapes get the default below.
-_TUNED = {
-    ("gated", 16384, 2048, False): TileConfig(32, 256, 4, 4),
-    ("gated", 16384, 2048, True): TileConfig(32, 256, 4, 3),
-    ("proj", 2048, 8192, False): TileConfig(32, 256, 4, 3, split_k=4),
-    ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4, split_k=4),
-    ("proj", 3072, 2048, False): TileConfig(32, 256, 4, 4),
-    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 3, split_k=4),
-    ("proj", 2048, 2048, False): TileConfig(32, 128, 4, 6, split_k=4),
-    ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 3, split_k=4),
-    # Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960), bf16, picked at the qwen1.5b-gsm8k preset's 64 rows
-    # (2026-12-02, benchmarks/RESULTS.md): gate/up 24.8 us against the guess below's 28.1
-    ("gated", 17920, 1536, False): TileConfig(32, 128, 4, 4),
-    ("proj", 1536, 8960, False): TileConfig(32, 128, 4, 6, split_k=2),
-    ("proj", 2048, 1536, False): TileConfig(32, 128, 4, 6, split_k=2),
-    ("proj", 1536, 1536, False): TileConfig(16, 256, 4, 4),
-}
-# Launches of 33-64 rows (the sampler's 64-row batches) read this table first: there the 16-row tiles were
-# 17-45% slower. Llama-3.2-1B's shapes, swept at 64 rows on the H200 (2026-12-04, benchmarks/RESULTS.md): a
-# layer's four bf16 groups 67.7 -> 52.1 us; FP8's gate/up, down and q/k/v 76.7 -> 58.7 us, and its o (swept on
-# another machine) 10.87 -> 8.39 us.
-# The bf16 o projection's swept best (16, 256, 4, 4: 6.51 us against 6.74) broke the probe's CUDA-graph
-# capture with the adapter once (alone it captured and ran), so its runner-up is here.
-_TUNED_64_ROWS = {
-    ("gated", 16384, 2048, False): TileConfig(32, 128, 4, 4),
-    ("gated", 16384, 2048, True): TileConfig(32, 128, 4, 4),
-    ("proj", 2048, 8192, False): TileConfig(32, 128, 4, 6, split_k=2),
-    ("proj", 2048, 8192, True): TileConfig(64, 256, 4, 4, split_k=4),
-    ("proj", 3072, 2048, False): TileConfig(32, 128, 4, 4),
-    ("proj", 3072, 2048, True): TileConfig(32, 256, 4, 4),
-    ("proj", 2048, 2048, False): TileConfig(32, 128, 4, 6, split_k=2),
-    ("proj", 2048, 2048, True): TileConfig(32, 256, 4, 3, split_k=2),
-}
-
-
-@dataclass(frozen=True)
 class Tuning:
     """The launch choices in force; `tuning(...)` sets them for a block, the defaults are the product's.
 
     unpack: how FP8 codes become bf16 operands on CUDA. "bits": inline PTX moves each code's bits into
         bf16's fields, four codes per PRMT/AND/SHF/LOP3 group, giving code * 2^-120 exactly (2^120 joins
         the block scale). "convert": the hardware's E4M3 -> f16 -> bf16 conversions, two per code on the
-        conversion unit (the FP8 step took 1.29 against 1.23 ms on the H200). Under Triton's interpreter
-        (no PTX) it is always "convert".
-    tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the tuned table.
+        conversion unit, which then bounds the FP8 step (benchmarks/RESULTS.md, "The measured defaults").
+        Under Triton's interpreter (no PTX) it is always "convert".
+    tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the device's table.
     pdl: programmatic dependent launch (NVIDIA, Hopper or newer; ignored elsewhere): a projection launch
         with an adapter starts while its lora_down still runs, streams its weights, and waits for lora_down
         only before the LoRA term at each tile's end, instead of every lora_down's latency standing between
-        two launches (four a layer). On the H200 (2026-12-02), Qwen2.5-1.5B shapes with rsLoRA r32 at 64
-        rows: the four groups of a layer 87.6 -> 67.9 us with the same relative errors, the engine's token
-        step 3.62 -> 3.08 ms; its CUDA tests (tests/test_decode_gemm.py, test_native_engine.py) passed there.
+        two launches (four a layer); the same values, a shorter step with adapters (benchmarks/RESULTS.md,
+        "The measured defaults").
     """
 
     unpack: str = "bits"
@@ -233,7 +182,7 @@ _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
 def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None,
            pdl: bool | None = None) -> Iterator[Tuning]:
     """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[(kind, N, K, fp8)]` over the
-    tuned configs (benchmark sweeps, tests) and launch dependently where `pdl` says. A nested block adds to
+    device's table (benchmark sweeps, tests) and launch dependently where `pdl` says. A nested block adds to
     the outer one's choices; leaving a block restores what was in force before it. Graphs captured inside
     keep the choices they captured."""
     outer = _TUNING.get()
@@ -248,29 +197,15 @@ def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | Non
         _TUNING.reset(token)
 
 
-def _untuned_tiles(kind: str, n: int, k: int) -> TileConfig:
-    """Tiles for a shape no sweep has tuned (the models users bring; Qwen2.5-1.5B's bf16 shapes are tuned):
-    32 outputs a tile from 2048 outputs, 16 below; a projection with fewer tiles than the H200 has SMs
-    (132) and a long K (1024 or more) splits K in up to 4 slices of whole K steps, none left empty (the tuned
-    o and down launches split in 4). A guess until `benchmarks/probes/decode_gemm_tiles.py` sweeps the shape."""
-    block_n, block_k = (32 if n >= 2048 else 16), 256
-    split_k = 1
-    if kind == "proj" and -(-n // block_n) < 132 and k >= 1024:
-        steps = -(-k // block_k)
-        split_k = -(-steps // -(-steps // min(4, steps)))  # as many slices as the K steps fill: 6 steps -> 3
-    return TileConfig(block_n, block_k, 4, 4, split_k=split_k)
-
-
-def tile_config(kind: str, n: int, k: int, fp8: bool, rows: int = 16) -> TileConfig:
-    """The tiles for one launch of `rows` rows. `kind` is "proj" or "gated"; n the group's output features in
-    all. A `tuning(tiles=...)` choice holds at every row count."""
+def tile_config(kind: str, n: int, k: int, fp8: bool, rows: int, device: torch.device) -> TileConfig:
+    """The tiles for one launch of `rows` rows on `device`. `kind` is "proj" or "gated"; n the group's output
+    features in all. A `tuning(tiles=...)` choice holds at every row count; else the device's table
+    (`grpo.kernels.tiles`: swept at the launch's rows or near them, else a guess)."""
     key = (kind, n, k, fp8)
-    wide = _TUNED_64_ROWS.get(key) if _block_m(rows) == 64 else None
-    cfg = _TUNING.get().tiles.get(key) or wide or _TUNED.get(key) or _untuned_tiles(kind, n, k)
-    if fp8 and (128 % cfg.block_n or cfg.block_k % 128):
-        raise ValueError(f"decode_gemm: {cfg} for FP8 weights; block_n must divide 128 and block_k be a multiple of it")
-    if cfg.split_k != 1 and (kind != "proj" or cfg.split_k < 1):
-        raise ValueError(f"decode_gemm: {cfg} for a {kind} launch; split_k is >= 1, and only projections take it")
+    cfg = _TUNING.get().tiles.get(key) or device_table(device).gemm_tiles(key, _block_m(rows))
+    problem = tile_problem(kind, fp8, cfg)
+    if problem is not None:
+        raise ValueError(f"decode_gemm: {cfg} for a {kind} launch{' of FP8 weights' if fp8 else ''}: {problem}")
     return cfg
 
 
@@ -293,10 +228,10 @@ def forget_fitted_tiles() -> None:
 
 
 def _launch_fitting(shape: tuple, cfg: TileConfig, launch) -> None:
-    """launch(cfg), shrinking the tiles while Triton reports too little shared memory. The configs are
-    tuned at 16 rows; more rows need more (at 64 rows the tuned down_proj tiles asked for 320 KB, the
-    q/k/v launch 288 KB, of 227). Triton raises before anything runs, so retrying is safe; the fit is
-    remembered per shape and config asked for."""
+    """launch(cfg), shrinking the tiles while Triton reports too little shared memory: a table's tiles may have
+    been swept at fewer rows than the launch has (more rows, more shared memory a stage), a guess may ask for
+    more than the device holds. Triton raises before anything runs, so retrying is safe; the fit is remembered
+    per shape and config asked for."""
     from triton.runtime.errors import OutOfResources
 
     key = (*shape, cfg)
@@ -450,7 +385,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
-    cfg = tile_config("proj", n_all, k, fp8, m)
+    cfg = tile_config("proj", n_all, k, fp8, m, x2.device)
     args = []
     for i in range(3):
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
@@ -495,7 +430,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     pdl = _pdl(x2, rank)
     xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = tile_config("gated", 2 * n, k, fp8, m)  # keyed by the group's outputs in all, gate and up
+    cfg = tile_config("gated", 2 * n, k, fp8, m, x2.device)  # keyed by the group's outputs in all, gate and up
 
     def launch(cfg: TileConfig) -> None:
         kernels.gated_kernel[(-(-n // cfg.block_n),)](

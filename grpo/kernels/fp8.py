@@ -24,16 +24,16 @@ weight side uses its 128x128 block scales. `_scaled_mm(a, b, scale_a, scale_b)` 
                   a Triton kernel: keeping a transposed copy would double the weight memory)
               scale_b (N/128, K/128) = sw.t().contiguous().t()   (a 128x128 block is its own transpose)
 
-cuBLAS refused blockwise scaling for M = 1 and M = 333 on the H200 (M = 1000 and 16384 ran), so the
-quantized activations are padded with zero rows to a multiple of 16 and the output is sliced back.
+cuBLAS refuses blockwise scaling for some row counts (M = 1 and M = 333 among them; 1000 and 16384 run), so
+the quantized activations are padded with zero rows to a multiple of 16 and the output is sliced back.
 
 Only the fp8 weight and its scales are saved for backward: no activation is kept.
 
 The other way, `gemm="dense"` (the trainer's with gradient checkpointing, `--fp8-gemm`): W dequantized to bf16
 by one Triton pass per call, then torch's own linear. Its backward is a C++ node; the FP8 GEMMs' is Python,
-and a Python backward's torch ops and launches cost their host several times what they do on the main thread
-(benchmarks/probes/fp8_host.py), which made FP8's training pass slower than bf16's on the host-bound bench
-step. Its numerics are weight-only FP8, as the decode kernels' are.
+and a Python backward's torch ops and launches cost their host several times what they do on the main thread,
+enough to make FP8's training pass slower than bf16's where the host bounds the step (benchmarks/RESULTS.md,
+"The measured defaults"). Its numerics are weight-only FP8, as the decode kernels' are.
 
 Everywhere else (CPU, GPUs before Hopper, shapes whose K or N is not a multiple of 512, fp32 inputs)
 the same autograd function dequantizes W to the input's dtype for each product: slower, exact with
@@ -248,7 +248,7 @@ def _scaled_mm_ok(x: torch.Tensor, n: int, k: int) -> bool:
             and _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-_PAD_M = 16  # cuBLAS refuses blockwise scaling for some M (seen: M=1 and M=333 on the H200); pad rows
+_PAD_M = 16  # cuBLAS refuses blockwise scaling for some M (M=1 and M=333 among them): pad rows to a multiple
 
 
 def fp8_mm_fwd(x2: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, quant="auto") -> torch.Tensor:

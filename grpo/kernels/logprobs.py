@@ -125,8 +125,8 @@ def _triton_kernel():
 
 @dataclass(frozen=True)
 class TritonTiles:
-    """The Triton kernel's launch: vocabulary columns per loop step and warps per row. On the H200,
-    2048/4, 4096/8, 8192/16 and 16384/16 warps ran within ~1 ms of each other."""
+    """The Triton kernel's launch: vocabulary columns per loop step and warps per row. The choice matters
+    little: 2048/4 to 16384/16 warps run about as fast (benchmarks/RESULTS.md, "The measured defaults")."""
 
     block_v: int = 8192
     num_warps: int = 16

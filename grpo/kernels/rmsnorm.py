@@ -3,11 +3,10 @@
 transformers' Llama/Qwen RMSNorm (`rms_norm_ref`) is a float32 copy of x, its square, a mean, a product with
 rstd, a cast back and the weight's product: each a kernel reading and writing the whole (tokens, hidden)
 activation, and autograd's backward more of them (`lean_activations.RMSNormFn` saves less but runs the same
-ops). On the H200 the bench step's update spent 28 ms in them (2026-12-04, `benchmarks/probes/step_profile.py`);
-with these kernels its update took 114-116 ms of GPU time where it took 140 (RESULTS.md, "Sixteenth hold").
-`rms_norm` reads x once and writes y once, keeping one float32 rstd per row for backward, which reads x and the
-gradient once and writes dx once. The weight must be frozen (it is under LoRA); a trainable weight takes
-`lean_activations.RMSNormFn`.
+ops): a visible share of the training pass's GPU time, which these kernels cut (benchmarks/RESULTS.md, "The
+measured defaults"). `rms_norm` reads x once and writes y once, keeping one float32 rstd per row for backward,
+which reads x and the gradient once and writes dx once. The weight must be frozen (it is under LoRA); a trainable
+weight takes `lean_activations.RMSNormFn`.
 
 The arithmetic is the module's (float32, the normalized row rounded to x's dtype before the weight multiplies
 it) with the row's sum in Triton's order: values within a rounding of x's dtype of the module's, not bit for

@@ -7,6 +7,14 @@ import pytest
 import torch
 
 from grpo.kernels import decode_attention as da
+from grpo.kernels.tiles import AttentionTiles
+
+BLOCK_S = AttentionTiles().block_s  # the CPU's launch: no device table, the defaults
+
+
+def cpu_chunking(rows: int, n_kv: int, seq: int) -> tuple[int, int]:
+    """The chunks a launch on the CPU (the interpreter) plans."""
+    return da.chunking(rows, n_kv, seq, BLOCK_S, da.launch_programs(torch.device("cpu"), AttentionTiles()))
 
 
 def views(rows: int, heads: int, n_kv: int, seq: int, dim: int, seed: int):
@@ -37,17 +45,18 @@ def test_positions_past_a_rows_length_are_never_read():
     for b, n in enumerate(lengths.tolist()):
         k[b, :, n:] = float("nan")
         v[b, :, n:] = float("nan")
-    assert da.chunking(3, 2, 260)[1] > 1  # chunks past a row's length exist, and are skipped
+    assert cpu_chunking(3, 2, 260)[1] > 1  # chunks past a row's length exist, and are skipped
     torch.testing.assert_close(da.decode_attention(q, k, v, lengths, 0.25), want, atol=0, rtol=0)
 
 
 def test_chunks_fill_the_gpu_with_whole_loop_steps():
-    assert da.chunking(1, 1, 4096) == (64, 64)  # one row, one kv head: a chunk per loop step
-    assert da.chunking(16, 8, 640) == (256, 3)  # 128 programs a chunk: three reach 264
-    assert da.chunking(256, 2, 2048) == (2048, 1)  # enough rows already: no combine launch
+    assert da.chunking(1, 1, 4096, 64, 264) == (64, 64)  # one row, one kv head: a chunk per loop step
+    assert da.chunking(16, 8, 640, 64, 264) == (256, 3)  # 128 programs a chunk: three reach 264
+    assert da.chunking(256, 2, 2048, 64, 264) == (2048, 1)  # enough rows already: no combine launch
     for rows, n_kv, seq in ((3, 2, 300), (64, 2, 384), (5, 8, 64)):
-        chunk, chunks = da.chunking(rows, n_kv, seq)
-        assert chunk % da.BLOCK_S == 0 and (chunks - 1) * chunk < seq <= chunks * chunk
+        for block_s, programs in ((64, 264), (32, 100), (128, 1056)):
+            chunk, chunks = da.chunking(rows, n_kv, seq, block_s, programs)
+            assert chunk % block_s == 0 and (chunks - 1) * chunk < seq <= chunks * chunk
 
 
 def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_attention():
@@ -86,7 +95,7 @@ def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(row
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     pos = torch.randint(0, seq, (rows,), generator=g)
     pos[0], pos[-1] = 0, seq - 1  # the first position, and the last of the bucket
-    pos[1] = da.chunking(rows, n_kv, seq)[0] % seq  # a chunk's first: the loop reads nothing before the token
+    pos[1] = cpu_chunking(rows, n_kv, seq)[0] % seq  # a chunk's first: the loop reads nothing before the token
     k_all, v_all = torch.randn(2, rows + 1, n_kv + 1, seq + 7, dim, generator=g)  # views, as the engine's
     mine, ref = (k_all.clone(), v_all.clone()), (k_all.clone(), v_all.clone())
     got = da.rope_store_attend(q, k, v, cos, sin, pos, *(c[:rows, :n_kv, :seq] for c in mine), dim**-0.5)
@@ -95,7 +104,7 @@ def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(row
     for written, expected in zip(mine, ref):  # the token's K (rotated) and V, and nothing else
         torch.testing.assert_close(written, expected, atol=1e-6, rtol=0)
     assert not torch.equal(mine[0], k_all)
-    assert da.chunking(rows, n_kv, seq)[1] > 1 or seq <= da.BLOCK_S  # chunks other than the token's exist
+    assert cpu_chunking(rows, n_kv, seq)[1] > 1 or seq <= BLOCK_S  # chunks other than the token's exist
 
 
 def test_rope_store_attend_reads_q_k_and_v_as_column_slices_of_one_product():

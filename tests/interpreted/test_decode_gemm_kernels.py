@@ -383,7 +383,7 @@ def sass_compiled() -> dict:
 @pytest.mark.parametrize("unpack", ["bf16", "convert", "bits"])
 def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(sass_compiled, unpack):
     # decode_gemm_sass.py: no GPU needed; with the launch-time divisibility it must show the pipelined 16-byte
-    # async copies the H200 runs (scalar loads would mean it compiled something else). FP8 codes become bf16
+    # async copies a Hopper GPU runs (scalar loads would mean it compiled something else). FP8 codes become bf16
     # through the conversion unit ("convert") or by bit moves alone ("bits").
     loops = [loop for loop in sass_compiled[f"gated-{unpack}"]["loops"] if loop["instructions"] > 8]
     assert len(loops) == 2  # gate's K loop and up's
@@ -395,7 +395,7 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(sas
 
 
 def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90(sass_compiled):
-    # the q/k/v launch of Qwen2 (biases, FP8 codes, split K) compiles for the H200, with tensor-core products
+    # the q/k/v launch of Qwen2 (biases, FP8 codes, split K) compiles for sm_90, with tensor-core products
     loops = sass_compiled["qkv-qwen2"]["loops"]
     assert any(op.startswith("HMMA") for loop in loops for op in loop["ops"])
 
