@@ -17,6 +17,9 @@ from grpo.loss import (
     STAT_KEYS,
     Cispo,
     Clip,
+    DppoKL,
+    DppoTV,
+    Gmpo,
     Sapo,
     clipped_surrogate,
     group_advantages,
@@ -482,6 +485,144 @@ def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(loss_typ
         tau = torch.where(adv > 0, 2.0, 3.0).to(F64)
         expected = -((2 * adv / tau)[:, None] * mask).sum() / mask.sum()
         assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# DPPO and GMPO against verl's own formulas (verl/trainer/ppo/core_algos.py: compute_policy_loss_dppo_tv,
+# compute_policy_loss_dppo_kl, compute_policy_loss_geo_mean), written out here as plain float64 references.
+# ----------------------------------------------------------------------------------------------
+def verl_dppo(old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c, divergence):
+    """verl's DPPO-Binary-TV / -KL loss with loss_agg_mode="token-mean"; advantages (B,) broadcast per token."""
+    advantages = advantages[:, None].expand_as(log_prob)
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    truncated_ratio = torch.clamp(ratio, max=clip_ratio_c).detach()
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    if divergence == "tv":
+        valid_positive = (prob - old_prob) <= high
+        valid_negative = (prob - old_prob) >= -low
+    else:
+        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_positive = (binary_kl <= high) | (prob <= old_prob)
+        valid_negative = (binary_kl <= low) | (prob >= old_prob)
+    valid = torch.where(advantages > 0, valid_positive, valid_negative).detach().to(log_prob.dtype)
+    pg_losses = -advantages * truncated_ratio * log_prob * valid
+    mask = response_mask.to(log_prob.dtype)
+    return (pg_losses * mask).sum() / mask.sum(), 1.0 - (valid * mask).sum() / mask.sum()
+
+
+def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high):
+    """verl's GMPO loss (geo_mean): the mean over rows of -A times the row's geometric-mean clipped ratio."""
+    advantages = advantages[:, None].expand_as(log_prob)
+    mask = response_mask.to(log_prob.dtype)
+    negative_approx_kl = log_prob - old_log_prob
+    sgn_advantage = torch.sign(advantages)
+    negative_approx_kl_clamp = torch.clamp(negative_approx_kl, -clip_low, clip_high)
+    negative_approx_kl_min = sgn_advantage * torch.min(sgn_advantage * negative_approx_kl,
+                                                       sgn_advantage * negative_approx_kl_clamp)
+    mask_sum = mask.sum(dim=-1)
+    ratio = torch.exp((negative_approx_kl_min * mask).sum(dim=-1) / (mask_sum + 1e-8))
+    advantage = (advantages * mask).sum(dim=-1) / (mask_sum + 1e-8)
+    return torch.mean(-advantage * ratio)
+
+
+def clean_batch(seed, B=6, T=7, spread=0.35):
+    """`random_batch` with finite values everywhere (verl's formulas multiply by the mask, so padding must be
+    finite there), an empty row and a zero advantage kept."""
+    logp, old_logp, _, adv, mask, _, _ = random_batch(seed, B=B, T=T, spread=spread)
+    g = torch.Generator().manual_seed(seed + 100)
+    filler = -3.0 * torch.rand(B, T, generator=g, dtype=F64)
+    return torch.where(mask, logp, filler), torch.where(mask, old_logp, filler + 0.1), adv, mask
+
+
+def ours_and_peer(term, peer, seed, **kw):
+    logp, old_logp, adv, mask = clean_batch(seed)
+    x, x_peer = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    loss, stats = clipped_surrogate(x, old_logp, adv, mask, term=term, **kw)
+    loss.backward()
+    peer_out = peer(old_logp, x_peer, adv, mask)
+    peer_loss = peer_out[0] if isinstance(peer_out, tuple) else peer_out
+    peer_loss.backward()
+    return (loss, stats, x.grad), (peer_loss, peer_out, x_peer.grad)
+
+
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+@pytest.mark.parametrize("knobs", [dict(), dict(low=0.02, high=0.03, ratio_cap=1.3)])
+def test_dppo_matches_verls_formula_in_float64_values_and_gradients(divergence, knobs):
+    term = (DppoTV if divergence == "tv" else DppoKL)(**knobs)
+    peer = lambda o, x, a, m: verl_dppo(o, x, a, m, term.low, term.high, term.ratio_cap, divergence)  # noqa: E731
+    dropped = truncated = 0.0
+    for seed in range(6):
+        (loss, stats, grad), (peer_loss, (_, peer_dropped), peer_grad) = ours_and_peer(term, peer, seed,
+                                                                                        loss_norm="token")
+        assert float(loss.detach()) == pytest.approx(float(peer_loss.detach()), rel=1e-12, abs=1e-14), seed
+        torch.testing.assert_close(grad, peer_grad, rtol=1e-12, atol=1e-14)
+        assert float(stats["clip_frac"]) == pytest.approx(float(peer_dropped), abs=1e-12)  # verl's pg_clipfrac
+        dropped += float(stats["clip_frac"])
+        truncated += float(stats["clip_frac_delta"])
+    assert dropped > 0 and (truncated > 0 or knobs == {})  # the trust region and the cap both bound some token
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(epsilon=0.1, epsilon_high=0.05)])
+@pytest.mark.parametrize("spread", [0.35, 1.0])
+def test_gmpo_matches_verls_geo_mean_in_float64_values_and_gradients(knobs, spread):
+    term = Gmpo(**knobs)
+    peer = lambda o, x, a, m: verl_geo_mean(o, x, a, m, term.epsilon, term.high)  # noqa: E731
+    clipped = 0.0
+    for seed in range(6):
+        logp, old_logp, adv, mask = clean_batch(seed, spread=spread)
+        x, x_peer = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+        loss, stats = clipped_surrogate(x, old_logp, adv, mask, term=term, loss_norm="sequence")
+        loss.backward()
+        peer_loss = peer(old_logp, x_peer, adv, mask)
+        peer_loss.backward()
+        # verl adds 1e-8 to each row's token count: a relative difference of about 1e-8 / n_i
+        assert float(loss.detach()) == pytest.approx(float(peer_loss.detach()), rel=1e-7, abs=1e-12), seed
+        torch.testing.assert_close(x.grad, x_peer.grad, rtol=1e-7, atol=1e-12)
+        clipped += float(stats["clip_frac"])
+    assert clipped > 0  # the clip binds on some token
+
+
+def test_hand_derived_gmpo_clips_log_ratios_then_takes_the_geometric_mean():
+    # One row, A = +1, log-ratios [0.5, -0.5, 0.1], epsilon 0.4: A > 0 clips above only: [0.4, -0.5, 0.1],
+    # mean 0.0 -> row ratio 1, loss -1. Gradient: the clipped token none; the others -A * 1 / 3 each.
+    old_logp = torch.zeros(1, 3, dtype=F64)
+    logp = torch.tensor([[0.5, -0.5, 0.1]], dtype=F64).requires_grad_()
+    loss, stats = clipped_surrogate(logp - 1.0, old_logp - 1.0, torch.ones(1, dtype=F64),
+                                    torch.ones(1, 3, dtype=torch.bool), term="gmpo")
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-1.0, abs=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1 / 3, -1 / 3]], dtype=F64), rtol=0, atol=1e-12)
+    assert float(stats["clip_frac_high"]) == pytest.approx(1 / 3) and float(stats["clip_frac_low"]) == 0.0
+
+
+def test_hand_derived_dppo_tv_drops_a_token_whose_probability_rose_past_the_bound():
+    # A = +1; probabilities old [0.5, 0.1] -> new [0.7, 0.15]: rises 0.2 (> 0.15: dropped) and 0.05 (kept).
+    # The kept token: -sg(w) * A * logp with w = 1.5: gradient -1.5 / N, N = 2; the dropped one 0.
+    old_logp = torch.tensor([[0.5, 0.1]], dtype=F64).log()
+    logp = torch.tensor([[0.7, 0.15]], dtype=F64).log().requires_grad_()
+    loss, stats = clipped_surrogate(logp, old_logp, torch.ones(1, dtype=F64), torch.ones(1, 2, dtype=torch.bool),
+                                    term="dppo_tv", loss_norm="token")
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.75]], dtype=F64), rtol=0, atol=1e-12)
+    assert float(loss.detach()) == pytest.approx(-1.5 * math.log(0.15) / 2, abs=1e-12)
+    assert float(stats["clip_frac_high"]) == 0.5 and float(stats["grad_weight_mean"]) == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("loss_type", list(POLICY_TERMS))
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+def test_on_policy_every_term_gives_the_plain_policy_gradient(loss_type, ratio_level):
+    # w = 1: nothing is clipped, dropped or gated, so every term's gradient is -(1/N) sum_it mask_it A_i logp_it's.
+    logp, _, _, adv, mask, _, _ = random_batch(seed=5)
+    logp = torch.where(mask, logp, -1.0)
+    x = logp.clone().requires_grad_()
+    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, loss_norm="token", ratio_level=ratio_level,
+                                    term=loss_type)
+    loss.backward()
+    y = logp.clone().requires_grad_()
+    (-(adv[:, None] * y * mask).sum() / mask.sum()).backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-15)
+    assert float(stats["grad_weight_mean"]) == pytest.approx(1.0, abs=1e-12) and float(stats["clip_frac"]) == 0.0
 
 
 @pytest.mark.parametrize("loss_type", LOOP_TERMS)

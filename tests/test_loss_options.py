@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.config import Config, build_parser, parse_args
-from grpo.loss import (POLICY_TERMS, Cispo, Clip, PolicyTerm, Sapo, TermOutput, clipped_surrogate, importance_weights,
-                       policy_term, register_policy_term)
+from grpo.loss import (POLICY_TERMS, Cispo, Clip, DppoKL, DppoTV, Gmpo, PolicyTerm, Sapo, TermOutput, clipped_surrogate,
+                       importance_weights, policy_term, register_policy_term)
 from grpo.loss.terms import knob
 
 # Both sides of a boundary of every knob's rule: (term, knobs).
@@ -20,7 +20,9 @@ CASES = [
     (Clip, dict(epsilon_high=0.0)), (Clip, dict(epsilon_high=-0.01)), (Clip, dict(delta=1.2)),
     (Clip, dict(delta=1.19)), (Clip, dict(epsilon_high=0.28, delta=1.28)), (Clip, dict(epsilon_high=0.28, delta=1.27)),
     (Cispo, dict(eps_low=0.0, eps_high=0.0)), (Cispo, dict(eps_high=-0.5)), (Sapo, dict(tau_pos=0.0)),
-    (Sapo, dict(tau_neg=1e-3)),
+    (Sapo, dict(tau_neg=1e-3)), (DppoTV, dict(low=0.0, high=1.0)), (DppoTV, dict(high=1.01)),
+    (DppoKL, dict(low=-0.01)), (DppoKL, dict(ratio_cap=1.0)), (DppoKL, dict(ratio_cap=0.99)),
+    (Gmpo, dict(epsilon=0.0)), (Gmpo, dict(epsilon=-0.1)), (Gmpo, dict(epsilon_high=-0.1)),
 ]
 
 

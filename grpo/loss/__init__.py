@@ -9,8 +9,8 @@
 
 - `clipped_surrogate` (surrogate.py): a policy term, a KL penalty, sampler importance weights, normalised;
   returns (loss, stats with STAT_KEYS).
-- the policy terms (terms.py): `Clip`, `Cispo`, `Sapo`, ..., each a frozen dataclass of its knobs, registered by
-  name in POLICY_TERMS (`register_policy_term`), made by name with `policy_term`.
+- the policy terms (terms.py): `Clip`, `Cispo`, `Sapo`, `DppoTV`, `DppoKL`, `Gmpo`, each a frozen dataclass of its
+  knobs, registered by name in POLICY_TERMS (`register_policy_term`), made by name with `policy_term`.
 - `group_advantages` (advantages.py): (r - group mean) / (std + eps), or Dr. GRPO's unscaled version.
 - `kl_penalty` (kl.py): the k1/k2/k3 per-token KL estimators.
 - `importance_weights`, `SamplerGap` (importance.py): truncated or masked pi_old / pi_sampler weights, and how
@@ -23,12 +23,12 @@ from .advantages import SCALES, group_advantages
 from .importance import IS_LEVELS, IS_MODES, SamplerGap, importance_weights
 from .kl import KL_KINDS, kl_penalty
 from .surrogate import NORMS, RATIO_LEVELS, STAT_KEYS, clipped_surrogate
-from .terms import (POLICY_TERMS, Cispo, Clip, PolicyTerm, Sapo, TermInputs, TermOutput, policy_term,
-                    register_policy_term)
+from .terms import (POLICY_TERMS, Cispo, Clip, DppoKL, DppoTV, Gmpo, PolicyTerm, Sapo, TermInputs, TermOutput,
+                    policy_term, register_policy_term)
 
 __all__ = [
     "clipped_surrogate", "group_advantages", "kl_penalty", "importance_weights", "SamplerGap",
     "PolicyTerm", "TermInputs", "TermOutput", "register_policy_term", "policy_term", "POLICY_TERMS",
-    "Clip", "Cispo", "Sapo",
+    "Clip", "Cispo", "Sapo", "DppoTV", "DppoKL", "Gmpo",
     "NORMS", "RATIO_LEVELS", "KL_KINDS", "SCALES", "IS_LEVELS", "IS_MODES", "STAT_KEYS",
 ]

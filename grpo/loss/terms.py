@@ -199,3 +199,105 @@ class Sapo(PolicyTerm):
             grad_weight = 4.0 * s * (1.0 - s) * x.ratio.detach()
             nothing = torch.zeros_like(s, dtype=torch.bool)
         return TermOutput(policy, nothing, nothing, grad_weight)
+
+
+def _divergence_masked(x: TermInputs, valid: torch.Tensor, ratio_cap: float) -> TermOutput:
+    """DPPO's objective: -sg(min(w, ratio_cap)) * A * logp on the tokens inside the trust region (`valid`)."""
+    w = x.ratio.detach()
+    weight = w.clamp(max=ratio_cap) * valid  # a constant: the gradient flows through logp only
+    up = x.adv > 0
+    return TermOutput(-weight * x.adv * x.logp, ~valid & ~up, ~valid & up, weight, valid & (w > ratio_cap))
+
+
+@register_policy_term("dppo_tv")
+@dataclass(frozen=True)
+class DppoTV(PolicyTerm):
+    """DPPO-Binary-TV: drops the tokens whose probability moved past a trust region, instead of clipping the ratio."""
+
+    low: float = knob(0.15, "DPPO-TV: a negative-advantage token is dropped once its probability fell by more than "
+                            "this since sampling (the DPPO authors' 0.15; prime-rl's 0.2). Smaller is a tighter "
+                            "trust region.")
+    high: float = knob(0.15, "DPPO-TV: a positive-advantage token is dropped once its probability rose by more than "
+                             "this since sampling.")
+    ratio_cap: float = knob(20.0, "DPPO-TV: the detached ratio that weighs each kept token is truncated at this "
+                                  "(verl's 20); raise it to remove the truncation's bias.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("low", "high"):
+            self.require(name, 0.0 <= getattr(self, name) <= 1.0,
+                         "must be in [0, 1]: a change of a probability, the bound of the trust region")
+        self.require("ratio_cap", self.ratio_cap >= 1.0,
+                     "must be >= 1 (a smaller cap would weigh down tokens on which the policies agree)")
+
+    def objective(self, x: TermInputs) -> TermOutput:
+        with torch.no_grad():
+            rise = x.logp.detach().exp() - x.old_logp.exp()  # (B, T) p - p_old
+            valid = torch.where(x.adv > 0, rise <= self.high, rise >= -self.low)
+        return _divergence_masked(x, valid, self.ratio_cap)
+
+
+@register_policy_term("dppo_kl")
+@dataclass(frozen=True)
+class DppoKL(PolicyTerm):
+    """DPPO-Binary-KL: drops the tokens whose binary KL to the sampling policy passed a trust region."""
+
+    low: float = knob(0.05, "DPPO-KL: a negative-advantage token whose probability fell is dropped once the binary KL "
+                            "between its old and new probability exceeds this (the DPPO authors' 0.05). Smaller is "
+                            "a tighter trust region.")
+    high: float = knob(0.05, "DPPO-KL: the same bound for a positive-advantage token whose probability rose.")
+    ratio_cap: float = knob(20.0, "DPPO-KL: the detached ratio that weighs each kept token is truncated at this "
+                                  "(verl's 20); raise it to remove the truncation's bias.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("low", "high"):
+            self.require(name, getattr(self, name) >= 0, "must be >= 0: a KL divergence, the bound of the trust region")
+        self.require("ratio_cap", self.ratio_cap >= 1.0,
+                     "must be >= 1 (a smaller cap would weigh down tokens on which the policies agree)")
+
+    def objective(self, x: TermInputs) -> TermOutput:
+        with torch.no_grad():
+            logp, old_logp = x.logp.detach(), x.old_logp
+            p, old_p = logp.exp(), old_logp.exp()
+            eps = 1e-8  # keeps log(1 - p) finite at p = 1
+            binary_kl = old_p * (old_logp - logp) + (1 - old_p) * (torch.log1p(eps - old_p) - torch.log1p(eps - p))
+            valid = torch.where(x.adv > 0, (binary_kl <= self.high) | (p <= old_p),
+                                (binary_kl <= self.low) | (p >= old_p))
+        return _divergence_masked(x, valid, self.ratio_cap)
+
+
+@register_policy_term("gmpo")
+@dataclass(frozen=True)
+class Gmpo(PolicyTerm):
+    """GMPO (verl's geo_mean): each row's geometric-mean ratio, its token log-ratios clipped, times -A."""
+
+    epsilon: float = knob(0.4, "GMPO: each token's log-ratio is clipped below at -epsilon (the paper's range is "
+                               "(e^-0.4, e^0.4)). Smaller keeps each update closer to the sampling policy.")
+    epsilon_high: float | None = knob(None, "GMPO: each token's log-ratio is clipped above at this. Default: "
+                                            "--gmpo-epsilon.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require("epsilon", self.epsilon >= 0, "must be >= 0 (a bound on a log-ratio; the paper's is 0.4)")
+        self.require("epsilon_high", self.epsilon_high is None or self.epsilon_high >= 0,
+                     "must be >= 0 (a bound on a log-ratio; the paper's is 0.4)")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def objective(self, x: TermInputs) -> TermOutput:
+        lo, hi, log_ratio = -self.epsilon, self.high, x.log_ratio
+        sign = torch.sign(x.adv)  # (B, 1)
+        # The pessimistic side of the clip, as PPO's min does it: the clip binds above for A > 0, below for A < 0.
+        kept = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(lo, hi))  # (B, T)
+        n_tok = x.mask.sum(-1, keepdim=True).clamp(min=1)
+        row_ratio = torch.exp(torch.where(x.mask, kept, 0.0).sum(-1, keepdim=True) / n_tok)  # (B, 1)
+        # The row's objective on each of its tokens: the sequence norm's token mean is the row's objective itself.
+        policy = (-x.adv * row_ratio).expand_as(log_ratio)
+        with torch.no_grad():
+            clipped_low = (x.adv < 0) & (log_ratio < lo)
+            clipped_high = (x.adv > 0) & (log_ratio > hi)
+            grad_weight = row_ratio.detach() * ~(clipped_low | clipped_high)
+        return TermOutput(policy, clipped_low, clipped_high, grad_weight)
