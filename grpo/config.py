@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
 from grpo.cli import OneLineParser, add_bool_flag, print_to_a_pipe
 from grpo.run.durable import write_atomically
-from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
-                                check_importance_numbers, check_policy_numbers, spell_flag)
+from grpo.loss import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_TERMS, RATIO_LEVELS, SCALES, Clip, PolicyTerm,
+                       policy_term)
+from grpo.loss.importance import check_importance_numbers
 from grpo.quiet import add_verbose_flag
 from grpo.rollout.options import check_sampling_numbers
 
@@ -117,24 +118,9 @@ class Config:
     num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
     beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
                      "grpo")
-    epsilon: float = _f(0.2, "Lower clip range of the ratio: it is clipped below at 1 - epsilon.", "grpo")
-    epsilon_high: float | None = _f(None, "Upper clip range: the ratio is clipped above at 1 + epsilon_high "
-                                    "(DAPO uses 0.28). Default: epsilon.", "grpo")
-    delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping). Default: off.", "grpo")
-    loss_type: str = _f("clip", "Per-token policy loss: clip (PPO's clipped ratio, as GRPO, DAPO and GSPO use it; "
-                        "--epsilon, --epsilon-high and --delta apply to it only), cispo (MiniMax-M1: the importance "
-                        "weight clipped to [1 - cispo-eps-low, 1 + cispo-eps-high] and detached, times the log-prob, "
-                        "so every token keeps a gradient) or sapo (Qwen: a smooth sigmoid gate on the ratio in place "
-                        "of the hard clip, temperatures sapo-tau-pos/neg).", "grpo",
-                        choices=list(POLICY_LOSSES))
-    cispo_eps_low: float = _f(1.0, "CISPO: the weight's floor is 1 minus this; 1 (a floor of 0) is no lower bound, "
-                              "as in MiniMax-M1.", "grpo")
-    cispo_eps_high: float = _f(4.0, "CISPO: the weight's cap is 1 plus this (MiniMax-M1 tunes only this and does not "
-                               "publish it; peers cap at 4 to 6).", "grpo")
-    sapo_tau_pos: float = _f(1.0, "SAPO: gate temperature for positive advantages (the paper's 1.0); larger closes "
-                             "the gate sooner as the ratio leaves 1.", "grpo")
-    sapo_tau_neg: float = _f(1.05, "SAPO: gate temperature for negative advantages (the paper's 1.05, above "
-                             "sapo-tau-pos so that negative updates are damped sooner).", "grpo")
+    policy_term: PolicyTerm = _f(Clip(), "The policy term of the loss, what each token's importance ratio "
+                                 "contributes (grpo.loss.terms; docs/loss.md has the formulas); its knobs are the "
+                                 "flags named after it below.", "grpo")
     loss_norm: str = _f("sequence", "sequence (GRPO), token (DAPO) or constant (Dr. GRPO).", "grpo",
                         choices=list(NORMS))
     ratio_level: str = _f("token", "Importance ratio per token (GRPO) or per sequence (GSPO).", "grpo",
@@ -301,11 +287,13 @@ class Config:
         if self.num_generations < 2:
             raise ValueError(f"--num-generations {self.num_generations}: GRPO needs at least 2 completions "
                              "per prompt to compare; use 2 or more")
-        # The loss's numbers, by the loss's own rules (grpo.loss.options), in the flags' spelling.
-        check_policy_numbers(beta=self.beta, epsilon=self.epsilon, epsilon_high=self.epsilon_high, delta=self.delta,
-                             loss_type=self.loss_type, cispo_eps_low=self.cispo_eps_low,
-                             cispo_eps_high=self.cispo_eps_high, sapo_tau_pos=self.sapo_tau_pos,
-                             sapo_tau_neg=self.sapo_tau_neg, spell=spell_flag)
+        # The loss's numbers: the policy term checked its knobs when it was made; the importance cap by the
+        # loss's own rule, in the flags' spelling.
+        if not isinstance(self.policy_term, PolicyTerm):
+            raise ValueError(f"policy_term={self.policy_term!r}: pass a term such as grpo.loss.Clip() "
+                             "(on the command line: --loss-type NAME)")
+        if self.beta < 0:
+            raise ValueError(f"--beta {self.beta}: the KL coefficient must be >= 0 (0 skips the reference)")
         check_importance_numbers(is_cap=self.is_cap, spell=spell_flag)
         check_sampling_numbers(top_p=self.top_p, min_p=self.min_p, spell=spell_flag)
         if any(not text for text in self.stop):
@@ -339,7 +327,7 @@ class Config:
         return self.prompts_per_step * self.num_generations
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        return json.dumps({**dataclasses.asdict(self), "policy_term": self.policy_term.as_dict()}, indent=2)
 
     def save(self, directory: str | Path) -> Path:
         """config.json in `directory`, written whole or not at all (a temporary file, then renamed)."""
@@ -353,12 +341,19 @@ class Config:
         data = json.loads(Path(path).read_text())
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+        if "policy_term" in kwargs:
+            kwargs["policy_term"] = policy_term(**kwargs["policy_term"])
         return cls(**kwargs)
 
 
 def flag(field_name: str) -> str:
     """The command-line flag of a Config field: learning_rate -> --learning-rate."""
     return "--" + field_name.replace("_", "-")
+
+
+def spell_flag(name: str, value: object) -> str:
+    """`--is-cap 0.5`: a value as the command line writes it, for the messages of checks shared with the library."""
+    return f"{flag(name)} {value}"
 
 
 # Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
@@ -486,6 +481,9 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         group_name = meta.pop("group")
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
+        if f.name == "policy_term":
+            add_policy_term_flags(group, meta["help"], shown[f.name])
+            continue
         kwargs: dict[str, Any] = dict(help=meta.pop("help"), default=argparse.SUPPRESS, dest=f.name)
         annotation = str(f.type)
         if annotation == "bool":  # --flag, --no-flag, --flag true|false
@@ -527,6 +525,39 @@ def _named_preset(argv: list[str]) -> str | None:
     return named
 
 
+def add_policy_term_flags(group: argparse._ArgumentGroup, help: str, shown: PolicyTerm) -> None:
+    """--loss-type, offering every registered term, and each term's knobs as flags (dest "term:knob"), with the
+    help text each knob carries and the value `shown` has (its class's default for another term's knobs)."""
+    terms = "; ".join(f"{name}: {cls.__doc__.strip().splitlines()[0].rstrip('.')}"
+                      for name, cls in POLICY_TERMS.items())
+    group.add_argument("--loss-type", choices=list(POLICY_TERMS), default=argparse.SUPPRESS, dest="loss_type",
+                       help=f"{help} {terms} (default: {shown.name})")
+    kinds = {"float": float, "float | None": _optional(float), "int": int, "int | None": _optional(int)}
+    for name, cls in POLICY_TERMS.items():
+        example = shown if isinstance(shown, cls) else cls()
+        for knob in dataclasses.fields(cls):
+            group.add_argument(cls.flag(knob.name), type=kinds[str(knob.type)], default=argparse.SUPPRESS,
+                               dest=f"{name}:{knob.name}", metavar=(cls.flag_prefix + knob.name).upper(),
+                               help=f"{knob.metadata['help']} (default: "
+                                    f"{format_value(getattr(example, knob.name))})")
+
+
+def policy_term_from_flags(base: PolicyTerm | None, given: dict[str, Any]) -> PolicyTerm:
+    """The run's policy term: --loss-type's (the preset's term where it names the same one, else that term's
+    defaults), with the knob flags given (dest "term:knob"); a knob of another term is refused."""
+    name = given.pop("loss_type", base.name if base is not None else Config.policy_term.name)
+    term = base if base is not None and base.name == name else policy_term(name)
+    knobs = {}
+    for dest, value in given.items():
+        owner, _, knob_name = dest.partition(":")
+        if owner != name:
+            knob_flag = POLICY_TERMS[owner].flag(knob_name)
+            raise ValueError(f"{knob_flag} is a knob of --loss-type {owner}, and this run's loss type is {name}: "
+                             f"add --loss-type {owner} or drop {knob_flag}")
+        knobs[knob_name] = value
+    return dataclasses.replace(term, **knobs)
+
+
 class CommandLine(NamedTuple):
     config: Config
     verbose: bool  # -v: show the third-party warnings that grpo.quiet hides
@@ -549,11 +580,14 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
         if preset not in PRESETS:
             parser.error(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)} (or none)")
         values.update(PRESETS[preset])
+    term_flags = {k: args.pop(k) for k in list(args) if k == "loss_type" or ":" in k}
     values.update(args)
     for key in ("lora_targets", "reward", "stop"):
         if key in values:
             values[key] = tuple(values[key])
     try:
+        if term_flags:
+            values["policy_term"] = policy_term_from_flags(values.get("policy_term"), term_flags)
         return CommandLine(Config(**values), verbose)
     except ValueError as err:
         parser.error(str(err))

@@ -206,6 +206,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     correct_sampler = s.engine.needs_importance_correction and cfg.is_correction != "none"
     agg: dict = {}  # statistics: device tensors until host_stats
     gap = SamplerGap(is_level=cfg.is_level, is_correction=cfg.is_correction, is_cap=cfg.is_cap)
+    loss_options = surrogate_options(cfg, s.max_completion_length)
     nonfinite = False
     grad_norm = None
     for n_pass in range(cfg.num_iterations):
@@ -222,13 +223,8 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
             if correct_sampler:
                 is_w, _ = importance_weights(mb_old, mb.sampler_logp, mb.mask, is_level=cfg.is_level,
                                              is_correction=cfg.is_correction, is_cap=cfg.is_cap)
-            loss, stats = clipped_surrogate(
-                logp, mb_old, adv[sl], mb.mask, ref_logp=None if ref_logp is None else ref_logp[sl],
-                beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, delta=cfg.delta,
-                ratio_level=cfg.ratio_level, loss_norm=cfg.loss_norm, max_completion_length=s.max_completion_length,
-                is_weights=is_w, kl_estimator=cfg.kl_estimator, loss_type=cfg.loss_type,
-                cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high,
-                sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg)
+            loss, stats = clipped_surrogate(logp, mb_old, adv[sl], mb.mask, is_weights=is_w,
+                                            ref_logp=None if ref_logp is None else ref_logp[sl], **loss_options)
             # Each micro-batch's loss is normalised within itself; weight it by its share of the
             # whole step's batch so that the gradient, accumulated and summed over ranks, equals
             # one pass over all the step's rows (N*P*G, or the groups --dynamic-sampling kept).
@@ -261,6 +257,13 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
         optimizer.zero_grad(set_to_none=True)
         return PolicyUpdate(agg, None, True, train_s, optimizer_s, gap_stats)
     return PolicyUpdate(world.reduce_stats(agg), float(grad_norm), False, train_s, optimizer_s, gap_stats)
+
+
+def surrogate_options(cfg: Config, max_completion_length: int) -> dict[str, Any]:
+    """`clipped_surrogate`'s keywords that hold for the whole run: the policy term and the KL and normalisation
+    choices of the flags."""
+    return dict(term=cfg.policy_term, beta=cfg.beta, kl_estimator=cfg.kl_estimator, ratio_level=cfg.ratio_level,
+                loss_norm=cfg.loss_norm, max_completion_length=max_completion_length)
 
 
 def no_stats() -> dict[str, float]:

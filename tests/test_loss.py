@@ -12,15 +12,23 @@ import torch
 from grpo.loss import (
     KL_KINDS,
     NORMS,
-    POLICY_LOSSES,
+    POLICY_TERMS,
     RATIO_LEVELS,
     STAT_KEYS,
+    Cispo,
+    Clip,
+    DppoKL,
+    DppoTV,
+    Gmpo,
+    Sapo,
     clipped_surrogate,
     group_advantages,
     kl_penalty,
+    policy_term,
 )
 
 F64 = torch.float64
+LOOP_TERMS = ("clip", "cispo", "sapo")  # the terms the loop reference below writes out
 LN = math.log
 
 
@@ -28,11 +36,15 @@ LN = math.log
 # The reference: one token at a time, Python control flow for every min/clip, float64 autograd.
 # It reads only positions where mask is True, so garbage elsewhere must not change the result.
 # ----------------------------------------------------------------------------------------------
-def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, epsilon=0.2, epsilon_high=None,
-                   delta=None, ratio_level="token", loss_norm="sequence", max_completion_length=None, is_weights=None,
-                   kl_estimator="k3", loss_type="clip", cispo_eps_low=1.0, cispo_eps_high=4.0, sapo_tau_pos=1.0,
-                   sapo_tau_neg=1.05):
+def surrogate_loop(logp, old_logp, adv, mask, *, term=Clip(), ref_logp=None, beta=0.0, ratio_level="token",
+                   loss_norm="sequence", max_completion_length=None, is_weights=None, kl_estimator="k3"):
     B, T = logp.shape
+    term = policy_term(term) if isinstance(term, str) else term
+    loss_type = term.name
+    clip = loss_type == "clip"
+    epsilon, epsilon_high, delta = (term.epsilon, term.epsilon_high, term.delta) if clip else (0, 0, None)
+    cispo_eps_low, cispo_eps_high = (term.eps_low, term.eps_high) if loss_type == "cispo" else (0, 0)
+    sapo_tau_pos, sapo_tau_neg = (term.tau_pos, term.tau_neg) if loss_type == "sapo" else (1, 1)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     lo, hi = 1.0 - epsilon, 1.0 + epsilon_high
     cispo_lo, cispo_hi = 1.0 - cispo_eps_low, 1.0 + cispo_eps_high
@@ -74,12 +86,14 @@ def surrogate_loop(logp, old_logp, adv, mask, *, ref_logp=None, beta=0.0, epsilo
                 n_low += wv < cispo_lo
                 n_high += wv > cispo_hi
                 grad_weights.append(c)
-            else:  # sapo
+            elif loss_type == "sapo":
                 tau = sapo_tau_pos if a > 0 else sapo_tau_neg
                 s = 1.0 / (1.0 + torch.exp(-tau * (w - 1.0)))  # sigmoid, written out
                 term = -(4.0 / tau) * s * a
                 sv = float(s.detach())
                 grad_weights.append(4.0 * sv * (1.0 - sv) * wv)
+            else:
+                raise NotImplementedError(f"the loop reference has no {loss_type!r}: test it against its peer")
             if is_weights is not None:
                 term = term * float(is_weights[i] if is_weights.dim() == 1 else is_weights[i, t])
             policy_row = policy_row + term
@@ -215,14 +229,14 @@ def test_hand_derived_clip_higher_and_delta():
     logp, old_logp, adv, mask = hand_batch()
     # DAPO clip-higher epsilon_high = 0.28: row 0's w = 1.5 now clips at 1.28 instead of 1.2:
     # total = -1.28 - 0.5 - 1.0 + 0.8 + 1.5 = -0.48, token mean -0.48 / 5 = -0.096.
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", epsilon_high=0.28)
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", term=Clip(epsilon_high=0.28))
     assert float(loss.detach()) == pytest.approx(-0.096, abs=1e-12)
     assert float(stats["clip_frac_high"]) == pytest.approx(0.2)
     # delta = 1.4 caps the unclipped branch: row 1's w = 1.5 with A = -1 gives
     # -min(min(1.5, 1.4) * -1, 1.2 * -1) = -min(-1.4, -1.2) = 1.4 instead of 1.5;
     # row 0's w = 1.5 with A = +1 is unchanged: -min(1.4, 1.2) = -1.2.
     # total = -2.7 + 0.8 + 1.4 = -0.5, token mean -0.1; the capped token has zero gradient.
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", delta=1.4)
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", term=Clip(delta=1.4))
     assert float(loss.detach()) == pytest.approx(-0.1, abs=1e-12)
     assert float(stats["clip_frac_delta"]) == pytest.approx(0.2)
     loss.backward()
@@ -288,8 +302,7 @@ def test_hand_derived_cispo_clips_the_weight_but_every_token_keeps_its_gradient(
     # value: -(1/N) sum c A logp with logp = -1 + log w; the pairs (1.5, 0.5) of the two rows cancel,
     # leaving -(1.0 * 1 * -1) / 5 = 0.2.
     logp, old_logp, adv, mask = hand_batch()
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type="cispo",
-                                    cispo_eps_low=0.2, cispo_eps_high=0.2)
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", term=Cispo(eps_low=0.2, eps_high=0.2))
     loss.backward()
     cispo_grad = logp.grad.clone()
     torch.testing.assert_close(cispo_grad, torch.tensor([[-0.24, -0.16, -0.2], [0.16, 0.24, 0.0]], dtype=F64),
@@ -308,7 +321,7 @@ def test_hand_derived_cispo_clips_the_weight_but_every_token_keeps_its_gradient(
 
     # The defaults (no lower bound, cap 5) clip nothing here: the weight is w itself, -A w / N.
     logp.grad = None
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type="cispo")
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", term="cispo")
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.3, -0.1, -0.2], [0.1, 0.3, 0.0]], dtype=F64),
                                rtol=0, atol=1e-12)
@@ -320,7 +333,7 @@ def test_hand_derived_cispo_caps_a_runaway_weight_at_one_plus_eps_high():
     old_logp = torch.zeros(1, 1, dtype=F64)
     logp = torch.full((1, 1), LN(10.0), dtype=F64, requires_grad=True)
     adv, mask = torch.ones(1, dtype=F64), torch.ones(1, 1, dtype=torch.bool)
-    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_type="cispo")
+    loss, stats = clipped_surrogate(logp, old_logp, adv, mask, term=Cispo())
     loss.backward()
     assert float(logp.grad) == pytest.approx(-5.0, abs=1e-12)
     assert float(stats["clip_frac_high"]) == 1.0 and float(stats["grad_weight_mean"]) == pytest.approx(5.0)
@@ -342,7 +355,7 @@ def test_hand_derived_sapo_gate_is_smooth_where_the_hard_clip_gives_zero_gradien
     grads = {}
     for loss_type in ("clip", "sapo"):
         logp = torch.tensor([[LN(1.25)], [LN(0.75)]], dtype=F64, requires_grad=True)
-        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type=loss_type)
+        loss, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", term=loss_type)
         loss.backward()
         grads[loss_type] = logp.grad
     assert (grads["clip"] == 0).all()
@@ -363,8 +376,7 @@ def test_sapo_gate_decays_away_from_ratio_one_and_faster_for_negative_advantages
     logp = torch.tensor([ws, ws], dtype=F64).log().requires_grad_()
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     mask = torch.ones(2, len(ws), dtype=torch.bool)
-    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", loss_type="sapo",
-                                sapo_tau_pos=1.0, sapo_tau_neg=3.0)
+    loss, _ = clipped_surrogate(logp, old_logp, adv, mask, loss_norm="token", term=Sapo(tau_pos=1.0, tau_neg=3.0))
     loss.backward()
     n = 2 * len(ws)
     gate = -logp.grad * n / adv[:, None] / torch.tensor(ws, dtype=F64)  # 4 s (1 - s), (2, len(ws))
@@ -387,9 +399,9 @@ def test_matches_float64_loop_reference_values_stats_and_gradients(ratio_level, 
         logp, old_logp, ref_logp, adv, mask, is_tok, is_row = random_batch(seed=variant)
         is_weights = {None: None, "row": is_row, "token": is_tok}[weights]
         max_completion_length = 9 if variant % 2 else None
-        kw = dict(ref_logp=ref_logp, beta=beta, epsilon_high=epsilon_high, delta=delta, ratio_level=ratio_level,
-                  loss_norm=loss_norm, max_completion_length=max_completion_length, is_weights=is_weights,
-                  kl_estimator=kl_estimator)
+        kw = dict(ref_logp=ref_logp, beta=beta, term=Clip(epsilon_high=epsilon_high, delta=delta),
+                  ratio_level=ratio_level, loss_norm=loss_norm, max_completion_length=max_completion_length,
+                  is_weights=is_weights, kl_estimator=kl_estimator)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         where = f"variant {variant}: beta={beta} delta={delta} is_weights={weights} epsilon_high={epsilon_high}"
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12), where
@@ -402,7 +414,7 @@ def test_the_reference_cases_actually_exercise_clipping_and_delta():
     seen = dict(low=0.0, high=0.0, delta=0.0)
     for seed in range(24):
         logp, old_logp, _, adv, mask, _, _ = random_batch(seed)
-        _, stats = clipped_surrogate(logp, old_logp, adv, mask, delta=1.5)
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, term=Clip(delta=1.5))
         seen["low"] += float(stats["clip_frac_low"])
         seen["high"] += float(stats["clip_frac_high"])
         seen["delta"] += float(stats["clip_frac_delta"])
@@ -411,8 +423,8 @@ def test_the_reference_cases_actually_exercise_clipping_and_delta():
 
 # Each with its defaults and with a setting that clips (CISPO) or gates (SAPO) much harder.
 VARIANT_PARAMS = {
-    "cispo": (dict(), dict(cispo_eps_low=0.1, cispo_eps_high=0.15)),
-    "sapo": (dict(), dict(sapo_tau_pos=3.0, sapo_tau_neg=6.0)),
+    "cispo": (Cispo(), Cispo(eps_low=0.1, eps_high=0.15)),
+    "sapo": (Sapo(), Sapo(tau_pos=3.0, tau_neg=6.0)),
 }
 
 
@@ -420,7 +432,7 @@ VARIANT_PARAMS = {
 @pytest.mark.parametrize("ratio_level,loss_norm,kl_estimator", list(itertools.product(RATIO_LEVELS, NORMS, KL_KINDS)))
 def test_cispo_and_sapo_match_float64_loop_reference_values_stats_and_gradients(loss_type, ratio_level, loss_norm,
                                                                                 kl_estimator):
-    for variant, (beta, weights, params) in enumerate(
+    for variant, (beta, weights, term) in enumerate(
         itertools.product((0.0, 0.05), (None, "row", "token"), VARIANT_PARAMS[loss_type])
     ):
         logp, old_logp, ref_logp, adv, mask, is_tok, is_row = random_batch(seed=variant)
@@ -428,9 +440,9 @@ def test_cispo_and_sapo_match_float64_loop_reference_values_stats_and_gradients(
         max_completion_length = 9 if variant % 2 else None
         kw = dict(ref_logp=ref_logp, beta=beta, ratio_level=ratio_level, loss_norm=loss_norm,
                   max_completion_length=max_completion_length, is_weights=is_weights, kl_estimator=kl_estimator,
-                  loss_type=loss_type, **params)
+                  term=term)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
-        where = f"variant {variant}: beta={beta} is_weights={weights} {params}"
+        where = f"variant {variant}: beta={beta} is_weights={weights} {term}"
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12), where
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12, msg=where)
         assert_stats_close(stats, ref_stats, 1e-12)
@@ -442,11 +454,10 @@ def test_the_reference_cases_exercise_cispo_clipping_and_sapo_gating():
     seen = dict(low=0.0, high=0.0, gate=0.0)
     for seed in range(12):
         logp, old_logp, _, adv, mask, _, _ = random_batch(seed)
-        _, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_type="cispo",
-                                     **VARIANT_PARAMS["cispo"][1])
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, term=VARIANT_PARAMS["cispo"][1])
         seen["low"] += float(stats["clip_frac_low"])
         seen["high"] += float(stats["clip_frac_high"])
-        _, stats = clipped_surrogate(logp, old_logp, adv, mask, loss_type="sapo", **VARIANT_PARAMS["sapo"][1])
+        _, stats = clipped_surrogate(logp, old_logp, adv, mask, term=VARIANT_PARAMS["sapo"][1])
         seen["gate"] += float(stats["ratio_mean"] - stats["grad_weight_mean"])
     assert all(v > 0.05 for v in seen.values()), seen
 
@@ -460,7 +471,7 @@ def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(loss_typ
     logp = torch.where(mask, logp, -1.0)
     x = logp.clone().requires_grad_()
     loss, stats = clipped_surrogate(x, x.detach(), adv, mask, loss_norm="token", ratio_level=ratio_level,
-                                    loss_type=loss_type, sapo_tau_pos=2.0, sapo_tau_neg=3.0)
+                                    term=Sapo(tau_pos=2.0, tau_neg=3.0) if loss_type == "sapo" else loss_type)
     loss.backward()
     y = logp.clone().requires_grad_()
     pg_loss = -(adv[:, None] * y * mask).sum() / mask.sum()
@@ -476,14 +487,152 @@ def test_on_policy_cispo_and_sapo_gradient_equals_plain_policy_gradient(loss_typ
         assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
+# ----------------------------------------------------------------------------------------------
+# DPPO and GMPO against verl's own formulas (verl/trainer/ppo/core_algos.py: compute_policy_loss_dppo_tv,
+# compute_policy_loss_dppo_kl, compute_policy_loss_geo_mean), written out here as plain float64 references.
+# ----------------------------------------------------------------------------------------------
+def verl_dppo(old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c, divergence):
+    """verl's DPPO-Binary-TV / -KL loss with loss_agg_mode="token-mean"; advantages (B,) broadcast per token."""
+    advantages = advantages[:, None].expand_as(log_prob)
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    truncated_ratio = torch.clamp(ratio, max=clip_ratio_c).detach()
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    if divergence == "tv":
+        valid_positive = (prob - old_prob) <= high
+        valid_negative = (prob - old_prob) >= -low
+    else:
+        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_positive = (binary_kl <= high) | (prob <= old_prob)
+        valid_negative = (binary_kl <= low) | (prob >= old_prob)
+    valid = torch.where(advantages > 0, valid_positive, valid_negative).detach().to(log_prob.dtype)
+    pg_losses = -advantages * truncated_ratio * log_prob * valid
+    mask = response_mask.to(log_prob.dtype)
+    return (pg_losses * mask).sum() / mask.sum(), 1.0 - (valid * mask).sum() / mask.sum()
+
+
+def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high):
+    """verl's GMPO loss (geo_mean): the mean over rows of -A times the row's geometric-mean clipped ratio."""
+    advantages = advantages[:, None].expand_as(log_prob)
+    mask = response_mask.to(log_prob.dtype)
+    negative_approx_kl = log_prob - old_log_prob
+    sgn_advantage = torch.sign(advantages)
+    negative_approx_kl_clamp = torch.clamp(negative_approx_kl, -clip_low, clip_high)
+    negative_approx_kl_min = sgn_advantage * torch.min(sgn_advantage * negative_approx_kl,
+                                                       sgn_advantage * negative_approx_kl_clamp)
+    mask_sum = mask.sum(dim=-1)
+    ratio = torch.exp((negative_approx_kl_min * mask).sum(dim=-1) / (mask_sum + 1e-8))
+    advantage = (advantages * mask).sum(dim=-1) / (mask_sum + 1e-8)
+    return torch.mean(-advantage * ratio)
+
+
+def clean_batch(seed, B=6, T=7, spread=0.35):
+    """`random_batch` with finite values everywhere (verl's formulas multiply by the mask, so padding must be
+    finite there), an empty row and a zero advantage kept."""
+    logp, old_logp, _, adv, mask, _, _ = random_batch(seed, B=B, T=T, spread=spread)
+    g = torch.Generator().manual_seed(seed + 100)
+    filler = -3.0 * torch.rand(B, T, generator=g, dtype=F64)
+    return torch.where(mask, logp, filler), torch.where(mask, old_logp, filler + 0.1), adv, mask
+
+
+def ours_and_peer(term, peer, seed, **kw):
+    logp, old_logp, adv, mask = clean_batch(seed)
+    x, x_peer = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    loss, stats = clipped_surrogate(x, old_logp, adv, mask, term=term, **kw)
+    loss.backward()
+    peer_out = peer(old_logp, x_peer, adv, mask)
+    peer_loss = peer_out[0] if isinstance(peer_out, tuple) else peer_out
+    peer_loss.backward()
+    return (loss, stats, x.grad), (peer_loss, peer_out, x_peer.grad)
+
+
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+@pytest.mark.parametrize("knobs", [dict(), dict(low=0.02, high=0.03, ratio_cap=1.3)])
+def test_dppo_matches_verls_formula_in_float64_values_and_gradients(divergence, knobs):
+    term = (DppoTV if divergence == "tv" else DppoKL)(**knobs)
+    peer = lambda o, x, a, m: verl_dppo(o, x, a, m, term.low, term.high, term.ratio_cap, divergence)  # noqa: E731
+    dropped = truncated = 0.0
+    for seed in range(6):
+        (loss, stats, grad), (peer_loss, (_, peer_dropped), peer_grad) = ours_and_peer(term, peer, seed,
+                                                                                        loss_norm="token")
+        assert float(loss.detach()) == pytest.approx(float(peer_loss.detach()), rel=1e-12, abs=1e-14), seed
+        torch.testing.assert_close(grad, peer_grad, rtol=1e-12, atol=1e-14)
+        assert float(stats["clip_frac"]) == pytest.approx(float(peer_dropped), abs=1e-12)  # verl's pg_clipfrac
+        dropped += float(stats["clip_frac"])
+        truncated += float(stats["clip_frac_delta"])
+    assert dropped > 0 and (truncated > 0 or knobs == {})  # the trust region and the cap both bound some token
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(epsilon=0.1, epsilon_high=0.05)])
+@pytest.mark.parametrize("spread", [0.35, 1.0])
+def test_gmpo_matches_verls_geo_mean_in_float64_values_and_gradients(knobs, spread):
+    term = Gmpo(**knobs)
+    peer = lambda o, x, a, m: verl_geo_mean(o, x, a, m, term.epsilon, term.high)  # noqa: E731
+    clipped = 0.0
+    for seed in range(6):
+        logp, old_logp, adv, mask = clean_batch(seed, spread=spread)
+        x, x_peer = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+        loss, stats = clipped_surrogate(x, old_logp, adv, mask, term=term, loss_norm="sequence")
+        loss.backward()
+        peer_loss = peer(old_logp, x_peer, adv, mask)
+        peer_loss.backward()
+        # verl adds 1e-8 to each row's token count: a relative difference of about 1e-8 / n_i
+        assert float(loss.detach()) == pytest.approx(float(peer_loss.detach()), rel=1e-7, abs=1e-12), seed
+        torch.testing.assert_close(x.grad, x_peer.grad, rtol=1e-7, atol=1e-12)
+        clipped += float(stats["clip_frac"])
+    assert clipped > 0  # the clip binds on some token
+
+
+def test_hand_derived_gmpo_clips_log_ratios_then_takes_the_geometric_mean():
+    # One row, A = +1, log-ratios [0.5, -0.5, 0.1], epsilon 0.4: A > 0 clips above only: [0.4, -0.5, 0.1],
+    # mean 0.0 -> row ratio 1, loss -1. Gradient: the clipped token none; the others -A * 1 / 3 each.
+    old_logp = torch.zeros(1, 3, dtype=F64)
+    logp = torch.tensor([[0.5, -0.5, 0.1]], dtype=F64).requires_grad_()
+    loss, stats = clipped_surrogate(logp - 1.0, old_logp - 1.0, torch.ones(1, dtype=F64),
+                                    torch.ones(1, 3, dtype=torch.bool), term="gmpo")
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-1.0, abs=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1 / 3, -1 / 3]], dtype=F64), rtol=0, atol=1e-12)
+    assert float(stats["clip_frac_high"]) == pytest.approx(1 / 3) and float(stats["clip_frac_low"]) == 0.0
+
+
+def test_hand_derived_dppo_tv_drops_a_token_whose_probability_rose_past_the_bound():
+    # A = +1; probabilities old [0.5, 0.1] -> new [0.7, 0.15]: rises 0.2 (> 0.15: dropped) and 0.05 (kept).
+    # The kept token: -sg(w) * A * logp with w = 1.5: gradient -1.5 / N, N = 2; the dropped one 0.
+    old_logp = torch.tensor([[0.5, 0.1]], dtype=F64).log()
+    logp = torch.tensor([[0.7, 0.15]], dtype=F64).log().requires_grad_()
+    loss, stats = clipped_surrogate(logp, old_logp, torch.ones(1, dtype=F64), torch.ones(1, 2, dtype=torch.bool),
+                                    term="dppo_tv", loss_norm="token")
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.75]], dtype=F64), rtol=0, atol=1e-12)
+    assert float(loss.detach()) == pytest.approx(-1.5 * math.log(0.15) / 2, abs=1e-12)
+    assert float(stats["clip_frac_high"]) == 0.5 and float(stats["grad_weight_mean"]) == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("loss_type", list(POLICY_TERMS))
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+def test_on_policy_every_term_gives_the_plain_policy_gradient(loss_type, ratio_level):
+    # w = 1: nothing is clipped, dropped or gated, so every term's gradient is -(1/N) sum_it mask_it A_i logp_it's.
+    logp, _, _, adv, mask, _, _ = random_batch(seed=5)
+    logp = torch.where(mask, logp, -1.0)
+    x = logp.clone().requires_grad_()
+    loss, stats = clipped_surrogate(x, x.detach(), adv, mask, loss_norm="token", ratio_level=ratio_level,
+                                    term=loss_type)
+    loss.backward()
+    y = logp.clone().requires_grad_()
+    (-(adv[:, None] * y * mask).sum() / mask.sum()).backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-15)
+    assert float(stats["grad_weight_mean"]) == pytest.approx(1.0, abs=1e-12) and float(stats["clip_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("loss_type", LOOP_TERMS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-6)])
 def test_low_precision_inputs_are_computed_in_float32(dtype, tol, loss_type):
     # bf16 inputs are upcast, so the result equals the float64 reference on the same (rounded) values
     # to float32 precision, not to bf16 precision.
     logp, old_logp, ref_logp, adv, mask, is_tok, _ = random_batch(seed=3)
-    kw = dict(beta=0.05, delta=1.5 if loss_type == "clip" else None, ratio_level="token", loss_norm="token",
-              is_weights=is_tok, loss_type=loss_type)
+    kw = dict(beta=0.05, term=Clip(delta=1.5) if loss_type == "clip" else loss_type, ratio_level="token",
+              loss_norm="token", is_weights=is_tok)
     lo = [t.to(dtype) for t in (logp, old_logp, ref_logp)]
     x = lo[0].clone().requires_grad_()
     loss, stats = clipped_surrogate(x, lo[1], adv.to(dtype), mask, ref_logp=lo[2], **kw)
@@ -501,7 +650,7 @@ def test_low_precision_inputs_are_computed_in_float32(dtype, tol, loss_type):
 # ----------------------------------------------------------------------------------------------
 # Edge cases
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", list(POLICY_TERMS))
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("loss_norm", NORMS)
 def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, loss_norm, loss_type):
@@ -509,8 +658,8 @@ def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, loss_norm, l
     assert not mask[1].any()  # row 1 is empty and holds garbage (inf log-ratio, nan ref, nan weights)
     x = logp.clone().requires_grad_()
     loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1,
-                                    delta=2.0 if loss_type == "clip" else None, ratio_level=ratio_level,
-                                    loss_norm=loss_norm, is_weights=is_tok, loss_type=loss_type)
+                                    term=Clip(delta=2.0) if loss_type == "clip" else loss_type,
+                                    ratio_level=ratio_level, loss_norm=loss_norm, is_weights=is_tok)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(v) for v in stats.values())
@@ -518,7 +667,7 @@ def test_all_masked_rows_give_zero_gradient_and_no_nan(ratio_level, loss_norm, l
     assert (x.grad[0] != 0).any()  # the full row does get a gradient
 
 
-@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", list(POLICY_TERMS))
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 @pytest.mark.parametrize("loss_norm", NORMS)
 def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(ratio_level, loss_norm, loss_type):
@@ -526,8 +675,7 @@ def test_a_batch_with_no_counted_token_gives_zero_loss_zero_grad_and_zero_stats(
     mask = torch.zeros_like(logp, dtype=torch.bool)
     x = logp.clone().requires_grad_()
     loss, stats = clipped_surrogate(x, old_logp, adv, mask, ref_logp=ref_logp, beta=0.1,
-                                    ratio_level=ratio_level, loss_norm=loss_norm, is_weights=is_tok,
-                                    loss_type=loss_type)
+                                    ratio_level=ratio_level, loss_norm=loss_norm, is_weights=is_tok, term=loss_type)
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert (x.grad == 0).all()
@@ -554,7 +702,7 @@ def test_sequence_norm_averages_over_all_rows_counting_empty_ones():
     assert float(tok_wider.detach()) == pytest.approx(float(tok.detach()), abs=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
+@pytest.mark.parametrize("loss_type", LOOP_TERMS)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
 def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_level, loss_type):
     # End to end at the smallest shapes: 3 prompts x G=2, one token each.
@@ -567,7 +715,7 @@ def test_single_token_completions_T1_with_G2_advantages_match_reference(ratio_le
     ref_logp = logp + 0.2 * torch.randn(6, 1, generator=g, dtype=F64)
     mask = torch.tensor([[True], [True], [True], [False], [True], [True]])
     for loss_norm in NORMS:
-        kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, loss_norm=loss_norm, loss_type=loss_type)
+        kw = dict(ref_logp=ref_logp, beta=0.04, ratio_level=ratio_level, loss_norm=loss_norm, term=loss_type)
         (loss, stats, grad), (ref_loss, ref_stats, ref_grad) = fast_and_reference(logp, old_logp, adv, mask, **kw)
         assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), abs=1e-12)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -700,7 +848,7 @@ def test_kl_penalty_and_logp_shape_checks():
 
 
 @pytest.mark.parametrize("option,choices", [("loss_norm", NORMS), ("ratio_level", RATIO_LEVELS),
-                                            ("kl_estimator", KL_KINDS), ("loss_type", POLICY_LOSSES)])
+                                            ("kl_estimator", KL_KINDS), ("term", tuple(POLICY_TERMS))])
 def test_unknown_option_raises_valueerror_listing_the_choices(option, choices):
     kw = _ok_inputs()
     with pytest.raises(ValueError) as err:
@@ -718,28 +866,31 @@ def test_bad_numbers_and_dtypes_raise_valueerror():
         clipped_surrogate(**kw, beta=-0.1, ref_logp=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="mask has dtype torch.int64"):
         clipped_surrogate(**{**kw, "mask": torch.ones(2, 3, dtype=torch.long)})
-    with pytest.raises(ValueError, match="delta=1.1"):
-        clipped_surrogate(**kw, delta=1.1)  # below 1 + epsilon_high = 1.2
-    with pytest.raises(ValueError, match="epsilon=-0.1"):
-        clipped_surrogate(**kw, epsilon=-0.1)
+    with pytest.raises(ValueError, match=r"Clip\(delta=1.1\), flag --delta"):
+        Clip(delta=1.1)  # below 1 + epsilon_high = 1.2
+    with pytest.raises(ValueError, match=r"Clip\(epsilon=-0.1\), flag --epsilon"):
+        Clip(epsilon=-0.1)
+    with pytest.raises(ValueError, match="epsilon_high=nan.*finite"):
+        Clip(epsilon_high=float("nan"))
+    with pytest.raises(ValueError, match="term=0.2: pass a policy term"):
+        clipped_surrogate(**kw, term=0.2)
     with pytest.raises(ValueError, match="max_completion_length=0"):
         clipped_surrogate(**kw, loss_norm="constant", max_completion_length=0)
     with pytest.raises(ValueError, match="floating dtype"):
         clipped_surrogate(**{**kw, "logp": torch.zeros(2, 3, dtype=torch.long)})
-    clipped_surrogate(**kw, delta=1.2)  # the boundary 1 + epsilon_high is allowed
+    clipped_surrogate(**kw, term=Clip(delta=1.2))  # the boundary 1 + epsilon_high is allowed
 
 
-def test_cispo_and_sapo_reject_delta_and_out_of_range_parameters():
-    kw = _ok_inputs()
-    for loss_type in ("cispo", "sapo"):
-        with pytest.raises(ValueError, match="delta=3.0 caps the unclipped ratio of loss_type='clip'"):
-            clipped_surrogate(**kw, loss_type=loss_type, delta=3.0)
-    with pytest.raises(ValueError, match="cispo_eps_low=-0.1"):
-        clipped_surrogate(**kw, loss_type="cispo", cispo_eps_low=-0.1)
-    with pytest.raises(ValueError, match="cispo_eps_high=-1"):
-        clipped_surrogate(**kw, loss_type="cispo", cispo_eps_high=-1)
-    with pytest.raises(ValueError, match="sapo_tau_pos=0"):
-        clipped_surrogate(**kw, loss_type="sapo", sapo_tau_pos=0)
-    with pytest.raises(ValueError, match="sapo_tau_neg=-1"):
-        clipped_surrogate(**kw, loss_type="sapo", sapo_tau_neg=-1)
-    clipped_surrogate(**kw, loss_type="cispo", cispo_eps_low=0.0, cispo_eps_high=0.0)  # a weight of 1: allowed
+def test_cispo_and_sapo_take_only_their_own_knobs_each_in_range():
+    for term in (Cispo, Sapo):
+        with pytest.raises(TypeError, match="delta"):  # the clip's cap is no knob of theirs
+            term(delta=3.0)
+    with pytest.raises(ValueError, match=r"Cispo\(eps_low=-0.1\), flag --cispo-eps-low"):
+        Cispo(eps_low=-0.1)
+    with pytest.raises(ValueError, match=r"Cispo\(eps_high=-1\), flag --cispo-eps-high"):
+        Cispo(eps_high=-1)
+    with pytest.raises(ValueError, match=r"Sapo\(tau_pos=0\), flag --sapo-tau-pos"):
+        Sapo(tau_pos=0)
+    with pytest.raises(ValueError, match=r"Sapo\(tau_neg=-1\), flag --sapo-tau-neg"):
+        Sapo(tau_neg=-1)
+    clipped_surrogate(**_ok_inputs(), term=Cispo(eps_low=0.0, eps_high=0.0))  # a weight of 1: allowed

@@ -1,26 +1,28 @@
-"""The loss's options, stated once (grpo/loss/options.py): the command line and the loss functions name each
-option alike and refuse the same numbers; the loss functions' old names still work, with a FutureWarning;
-the policy terms are exactly the offered choices; and the command line reads them without importing torch."""
+"""The loss's options, stated once: a policy term's knobs are checked by the term, whether research code or the
+command line made it, and each error names the knob and its flag; every registered term is what --loss-type
+offers, its knobs the flags; a term registered anywhere is offered the same way; the importance cap has one rule."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from grpo.config import Config
-from grpo.loss import POLICY_LOSSES, clipped_surrogate, importance_weights
-from grpo.loss.surrogate import POLICY_TERMS
+from grpo.config import Config, build_parser, parse_args
+from grpo.loss import (POLICY_TERMS, Cispo, Clip, DppoKL, DppoTV, Gmpo, PolicyTerm, Sapo, TermOutput, clipped_surrogate,
+                       importance_weights, policy_term, register_policy_term)
+from grpo.loss.terms import knob
 
-# Options with one name for the loss functions and the command line: both sides of a boundary of every rule.
+# Both sides of a boundary of every knob's rule: (term, knobs).
 CASES = [
-    dict(beta=-0.01), dict(beta=0.0), dict(epsilon=0.0), dict(epsilon=1.0), dict(epsilon=1.01), dict(epsilon=-0.01),
-    dict(epsilon_high=0.0), dict(epsilon_high=-0.01), dict(delta=1.2), dict(delta=1.19),
-    dict(epsilon_high=0.28, delta=1.28), dict(epsilon_high=0.28, delta=1.27), dict(loss_type="cispo", delta=3.0),
-    dict(loss_type="cispo", cispo_eps_low=0.0, cispo_eps_high=0.0), dict(cispo_eps_high=-0.5),
-    dict(sapo_tau_pos=0.0), dict(sapo_tau_neg=1e-3),
+    (Clip, dict(epsilon=0.0)), (Clip, dict(epsilon=1.0)), (Clip, dict(epsilon=1.01)), (Clip, dict(epsilon=-0.01)),
+    (Clip, dict(epsilon_high=0.0)), (Clip, dict(epsilon_high=-0.01)), (Clip, dict(delta=1.2)),
+    (Clip, dict(delta=1.19)), (Clip, dict(epsilon_high=0.28, delta=1.28)), (Clip, dict(epsilon_high=0.28, delta=1.27)),
+    (Cispo, dict(eps_low=0.0, eps_high=0.0)), (Cispo, dict(eps_high=-0.5)), (Sapo, dict(tau_pos=0.0)),
+    (Sapo, dict(tau_neg=1e-3)), (DppoTV, dict(low=0.0, high=1.0)), (DppoTV, dict(high=1.01)),
+    (DppoKL, dict(low=-0.01)), (DppoKL, dict(ratio_cap=1.0)), (DppoKL, dict(ratio_cap=0.99)),
+    (Gmpo, dict(epsilon=0.0)), (Gmpo, dict(epsilon=-0.1)), (Gmpo, dict(epsilon_high=-0.1)),
 ]
 
 
@@ -29,19 +31,27 @@ def _refuses(make) -> str | None:
         make()
     except ValueError as err:
         return str(err)
+    except SystemExit as exit_:  # the parser's one line, on stderr
+        return str(exit_.__context__)
     return None
 
 
-@pytest.mark.parametrize("options", CASES)
-def test_the_command_line_and_the_loss_refuse_the_same_numbers_under_one_name(options):
-    inputs = dict(logp=torch.zeros(2, 3), old_logp=torch.zeros(2, 3), adv=torch.zeros(2),
-                  mask=torch.ones(2, 3, dtype=torch.bool), ref_logp=torch.zeros(2, 3))
-    by_loss = _refuses(lambda: clipped_surrogate(**inputs, **options))
-    by_config = _refuses(lambda: Config(**options))
-    assert (by_loss is None) == (by_config is None), (by_loss, by_config)
-    if by_loss is not None:  # the option that broke the rule, named as each caller writes it
-        name = list(options)[-1]
-        assert f"{name}=" in by_loss and f"--{name.replace('_', '-')} " in by_config, (by_loss, by_config)
+@pytest.mark.parametrize("term, knobs", CASES)
+def test_the_command_line_and_research_code_refuse_the_same_knobs_naming_the_knob_and_its_flag(term, knobs):
+    by_term = _refuses(lambda: term(**knobs))
+    flags = [arg for name, value in knobs.items() for arg in (term.flag(name), str(value))]
+    by_command_line = _refuses(lambda: parse_args(["--loss-type", term.name, *flags]))
+    assert by_term == by_command_line  # the one rule, in one message
+    if by_term is not None:
+        name = list(knobs)[-1]  # the knob that broke the rule
+        assert f"({name}=" in by_term and f"flag {term.flag(name)}:" in by_term and "\n" not in by_term
+
+
+def test_a_knob_of_another_term_is_refused_on_the_command_line_naming_both():
+    with pytest.raises(SystemExit):
+        parse_args(["--loss-type", "cispo", "--delta", "3"])
+    err = _refuses(lambda: parse_args(["--sapo-tau-pos", "2"]))  # the default term is clip
+    assert err.startswith("--sapo-tau-pos is a knob of --loss-type sapo, and this run's loss type is clip")
 
 
 @pytest.mark.parametrize("cap, refused", [(2.0, False), (1.0, False), (0.99, True), (0.0, True)])
@@ -54,42 +64,51 @@ def test_the_importance_cap_has_one_rule_for_the_flag_and_the_function(cap, refu
         assert by_function.startswith(f"is_cap={cap}") and by_config.startswith(f"--is-cap {cap}")
 
 
-def test_every_offered_policy_loss_has_exactly_one_term_function():
-    assert tuple(POLICY_TERMS) == POLICY_LOSSES
+def test_loss_type_offers_every_registered_term_and_each_knob_is_a_flag_with_help():
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert tuple(actions["loss_type"].choices) == tuple(POLICY_TERMS)
+    for name, term in POLICY_TERMS.items():
+        assert term.__doc__ and term.name == name
+        assert isinstance(term(), PolicyTerm) and policy_term(name) == term()
+        for knob_name, value in term().as_dict().items():
+            if knob_name == "loss_type":
+                continue
+            action = actions[f"{name}:{knob_name}"]
+            assert action.option_strings == [term.flag(knob_name)] and len(action.help) > 40, action
+            assert action.help.endswith(f"(default: {'none' if value is None else value})")
 
 
-def test_the_command_line_reads_the_loss_options_without_importing_torch():
-    code = ("import sys; from grpo.config import parse_args; parse_args(['--loss-type', 'sapo']); "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", out.stderr
+def test_a_name_or_a_flag_taken_twice_is_refused():
+    with pytest.raises(ValueError, match="'sapo': its name or flags"):
+        register_policy_term("sapo")(Sapo)
+    with pytest.raises(ValueError, match=r"--epsilon"):
+        @register_policy_term("another_clip", flag_prefix="")
+        @dataclass(frozen=True)
+        class AnotherClip(PolicyTerm):
+            epsilon: float = knob(0.1, "A clip range.")
+    assert "another_clip" not in POLICY_TERMS
 
 
-def test_the_loss_functions_old_keywords_still_work_with_a_warning_naming_the_new_one():
-    from grpo.loss import group_advantages, kl_penalty
+def test_a_term_registered_in_one_place_is_a_loss_type_of_the_command_line_and_of_the_loss():
+    @register_policy_term("scaled_pg")
+    @dataclass(frozen=True)
+    class ScaledPolicyGradient(PolicyTerm):
+        """The plain policy gradient, scaled: -scale * A * logp."""
 
-    inputs = dict(logp=torch.tensor([[-1.0, -2.0]]), old_logp=torch.tensor([[-1.5, -1.0]]), adv=torch.tensor([1.0]),
-                  mask=torch.ones(1, 2, dtype=torch.bool))
-    new, _ = clipped_surrogate(**inputs, epsilon=0.1, loss_norm="constant", max_completion_length=4)
-    with pytest.warns(FutureWarning) as caught:
-        old, _ = clipped_surrogate(**inputs, eps_low=0.1, norm="constant", max_len=4)
-    assert [str(w.message).split(";")[0] for w in caught] == [
-        "clipped_surrogate(eps_low=...) is now epsilon=...", "clipped_surrogate(norm=...) is now loss_norm=...",
-        "clipped_surrogate(max_len=...) is now max_completion_length=..."]
-    assert torch.equal(old, new) and not torch.equal(new, clipped_surrogate(**inputs)[0])
-    with pytest.raises(TypeError, match="got eps_low= and epsilon=, one option twice"):
-        clipped_surrogate(**inputs, eps_low=0.1, epsilon=0.1)
-    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])
-    with pytest.warns(FutureWarning, match="is now num_generations="):
-        old_adv, _ = group_advantages(rewards, group_size=2, scale_rewards="none")
-    assert torch.equal(old_adv, group_advantages(rewards, num_generations=2, scale_rewards="none")[0])
-    with pytest.warns(FutureWarning, match="is now kl_estimator="):
-        assert torch.equal(kl_penalty(inputs["logp"], inputs["old_logp"], kind="k1"),
-                           kl_penalty(inputs["logp"], inputs["old_logp"], kl_estimator="k1"))
-    logp, sampler_logp = torch.tensor([[0.0, 0.0]]), torch.tensor([[-0.9163, 0.0]])  # ratios 2.5 and 1
-    with pytest.warns(FutureWarning, match="is now is_cap="):
-        old_w, _ = importance_weights(logp, sampler_logp, inputs["mask"], cap=3.0)
-    new_w, _ = importance_weights(logp, sampler_logp, inputs["mask"], is_cap=3.0)
-    assert torch.equal(old_w, new_w) and old_w[0, 0] > 2.4  # the cap given, not the default 2
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
-        clipped_surrogate(**inputs, bogus=1)
+        scale: float = knob(1.0, "ScaledPolicyGradient: what the policy gradient is multiplied by.")
+
+        def objective(self, x):
+            nothing = torch.zeros_like(x.mask)
+            return TermOutput(-self.scale * x.adv * x.logp, nothing, nothing, torch.full_like(x.logp, self.scale))
+
+    try:
+        cfg = parse_args(["--loss-type", "scaled_pg", "--scaled-pg-scale", "3"])
+        assert cfg.policy_term == ScaledPolicyGradient(scale=3.0)
+        logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        loss, stats = clipped_surrogate(logp, None, torch.tensor([2.0]), torch.ones(1, 2, dtype=torch.bool),
+                                        term=cfg.policy_term, loss_norm="token")
+        loss.backward()
+        torch.testing.assert_close(logp.grad, torch.tensor([[-3.0, -3.0]]))  # -scale * A / N, N = 2
+        assert float(stats["grad_weight_mean"]) == 3.0
+    finally:
+        del POLICY_TERMS["scaled_pg"]

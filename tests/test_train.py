@@ -92,9 +92,9 @@ def test_help_lists_every_flag_with_text():
 
 def test_the_loss_flags_offer_exactly_what_grpo_loss_accepts():
     from grpo.config import build_parser
-    from grpo.loss import KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES
-    from grpo.loss.options import IS_LEVELS as LEVELS
-    from grpo.loss.options import IS_MODES as MODES
+    from grpo.loss import IS_LEVELS as LEVELS
+    from grpo.loss import IS_MODES as MODES
+    from grpo.loss import KL_KINDS, NORMS, POLICY_TERMS, RATIO_LEVELS, SCALES
 
     choices = {a.dest: tuple(a.choices) for a in build_parser()._actions if a.choices}
     assert set(choices["loss_norm"]) == set(NORMS)
@@ -103,29 +103,45 @@ def test_the_loss_flags_offer_exactly_what_grpo_loss_accepts():
     assert set(choices["kl_estimator"]) == set(KL_KINDS)
     assert set(choices["is_correction"]) == set(MODES)
     assert set(choices["is_level"]) == set(LEVELS)
-    assert set(choices["loss_type"]) == set(POLICY_LOSSES)
+    assert set(choices["loss_type"]) == set(POLICY_TERMS)
 
 
-def test_loss_type_flags_reach_the_config_and_delta_is_refused_without_the_clip():
+def test_loss_type_flags_reach_the_config_and_the_defaults_are_the_loss_functions():
     import inspect
 
     from grpo.config import Config, parse_args
-    from grpo.loss import clipped_surrogate
+    from grpo.loss import POLICY_TERMS, Cispo, Sapo, clipped_surrogate
 
     cfg = parse_args(["--loss-type", "sapo", "--sapo-tau-pos", "0.5", "--sapo-tau-neg", "2"])
-    assert (cfg.loss_type, cfg.sapo_tau_pos, cfg.sapo_tau_neg) == ("sapo", 0.5, 2.0)
-    cfg = parse_args(["--loss-type", "cispo", "--cispo-eps-high", "0.28"])
-    assert (cfg.loss_type, cfg.cispo_eps_low, cfg.cispo_eps_high) == ("cispo", 1.0, 0.28)
-    # One source for every default: the config's match the loss function's.
+    assert cfg.policy_term == Sapo(tau_pos=0.5, tau_neg=2.0)
+    assert parse_args(["--loss-type", "cispo", "--cispo-eps-high", "0.28"]).policy_term == Cispo(eps_high=0.28)
+    # One source for every default: the config's match the loss function's, and each term's flags its own.
     defaults = inspect.signature(clipped_surrogate).parameters
     plain = Config()
-    assert plain.loss_type == defaults["loss_type"].default == "clip"
-    for name in ("cispo_eps_low", "cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg"):
+    assert plain.policy_term == defaults["term"].default == parse_args([]).policy_term
+    for name in ("kl_estimator", "ratio_level", "loss_norm"):
         assert getattr(plain, name) == defaults[name].default, name
+    for name, term in POLICY_TERMS.items():
+        assert parse_args(["--loss-type", name]).policy_term == term(), name
     with pytest.raises(SystemExit):
         parse_args(["--loss-type", "cispo", "--delta", "3"])
     with pytest.raises(SystemExit):
         parse_args(["--loss-type", "sapo", "--sapo-tau-neg", "0"])
+
+
+def test_a_preset_term_keeps_its_knobs_under_a_flag_and_config_json_holds_the_term(tmp_path, monkeypatch):
+    from grpo import config
+    from grpo.loss import Clip, Sapo
+
+    monkeypatch.setitem(config.PRESETS, "dapo-clip-higher", dict(policy_term=Clip(epsilon_high=0.28)))
+    monkeypatch.setitem(config.PRESET_SUMMARIES, "dapo-clip-higher", "The recipe with DAPO's clip-higher.")
+    cfg = config.parse_args(["--preset", "dapo-clip-higher", "--delta", "3"])
+    assert cfg.policy_term == Clip(epsilon_high=0.28, delta=3.0)
+    assert config.parse_args(["--preset", "dapo-clip-higher", "--loss-type", "sapo"]).policy_term == Sapo()
+    cfg.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["policy_term"] == {
+        "loss_type": "clip", "epsilon": 0.2, "epsilon_high": 0.28, "delta": 3.0}
+    assert Config.load(tmp_path / "config.json") == cfg
 
 
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
@@ -412,17 +428,17 @@ def test_the_loss_weights_tokens_by_the_sampler_ratio_only_when_the_engine_asks_
     assert bool(calls) == weighted
 
 
-@pytest.mark.parametrize("loss_type, flags", [("cispo", dict(cispo_eps_low=0.5, cispo_eps_high=0.28)),
-                                              ("sapo", dict(sapo_tau_pos=0.5, sapo_tau_neg=2.0))])
-def test_the_loss_type_and_its_parameters_reach_the_loss(char_llama_dir, tmp_path, monkeypatch, loss_type, flags):
+@pytest.mark.parametrize("term", ["cispo", "sapo"])
+def test_the_loss_type_and_its_parameters_reach_the_loss(char_llama_dir, tmp_path, monkeypatch, term):
     import grpo.step as step_module
+    from grpo.loss import Cispo, Sapo
 
+    term = {"cispo": Cispo(eps_low=0.5, eps_high=0.28), "sapo": Sapo(tau_pos=0.5, tau_neg=2.0)}[term]
     real, calls = step_module.clipped_surrogate, []
     monkeypatch.setattr(step_module, "clipped_surrogate", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
-    train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, loss_type=loss_type, lora_rank=4, lora_alpha=8,
-                   log_completions_steps=0, **flags))
-    assert calls and all(kw["loss_type"] == loss_type for kw in calls)
-    assert all(kw[k] == v for kw in calls for k, v in flags.items())
+    train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, policy_term=term, lora_rank=4, lora_alpha=8,
+                   log_completions_steps=0, loss_norm="token"))
+    assert calls and all(kw["term"] == term and kw["loss_norm"] == "token" for kw in calls)
 
 
 def test_a_flag_overrides_one_value_of_the_preset_and_keeps_the_rest(tmp_path):

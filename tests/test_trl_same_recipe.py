@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import parse_args
+from grpo.loss import Cispo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +63,9 @@ def test_grpo_config_of_trl_1_16_accepts_every_mapped_value(probe, tmp_path):
 
 def test_what_trl_cannot_be_told_is_refused_in_one_line_naming_the_flag(probe):
     cfg = parse_args(["--preset", "qwen1.5b-gsm8k"])
-    for change, flag in ((dict(dynamic_sampling=True), "--dynamic-sampling"), (dict(loss_type="cispo"), "--loss-type"),
-                         (dict(kl_estimator="k1"), "--kl-estimator"), (dict(micro_batch_size=24), "--micro-batch-size")):
+    for change, flag in ((dict(dynamic_sampling=True), "--dynamic-sampling"),
+                         (dict(policy_term=Cispo()), "--loss-type"), (dict(kl_estimator="k1"), "--kl-estimator"),
+                         (dict(micro_batch_size=24), "--micro-batch-size")):
         with pytest.raises(ValueError) as err:
             probe.grpo_config_values(dataclasses.replace(cfg, **change), output_dir="o", cuda=True, vllm_share=0.3)
         assert str(err.value).startswith(flag) and "\n" not in str(err.value)

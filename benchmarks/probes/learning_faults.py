@@ -90,15 +90,12 @@ def _row_loss(s, mb, adv, cfg):
     """The trainer's loss for a micro-batch, as update_policy builds it (first pass, mu = 1)."""
     from grpo.loss import clipped_surrogate
     from grpo.batch import sequence_logprobs
+    from grpo.step import surrogate_options
 
     logp = sequence_logprobs(s.policy, mb, cfg.temperature)
     return clipped_surrogate(
-        logp, logp.detach(), adv, mb.mask, ref_logp=None, beta=cfg.beta, epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high, delta=cfg.delta, ratio_level=cfg.ratio_level, loss_norm=cfg.loss_norm,
-        max_completion_length=s.max_completion_length, is_weights=None, kl_estimator=cfg.kl_estimator,
-        loss_type=cfg.loss_type,
-        cispo_eps_low=cfg.cispo_eps_low, cispo_eps_high=cfg.cispo_eps_high, sapo_tau_pos=cfg.sapo_tau_pos,
-        sapo_tau_neg=cfg.sapo_tau_neg)[0], logp
+        logp, logp.detach(), adv, mb.mask, ref_logp=None, is_weights=None,
+        **surrogate_options(cfg, s.max_completion_length))[0], logp
 
 
 def _padding_mask(batch) -> torch.Tensor:

@@ -77,8 +77,9 @@ def refusal(cfg) -> str | None:
     """What of `cfg` TRL 1.16 cannot be told, as one line naming the flag; None when it can be told all."""
     if cfg.dynamic_sampling:
         return "--dynamic-sampling: TRL 1.16's GRPOTrainer has no dynamic sampling; run without it"
-    if cfg.loss_type != "clip":
-        return f"--loss-type {cfg.loss_type}: only clip maps onto TRL unchanged (its cispo caps another quantity)"
+    if cfg.policy_term.name != "clip":
+        return (f"--loss-type {cfg.policy_term.name}: only clip maps onto TRL unchanged (its cispo caps another "
+                "quantity)")
     if cfg.kl_estimator != "k3":
         return f"--kl-estimator {cfg.kl_estimator}: TRL's KL term is k3; use --kl-estimator k3"
     if cfg.ignore_eos:
@@ -104,8 +105,8 @@ def grpo_config_values(cfg, *, output_dir: str, cuda: bool, vllm_share: float | 
         num_generations=cfg.num_generations, shuffle_dataset=False,
         max_completion_length=cfg.max_completion_length or cfg.max_seq_length - (cfg.max_prompt_length or 0),
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-        beta=cfg.beta, use_bias_correction_kl=False, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-        delta=cfg.delta, importance_sampling_level=cfg.ratio_level, num_iterations=cfg.num_iterations,
+        beta=cfg.beta, use_bias_correction_kl=False, epsilon=cfg.policy_term.epsilon,
+        epsilon_high=cfg.policy_term.epsilon_high, delta=cfg.policy_term.delta, importance_sampling_level=cfg.ratio_level, num_iterations=cfg.num_iterations,
         scale_rewards=cfg.scale_rewards, loss_type=LOSS_TYPES[cfg.loss_norm], mask_truncated_completions=False,
         # What the optimizer would be; the optimizer and schedule themselves are ours (optimizers=).
         learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,

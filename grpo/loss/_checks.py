@@ -1,5 +1,5 @@
-"""Tensor checks shared by the loss functions: one-line ValueErrors that name the input and the fix. The
-options' choices and number ranges are `grpo.loss.options`'.
+"""Checks shared by the loss functions: one-line ValueErrors that name the input and the fix. Each option's
+choices live beside the function that takes them; a policy term checks its own knobs.
 
 Every check here looks at metadata only (shape, dtype, Python numbers), never at tensor values, so
 none of them synchronizes with the GPU.
@@ -7,7 +7,14 @@ none of them synchronizes with the GPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is unknown; choose one of {', '.join(repr(c) for c in choices)}")
 
 
 def shape_str(t: torch.Tensor) -> str:

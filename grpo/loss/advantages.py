@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor, shape_str
-from .options import SCALES, check_choice, takes_old_keywords
+from ._checks import check_choice, check_tensor, shape_str
+
+SCALES = ("group", "batch", "none")  # what the centred rewards are divided by
 
 
-@takes_old_keywords
 def group_advantages(
     rewards: torch.Tensor,
     num_generations: int,

@@ -33,13 +33,27 @@ the weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from .options import IS_LEVELS, IS_MODES, check_choice, check_importance_numbers, takes_old_keywords
+from ._checks import check_choice
+
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("none", "truncate", "mask")
 
 
-@takes_old_keywords
+def check_importance_numbers(*, is_cap: float, is_cap_low: float | None = None,
+                             spell: Callable[[str, object], str] = lambda name, value: f"{name}={value}") -> None:
+    """The range of is_cap (and is_cap_low); a ValueError naming the option as `spell` writes it (the command
+    line passes its own spelling, `--is-cap 0.5`)."""
+    if not is_cap >= 1:
+        raise ValueError(f"{spell('is_cap', is_cap)}: the importance-weight cap must be 1 or more (a lower cap "
+                         "would weigh down tokens on which sampler and trainer agree, ratio 1); 2 is usual")
+    if is_cap_low is not None and not 0 <= is_cap_low < is_cap:
+        raise ValueError(f"{spell('is_cap_low', is_cap_low)}: must be in [0, is_cap={is_cap})")
+
+
 def importance_weights(
     logp: torch.Tensor,
     sampler_logp: torch.Tensor,
@@ -92,7 +106,6 @@ def importance_weights(
     return weights, stats
 
 
-@takes_old_keywords
 def clipped_by_correction(
     logp: torch.Tensor,
     sampler_logp: torch.Tensor,

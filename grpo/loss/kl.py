@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_logp, check_same_shape
-from .options import KL_KINDS, check_choice, takes_old_keywords
+from ._checks import check_choice, check_logp, check_same_shape
+
+KL_KINDS = ("k1", "k2", "k3")
 
 
 def kl_from_log_ratio(x: torch.Tensor, kl_estimator: str) -> torch.Tensor:
@@ -42,7 +43,6 @@ def kl_from_log_ratio(x: torch.Tensor, kl_estimator: str) -> torch.Tensor:
     raise ValueError(f"kl_estimator={kl_estimator!r} is unknown; choose one of {', '.join(repr(k) for k in KL_KINDS)}")
 
 
-@takes_old_keywords
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate from the policy to the reference, shape (B, T).
 
