@@ -137,8 +137,9 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
     """`rope_store_attend_ref` in the attention's own launches: the rotary embeddings of q and K and the K/V
     write, two launches a layer before (a compiled rotary for q, `decode_gemm.rope_store_kv`), happen inside the
-    chunk kernel (`EngineTuning.rope_in_attention`). Called eagerly (it writes the caches: in a compiled graph
-    inductor would copy the cache views whole), captured in the engine's CUDA graph like the rest."""
+    chunk kernel (the native engine's kernel layer, where it attends with this kernel). Called eagerly (it
+    writes the caches: in a compiled graph inductor would copy the cache views whole), captured in the engine's
+    CUDA graph like the rest."""
     rows, dim = q.shape[0], cos.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows may be strided: column
     if k.stride(0) != v.stride(0):  # slices of one q/k/v product (packed.PackedGroup's stacked GEMM)

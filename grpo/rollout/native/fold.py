@@ -93,8 +93,9 @@ def _unfold(d: DecodeProj, kept: _Kept) -> None:
 class _KernelFolds:
     """The same fold and restore in one Triton launch a weight each way (`grpo/kernels/_fold_triton.py`), D
     computed inside the tiles: the torch ops above write D and two float32 sums of every weight's size and
-    wait on the GPU once a weight to size its kept list. Here a first pass counts every weight's kept elements, with one wait for all of them. The kernel's D is
-    float32 FMAs in its own order, so W + D may round apart from the torch ops' in the last bit."""
+    wait on the GPU once a weight to size its kept list. Here a first pass counts every weight's kept elements,
+    with one wait for all of them. The kernel's D is float32 FMAs in its own order, so W + D may round apart
+    from the torch ops' in the last bit."""
 
     BLOCK_N, BLOCK_K = 32, 128
 

@@ -2,8 +2,9 @@
 
 Past the decode kernels' rows (`EngineTuning.kernel_rows`) peft's modules would cost, per LoRA matrix, a
 cast of its float32 weight to bf16 and a GEMM of its own, then a scale and an add, every token step (14
-matrices a Llama layer). Here each projection is one cuBLAS GEMM on the model's own weight (the residual added in that GEMM where there is one), and its adapter two more: the A
-matrices of the projections that read one input (q/k/v, gate/up) stacked into one (sum of ranks, K) matrix,
+matrices a Llama layer). Here each projection is one cuBLAS GEMM on the model's own weight (the residual added
+in that GEMM where there is one), and its adapter two more: the A matrices of the projections that read one
+input (q/k/v, gate/up) stacked into one (sum of ranks, K) matrix,
 so one GEMM gives every x A^T of the group, and each adapter's B product added into its projection's output
 by its own GEMM (`addmm_`, in place, alpha = the adapter's scale). A and B are copied into the activations'
 dtype once a generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter
