@@ -4,16 +4,18 @@
   tied embeddings, llama3 rope), randomly initialised, saved with the real Llama 3.2 tokenizer
   (`grpo.assets`). There is no model hub here; the step's cost depends on shapes, not on weights.
 - `write_prompts`: a JSONL whose every question makes a chat prompt (`grpo.data.chat_prompt`) of
-  exactly `prompt_len` tokens, so prompt and completion lengths (with `ignore_eos`) are fixed.
+  exactly `prompt_len` tokens, so prompt and completion lengths (with `fixed_lengths`) are fixed.
 - `step_config`: the `grpo.config.Config` of one shape: rsLoRA r=32 on the 7 projections, beta 0.04,
-  8-bit AdamW, gradient checkpointing, the native engine, in bf16 or FP8.
+  8-bit AdamW, gradient checkpointing, the native engine, in bf16 or FP8; `fixed_lengths`: the trainer's
+  sampling with EOS ignored, so that every completion runs to the shape's length.
 - `summarize_steps`: steady-state medians of the trainer's per-step records (metrics.jsonl).
 - `run_trl`: the peer, TRL's GRPOTrainer on the same model, prompts, lengths and hyperparameters (sampling
   with transformers or with vLLM colocated); `run_unsloth_grpo`: Unsloth's own GRPO, the seed recipe's way.
 - `Results`: the records of one run, written to `benchmarks/results/<date>-<gpu>.json` as they come.
 
-What it deliberately is not: a second trainer. The step measured is `grpo.trainer.train`, unchanged;
-nothing here reimplements or patches a phase of it. Nothing happens at import.
+What it deliberately is not: a second trainer. The step measured is `grpo.trainer.train`; nothing here
+reimplements a phase of it, and the one thing changed is its sampling's `ignore_eos` (`fixed_lengths`).
+Nothing happens at import.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import statistics
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +192,7 @@ def write_prompts(path: str | Path, tokenizer, prompt_len: int, n: int = 64, see
 def step_config(model_dir: str | Path, dataset: str | Path, shape: Shape, *, fp8: bool, steps: int,
                 output_dir: str | Path, cuda: bool = True, **overrides: Any):
     """The recipe at `shape`: rsLoRA r=32 alpha=64 on the 7 projections, beta 0.04, 8-bit AdamW,
-    gradient checkpointing, fixed lengths (ignore_eos), the native engine; bf16 or FP8 base weights."""
+    gradient checkpointing, the native engine; bf16 or FP8 base weights. Train it inside `fixed_lengths`."""
     from grpo.config import Config
 
     values = dict(
@@ -196,12 +200,32 @@ def step_config(model_dir: str | Path, dataset: str | Path, shape: Shape, *, fp8
         lora_rank=32, lora_alpha=64, use_rslora=True, lora_targets=LORA_TARGETS, gradient_checkpointing=True,
         max_prompt_length=shape.prompt_len, max_completion_length=shape.completion_len,
         max_seq_length=shape.seq_len, prompts_per_step=shape.prompts, num_generations=shape.generations,
-        beta=0.04, optim="adamw_8bit", engine="native", ignore_eos=True, temperature=1.0, min_p=0.1,
+        beta=0.04, optim="adamw_8bit", engine="native", temperature=1.0, min_p=0.1,
         max_steps=steps, save_steps=0, eval_size=0, log_completions_steps=0, output_dir=str(output_dir),
         seed=3407,
     )
     values.update(overrides)
     return Config(**values)
+
+
+@contextmanager
+def fixed_lengths() -> Iterator[None]:
+    """Inside, `grpo.trainer.train` samples with EOS ignored (`Sampling.ignore_eos`, the engines' switch for
+    benchmarks): every completion runs to max-completion-length, so step times compare at fixed lengths (a
+    random-init model would stop at an EOS by chance). The trainer's Config has no such flag: no user wants it."""
+    from grpo import trainer  # torch and the model stack, only where a step runs: collection stays light
+
+    load = trainer.load_model_data_and_sampler
+
+    def load_at_fixed_lengths(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        return replace(loaded, sampling=replace(loaded.sampling, ignore_eos=True))
+
+    trainer.load_model_data_and_sampler = load_at_fixed_lengths
+    try:
+        yield
+    finally:
+        trainer.load_model_data_and_sampler = load
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

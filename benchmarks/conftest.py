@@ -26,7 +26,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: the model is built, the tokenizer is packaged
 # vLLM on an FP8-Block checkpoint JIT-compiles DeepGEMM kernels for every shape it might meet before serving
-# (4.6 minutes on the H200 for a small model, 2026-12-02); skipped, it compiles the few shapes a fixed-length
+# (minutes, even for a small model); skipped, it compiles the few shapes a fixed-length
 # step uses during the warm-up steps, which the steady-state figures leave out. Every engine alike.
 os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
 

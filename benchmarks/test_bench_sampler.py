@@ -106,42 +106,26 @@ def copy_bandwidth(bench_env) -> float | None:
 
 @pytest.mark.bench_order(70)
 @pytest.mark.bench_cost(40)
-@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel", "lora-folded", "lora-folded-race",
-                                     "lora-modules"])
+@pytest.mark.parametrize("adapter", ["lora", "off", "lora-attention-kernel", "lora-folded"])
 @pytest.mark.parametrize("rows", SWEEP_ROWS)
 def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, copy_bandwidth, rows, adapter):
     """Ours at `rows` rows, with the adapter and with peft's switch off (the engine follows it), attending with
     torch's sdpa; with the adapter and the split-KV attention kernel (`--engine-attention kernel`, auto's
-    choice on CUDA from 16 rows, where it was measured to pay in the step) in its place: the product until
-    2026-12-04; and with the kernel and the adapter folded into the base weights (`EngineTuning.fold_adapter`),
-    whose token step reads the base weights alone: the trainer's engine since. Past the decode kernels' rows
-    the product runs the projections as torch's GEMMs with the adapters packed (`EngineTuning.packed_layers`);
-    there `lora-modules` times peft's modules in their place, as the engine ran such steps before 2026-12-04.
-    `lora-folded-race` is the folded engine sampling with `grpo.kernels.race_sample` (`EngineTuning.sample_kernel`:
-    the race's noise drawn inside the sampler's launches), off in the product since it was timed (RESULTS.md)."""
+    choice on CUDA from 16 rows) in its place; and with the kernel and the adapter folded into the base weights
+    (`--engine-fold-adapter`), whose token step reads the base weights alone: the trainer's engine. Past the
+    decode kernels' rows the engine runs the projections as torch's GEMMs with the adapters packed."""
     import contextlib
 
-    from grpo.kernels import decode_attention, decode_gemm
+    from grpo.kernels import decode_attention
     from grpo.rollout import build_engine
-    from grpo.rollout.native import EngineTuning, NativeEngine
 
     policy, tokenizer, prompts = sampler_setup
     shape = bench_env.scale[rows]
     attention = "sdpa" if adapter in ("lora", "off") else "kernel"
     if attention == "kernel" and not decode_attention.can_run(next(policy.parameters()).device):
         pytest.skip("the attention kernel needs triton and a CUDA model")
-    if adapter == "lora-modules" and rows <= decode_gemm.MAX_ROWS:
-        pytest.skip(f"up to {decode_gemm.MAX_ROWS} rows the decode kernels run, neither packed layers nor modules")
-    folded = adapter == "lora-folded"
-    if adapter == "lora-modules":
-        engine = NativeEngine(policy, max_seq_len=shape.seq_len, max_batch=shape.rows, pad_id=tokenizer.pad_token_id,
-                              tuning=EngineTuning(attention=attention, packed_layers=False))
-    elif adapter == "lora-folded-race":  # build_engine's folded engine, but for the sampler
-        engine = NativeEngine(policy, max_seq_len=shape.seq_len, max_batch=shape.rows, pad_id=tokenizer.pad_token_id,
-                              tuning=EngineTuning(attention=attention, fold_adapter=True, sample_kernel=True))
-    else:
-        engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
-                              max_batch=shape.rows, attention=attention, fold_adapter=folded)
+    engine = build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=shape.seq_len,
+                          max_batch=shape.rows, attention=attention, fold_adapter=adapter == "lora-folded")
     sampling, timings, rollouts = _sampling(shape), [], []
 
     def generate():
@@ -158,11 +142,10 @@ def test_native_sampler_at_rows(benchmark, bench_env, results, sampler_setup, co
     if adapter != "off":  # (without it the trainer's side would need peft's switch off too)
         benchmark.extra_info["gap"] = _gap(policy, tokenizer.pad_token_id, rollouts[0], sampling.temperature)
     impl = {"lora": "ours", "off": "ours-no-adapter", "lora-attention-kernel": "ours-attention-kernel",
-            "lora-folded": "ours-folded", "lora-folded-race": "ours-folded-race",
-            "lora-modules": "ours-modules"}[adapter]
+            "lora-folded": "ours-folded"}[adapter]
     # folded, a token step reads the base weights alone (the adapters went into them before the prefill)
     _record(benchmark, results, shape, impl, [t["prefill"] + t["decode"] for t in measured], policy,
-            adapter in ("lora", "lora-attention-kernel", "lora-modules"),
+            adapter in ("lora", "lora-attention-kernel"),
             decode_s=[t["decode"] for t in measured], copy_tbps=copy_bandwidth)
     engine.release_memory()
     del engine

@@ -50,7 +50,8 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
     def run():
-        train(cfg)
+        with bs.fixed_lengths():
+            train(cfg)
         bs.sync()
 
     with bs.GpuUsedMemory() as used:
@@ -81,8 +82,8 @@ def test_grpo_step_at_bench_config(benchmark, bench_env, results, tmp_path, dtyp
 @pytest.mark.bench_cost(15)
 def test_grpo_step_on_the_fp8_tensor_cores(benchmark, bench_env, results, tmp_path):
     """FP8 at the bench config with --fp8-gemm fp8: the training pass and the prefill as FP8 GEMMs (`_scaled_mm`,
-    activations quantized per 1x128 group; a Python autograd node a projection), the product until 2026-12-04,
-    beside the product's dense bf16 products from the FP8 weights (--fp8-gemm auto with checkpointing)."""
+    activations quantized per 1x128 group; a Python autograd node a projection), beside the product's dense
+    bf16 products from the FP8 weights (--fp8-gemm auto with checkpointing)."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "fp8", impl="ours-fp8-gemm", fp8_gemm="fp8")
 
 
@@ -97,7 +98,7 @@ def test_grpo_step_releasing_the_engine_each_step(benchmark, bench_env, results,
 @pytest.mark.bench_order(32)
 @pytest.mark.bench_cost(15)
 def test_grpo_step_with_adapters_multiplying_in_float32(benchmark, bench_env, results, tmp_path):
-    """bf16 at the bench config with --lora-compute float32 (the default until 2026-12-02, peft's own way): a
+    """bf16 at the bench config with --lora-compute float32 (peft's own way): a
     float32 copy of each projection's input made and saved in training, against the default's bf16 products
     (decode's kernels compute the adapters the same way under either setting)."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", lora_compute="float32", impl="ours-lora-fp32")
@@ -117,7 +118,7 @@ def test_grpo_step_in_micro_batches_of_8(benchmark, bench_env, results, tmp_path
 @pytest.mark.parametrize("config_name", ["bench", "long"])
 def test_grpo_step_with_the_adapters_unfolded(benchmark, bench_env, results, tmp_path, config_name):
     """bf16 with the native engine sampling through the adapters (--no-engine-fold-adapter; the product folds
-    them into the base weights for the prefill and the decode since 2026-12-04, and FP8 weights never fold), the
+    them into the base weights for the prefill and the decode, and FP8 weights never fold), the
     long config in micro-batches of 4 as its goal's: what the fold saves a step, and the sampler-trainer gap it
     adds (the results' `gap`), beside the product's rows of the same run."""
     micro, impl = (4, "ours-mb4-unfolded") if config_name == "long" else (None, "ours-unfolded")
@@ -150,8 +151,7 @@ def test_grpo_step_on_the_unsloth_path(benchmark, bench_env, results, tmp_path, 
 def test_grpo_step_on_the_unsloth_path_at_the_peers_share(benchmark, bench_env, results, tmp_path):
     """bf16 on the Unsloth path with vLLM at the share the peers run it at (bs.VLLM_SHARE, 0.35: Unsloth then
     picks max_num_seqs by the KV cache that leaves) instead of the default's, sized for the run's 16 rows:
-    whether the sized engine samples as fast (2026-12-03 it took 1.73 s a generate where the share had taken
-    1.26 the day before, on another machine start). Run alone: -k peers_share."""
+    whether the sized engine samples as fast as the share. Run alone: -k peers_share."""
     _skip_without_unsloth()
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", impl="ours-unsloth-share", engine="unsloth",
               vllm_share=bs.VLLM_SHARE)
@@ -178,8 +178,7 @@ def test_grpo_step_at_long_config(benchmark, bench_env, results, tmp_path, dtype
 @pytest.mark.bench_cost(40)
 def test_grpo_step_at_long_config_in_micro_batches_of_4(benchmark, bench_env, results, tmp_path):
     """bf16 at the long config with --micro-batch-size 4 (the seed recipe's gradient accumulation of 4):
-    the same gradient in four passes, so one recomputed layer holds a quarter of the activations.
-    benchmarks/probes/saved_activations.py measures those on CPU: 311 MiB per layer per 2048 tokens."""
+    the same gradient in four passes, so one recomputed layer holds a quarter of the activations."""
     _run_ours(benchmark, bench_env, results, tmp_path, "long", "bf16", micro_batch=4, impl="ours-mb4")
 
 

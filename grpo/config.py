@@ -203,8 +203,6 @@ class Config:
     stop: tuple[str, ...] = _f((), "Stop strings: a completion ends right after the first one it writes, "
                                "which stays in the completion (vLLM's stop with include_stop_str_in_output). "
                                "An empty --stop clears a preset's.", "sampling", nargs="*")
-    ignore_eos: bool = _f(False, "Always generate max-completion-length tokens (fixed lengths, for "
-                          "benchmarks).", "sampling")
 
     # --- optimizer ---------------------------------------------------------------------------
     learning_rate: float = _f(5e-6, "Peak learning rate.", "optim")

@@ -261,7 +261,7 @@ def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device,
     stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
-                        stop_sequences=stop_string_sequences(tokenizer, cfg.stop), ignore_eos=cfg.ignore_eos)
+                        stop_sequences=stop_string_sequences(tokenizer, cfg.stop))
     return Loaded(engine_name, policy, tokenizer, engine, keep_engine, sampling, max_completion_length, prompts,
                   eval_prompts, reward_funcs)
 

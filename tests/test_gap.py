@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,8 +66,9 @@ def test_the_progress_line_shows_the_gap_only_above_the_threshold():
 
 
 class _OffsetSampler:
-    """The hf engine, reporting log-probs shifted by a known amount: -1 at each row's first token (the
-    trainer's ratio is then e > 2, clipped at --is-cap 2) and +0.25 at its second, 0 elsewhere."""
+    """The hf engine with EOS ignored (every row max-completion-length tokens), reporting log-probs shifted by
+    a known amount: -1 at each row's first token (the trainer's ratio is then e > 2, clipped at --is-cap 2) and
+    +0.25 at its second, 0 elsewhere."""
 
     needs_importance_correction = False  # the gap must still count what the correction would clip
 
@@ -76,7 +78,7 @@ class _OffsetSampler:
         self.hf = HFEngine(policy, pad_id=pad_id)
 
     def generate(self, prompt_ids, n, sampling):
-        rollout = self.hf.generate(prompt_ids, n, sampling)
+        rollout = self.hf.generate(prompt_ids, n, replace(sampling, ignore_eos=True))
         offset = torch.zeros_like(rollout.sampler_logp)
         offset[:, 0], offset[:, 1] = -1.0, 0.25
         rollout.sampler_logp = rollout.sampler_logp + offset * rollout.mask
@@ -107,7 +109,7 @@ def test_every_step_logs_the_gap_from_the_old_logprobs_with_mu_above_one(char_ll
     monkeypatch.setattr(step_module, "sequence_logprobs", counted)  # the loss passes
     monkeypatch.setattr(batch_module, "sequence_logprobs", counted)  # batch_logprobs: the old log-probs
     T = 4
-    train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.0, ignore_eos=True,
+    train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=2, num_iterations=2, beta=0.0,
                    max_completion_length=T, min_p=0.0, is_cap=2.0, lora_rank=4, lora_alpha=8,
                    log_completions_steps=0))
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

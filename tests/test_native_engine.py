@@ -67,7 +67,7 @@ def test_engine_needs_no_importance_correction_and_keeps_its_kv_cache_on_standby
 
 def test_engine_tuning_refuses_values_it_cannot_run():
     for bad in (dict(kv_bucket=0), dict(check_every=0), dict(attention="flash"), dict(kernel_rows=0),
-                dict(kernel_rows=65), dict(prefill_bucket=0), dict(prefill_graph_tokens=-1)):
+                dict(kernel_rows=65), dict(prefill_bucket=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineTuning(**bad)
     if os.environ.get("TRITON_INTERPRET") != "1":  # the attention kernel needs Triton on a GPU (or its interpreter)
@@ -439,7 +439,7 @@ def test_prefill_replayed_from_its_cuda_graph_gives_the_rollout_of_the_eager_pre
     sampling = Sampling(max_new_tokens=24, temperature=1.0, seed=3)
     others = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40, 41]]  # width 17: a bucket of 32
     eager = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD,
-                         tuning=EngineTuning(kv_bucket=16, prefill_graph_tokens=0))
+                         tuning=EngineTuning(kv_bucket=16, use_cuda_graph=False))
     want = {id(p): eager.generate(p, 2, sampling) for p in (PROMPTS, others)}
     engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD,
                           tuning=EngineTuning(kv_bucket=16, prefill_bucket=16))
@@ -506,13 +506,13 @@ def test_attention_kernel_matches_its_reference_on_cuda(rows, heads, n_kv, dim, 
 
 @pytest.mark.cuda
 @cuda
-def test_attention_kernel_in_chunks_in_the_captured_step_gives_the_rollout_of_matmul_attention():
+def test_attention_kernel_in_chunks_in_the_captured_step_gives_the_rollout_of_eager_sdpa_attention():
     # a bucket of 128 positions and 6 rows: two chunks a row, so the combine launch and the op's scratch run
     # inside the compiled, captured step; float32, where the two ways agree to rounding
     model = small_llama(seed=9).cuda()
     sampling = Sampling(max_new_tokens=80, temperature=1.0, seed=4)
     ref = NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, tuning=EngineTuning(
-        kv_bucket=128, use_cuda_graph=False, compile=None, attention="matmul")).generate(PROMPTS, 2, sampling)
+        kv_bucket=128, use_cuda_graph=False, compile=None, attention="sdpa")).generate(PROMPTS, 2, sampling)
     out = NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, tuning=EngineTuning(
         kv_bucket=128, attention="kernel")).generate(PROMPTS, 2, sampling)
     assert torch.equal(out.completion_ids, ref.completion_ids)
@@ -522,10 +522,11 @@ def test_attention_kernel_in_chunks_in_the_captured_step_gives_the_rollout_of_ma
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_attention_gives_the_rollout_of_the_launches_apart_in_the_captured_step(dtype, monkeypatch):
-    # EngineTuning.rope_in_attention on the GPU: the kernel layer with q's and K's rotaries and the K/V write in
-    # the attention's launch, in the compiled, captured step (two chunks a row from position 64), against them
-    # apart: float32 to rounding over all 80 tokens; bf16 (its roundings) over the first 8 of each row
+def test_rotaries_in_the_attention_kernels_launch_give_the_rollout_of_the_launches_apart(dtype, monkeypatch):
+    # the kernel layer with the attention kernel: q's and K's rotaries and the K/V write in the attention's
+    # launch, in the compiled, captured step (two chunks a row from position 64), against the same kernel layer
+    # attending with sdpa, the rotaries and the K/V write apart: float32 to rounding over all 80 tokens; bf16
+    # (its roundings) over the first 8 of each row
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
@@ -535,17 +536,17 @@ def test_rope_in_attention_gives_the_rollout_of_the_launches_apart_in_the_captur
                                                             init_lora_weights=False)).cuda().to(dtype)
     sampling = Sampling(max_new_tokens=80, temperature=1.0, seed=5)
 
-    def rollout(fused: bool):
+    def rollout(attention: str):
         return NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, gemm="kernels", tuning=EngineTuning(
-            kv_bucket=128, attention="kernel", rope_in_attention=fused)).generate(PROMPTS, 2, sampling)
+            kv_bucket=128, attention=attention)).generate(PROMPTS, 2, sampling)
 
-    apart = rollout(False)
+    apart = rollout("sdpa")
 
     def separate_write(*args):
         raise AssertionError("the K/V write ran apart from the attention")
 
     monkeypatch.setattr(decode_gemm, "rope_store_kv", separate_write)  # every layer takes the fused path
-    fused = rollout(True)
+    fused = rollout("kernel")
     if dtype == torch.float32:
         assert torch.equal(fused.completion_ids, apart.completion_ids)
         torch.testing.assert_close(fused.sampler_logp, apart.sampler_logp, atol=1e-4, rtol=0)
@@ -556,8 +557,9 @@ def test_rope_in_attention_gives_the_rollout_of_the_launches_apart_in_the_captur
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("fold_kernel", [False, True])  # torch's ops, or the Triton kernel (EngineTuning.fold_kernel)
-def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample_near_the_unfolded_step(fold_kernel):
+@pytest.mark.parametrize("fold_kernel", [False, True])  # torch's ops (the reference), or the Triton kernel
+def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample_near_the_unfolded_step(
+        fold_kernel, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -566,8 +568,9 @@ def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample
     before = {name: p.clone() for name, p in lora.named_parameters()}
     sampling = Sampling(max_new_tokens=24, temperature=1.0, seed=5)
     plain = NativeEngine(lora, max_seq_len=64, max_batch=6, pad_id=PAD).generate(PROMPTS, 2, sampling)
-    engine = NativeEngine(lora, max_seq_len=64, max_batch=6, pad_id=PAD,
-                          tuning=EngineTuning(fold_adapter=True, fold_kernel=fold_kernel))
+    if not fold_kernel:
+        monkeypatch.setattr(fold, "kernel_folds", lambda ds: False)
+    engine = NativeEngine(lora, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(fold_adapter=True))
     for _ in range(2):  # the second replays the graphs captured by the first
         out = engine.generate(PROMPTS, 2, sampling)
         assert engine._fold
@@ -606,8 +609,9 @@ def test_adapter_launches_beside_their_lora_down_give_the_rollout_of_plain_launc
         torch.testing.assert_close(out.sampler_logp, plain.sampler_logp, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("attention,streams", [("sdpa", False), ("matmul", True), ("sdpa", True)])
-def test_attention_and_stream_variants_give_the_same_rollout(model, attention, streams):
+def test_the_layer_in_streamed_pieces_gives_the_whole_layers_rollout(model):
+    # streams=True on the CPU: the pieces the GPU runs on parallel streams, here in sequence, against the layer
+    # called whole (what a CPU runs by default)
     from peft import LoraConfig, get_peft_model
 
     lora = get_peft_model(small_llama(seed=7), LoraConfig(r=4, target_modules=["q_proj", "up_proj"],
@@ -617,7 +621,7 @@ def test_attention_and_stream_variants_give_the_same_rollout(model, attention, s
         ref = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD, tuning=EngineTuning(kv_bucket=8)).generate(
             PROMPTS, 2, sampling)
         out = NativeEngine(m, max_seq_len=32, max_batch=6, pad_id=PAD,
-                           tuning=EngineTuning(kv_bucket=8, attention=attention, streams=streams)).generate(
+                           tuning=EngineTuning(kv_bucket=8, streams=True)).generate(
             PROMPTS, 2, sampling)
         assert torch.equal(out.completion_ids, ref.completion_ids)
         torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
@@ -763,8 +767,7 @@ def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_e
     assert heard[-1] == (18, 18) and len(heard) < 6  # stopped early: the total, once, at the end
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
-def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
+def test_decode_attention_keeps_scores_of_thousands_in_float32():
     """Qwen2.5's layer 0 gives attention scores up to ~12,700, where a bf16 score is off by up to 32 units:
     rounded, they put sampled tokens 13 nats off the trainer's. The same bf16 q, k, v through `attend` must
     match a float64 attention over those very values to bf16 output rounding (~4e-3)."""
@@ -779,7 +782,7 @@ def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
     v = torch.randn(B, dims.n_kv_heads, S, D, generator=g).bfloat16()
     pos = torch.tensor([5, 12, 19])
     valid = torch.arange(S)[None, :] <= pos[:, None]  # (B, S)
-    out = attend(q, k, v, valid, pos, dims, attention).double()  # (B, 1, nh*D)
+    out = attend(q, k, v, valid, pos, dims, "sdpa").double()  # (B, 1, nh*D)
 
     qg = q.double().view(B, dims.n_kv_heads, 2, D)
     scores = (qg @ k.double().transpose(-1, -2)) * D**-0.5  # (B, n_kv, g, S)
@@ -787,33 +790,3 @@ def test_decode_attention_keeps_scores_of_thousands_in_float32(attention):
     ref = (scores.softmax(-1) @ v.double()).reshape(B, 1, dims.n_heads * D)
     assert scores.amax() > 1000  # the regime under test
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
-
-
-def test_compiled_prefill_gives_the_eager_prefill_for_each_new_prompt_shape():
-    """The prefill's compiled layer (what the engine runs with EngineTuning.compile_prefill) against the plain
-    function it compiles, through peft's LoRA modules, for prompt batches of new widths and sizes."""
-    from peft import LoraConfig, get_peft_model
-
-    from grpo.rollout.native.layer import ModelDims, StepFunctions, prefill_layer
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lm = get_peft_model(small_llama(seed=3), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                        init_lora_weights=False)).base_model.model
-    dims = ModelDims.of(lm)
-    compiled = StepFunctions.build("default", compile_prefill=True).prefill
-    assert compiled is not prefill_layer
-    assert StepFunctions.build("default").prefill is prefill_layer  # off until timed on a GPU
-    rotary = lm.model.rotary_emb
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        # the second shape changes both sizes: one recompile, dynamic in both, which the third then runs
-        for P, L in ((2, 5), (3, 9), (2, 7)):
-            x = torch.randn(P, L, dims.hidden, generator=gen)
-            cos, sin = rotary(x, torch.arange(L)[None])
-            cos, sin = cos[:, None], sin[:, None]  # (1, 1, L, D)
-            for layer in lm.model.layers:
-                want = prefill_layer(layer, x, cos, sin, dims)
-                got = compiled(layer, x, cos, sin, dims)
-                for a, b in zip(got, want):
-                    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-                x = want[0]

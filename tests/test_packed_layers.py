@@ -1,6 +1,6 @@
-"""The wide decode step on torch's GEMMs with the adapters packed (grpo.rollout.native.packed,
-EngineTuning.packed_layers): the projections' products as the reference computes them, the rollout of
-peft's modules, and each generate serving the adapter as it is then."""
+"""The wide decode step on torch's GEMMs with the adapters packed (grpo.rollout.native.packed: what
+gemm="kernels" runs past EngineTuning.kernel_rows): the projections' products as the reference computes them,
+the rollout of peft's modules, and each generate serving the adapter as it is then."""
 
 from __future__ import annotations
 
@@ -79,16 +79,21 @@ def lora_llama(seed: int = 3, rank: int = 4):
                                                              init_lora_weights=False))
 
 
-def engines(model, **tuning):
+def engines(model, monkeypatch, **tuning):
+    """The engine through the modules, and one planned as a GPU plans it (gemm="kernels") with kernel_rows=1:
+    every step of two rows or more runs packed. The kernels' check is passed at the build only; running, the
+    layers take the kernels' references (the K/V write, the fold), as where triton does not run."""
     modules = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, gemm="modules")
-    packed = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, gemm="modules",
-                          tuning=EngineTuning(packed_layers=True, **tuning))
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_gemm, "can_run", lambda device: True)
+        packed = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, gemm="kernels",
+                              tuning=EngineTuning(kernel_rows=1, **tuning))
     return modules, packed
 
 
-def test_the_packed_step_samples_what_the_modules_do_and_serves_each_generates_adapter():
+def test_the_packed_step_samples_what_the_modules_do_and_serves_each_generates_adapter(monkeypatch):
     model = lora_llama()
-    modules, packed = engines(model)
+    modules, packed = engines(model, monkeypatch)
     s = Sampling(max_new_tokens=10, temperature=1.0, seed=3)
     a, b = modules.generate(PROMPTS, 2, s), packed.generate(PROMPTS, 2, s)
     assert all(layer.__class__.__name__ == "PackedLayer" for layer in packed._layers)
@@ -107,7 +112,7 @@ def test_the_packed_step_samples_what_the_modules_do_and_serves_each_generates_a
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_the_packed_step_of_qwen2_and_qwen3_samples_what_their_modules_do(family):
+def test_the_packed_step_of_qwen2_and_qwen3_samples_what_their_modules_do(family, monkeypatch):
     # q/k/v come out of one stacked GEMM as column slices: with Qwen2's biases stacked too, and Qwen3's head norms
     # and rotaries outside the attention's launch reading those slices
     from peft import LoraConfig, get_peft_model
@@ -118,7 +123,7 @@ def test_the_packed_step_of_qwen2_and_qwen3_samples_what_their_modules_do(family
     base = small_qwen2(seed=6) if family == "qwen2" else small_decoder("qwen3", seed=6)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
                                             init_lora_weights=False))
-    modules, packed = engines(model)
+    modules, packed = engines(model, monkeypatch)
     s = Sampling(max_new_tokens=6, temperature=1.0, seed=5)
     a, b = modules.generate(PROMPTS, 2, s), packed.generate(PROMPTS, 2, s)
     assert all(layer.__class__.__name__ == "PackedLayer" for layer in packed._layers)
@@ -127,9 +132,9 @@ def test_the_packed_step_of_qwen2_and_qwen3_samples_what_their_modules_do(family
     torch.testing.assert_close(b.sampler_logp, a.sampler_logp, rtol=0, atol=1e-4)
 
 
-def test_folded_into_the_packed_step_the_weights_come_back_bit_for_bit():
+def test_folded_into_the_packed_step_the_weights_come_back_bit_for_bit(monkeypatch):
     model = lora_llama(seed=4)
-    modules, packed = engines(model, fold_adapter=True)
+    modules, packed = engines(model, monkeypatch, fold_adapter=True)
     before = [p.detach().clone() for p in model.parameters()]
     greedy = Sampling(max_new_tokens=8, temperature=0.0)
     b = packed.generate(PROMPTS, 1, greedy)
@@ -139,25 +144,23 @@ def test_folded_into_the_packed_step_the_weights_come_back_bit_for_bit():
     torch.testing.assert_close(b.sampler_logp, a.sampler_logp, rtol=0, atol=1e-4)  # float32: folding is exact-ish
 
 
-@pytest.mark.parametrize("packed", [None, True])  # None: the default, packed where the kernels run
-def test_steps_the_kernels_take_stay_on_them_and_wider_ones_run_packed(monkeypatch, packed):
+def test_steps_the_kernels_take_stay_on_them_and_wider_ones_run_packed(monkeypatch):
     # on a GPU the product's gemm="kernels" runs up to kernel_rows; only the wider steps take the packed layers
     # (planning builds the layers and launches nothing: the kernels need not run here)
     monkeypatch.setattr(decode_gemm, "can_run", lambda device: True)
     model = lora_llama(seed=5)
     engine = NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(packed_layers=packed, kernel_rows=3))
+                          tuning=EngineTuning(kernel_rows=3))
     engine._plan(3)
     assert {type(layer).__name__ for layer in engine._layers} == {"KernelLayer"}
     engine._plan(6)
     assert {type(layer).__name__ for layer in engine._layers} == {"PackedLayer"}
 
 
-@pytest.mark.parametrize("gemm,packed", [("modules", None), ("kernels", False)])
-def test_the_modules_stay_where_chosen(monkeypatch, gemm, packed):
-    # gemm="modules" (what a CPU gets by default) or packed_layers=False: every step calls peft's modules
+def test_the_modules_stay_where_chosen(monkeypatch):
+    # gemm="modules" (what a CPU gets by default): every step calls peft's modules, however wide
     monkeypatch.setattr(decode_gemm, "can_run", lambda device: True)
-    engine = NativeEngine(lora_llama(seed=5), max_seq_len=32, max_batch=6, pad_id=PAD, gemm=gemm,
-                          tuning=EngineTuning(packed_layers=packed, kernel_rows=3))
+    engine = NativeEngine(lora_llama(seed=5), max_seq_len=32, max_batch=6, pad_id=PAD, gemm="modules",
+                          tuning=EngineTuning(kernel_rows=3))
     engine._plan(6)
     assert "PackedLayer" not in {type(layer).__name__ for layer in engine._layers}

@@ -1,7 +1,7 @@
 """What a vLLM engine samples from a small random Llama, and whether its log-probs are the trainer's.
 
-tests/test_vllm_cuda.py's Unsloth run on an FP8-Block checkpoint gave every completion the same reward
-(2026-12-02, H200: every completion 32 characters). This looks at one engine in isolation: it writes the
+tests/test_vllm_cuda.py's Unsloth run on an FP8-Block checkpoint once gave every completion the same reward
+(every completion 32 characters). This looks at one engine in isolation: it writes the
 tests' model (tests/engine_runs.py, as bf16 or FP8-Block), builds the engine as the trainer
 does (`--engine unsloth`: `grpo.model.load.load_unsloth_policy`; `--engine vllm`: `VLLMEngine` over
 `load_policy`), and for vLLM without an adapter and with ours (B random, so the adapter matters) records

@@ -1,8 +1,7 @@
 """Where an FP8Linear call spends the host's time: its forward and backward beside each piece they are made of.
 
-The FP8 bench step loses 0.05-0.2 s to bf16's, most of it in the training pass, where its GPU is busy for
-less time than bf16's (2026-12-04: update 103 against 113 ms of GPU time, 509 against 371 ms of wall time,
-profiled): the host sets the pace. This times, per call, with the GPU queue not drained (`timing.host_ms`,
+The FP8 bench step is slower than bf16's, most of it in the training pass, where its GPU is busy for less
+time than bf16's: the host sets the pace. This times, per call, with the GPU queue not drained (`timing.host_ms`,
 microseconds here), the module's forward and backward beside each piece: the activation's quantization and
 the weight's transpose (Triton launches), `_scaled_mm`, the scales' copy, the empty tensors, an
 autograd.Function that does no work, and the same pieces inside an autograd backward, which runs on the
@@ -12,9 +11,7 @@ engine's own thread:
 - `backward_variants_us`: a Function with the FP8 forward and a backward of one piece or another, with and
   without `once_differentiable`: which piece of the module's backward costs what;
 - `host_us`: the module, the bf16 `nn.Linear`, and each piece on its own and inside a backward
-  (`fp8_and_logprobs.backward_pieces`, its `overhead` section's pieces); at the rows given. (The files of
-  2026-12-04 in results/2026-12-04h-fp8-host/ came from this probe's first version, which timed the pieces
-  itself: its keys are the pieces' plain names.)
+  (`backward_pieces`); at the rows given.
 Only the rows' few (16) keep the GPU from setting the pace; at the bench's 10240 rows the in-backward figures
 follow the GPU's time. The profiler's tables of the module's forward + backward go to the .log.
 
@@ -164,12 +161,57 @@ def backward_variants(m: int, k: int, n: int) -> dict:
     return out
 
 
+def backward_pieces(x, g, fp8: FP8Linear) -> dict:
+    """Host time of each piece of the FP8 backward, called from the main thread and from inside an
+    autograd backward (the engine's own thread, where the module's backward runs)."""
+    w, s = fp8.weight, fp8.weight_scale_inv
+    g_fp8, sg = quantize_fp8_rows(g, pad_rows_to=16)
+    w_cm = transpose_fp8(w).t()
+    s_bwd = s.t().contiguous().t()
+    pieces = {
+        "nothing": lambda: None,
+        "quant": lambda: quantize_fp8_rows(g, pad_rows_to=16),
+        "transpose": lambda: transpose_fp8(w),
+        "scale_copy": lambda: s.t().contiguous().t(),
+        "scaled_mm": lambda: torch._scaled_mm(g_fp8, w_cm, scale_a=sg, scale_b=s_bwd, out_dtype=g.dtype),
+        "fp8_mm_bwd": lambda: fp8_mm_bwd(g, w, s),
+        "bf16_mm": lambda: g @ fp8.dequantized_weight(),
+    }
+    out = {}
+    xd = x.detach()
+    forward = {  # where the module's forward spends host time: autograd, the input that requires grad
+        "module": lambda: fp8(x),
+        "module_no_grad": lambda: torch.no_grad()(fp8)(x),
+        "function_apply": lambda: _FP8LinearFn.apply(x, w, s, "scaled_mm", "fp8"),
+        "fp8_mm_fwd": lambda: fp8_mm_fwd(xd, w, s),
+        "fp8_mm_fwd_grad_input": lambda: fp8_mm_fwd(x, w, s),
+        "quant_grad_input": lambda: quantize_fp8_rows(x, pad_rows_to=16),
+        "quant_detached": lambda: quantize_fp8_rows(xd, pad_rows_to=16),
+    }
+    for name, fn in forward.items():
+        out[f"fwd_{name}_host_ms"] = host_ms(fn)
+    for name, body in pieces.items():
+        class InBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, gt, body=body):
+                body()
+                return gt
+
+        xs = x[:16]
+        gs = torch.ones_like(xs)
+        out[f"piece_{name}_main_host_ms"] = host_ms(body)
+        out[f"piece_{name}_in_backward_host_ms"] = host_ms(lambda: torch.autograd.grad(InBackward.apply(xs), xs, gs))
+    return out
+
+
 def pieces(m: int, k: int, n: int) -> tuple[dict, dict]:
     """Host microseconds of bf16's nn.Linear, of the FP8 module and of an autograd.Function doing nothing, and of
-    each piece of the module (`fp8_and_logprobs.backward_pieces`: on the main thread and inside a backward); and
-    the callables timed here."""
-    from fp8_and_logprobs import backward_pieces
-
+    each piece of the module (`backward_pieces`: on the main thread and inside a backward); and the callables
+    timed here."""
     lin, fp8, x, g = operands(m, k, n)
     fns = {
         "bf16_linear_fwd_bwd": lambda: torch.autograd.grad(lin(x), x, g),

@@ -20,12 +20,10 @@ Plans (`--variants` picks steps by name instead):
             (eager, and inside the graph)
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
             where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
-            them; the adapters folded into the weights (EngineTuning.fold_adapter; by the Triton kernel:
-            fold_kernel, its cost in prefill_ms); the prefill compiled
-            (EngineTuning.compile_prefill); the same with q's and K's rotaries and the K/V write apart
-            (before EngineTuning.rope_in_attention)
-  wide      the product's token step with the adapter at the sampler's 64 and 256 rows (at 256 also with the
-            packed layers: EngineTuning.packed_layers), and FP8's at the bench's 16 rows, each timed and
+            them; the adapters folded into the weights (EngineTuning.fold_adapter, the fold's cost in
+            prefill_ms)
+  wide      the product's token step with the adapter at the sampler's 64 and 256 rows (past the kernels' 64
+            rows the packed layers; at 256 also folded), and FP8's at the bench's 16 rows, each timed and
             broken down inside its CUDA graph (issue 31: past 16 rows, and FP8 slower than bf16 in the bench
             step)
 Prints one table at the end; every number goes to --out as JSON lines as it comes (timing.py).
@@ -108,8 +106,7 @@ def add_lora(model):
     cfg = LoraConfig(r=32, lora_alpha=64, use_rslora=True, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
     peft_model = get_peft_model(model, cfg)
     # the trainer's default (--lora-compute base): float32 adapters multiplied in bf16. Without it peft casts
-    # each input to float32, and past the kernels' rows (the modules) its products ran as float32 SIMT GEMMs:
-    # 2.5 of the 4.9 ms of a 256-row token step on 2026-12-04 (results/2026-12-04b-engines/side/)
+    # each input to float32, and a module's products run as float32 SIMT GEMMs
     compute_adapters_in_base_dtype(peft_model)
     with torch.no_grad():  # non-zero B so the adapters change the output, as after some training
         for name, p in peft_model.named_parameters():
@@ -440,7 +437,7 @@ PLANS = {
     "graph": ["check", "hf", "eager", "graph", "greedy", "kernels", "fp8", "fp8_lora", "lora", "kernels_lora",
               "standby", "compile"],
     # compiled variants of every model kind, and where the time goes in the compiled step
-    "compiled": ["graph", "compile_matmul", "compile_sdpa", "compile_kernel", "compile_streams", "kernels_compiled",
+    "compiled": ["graph", "compile_sdpa", "compile_kernel", "compile_streams", "kernels_compiled",
                  "fp8_compiled", "lora_compiled", "lora_compiled_nostreams", "fp8_lora_compiled", "fp8_graph"],
     # the decode GEMM kernels against the module path, every model kind
     "gemm": ["check", "check_gemm", "hf", "compile_streams", "gemm", "kernels_gemm", "fp8_compiled", "fp8_gemm",
@@ -452,18 +449,15 @@ PLANS = {
              "qwen_graph"],
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
-    "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph",
-              "lora_folded_kernel", "lora_prefill_compiled", "lora_rope_apart", "lora_rope_apart_graph"],
+    "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph"],
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
-             "lora_packed_256", "lora_packed_256_graph", "lora_packed_folded_256", "lora_packed_folded_256_graph",
-             "fp8_lora_product", "fp8_lora_product_graph",
+             "lora_product_folded_256", "lora_product_folded_256_graph", "fp8_lora_product", "fp8_lora_product_graph",
              "fp8_lora_256_fp8", "fp8_lora_256_dense"],
 }
-# the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.packed_layers, EngineTuning.fold_adapter)
-WIDE_STEPS = (("lora_product_64", 64, False, False), ("lora_product_256", 256, False, False),
-              ("lora_packed_256", 256, True, False), ("lora_packed_folded_256", 256, True, True))
+# the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.fold_adapter)
+WIDE_STEPS = (("lora_product_64", 64, False), ("lora_product_256", 256, False), ("lora_product_folded_256", 256, True))
 
 
 def run_fp8_modules(rec: Recorder, gemm: str, model, wbytes: int, engine_kw: dict) -> None:
@@ -487,8 +481,8 @@ QWEN_ROWS, QWEN_NEW = 64, 384  # the qwen1.5b-gsm8k preset: 8 prompts x 8, compl
 
 def product_engine_kw() -> dict:
     """make_engine's arguments for the engine as the trainer builds it, but for the fold (the trainer folds
-    bf16 adapters since 2026-12-04: the `lora_folded*` steps): EngineTuning's defaults, the decode kernels
-    where they apply (run_engine and kernel_breakdown say whether to graph)."""
+    bf16 adapters: the `lora_folded*` steps): EngineTuning's defaults, the decode kernels where they apply
+    (run_engine and kernel_breakdown say whether to graph)."""
     kw = {f.name: getattr(EngineTuning(), f.name) for f in fields(EngineTuning) if f.name != "use_cuda_graph"}
     return kw | {"gemm": "auto"}
 
@@ -519,7 +513,7 @@ def qwen_steps(rec: Recorder, step) -> None:
         step(name, lambda kw=kw, name=name: run_engine(rec, name, model, wb, engine_kw=kw, rows=QWEN_ROWS,
                                                        new=QWEN_NEW))
         if name == "qwen_product":  # the same with decode_gemm.Tuning.pdl off: each adapter's launch after its
-            # lora_down (the product until 2026-12-02; that day's files call the product with pdl qwen_product_pdl)
+            # lora_down
             step("qwen_product_no_pdl", lambda: _without_pdl(lambda: run_engine(
                 rec, "qwen_product_no_pdl", model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW)))
             # the attention kernel (grpo.kernels.decode_attention) in place of sdpa: each row read to its own length
@@ -613,9 +607,9 @@ def main() -> None:
     step("compile", lambda: run_engine(rec, f"bf16 graph+compile({mode})", model, wb, engine_kw=dict(compile=mode)))
 
     # compiled variants: attention kernel, then parallel streams with the better attention
-    best = dict(compile=mode, attention="matmul")
+    best = dict(compile=mode, attention="sdpa")
     timed = {}
-    for attention in ("matmul", "sdpa", "kernel"):  # kernel: grpo.kernels.decode_attention
+    for attention in ("sdpa", "kernel"):  # kernel: grpo.kernels.decode_attention
         kw = dict(compile=mode, attention=attention)
         row = step(f"compile_{attention}", lambda kw=kw: run_engine(rec, f"bf16 compile {kw['attention']}", model, wb,
                                                                     engine_kw=kw))
@@ -660,23 +654,14 @@ def main() -> None:
     step("lora", lambda: run_engine(rec, "bf16+LoRA r32 graph", lora, wl))
     step("lora_product", lambda: run_engine(rec, "bf16+LoRA r32 product", lora, wl, engine_kw=product))
     step("lora_product_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 product", lora, engine_kw=product))
-    # the adapters folded into the weights for prefill and decode, by torch's ops
-    folded = product | {"fold_adapter": True, "fold_kernel": False}
+    # the adapters folded into the weights for prefill and decode
+    folded = product | {"fold_adapter": True}
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))
-    folded_kernel = folded | {"fold_kernel": True}  # the fold and its restore as one Triton launch a weight each
-    step("lora_folded_kernel", lambda: run_engine(rec, "bf16+LoRA r32 folded by the kernel", lora, wl,
-                                                  engine_kw=folded_kernel))
-    compiled_prefill = product | {"compile_prefill": True}  # each layer of the prefill one compiled function
-    step("lora_prefill_compiled", lambda: run_engine(rec, "bf16+LoRA r32 prefill compiled", lora, wl,
-                                                     engine_kw=compiled_prefill))
-    apart = product | {"rope_in_attention": False}  # the rotaries and the K/V write in launches of their own
-    step("lora_rope_apart", lambda: run_engine(rec, "bf16+LoRA r32 rope apart", lora, wl, engine_kw=apart))
-    step("lora_rope_apart_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 rope apart", lora, engine_kw=apart))
-    for name, rows, packed, fold in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed
-        kw = product | {"packed_layers": packed, "fold_adapter": fold}
-        label = f"bf16+LoRA r32 {'packed' if packed else 'product'}{' folded' if fold else ''} {rows} rows"
+    for name, rows, fold in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed
+        kw = product | {"fold_adapter": fold}
+        label = f"bf16+LoRA r32 product{' folded' if fold else ''} {rows} rows"
         step(name, lambda rows=rows, label=label, kw=kw: run_engine(rec, label, lora, wl, engine_kw=kw, rows=rows))
         step(f"{name}_graph", lambda rows=rows, label=label, kw=kw: graph_breakdown(rec, label, lora, engine_kw=kw,
                                                                                       rows=rows))

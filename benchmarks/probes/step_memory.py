@@ -1,7 +1,7 @@
 """What the bench step's peak memory is made of: the live allocations at the peak, by the code that made them.
 
-Issue 31 wants the bf16 peak of the bench step (16 rows of 128 + 512 tokens) below TRL's 4.54 GiB; ours was
-4.89 GiB (2026-12-04). This runs `grpo.trainer.train` at the bench config as the suite does
+Issue 31 wants the bf16 peak of the bench step (16 rows of 128 + 512 tokens) below TRL's (benchmarks/RESULTS.md).
+This runs `grpo.trainer.train` at the bench config as the suite does
 (`bench_setup.step_config`) and records the CUDA allocator's history from the run's start to the end of its
 third step (torch's `_record_memory_history`, Python stacks; `--stacks all`: C++ too). Replaying it finds the
 moment of that step's peak and what was alive then, grouped by the innermost frame in grpo/ (file, line and
@@ -9,8 +9,8 @@ function) with the frame outside grpo/ that made each. Autograd's backward runs 
 allocates is one group, or with `--stacks all` one group per autograd node (MmBackward0, ...).
 Then the same steps with transformers' own MLP and norms (`--no-lean-activations`), with the engine released
 before each training pass (`--engine-standby release`: where the peak goes without the KV cache), each replayed
-too, and with each `--chunk-mib` as the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`;
-128 MiB on 2026-12-04: a higher peak): peak and step time.
+too, and with each `--chunk-mib` as the log-prob kernel's chunk budget (`grpo.kernels.logprobs._CHUNK_BUDGET`):
+peak and step time.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_memory.py --out DIR [--dtype bf16] [--chunk-mib 128] [--stacks all]
 """
@@ -152,7 +152,8 @@ def run_steps(cfg, record_step: int, stacks: str = "python") -> dict:
     torch.cuda.memory._record_memory_history(max_entries=history, stacks=stacks)
     trainer.grpo_step = step
     try:
-        trainer.train(cfg)
+        with bs.fixed_lengths():
+            trainer.train(cfg)
     finally:
         trainer.grpo_step = inner
         torch.cuda.memory._record_memory_history(enabled=None)

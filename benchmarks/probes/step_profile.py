@@ -1,7 +1,7 @@
 """Where the bench step's time goes on the GPU and on the host: one steady step under torch's profiler, by phase.
 
-Issue 31 wants the bench step (16 rows of 128 + 512 tokens) at or below 1.0 s; it took 1.05-1.13 s on the H200
-(2026-12-04), and its phases move by up to 8% between machine starts, which says the host sets part of the pace.
+Issue 31 wants the bench step (16 rows of 128 + 512 tokens) at or below 1.0 s (benchmarks/RESULTS.md), and its
+phases move by several percent between machine starts, which says the host sets part of the pace.
 This runs `grpo.trainer.train` at the bench config as the suite does (`bench_setup.step_config`) and profiles
 one loop iteration after the warm-up: from one `grpo_step`'s start to the next's, so the trainer's bookkeeping
 between steps is in it. Each phase is a profiler range (the functions `grpo.step` and `grpo.groups` call, wrapped
@@ -85,7 +85,7 @@ def profile_iteration(cfg, at_step: int, trace_path: Path) -> None:
 
     trainer.grpo_step = step
     try:
-        with phase_ranges():
+        with phase_ranges(), bs.fixed_lengths():
             trainer.train(cfg)
     finally:
         trainer.grpo_step = inner

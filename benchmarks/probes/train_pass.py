@@ -5,22 +5,21 @@ its longest row (`grpo.batch.Batch.rows`); `--micro-batch-size` cuts the step's 
 micro-batches (`grpo.batch.micro_batches`). On the qwen1.5b-gsm8k preset's rows (64 of 90-175 prompt and
 102-384 completion tokens) one pass runs 31% padding; four sorted micro-batches, 10%, but each a quarter as
 wide in rows. This times that trade on the GPU with the trainer's own pieces: a random model of the
-preset's shapes with its rsLoRA (r 32; gradient checkpointing unless --no-checkpointing, which the preset
-has trained without since 2026-12-02; the adapters multiplied as --lora-compute says), a batch
-with the lengths of a real step of the preset (`QWEN_PROMPTS`, `QWEN_COMPLETIONS`: batch 0 of
-learning_faults.py's gap run), and for each micro-batch size the forward and backward of
+preset's shapes with its rsLoRA (r 32; gradient checkpointing unless --no-checkpointing, as the preset
+trains; the adapters multiplied as --lora-compute says), a batch with the lengths of a real step of the preset
+(`QWEN_PROMPTS`, `QWEN_COMPLETIONS`), and for each micro-batch size the forward and backward of
 `sequence_logprobs` over all rows: median milliseconds, the share of real tokens among the positions run
 (`train/real_token_frac`), and the peak memory above the weights.
 
 A run differs from those repeats in one way a repeat cannot show: no two steps share their micro-batches'
-widths. On the H200 (2026-12-02) the preset's training pass in micro-batches of 16 took 0.76 s here and
-1.30 s a step in a 60-step run of the same flags. `--vary` gives every pass a new step's lengths (the
+widths: the preset's training pass in micro-batches of 16 took much longer a step in a run of the same flags
+than here. `--vary` gives every pass a new step's lengths (the
 recorded step's, shuffled and moved by up to 30 tokens), and three variants price what a new width may
 cost: `--sdpa torch` torch's own attention backends (cuDNN's first on sm90, which plans every new shape:
 what the trainer ran before it left cuDNN out), `--bucket` widths rounded up so that they repeat,
 `--trainer` the trainer's own update (`grpo.step.update_policy`: the loss, its statistics read per
 micro-batch, the non-finite checks, clipping and the 8-bit AdamW step). Measured: benchmarks/RESULTS.md,
-"New widths".
+"The measured defaults".
 
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 64 32 16 8
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base \
@@ -162,10 +161,9 @@ def main() -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[64, 32, 16, 8],
                         help="micro-batch sizes to time (64: one pass over the step's rows)")
     parser.add_argument("--lora-compute", choices=["base", "float32"], default="base",
-                        help="the adapters' matmul dtype (the trainer's default: base since 2026-12-02)")
+                        help="the adapters' matmul dtype (the trainer's default: base)")
     parser.add_argument("--no-checkpointing", action="store_true",
-                        help="keep the activations instead of recomputing them in backward (as the preset does "
-                             "since 2026-12-02)")
+                        help="keep the activations instead of recomputing them in backward (as the preset does)")
     parser.add_argument("--vary", action="store_true",
                         help="every pass on a new step's lengths (as in a run) instead of the recorded step's")
     parser.add_argument("--sdpa", choices=["product", "torch"], default="product",

@@ -22,14 +22,14 @@ of it that it can express (`grpo_config_values`); what it cannot is refused in o
 | seed, max-steps, save-steps, max-grad-norm | the same; bf16 on CUDA |
 
 Mismatches that remain, by TRL's design (the adapters' matmuls run in bf16 in both: TRL's Trainer autocasts with
-`bf16=True`, ours under --lora-compute base, the default since 2026-12-02): TRL's vLLM log-probs are "processed"
+`bf16=True`, ours under --lora-compute base, the default): TRL's vLLM log-probs are "processed"
 ones, renormalised over what min-p keeps, so its sampler-trainer difference and its importance weights carry
 log(kept mass) on every token (huggingface/trl#6789; ours are exact, docs/internals.md): they are logged as
 TRL's `sampling/*` keys, never as our `gap/*`.
 Without sleep mode vLLM's KV cache comes from torch's allocator, so `peak_mem_gib` includes vLLM's share of
 the GPU: compare step times and learning, not memory.
 Refused: dynamic sampling, loss types cispo and sapo (TRL's cispo caps another quantity), KL estimators other
-than k3, ignore-eos, FP8 loading.
+than k3, FP8 loading.
 
 Outputs in the run's --output-dir: config.json (our Config), trl_args.json, metrics.jsonl (a line per step in our
 keys where they mean the same: step, reward, reward_std, rewards/<name>, accuracy, format, completion_length,
@@ -82,8 +82,6 @@ def refusal(cfg) -> str | None:
                 "quantity)")
     if cfg.kl_estimator != "k3":
         return f"--kl-estimator {cfg.kl_estimator}: TRL's KL term is k3; use --kl-estimator k3"
-    if cfg.ignore_eos:
-        return "--ignore-eos: the fixed-length peer is benchmarks/bench_setup.py's run_trl, not this probe"
     if cfg.load_in_fp8:
         return "--load-in-fp8: vLLM colocated would load the bf16 checkpoint; compare in bf16"
     if cfg.batch_size % (cfg.micro_batch_size or cfg.batch_size):

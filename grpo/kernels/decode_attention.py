@@ -7,8 +7,8 @@ one program each, so that a few rows still fill the GPU (flash-decoding). The g 
 heads of a kv head share its program, so K and V are read once for all of them (grouped-query attention).
 
 Scores and the softmax's running max and sum are float32 (bf16 scores put single tokens 13 nats off on
-Qwen2.5: `grpo.rollout.native.layer.attend`); the probabilities meet V rounded to V's dtype, as in the
-"matmul" attention. Chunks are combined in a second launch, in chunk order (deterministic).
+Qwen2.5: `grpo.rollout.native.layer.attend`); the probabilities meet V rounded to V's dtype, as the
+reference does. Chunks are combined in a second launch, in chunk order (deterministic).
 
 `decode_attention_ref` is the plain-PyTorch definition the tests compare with (under TRITON_INTERPRET=1
 on the CPU). `decode_attention` is a torch custom op, so that a `torch.compile`d step calls it as one
@@ -124,10 +124,11 @@ def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """`rope_store_attend_ref` in the attention's own launches (`EngineTuning.rope_in_attention`): the rotary
-    embeddings of q and K and the K/V write happen inside the chunk kernel, in place of two launches a layer (a
-    compiled rotary for q, `decode_gemm.rope_store_kv`). Called eagerly (it writes the caches: in a compiled
-    graph inductor would copy the cache views whole), captured in the engine's CUDA graph like the rest."""
+    """`rope_store_attend_ref` in the attention's own launches: the rotary embeddings of q and K and the K/V
+    write, two launches a layer before (a compiled rotary for q, `decode_gemm.rope_store_kv`), happen inside the
+    chunk kernel (the native engine's kernel layer, where it attends with this kernel). Called eagerly (it
+    writes the caches: in a compiled graph inductor would copy the cache views whole), captured in the engine's
+    CUDA graph like the rest."""
     rows, dim = q.shape[0], cos.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows may be strided: column
     if k.stride(0) != v.stride(0):  # slices of one q/k/v product (packed.PackedGroup's stacked GEMM)

@@ -59,7 +59,7 @@ def test_chunks_fill_the_gpu_with_whole_loop_steps():
             assert chunk % block_s == 0 and (chunks - 1) * chunk < seq <= chunks * chunk
 
 
-def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_attention():
+def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_sdpa_attention():
     # through the modules' layer (the kernel layer with it: test_native_engine_runs_qwen3_on_the_kernels_...)
     import sys
     from pathlib import Path
@@ -81,7 +81,7 @@ def test_native_engine_with_the_attention_kernel_gives_the_rollout_of_matmul_att
         return NativeEngine(lora, max_seq_len=80, max_batch=6, pad_id=PAD, gemm="modules", tuning=tuning).generate(
             PROMPTS, 2, sampling)
 
-    ref, out = rollout("matmul"), rollout("kernel")
+    ref, out = rollout("sdpa"), rollout("kernel")
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
@@ -125,9 +125,9 @@ def test_rope_store_attend_reads_q_k_and_v_as_column_slices_of_one_product():
     assert torch.equal(got, want) and torch.equal(mine, apart)
 
 
-def test_native_engine_with_rope_in_attention_gives_the_kernel_layers_rollout(monkeypatch):
+def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kernel_layers_rollout(monkeypatch):
     # the kernel layer (decode GEMM kernels, the attention kernel) with q's and K's rotaries and the K/V write
-    # inside the attention's launch, against the same layer with them apart
+    # inside the attention's launch, against the same layer attending with sdpa, the rotaries and write apart
     import sys
     from pathlib import Path
 
@@ -143,25 +143,25 @@ def test_native_engine_with_rope_in_attention_gives_the_kernel_layers_rollout(mo
     lora = get_peft_model(small_llama(seed=5, layers=1), config)
     sampling = Sampling(max_new_tokens=3, temperature=1.0, seed=7)
 
-    def rollout(rope_in_attention: bool):
-        tuning = EngineTuning(attention="kernel", rope_in_attention=rope_in_attention)
+    def rollout(attention: str):
+        tuning = EngineTuning(attention=attention)
         engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels", tuning=tuning)
         return engine, engine.generate(PROMPTS, 2, sampling)
 
-    _, ref = rollout(False)
+    _, ref = rollout("sdpa")
     from grpo.kernels import decode_gemm
 
     def apart(*args):
         raise AssertionError("the K/V write ran apart from the attention")
 
     monkeypatch.setattr(decode_gemm, "rope_store_kv", apart)  # the fused path runs in every layer, or this fails
-    engine, out = rollout(True)
-    assert all(layer.rope_in_attention for layer in engine._layers)
+    engine, out = rollout("kernel")
+    assert all(layer.attention == "kernel" for layer in engine._layers)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
 
-def test_rope_in_attention_leaves_qwen3s_head_norms_where_they_were(monkeypatch):
+def test_the_attention_kernel_leaves_qwen3s_head_norms_and_rotaries_apart(monkeypatch):
     # Qwen3 normalizes each head of q and k before their rotaries: those layers keep the launches apart
     import sys
     from pathlib import Path
@@ -178,12 +178,11 @@ def test_rope_in_attention_leaves_qwen3s_head_norms_where_they_were(monkeypatch)
     def fused(*args):
         raise AssertionError("a Qwen3 layer took the fused path, past its head norms")
 
-    # (the launches kept apart are the layer's code without rope_in_attention: no second rollout to compare)
     monkeypatch.setattr(native_layer, "rope_store_attend", fused)
     engine = NativeEngine(model, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(attention="kernel", rope_in_attention=True))
+                          tuning=EngineTuning(attention="kernel"))
     out = engine.generate(PROMPTS, 2, sampling)
-    assert all(layer.rope_in_attention and layer.attention == "kernel" for layer in engine._layers)  # asked for
+    assert all(layer.attention == "kernel" for layer in engine._layers)  # asked for
     assert bool(out.mask.all()) and bool(torch.isfinite(out.sampler_logp).all())
 
 

@@ -244,7 +244,7 @@ def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
 
 def test_native_engine_runs_qwen3_on_the_kernels_as_through_its_modules():
     # Qwen3: RMS norms over each head of q and k between the q/k/v launch and the rotary embedding; the
-    # attention kernel too (decode_attention), against the modules with plain matmul attention
+    # attention kernel too (decode_attention), against the modules with torch's sdpa attention
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
@@ -256,7 +256,7 @@ def test_native_engine_runs_qwen3_on_the_kernels_as_through_its_modules():
     lora = get_peft_model(small_decoder("qwen3", seed=2, layers=1), config)
     sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules",
-                       tuning=EngineTuning(attention="matmul")).generate(PROMPTS, 2, sampling)
+                       tuning=EngineTuning(attention="sdpa")).generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
                           tuning=EngineTuning(attention="kernel"))
     out = engine.generate(PROMPTS, 2, sampling)

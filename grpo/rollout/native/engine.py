@@ -14,14 +14,13 @@ One `generate(prompt_ids, num_generations, sampling)`:
    per-row state beside it (`state.py`);
 2. plans the step: each layer's one-token forward, the decode GEMM kernels where they can stand in for
    its projections (`plan.py`, at most `EngineTuning.kernel_rows` rows); past those rows torch's GEMMs with
-   the adapters packed (`packed.py`, `EngineTuning.packed_layers`); its modules otherwise;
+   the adapters packed (`packed.py`); its modules otherwise;
 3. on CUDA, captures the one-token step in a CUDA graph per KV-length bucket (`kv_bucket` tokens; the
    attention reads only the bucket, not the whole cache), the step `torch.compile`d per layer;
-4. prefills each of the P prompts once (right-padded, causal; `EngineTuning.compile_prefill`: compiled; a shape
-   met before replays a CUDA graph, `EngineTuning.prefill_graph_tokens`), writing its KV straight into its n rows;
+4. prefills each of the P prompts once (right-padded, causal; a shape met before replays a CUDA graph, up to
+   `PREFILL_GRAPH_TOKENS`), writing its KV straight into its n rows;
 5. replays the step: sample a token per row from the last logits (`grpo.rollout.sampling`, noise
-   drawn outside the graph from a seeded generator; with `EngineTuning.sample_kernel`,
-   `grpo.kernels.race_sample`, its draws made inside it), record token, sampler logp and mask, update
+   drawn outside the graph from a seeded generator), record token, sampler logp and mask, update
    the stop flags on the device, run the forward of that token into the next logits. The host looks
    at the flags only every `check_every` steps, to stop early once every row has finished. With
    `EngineTuning.fold_adapter` the prefill and the decode read the adapters folded into the base weights
@@ -32,9 +31,9 @@ get the positions and numerics of an unpadded forward.
 
 Standby: `release_memory()` drops the KV cache, the state and the graphs (whose addresses point into
 that cache), so between generations training can reuse that memory; the next `generate` allocates
-and captures again (0.1-0.5 s on the H200 for Llama-3.2-1B shapes, in `Rollout.timings['capture']`).
-Keeping them instead saves the capture but pins `standby_bytes()` plus the graph pool through the
-training phase. Measured numbers: benchmarks/RESULTS.md.
+and captures again (`Rollout.timings['capture']`). Keeping them instead saves the capture but pins
+`standby_bytes()` plus the graph pool through the training phase (benchmarks/RESULTS.md, "The measured
+defaults").
 
 What it deliberately is not: a server (no paging, no continuous batching, no prefix cache), and not
 a general transformers runner: Llama-style decoders only, with or without peft adapters.
@@ -50,16 +49,19 @@ import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm
-from grpo.kernels.race_sample import can_sample as can_race
-from grpo.kernels.race_sample import race_sample
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
-from grpo.rollout.native import packed as packed_layers
+from grpo.rollout.native.packed import packs_for
 from grpo.rollout.native.layer import ModelDims, PackedLayer, StepFunctions, TokenRows, build_layer, causal_lm
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
 from grpo.rollout.native.tuning import EngineTuning
 from grpo.rollout.sampling import sample_with_noise
+
+# A prefill of up to this many prompt tokens (prompts x width) replays a CUDA graph from the second time its
+# shape is met: host time saved against the graph pool's memory, which keeps the largest graphed prefill's
+# working memory (benchmarks/RESULTS.md, "The measured defaults").
+PREFILL_GRAPH_TOKENS = 4096
 
 
 class NativeEngine:
@@ -74,8 +76,8 @@ class NativeEngine:
         decode GEMM kernels (`grpo.kernels.decode_gemm`: q/k/v in one launch, LoRA, FP8 and the residual
         or SiLU product fused), for every layer whose projections they support (the others call their
         modules); "modules": call each projection module; "auto": kernels on CUDA when triton is
-        installed. Steps with more rows run torch's GEMMs on the projections' tensors with the adapters
-        packed (EngineTuning.packed_layers; where gemm is "modules", or packed_layers False, the modules).
+        installed. Under "kernels", steps with more rows run torch's GEMMs on the projections' tensors with
+        the adapters packed (`packed.py`).
     tuning: how a step runs (graphs, compile, attention, streams, ...); benchmarks and tests set it.
     """
 
@@ -119,7 +121,7 @@ class NativeEngine:
             cuda = self.device.type == "cuda"
             self._streams = [torch.cuda.Stream(self.device) if cuda else None for _ in range(3)]
         mode = self.tuning.compile
-        self._fns = StepFunctions.build(mode, self.tuning.compile_prefill)
+        self._fns = StepFunctions.build(mode)
         self._sample = sample_with_noise if mode is None else torch.compile(sample_with_noise, mode=mode)
         self._state: DecodeState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -128,16 +130,15 @@ class NativeEngine:
         self._prefill_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._prefill_seen: set[tuple] = set()
         self._graph_pool = None
-        # captures warm up and capture on one stream of the engine's own: cuBLAS keeps a workspace (32 MiB on
-        # the H200) for each stream it has run on, torch's pool has 32 streams, and a new warm-up stream per
-        # capture held 96 MiB more after each generate under release_memory, up to 1 GiB (benchmarks/RESULTS.md,
-        # "Thirteenth hold")
+        # captures warm up and capture on one stream of the engine's own: cuBLAS keeps a workspace for each
+        # stream it has run on and torch's pool has 32 streams, so a new warm-up stream per capture held one
+        # workspace more after each generate under release_memory
         self._capture_stream: torch.cuda.Stream | None = None
         self._fingerprint: tuple | None = None
         self._projections: list = []  # per layer, the kernels' view or None; planned by each generate
         self._fold = False  # whether this generate folds the adapters in (EngineTuning.fold_adapter)
         self._layers: list = []  # per layer, its one-token forward; planned by each generate
-        self._packs: list = []  # per layer, the adapters laid out for torch's GEMMs (packed_layers), kept
+        self._packs: list = []  # per layer, the adapters laid out for torch's GEMMs (packed.py), kept
         self._warned_fallback = False
 
     # ----------------------------------------------------------------------------------------------
@@ -185,13 +186,12 @@ class NativeEngine:
     # plan and step
     def _plan(self, rows: int) -> None:
         """Each layer's one-token forward for steps of `rows` rows: the decode kernels where they can
-        stand in for all its projections (past their rows, with packed_layers, torch's GEMMs on the dense
-        ones), its modules elsewhere."""
+        stand in for all its projections (past their rows, torch's GEMMs on the dense ones), its modules
+        elsewhere."""
         layers = self.lm.model.layers
         projections = [None] * len(layers)
         on_kernels = self.gemm == "kernels" and rows <= self.tuning.kernel_rows
-        packed = not on_kernels and (self.gemm == "kernels" if self.tuning.packed_layers is None
-                                     else self.tuning.packed_layers)
+        packed = self.gemm == "kernels" and not on_kernels
         if packed:  # torch's GEMMs take dense weights only: FP8 layers call their modules
             projections = [p if p is not None and not p.has_fp8 else None
                            for p in (layer_projections(layer, self.dtype) for layer in layers)]
@@ -210,9 +210,8 @@ class NativeEngine:
         read = [fold.without_adapters(p) for p in projections] if self._fold else projections
         packs = [None] * len(layers)
         if packed:  # kept between generates of other widths: the graphs captured on them read them in place
-            self._packs = packs = packed_layers.packs_for(read, self.dtype, self._packs)
-        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams,
-                                    self.tuning.rope_in_attention, pack)
+            self._packs = packs = packs_for(read, self.dtype, self._packs)
+        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams, pack)
                         for layer, proj, pack in zip(layers, read, packs)]
 
     def _forward(self, rows: int, kv_len: int) -> None:
@@ -239,11 +238,8 @@ class NativeEngine:
     def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> None:
         """Sample from state.logits, record, update stop flags, forward the new token: all on device."""
         st = self._state
-        if self._samples_in_kernel(sampling):  # the race's draws made inside it, keyed by seed and step
-            token, logp = race_sample(st.logits[:rows], sampling.temperature, sampling.min_p, st.seed, st.step)
-        else:
-            token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
-                                       sampling.min_p, st.noise_rows(rows) if sampling.temperature > 0 else None)
+        token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
+                                   sampling.min_p, st.noise_rows(rows) if sampling.temperature > 0 else None)
         alive = st.alive[:rows]
         token = torch.where(alive, token, self.pad_id)  # (B,)
         logp = torch.where(alive, logp, 0.0)
@@ -253,10 +249,6 @@ class NativeEngine:
         self._forward(rows, kv_len)
         st.pos[:rows] += 1
         st.step += 1
-
-    def _samples_in_kernel(self, sampling: Sampling) -> bool:
-        """`grpo.kernels.race_sample` samples this step (EngineTuning.sample_kernel), not torch's ops."""
-        return self.tuning.sample_kernel and can_race(sampling.temperature, sampling.top_k, sampling.top_p)
 
     def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> torch.cuda.CUDAGraph:
         key = (rows, kv_len, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, stop)
@@ -296,11 +288,11 @@ class NativeEngine:
     def _prefill(self, prompt_ids: list[list[int]], n: int) -> None:
         """Run every prompt once; write its K/V into its n rows and its last logits into state.logits. A prompt
         shape met a second time while the engine keeps its graphs replays a CUDA graph
-        (`EngineTuning.prefill_graph_tokens`), at the width rounded up to `prefill_bucket`."""
+        (up to PREFILL_GRAPH_TOKENS), at the width rounded up to `prefill_bucket`."""
         P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
         bucket = self.tuning.prefill_bucket
         width = min(-(-L // bucket) * bucket, self.max_seq_len)
-        graphed = self.tuning.use_cuda_graph and P * width <= self.tuning.prefill_graph_tokens
+        graphed = self.tuning.use_cuda_graph and P * width <= PREFILL_GRAPH_TOKENS
         width = width if graphed else L
         # (P, width) right-padded: causal attention keeps padding out of real tokens
         ids = pad_rows(prompt_ids, self.pad_id, width=width, dtype=torch.long).to(self.device)
@@ -391,7 +383,7 @@ class NativeEngine:
         steps taken."""
         st, steps = self._state, 0
         for i in range(max_new):
-            if sampling.temperature > 0 and not self._samples_in_kernel(sampling):
+            if sampling.temperature > 0:
                 st.noise_rows(rows).exponential_(generator=generator)
             kv_len = self._kv_bucket(max_prompt, i)
             if self.tuning.use_cuda_graph:
@@ -417,7 +409,7 @@ class NativeEngine:
         max_prompt = max(len(p) for p in prompt_ids)
         stop = StopRule.of(sampling)
         stop.prepare(st, self.max_batch)
-        if sampling.temperature > 0 and not self._samples_in_kernel(sampling):
+        if sampling.temperature > 0:
             st.noise_rows(self.max_batch)  # allocated here, before a capture points a graph at it
         self._plan(rows)
         graphs = {}
@@ -442,11 +434,9 @@ class NativeEngine:
             st.tails[stop.window][:rows] = -1
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        st.seed.fill_(seed)
         # where self._fold the weights hold the adapters for the prefill and the decode both (the prefill's
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
-        kernel = None if self.tuning.fold_kernel else False  # None: the kernel where triton runs
-        with fold.folded(self._projections, kernel) if self._fold else nullcontext():
+        with fold.folded(self._projections) if self._fold else nullcontext():
             for layer in self._layers:  # the adapters' copies and the stacked weights, as this generate has them
                 if isinstance(layer, PackedLayer):
                     layer.pack.refresh()

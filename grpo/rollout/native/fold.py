@@ -1,11 +1,10 @@
 """The LoRA adapters folded into the base weights for a generation, and taken out again exactly.
 
 With W <- W + scale * B A (rounded once into W's dtype) a decode step reads only the base weights: no
-lora_down launches and no B products in the GEMM kernels, which on the H200 cost the bench's token step
-0.18 of its 1.32 ms (benchmarks/RESULTS.md, "eighth hold"); and the prefill runs the base layers with
-peft's adapters off (`adapters_off`): one GEMM a projection instead of peft's four ops (its 41-54 ms at the
-bench were mostly the host calling them). TRL's colocated vLLM and Unsloth's merged
-rollouts fold the adapter too; here it is done in place, without a second copy of the weights.
+lora_down launches and no B products in the GEMM kernels; and the prefill runs the base layers with peft's
+adapters off (`adapters_off`): one GEMM a projection instead of peft's four ops, mostly host time
+(benchmarks/RESULTS.md, "The measured defaults"). TRL's colocated vLLM and Unsloth's merged rollouts fold
+the adapter too; here it is done in place, without a second copy of the weights.
 
 Taking it out: rounding W + D and subtracting the same D gives W back, except where the sum crossed a
 power of two or met a tie; `folded` finds those elements before folding (by doing the round trip once)
@@ -76,8 +75,8 @@ def _fold(d: DecodeProj) -> _Kept:
     delta = _delta(d)
     summed = torch.add(w, delta).to(w.dtype)
     changed = bits(_taken_out(summed, delta)) != bits(w)  # the unfold's arithmetic
-    # int32: the H200 probe's random adapter (B ~ N(0, 0.01)) kept a fifth of the 1B model's elements aside,
-    # 1.8 GiB with int64 indices; a smaller B keeps fewer (N(0, 1e-3): 4%, N(0, 1e-4): 0.7%, on the CPU)
+    # int32 indices: a random adapter of B ~ N(0, 0.01) kept a fifth of a 1B model's elements aside, 1.8 GiB
+    # as int64; a smaller B keeps fewer (N(0, 1e-3): 4%, N(0, 1e-4): 0.7%)
     index = changed.view(-1).nonzero().squeeze(1).to(torch.int32)
     kept = _Kept(index, w.view(-1)[index].clone())
     w.copy_(summed)
@@ -94,9 +93,9 @@ def _unfold(d: DecodeProj, kept: _Kept) -> None:
 class _KernelFolds:
     """The same fold and restore in one Triton launch a weight each way (`grpo/kernels/_fold_triton.py`), D
     computed inside the tiles: the torch ops above write D and two float32 sums of every weight's size and
-    wait on the GPU once a weight to size its kept list (the bench step's fold took about 50 ms on the H200).
-    Here a first pass counts every weight's kept elements, with one wait for all of them. The kernel's D is
-    float32 FMAs in its own order, so W + D may round apart from the torch ops' in the last bit."""
+    wait on the GPU once a weight to size its kept list. Here a first pass counts every weight's kept elements,
+    with one wait for all of them. The kernel's D is float32 FMAs in its own order, so W + D may round apart
+    from the torch ops' in the last bit."""
 
     BLOCK_N, BLOCK_K = 32, 128
 

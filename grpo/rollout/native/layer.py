@@ -11,17 +11,16 @@ embedding at each row's own position and writes the token's K/V into the engine'
   (and LoRA chains) overlap;
 - `KernelLayer`: the decode GEMM kernels of `grpo.kernels.decode_gemm` in place of the projections
   (q/k/v in one launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU
-  product fused, LoRA and FP8 inside, K's rotary and the K/V write in one kernel); norms, q's rotary
-  and the attention stay compiled pieces (with `EngineTuning.rope_in_attention` and the attention kernel,
-  both rotaries and the K/V write happen in the attention's launch);
+  product fused, LoRA and FP8 inside); norms and the attention stay compiled pieces. With the attention
+  kernel both rotaries and the K/V write happen in the attention's launch (but for Qwen3, whose head
+  norms come first: K's rotary and the K/V write in one kernel, q's rotary compiled);
 - `PackedLayer`: KernelLayer with torch's GEMMs (cuBLAS) for the projections and the adapters packed for
-  them (`packed.py`), for steps wider than the kernels take (`EngineTuning.packed_layers`).
+  them (`packed.py`), for steps wider than the kernels take (`EngineTuning.kernel_rows`).
 
 `build_layer` picks one per layer when the engine plans a generate; a step then calls
-`layer(x, at, k_cache, v_cache)` for each. `prefill_layer` runs a layer over right-padded prompts
-(compiled too with `EngineTuning.compile_prefill`: through peft's modules one op at a time, the bench's
-512 prompt tokens took 54 ms on the H200 for ~2 ms of GEMMs). The model's shapes travel as one
-`ModelDims`; `StepFunctions` holds the functions, compiled once.
+`layer(x, at, k_cache, v_cache)` for each. `prefill_layer` runs a layer over right-padded prompts, eagerly
+(a graphed prefill replays it: `engine.py`). The model's shapes travel as one `ModelDims`; `StepFunctions`
+holds the functions, compiled once.
 
 Not here: the engine's buffers, graphs and loop (`engine.py`), which projections the kernels can take
 (`plan.py`). The decoder families in `MODEL_TYPES` only (`causal_lm` says why a model is refused).
@@ -139,26 +138,19 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid:
 
     No K/V repeat: the g = nh / n_kv query heads of a kv head act as g queries of one (B, n_kv) problem.
     "sdpa" hands the problem, with the mask, to torch's scaled_dot_product_attention (one fused kernel on
-    CUDA, float32 scores inside); "matmul" is two batched matmuls, the scores and their softmax in float32;
-    "kernel" is `grpo.kernels.decode_attention` (Triton, float32 scores, each row read to its own length).
+    CUDA, float32 scores inside); "kernel" is `grpo.kernels.decode_attention` (Triton, float32 scores, each
+    row read to its own length).
 
-    The scores must not be rounded to bf16: Qwen2.5-Coder-1.5B's reach ~12,700 in layer 0 and ~1,100 in
-    layer 15 (a GSM8K prompt), where bf16 keeps only multiples of 32 and 4; rounded, they put the sampler's
-    log-probs up to 13 nats off the trainer's on single tokens (benchmarks/RESULTS.md, "The Qwen
-    preset: step 3's NaN gradient and the 13-nat tokens").
+    Both keep the scores in float32: Qwen2.5-Coder-1.5B's reach ~12,700 in layer 0 (a GSM8K prompt), where
+    bf16 keeps only multiples of 32, and rounded scores put the sampler's log-probs nats off the trainer's.
     """
     rows, n_kv, d = q.shape[0], dims.n_kv_heads, dims.head_dim
     if attention == "kernel":
         out = decode_attention(q.reshape(rows, dims.n_heads, d), k_cache, v_cache, pos + 1, d**-0.5)
         return out.view(rows, 1, dims.n_heads * d)
     qg = q.view(rows, n_kv, dims.n_heads // n_kv, d)  # (B, n_kv, g, D): head h reads kv head h // g
-    if attention == "sdpa":
-        out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=valid[:, None, None, :],
-                                             scale=d**-0.5)  # (B, n_kv, g, D)
-    else:
-        scores = torch.matmul(qg.float(), k_cache.transpose(-1, -2).float()) * d**-0.5  # (B, n_kv, g, S) fp32
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        out = torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache)  # (B, n_kv, g, D)
+    out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=valid[:, None, None, :],
+                                         scale=d**-0.5)  # (B, n_kv, g, D)
     return out.reshape(rows, 1, dims.n_heads * d)
 
 
@@ -169,8 +161,8 @@ def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, k
 
     Kept out of torch.compile on purpose: inductor functionalizes an in-place scatter into a graph
     input that is a strided view, so the compiled layer wrote a full new copy of the cache view and
-    copied it back, twice per layer per token (~0.4 ms of a 2.1 ms step on the H200). Eagerly it is
-    one small scatter kernel per tensor, captured in the CUDA graph like the rest.
+    copied it back, twice per layer per token. Eagerly it is one small scatter kernel per tensor, captured
+    in the CUDA graph like the rest.
     """
     write_at = pos[:, None, None, None].expand(k.shape[0], k.shape[1], 1, k.shape[3])  # (B, n_kv, 1, D)
     k_cache.scatter_(2, write_at, k)
@@ -235,8 +227,8 @@ def piece_mlp_out(mlp: nn.Module, x: torch.Tensor, gate: torch.Tensor, up: torch
 
 
 def piece_gate_product(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up; compiled, one kernel in float32 rounded once, as the decode kernels' gated launch (two
-    eager kernels took 107 us of a 3.05 ms token step at 256 rows)."""
+    """act(gate) * up; compiled, one kernel in float32 rounded once, as the decode kernels' gated launch
+    (eagerly: two kernels, two roundings)."""
     return mlp.act_fn(gate) * up
 
 
@@ -267,16 +259,15 @@ class StepFunctions:
     prefill: Callable
 
     @classmethod
-    def build(cls, compile_mode: str | None, compile_prefill: bool = False) -> StepFunctions:
-        """Plain functions, or each `torch.compile`d with `compile_mode` (compiled on its first call; the
-        prefill only where `compile_prefill`, and again for new prompt shapes until dynamo makes them
-        dynamic)."""
-        fns = (decode_prelude, decode_layer, decode_head, piece_norm, piece_proj, piece_attention, piece_mlp_out,
-               piece_gate_product, piece_attend, prefill_layer)
+    def build(cls, compile_mode: str | None) -> StepFunctions:
+        """Plain functions, or the decode step's each `torch.compile`d with `compile_mode` (compiled on its
+        first call). The prefill stays eager: compiled, each new prompt shape compiled again, slower than the
+        graphed prefill it would save (benchmarks/RESULTS.md, "The measured defaults")."""
+        step = (decode_prelude, decode_layer, decode_head, piece_norm, piece_proj, piece_attention, piece_mlp_out,
+                piece_gate_product, piece_attend)
         if compile_mode is not None:
-            fns = tuple(fn if fn is prefill_layer and not compile_prefill else torch.compile(fn, mode=compile_mode)
-                        for fn in fns)
-        return cls(*fns)
+            step = tuple(torch.compile(fn, mode=compile_mode) for fn in step)
+        return cls(*step, prefill_layer)
 
 
 # --- one layer, four ways ------------------------------------------------------------------------
@@ -331,7 +322,6 @@ class KernelLayer(ModuleLayer):
     """A decoder layer with the decode GEMM kernels reading its projections' tensors (`plan.py`)."""
 
     proj: LayerProjections
-    rope_in_attention: bool = False  # EngineTuning.rope_in_attention
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fns, layer, dims = self.fns, self.layer, self.dims
@@ -341,7 +331,7 @@ class KernelLayer(ModuleLayer):
         q, k, v = self.qkv(h)
         q_norm = getattr(attn, "q_norm", None)
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
-        if self.rope_in_attention and self.attention == "kernel" and q_norm is None:
+        if self.attention == "kernel" and q_norm is None:  # three launches in one: rotaries, K/V write, attention
             out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5)
             out = out.view(rows, dims.n_heads * dims.head_dim)
         else:
@@ -373,7 +363,7 @@ class KernelLayer(ModuleLayer):
 @dataclass(frozen=True, eq=False)
 class PackedLayer(KernelLayer):
     """KernelLayer with its projections as torch's GEMMs and the adapters packed (`packed.py`): the layer
-    for steps wider than the kernels take (EngineTuning.packed_layers)."""
+    for steps wider than the kernels take (EngineTuning.kernel_rows)."""
 
     pack: LayerPack | None = None
 
@@ -395,15 +385,13 @@ class PackedLayer(KernelLayer):
 
 
 def build_layer(layer: nn.Module, proj: LayerProjections | None, fns: StepFunctions, dims: ModelDims,
-                attention: str, streams: list | None, rope_in_attention: bool = False,
-                pack: LayerPack | None = None) -> ModuleLayer:
+                attention: str, streams: list | None, pack: LayerPack | None = None) -> ModuleLayer:
     """The one-token forward of `layer`: torch's GEMMs with `pack`'s adapters where it is given, else the
-    kernels where `proj` is given (`rope_in_attention`: see EngineTuning), else its modules (on parallel streams
-    when `streams` is given)."""
+    kernels where `proj` is given, else its modules (on parallel streams when `streams` is given)."""
     if pack is not None:
-        return PackedLayer(layer, fns, dims, attention, proj, rope_in_attention, pack)
+        return PackedLayer(layer, fns, dims, attention, proj, pack)
     if proj is not None:
-        return KernelLayer(layer, fns, dims, attention, proj, rope_in_attention)
+        return KernelLayer(layer, fns, dims, attention, proj)
     if streams:
         return StreamLayer(layer, fns, dims, attention, streams)
     return ModuleLayer(layer, fns, dims, attention)

@@ -1,19 +1,17 @@
 """The projections of a wide decode step as torch's GEMMs, the adapters laid out for them once a generate.
 
-Past the decode kernels' rows (`EngineTuning.kernel_rows`) a step called peft's modules: per LoRA matrix a
+Past the decode kernels' rows (`EngineTuning.kernel_rows`) peft's modules would cost, per LoRA matrix, a
 cast of its float32 weight to bf16 and a GEMM of its own, then a scale and an add, every token step (14
-matrices a Llama layer). Here, with `EngineTuning.packed_layers`, each projection is one cuBLAS GEMM on the
-model's own weight (the residual added in that GEMM where there is one), and its adapter two more: the A
-matrices of the projections that read one input (q/k/v, gate/up) stacked into one (sum of ranks, K) matrix,
+matrices a Llama layer). Here each projection is one cuBLAS GEMM on the model's own weight (the residual added
+in that GEMM where there is one), and its adapter two more: the A matrices of the projections that read one
+input (q/k/v, gate/up) stacked into one (sum of ranks, K) matrix,
 so one GEMM gives every x A^T of the group, and each adapter's B product added into its projection's output
 by its own GEMM (`addmm_`, in place, alpha = the adapter's scale). A and B are copied into the activations'
 dtype once a generate, into buffers that stay where they are, so a captured CUDA graph reads the new adapter
-each step. Measured on the H200 (benchmarks/RESULTS.md, "Twelfth hold"): only 3.7% faster than the modules at
-256 rows, since each B product still reads and writes its whole output; folded (`fold.py`), a step has none of
-those, and 256 rows took 20% less time. q/k/v run as one GEMM on a copy of their weights stacked (copied with the
-adapters, and again once the fold has written the weights: `refresh`), and o's and down's residuals are added in
-place: with the engine's other changes of that hold, folded 256 rows took 1.496 s a generate against 1.666
-(RESULTS.md, "Nineteenth hold").
+each step. Each B product still reads and writes its whole output; folded (`fold.py`), a step has none of
+those. q/k/v run as one GEMM on a copy of their weights stacked (copied with the adapters, and again once the
+fold has written the weights: `refresh`), and o's and down's residuals are added in place. What each of these
+trades: (benchmarks/RESULTS.md, "The measured defaults").
 
 The numerics are peft's with `--lora-compute base` (x A^T rounded to bf16, then B): the scale and the add
 happen inside the GEMM's float32 epilogue instead of after it, one rounding fewer.
@@ -39,8 +37,7 @@ class PackedGroup:
     """Projections of one input: the model's tensors (`projs`); their adapters' copies: `a` (sum of ranks, K),
     the A matrices stacked, and `bs`, each B (N_i, r_i) or None where a projection has none; and, where the
     group is `stacked`, a copy of its weights stacked (sum of N_i, K) and of its biases, so that one GEMM gives
-    every projection (q/k/v: at 256 rows on the H200 cuBLAS took 5.8 us for each of k's and v's GEMMs alone,
-    6.9 for q's)."""
+    every projection (k's and v's narrow GEMMs alone cost about what q's does)."""
 
     projs: tuple[DecodeProj, ...]
     a: torch.Tensor | None

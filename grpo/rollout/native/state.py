@@ -29,13 +29,12 @@ class DecodeState:
     sin: torch.Tensor
     kv_range: torch.Tensor  # (max_seq_len,) arange: key positions
     logits: torch.Tensor  # (max_batch, V) model dtype, as the output layer gives them: next-token logits of every
-    # row (the sampler computes in float32 from them; a float32 copy cost the 256-row token step 0.1 ms)
+    # row (the sampler computes in float32 from them: a float32 copy would be one more pass over (B, V))
     noise: torch.Tensor | None  # (max_batch, V) float32: Exp(1) draws for the next sample; None until
-    # `noise_rows` first needs it (an engine whose kernel draws the race's noise never does: 131 MB at 256 rows)
+    # `noise_rows` first needs it (greedy decoding never does)
     tok: torch.Tensor  # (max_batch,) long: the token the next forward consumes
     pos: torch.Tensor  # (max_batch,) long: its position
     step: torch.Tensor  # (1,) long: output column of the next sample
-    seed: torch.Tensor  # (1,) long: the generate's seed, the key of race_sample's draws (EngineTuning.sample_kernel)
     alive: torch.Tensor  # (max_batch,) bool: the row has not stopped yet
     finished: torch.Tensor  # (max_batch,) bool: stopped by a stop token or sequence
     out_ids: torch.Tensor  # (max_batch, max_seq_len) long
@@ -61,7 +60,6 @@ class DecodeState:
             logits=torch.zeros(B, V, device=dev, dtype=dt), noise=None,
             tok=torch.full((B,), pad_id, device=dev, dtype=torch.long),
             pos=torch.zeros(B, device=dev, dtype=torch.long), step=torch.zeros(1, device=dev, dtype=torch.long),
-            seed=torch.zeros(1, device=dev, dtype=torch.long),
             alive=torch.ones(B, device=dev, dtype=torch.bool), finished=torch.zeros(B, device=dev, dtype=torch.bool),
             out_ids=torch.full((B, S), pad_id, device=dev, dtype=torch.long),
             out_logp=torch.zeros(B, S, device=dev), out_mask=torch.zeros(B, S, device=dev, dtype=torch.bool),
@@ -76,7 +74,7 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.tok,
-               self.pos, self.step, self.seed, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
+               self.pos, self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
         noise = [] if self.noise is None else [self.noise]
         return out + noise + list(self.tails.values()) + list(self.consts.values())
 
