@@ -47,9 +47,7 @@ def load_runs(directory: str | Path) -> list[dict]:
 
 IMPL_NAMES = {"ours": "ours", "ours-release": "ours, engine released each step", "ours-mb4": "ours, micro-batches of 4",
               "ours-mb8": "ours, micro-batches of 8",
-              "ours-engine-levers": "ours, the prefill compiled (bf16: and the adapters folded)",
               "ours-folded": "ours, the adapters folded in decode",
-              "ours-modules": "ours, peft's modules past the kernels' rows",
               "ours-packed": "ours, packed layers past the kernels' rows",
               "ours-packed-folded": "ours, packed layers, the adapters folded", "ours-mb4-folded":
               "ours, micro-batches of 4, the adapters folded in decode",
