@@ -26,7 +26,7 @@ from grpo.run.durable import write_atomically
 from grpo.loss.options import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_LOSSES, RATIO_LEVELS, SCALES,
                                 check_importance_numbers, check_policy_numbers, spell_flag)
 from grpo.quiet import add_verbose_flag
-from grpo.rollout.options import check_sampling_numbers
+from grpo.sampling_ranges import check_sampling_numbers
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 # The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.

@@ -27,7 +27,8 @@ from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
 from grpo.run.log import step_line
 from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
-from grpo.step import InFlight, StepSetup, update_policy
+from grpo.step import InFlight, update_policy
+from grpo.step_setup import StepSetup
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
 
 
