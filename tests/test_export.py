@@ -169,7 +169,7 @@ def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(
 def test_cli_exports_and_reports_both_folders(tiny_llama_dir, tmp_path):
     policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
     expected = logits(policy)
-    cmd = [sys.executable, "-m", "grpo.export.merge", "--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"),
+    cmd = [sys.executable, "-m", "grpo.export", "--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"),
            "--out", str(tmp_path / "out"), "--dtype", "bf16"]
     result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                             timeout=300)
