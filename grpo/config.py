@@ -96,8 +96,10 @@ class Config:
     max_prompt_length: int | None = _f(None, "Prompt tokens at most; longer prompts are dropped and "
                                        "counted. Default: the 90th percentile of the dataset's prompts.",
                                        "data")
-    max_completion_length: int | None = _f(None, "Completion tokens at most. Default: max-seq-length "
-                                           "minus max-prompt-length.", "data")
+    max_completion_length: int | None = _f(None, "Completion tokens at most: the sampler's budget, and the "
+                                           "length the constant loss norm divides by. Default: what the prompt "
+                                           "budget (max-prompt-length, or its percentile) leaves of "
+                                           "max-seq-length (or of the model's positions, where fewer).", "data")
     num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
     system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
                                    "recipe's, which describes the answer format in words "

@@ -20,7 +20,8 @@ Only where autograd records: generation, evaluation and the reference's pass (no
 forward, except the norms where `grpo.kernels.rmsnorm` runs (CUDA): there they take its one launch each way,
 with grad or without (the native engine's decode graph too), and their values are within a rounding of the
 module's, not bit for bit. It trades bit-for-bit norms for a shorter update and reference pass
-(benchmarks/RESULTS.md, "The measured defaults"); `install(model, norm_kernel=False)` keeps torch's ops. Only for the modules whose forward this reproduces exactly: Llama's,
+(benchmarks/RESULTS.md, "The measured defaults"); `install(model, norm_kernel=False)` keeps torch's ops.
+Only for the modules whose forward this reproduces exactly: Llama's,
 Qwen2's and Qwen3's (`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values and gradients with the
 modules' own.
 """

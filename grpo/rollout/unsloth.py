@@ -53,7 +53,7 @@ class UnslothOptions:
     gradient_checkpointing: bool = True  # Unsloth's own checkpointing
     # vLLM's share of the GPU, standby or not; None: sized for the engine's rows (`unsloth_share_for`)
     gpu_memory_utilization: float | None = None
-    enforce_eager: bool = False  # no torch.compile or CUDA graphs in vLLM (minutes of start-up)
+    enforce_eager: bool = False  # no torch.compile or CUDA graphs in vLLM (a long start-up)
 
 
 def unsloth_share_for(model_dir: str | Path, config: Any, *, rows: int, max_model_len: int,
