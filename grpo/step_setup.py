@@ -31,6 +31,7 @@ class StepSetup:
     optimizer: torch.optim.Optimizer
     tokenizer: Any
     engine: Engine
+    engine_rows: int  # the most rows the engine generates at once: a step's P*G, or the evaluation's
     keep_engine: bool  # --engine-standby: the engine keeps its memory between steps (no release_memory)
     sampling: Sampling  # the run's sampling; each step seeds its own copy
     # Completion tokens at most, resolved once (`grpo.trainer.load_prompt_sets`) from --max-completion-length or

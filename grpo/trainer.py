@@ -2,11 +2,12 @@
 
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
 `run()` from its first line to its last to know what a run does: its setup as named steps (the folder
-and seeds, model-data-sampler, optimizer, start or resume, the banner), then the loop, then recovery.
+and seeds; what every step reads, and the banner; start or resume), then the loop, then recovery.
 Each phase it calls lives in its own room: one GRPO step in `grpo.step` (sample, score and keep in
 `grpo.groups`, the batch's log-probs in `grpo.batch`), the optimizer and schedule in `grpo.optim`,
 checkpoints in `grpo.run.checkpoint`, metrics, progress and clocks in `grpo.run.log`, signals in
-`grpo.run.signals`, held-out accuracy in `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler
+`grpo.run.signals`, held-out accuracy in `grpo.eval`; what every step reads is built once here
+(`grpo.step_setup.StepSetup`). The loss is `grpo.loss` and nothing else; the sampler
 is any `Engine`, and what the loop must know of it the engine says itself; the model is the PeftModel
 that `grpo.model.load` loads.
 
@@ -188,7 +189,8 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
     prompts, held_out, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy))
     engine_name = resolve_engine_name(cfg.engine, policy)
     if engine is None:  # sized for the longest prompt of either set and its completion
-        longest_prompt = max([prompts.max_prompt_length, *(len(p) for p in (held_out.prompt_ids if held_out else []))])
+        held_out_lengths = [len(p) for p in held_out.prompt_ids] if held_out is not None else []
+        longest_prompt = max([prompts.max_prompt_length, *held_out_lengths])
         vllm = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
                            work_dir=str(work_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            enforce_eager=cfg.vllm_enforce_eager)
@@ -205,7 +207,7 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
     stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
     setup = StepSetup(cfg=cfg, world=world, device=device, policy=policy, params=params, optimizer=optimizer,
-                      tokenizer=tokenizer, engine=engine,
+                      tokenizer=tokenizer, engine=engine, engine_rows=rows,
                       keep_engine=keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
                       max_completion_length=max_completion_length, prompts=prompts, stream=stream,
                       reward_funcs=reward_funcs, clock=synced_clock(device))
@@ -373,7 +375,7 @@ def held_out_eval(setup: StepSetup, eval_prompts: grpo_data.PromptSet | None, at
     cfg, engine = setup.cfg, setup.engine
     engine.release_memory()
     result = evaluate(engine, setup.tokenizer, eval_prompts, setup.sampling, k=cfg.eval_samples,
-                      seed=cfg.seed + 7919 * at_step, max_rows=max(cfg.batch_size, cfg.eval_samples),
+                      seed=cfg.seed + 7919 * at_step, max_rows=setup.engine_rows,
                       progress=progress.evaluation)
     engine.release_memory()
     log_eval(console, log, at_step, result)
