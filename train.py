@@ -5,26 +5,26 @@ Exit status: 0 done; 1 an error, told in one line (`--debug` or GRPO_DEBUG=1 add
 """
 
 import signal
+import sys
 
 from grpo.config import parse_command_line
+from grpo.quiet import hide_known_warnings
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, verbose = parse_command_line(argv)
     if not verbose:  # before the libraries that warn are imported
-        from grpo.quiet import hide_known_warnings
-
         hide_known_warnings()
+    # What needs torch is imported once the flags are read: --help and a flag error need no environment, and a
+    # Python without one gets a line saying which to use.
     try:
-        from grpo.trainer import train  # heavy imports after --help and flag errors
+        from grpo.run.checkpoint import RunFinished
+        from grpo.run.failures import report
+        from grpo.trainer import train
     except ModuleNotFoundError as missing:  # a Python without the environment, e.g. `python3 train.py`
-        import sys
-
         print(f"error: {missing.name} is not installed in this Python ({sys.executable}); fix: run ./dev train "
               "(it sets up .venv first), or .venv/bin/python train.py", file=sys.stderr)
         return 1
-    from grpo.run.checkpoint import RunFinished
-
     try:
         train(cfg)
     except RunFinished as done:  # --resume of a run that has no step left: said, and not an error
@@ -33,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:  # grpo.run.signals.Stopped carries the signal; a plain one is Ctrl-C's
         return 128 + getattr(stop, "signum", signal.SIGINT)
     except Exception as err:
-        from grpo.run.failures import report
-
         return report(err, cfg.debug)
     return 0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.kernels.logprobs import token_logprobs
-from grpo.rollout import Rollout
+from grpo.rollout.base import Rollout
 
 
 @dataclass
@@ -101,9 +101,9 @@ def micro_batches(batch: Batch, adv: torch.Tensor, micro: int, pad_to_multiple_o
                   ) -> tuple[Batch, torch.Tensor, list[slice]]:
     """The step's rows in micro-batches of `micro` rows. With more than one, the rows are first sorted by
     length (`adv` along with them), so that each micro-batch holds rows of like length and its forward runs
-    only as wide as its longest (`Batch.rows`): on a batch of the Qwen preset (64 rows of 90-175 prompt and
-    102-384 completion tokens) real tokens were 69% of one padded forward, 90% of four sorted ones. Every
-    statistic of the step is a sum over rows or tokens, so the order changes none of them.
+    only as wide as its longest (`Batch.rows`): less padding for the same rows (logged as
+    train/real_token_frac). Every statistic of the step is a sum over rows or tokens, so the order changes
+    none of them.
     `pad_to_multiple_of`: each micro-batch's width rounded up to a multiple of it (`Batch.width_multiple`)."""
     if pad_to_multiple_of != batch.width_multiple:
         batch = dataclasses.replace(batch, width_multiple=pad_to_multiple_of)
@@ -131,9 +131,9 @@ def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
 
     The forward is causal with no padding mask: a counted token sees only the tokens before it in its own
     row, none of them padding, so a mask would change no value that is read. Passing one is what broke:
-    with a mask, scaled_dot_product_attention took cuDNN's kernel on the H200, whose backward returned
-    NaN for every row that had padding (step 3 of the Qwen preset, skipped every run). Without one, attention
-    is plain causal (60 steps of the preset skipped none); the padded positions' outputs are read by nothing.
+    with a mask, scaled_dot_product_attention took cuDNN's kernel on Hopper, whose backward returned NaN for
+    every row that had padding (the step was skipped). Without one, attention is plain causal; the padded
+    positions' outputs are read by nothing.
     """
     base = policy.get_base_model()
     hidden = base.model(input_ids=batch.input_ids, use_cache=False).last_hidden_state
@@ -147,31 +147,6 @@ def sequence_logprobs(policy, batch: Batch, temperature: float) -> torch.Tensor:
                           batch.completion_ids.flatten().index_select(0, at), temperature)
     out = torch.zeros(batch.mask.numel(), dtype=logp.dtype, device=logp.device)
     return out.index_copy(0, at, logp).view(batch.mask.shape)
-
-
-def head_refusal(model) -> str | None:
-    """Why `sequence_logprobs` would not give `model`'s own log-probs, or None when it does.
-
-    It runs the decoder (`model.model`) and multiplies by the output embedding's weight itself. That is
-    the model only where its forward does nothing after that product: Granite divides the logits by
-    `logits_scaling`, Gemma 2 and 3 soft-cap them, Cohere scales them, some heads add a bias. So this
-    compares, on a few tokens, the model's logits with that product (a rounding apart at most)."""
-    decoder, head = getattr(model, "model", None), model.get_output_embeddings()
-    name = getattr(model.config, "model_type", type(model).__name__)
-    if decoder is None or head is None:
-        return f"model {name!r} has no .model decoder or no output embedding, which the trainer's log-probs read"
-    if getattr(head, "bias", None) is not None:
-        return f"model {name!r}'s output layer has a bias, which the trainer's fused log-probs leave out"
-    ids = torch.arange(1, 9, device=head.weight.device)[None] % head.weight.shape[0]
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits.float()
-        product = (decoder(input_ids=ids, use_cache=False).last_hidden_state @ head.weight.t()).float()
-    if not torch.allclose(logits, product, rtol=1e-2, atol=1e-2):
-        off = (logits - product).abs().max().item()
-        return (f"model {name!r} changes its logits after the output layer (by up to {off:.3g} on 8 tokens: "
-                "a scaling, a soft cap), which the trainer's fused log-probs leave out; train a model whose "
-                "logits are the output layer's product (Llama, Mistral, Qwen2, Qwen3, SmolLM2, ...)")
-    return None
 
 
 def batch_logprobs(policy, batch: Batch, slices: list[slice], temperature: float) -> torch.Tensor:

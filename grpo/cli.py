@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import sys
 
 # TRL's (and transformers' TrainingArguments') names for what our flags do, where the names differ.
 TRL_NAMES = {
@@ -51,8 +53,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
-        import sys
-
         args = sys.argv[1:] if args is None else list(args)
         return super().parse_known_args(self._kebab_case(args), namespace)
 
@@ -111,9 +111,6 @@ def add_bool_flag(container, option: str, *, help: str, default=False, dest: str
 
 def print_to_a_pipe(text: str) -> None:
     """print(text), quietly cut short when the reader has gone (`train.py --list-presets | head`)."""
-    import os
-    import sys
-
     try:
         print(text, flush=True)
     except BrokenPipeError:

@@ -15,10 +15,13 @@ often not significant. What it deliberately is not: a test over sampled pass@1 c
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
+
+from grpo.cli import OneLineParser
+from grpo.run.failures import report
+from grpo.run.plots import json_lines
 
 KEYS = ("greedy_strict", "greedy_lenient", "greedy_format")
 
@@ -39,8 +42,6 @@ def read_records(path: str | Path) -> dict[str, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; write it with python -m grpo.eval --per-problem {path}")
-    from grpo.run.plots import json_lines
-
     records: dict[str, dict] = {}
     for n, record in json_lines(path):
         if not isinstance(record, dict) or "id" not in record:
@@ -79,9 +80,6 @@ def format_row(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo.cli import OneLineParser
-    from grpo.run.failures import report
-
     parser = OneLineParser(prog="python -m grpo.compare_evals", description=__doc__.splitlines()[0])
     parser.add_argument("a", help="Per-problem JSONL of evaluation A (python -m grpo.eval --per-problem).")
     parser.add_argument("b", help="Per-problem JSONL of evaluation B, over the same problems.")

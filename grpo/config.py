@@ -27,7 +27,7 @@ from grpo.loss import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_TERMS, RATIO
                        policy_term)
 from grpo.loss.importance import check_importance_numbers
 from grpo.quiet import add_verbose_flag
-from grpo.rollout.options import check_sampling_numbers
+from grpo.sampling_ranges import check_sampling_numbers
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
 # The seven projections of a Llama layer: the default LoRA targets, and what --load-in-fp8 quantizes.
@@ -97,8 +97,10 @@ class Config:
     max_prompt_length: int | None = _f(None, "Prompt tokens at most; longer prompts are dropped and "
                                        "counted. Default: the 90th percentile of the dataset's prompts.",
                                        "data")
-    max_completion_length: int | None = _f(None, "Completion tokens at most. Default: max-seq-length "
-                                           "minus max-prompt-length.", "data")
+    max_completion_length: int | None = _f(None, "Completion tokens at most: the sampler's budget, and the "
+                                           "length the constant loss norm divides by. Default: what the prompt "
+                                           "budget (max-prompt-length, or its percentile) leaves of "
+                                           "max-seq-length (or of the model's positions, where fewer).", "data")
     num_train_examples: int | None = _f(None, "Use only the first N training examples.", "data")
     system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
                                    "recipe's, which describes the answer format in words "

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
+from grpo import assets
 from grpo.answer_format import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START, SYSTEM_PROMPT
 
 __all__ = [
@@ -310,8 +311,6 @@ def load_gsm8k(split: str) -> list[Example]:
 
 
 def _packaged_gsm8k(split: str, hub_reason: str) -> list[Example]:
-    from grpo import assets
-
     repo, config = HUB["gsm8k"]
     try:
         path = assets.gsm8k_test_path()

@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # NVLink multicast (NVLS) stays off unless the user says otherwise: it buys nothing for an all-reduce
 # of a few MB of adapter gradients, and on a shared host a program using it can take the GPUs out of
@@ -63,7 +64,6 @@ class World:
         """`value` summed over ranks (a new tensor on value's device; the input is left as it is)."""
         if self.size == 1:
             return value
-        import torch.distributed as dist
 
         total = value.detach().to(self.device, copy=True)
         dist.all_reduce(total)
@@ -73,7 +73,6 @@ class World:
         """(n, ...) on every rank -> (size*n, ...): all ranks' rows, rank 0's first. Shapes must match."""
         if self.size == 1:
             return rows
-        import torch.distributed as dist
 
         mine = rows.detach().to(self.device).contiguous()
         parts = [torch.empty_like(mine) for _ in range(self.size)]
@@ -84,7 +83,6 @@ class World:
         """Every rank's picklable `obj`, in rank order."""
         if self.size == 1:
             return [obj]
-        import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj)
@@ -116,7 +114,6 @@ class World:
         """
         if self.size == 1:
             return nonfinite
-        import torch.distributed as dist
 
         flag = torch.tensor([float(nonfinite)], device=self.device)
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
@@ -134,22 +131,17 @@ class World:
         """Overwrite `params` with rank 0's values, so every rank starts from the same adapters."""
         if self.size == 1:
             return
-        import torch.distributed as dist
 
         for p in params:
             dist.broadcast(p.data, src=0)
 
     def barrier(self) -> None:
         if self.size > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def close(self) -> None:
         """Destroy the process group if init_world made it; one the caller made stays theirs."""
         if self.owns_group:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -167,7 +159,6 @@ def init_world() -> World:
     if missing:
         raise ValueError(f"WORLD_SIZE={size} but {', '.join(missing)} unset; fix: launch with "
                          f"`torchrun --nproc-per-node {size} train.py ...`")
-    import torch.distributed as dist
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():

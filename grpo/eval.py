@@ -21,9 +21,22 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
+from rich.console import Console
+
+from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
-from grpo.rollout import Sampling
+from grpo.answer_format import SYSTEM_PROMPT
+from grpo.cli import OneLineParser, add_bool_flag
+from grpo.config import Config
+from grpo.export.merge import find_adapter
+from grpo.model.load import attention_without_cudnn, default_device, load_base_model, load_tokenizer
+from grpo.quiet import add_verbose_flag, hide_known_warnings
+from grpo.rollout import Sampling, build_engine
+from grpo.rollout.stops import stop_string_sequences, stop_token_ids
+from grpo.run.durable import write_atomically
+from grpo.run.failures import adapter_load_error, report
 
 
 def evaluate(engine, tokenizer, prompt_set, sampling: Sampling, *, k: int, seed: int,
@@ -125,8 +138,6 @@ def log_eval(console, log, step: int, result: dict[str, float]) -> None:
 
 def build_parser():
     """The command line of `python -m grpo.eval`."""
-    from grpo.cli import OneLineParser, add_bool_flag
-    from grpo.quiet import add_verbose_flag
 
     parser = OneLineParser(prog="python -m grpo.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Base model: local folder, hub id or smollm2-135m-instruct.")
@@ -159,9 +170,6 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.eval`: flags checked before anything loads; any error is one line (status 1)."""
-    from grpo.quiet import hide_known_warnings
-    from grpo.run.failures import adapter_load_error, report
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
@@ -171,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     problem = eval_flag_problem(args)
     if problem:
         parser.error(problem)
-    from grpo.model.load import attention_without_cudnn
-
     try:
         with attention_without_cudnn():  # as the trainer's evaluations run: every prompt width is new
             result = evaluate_from_flags(args)
@@ -217,23 +223,13 @@ def run_system_prompt(adapter: Path) -> str | None:
 
 
 def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
-    from rich.console import Console
-
-    from grpo import data as grpo_data
-    from grpo.answer_format import SYSTEM_PROMPT
-    from grpo.config import Config
-    from grpo.export.merge import find_adapter
-    from grpo.model.load import default_device, load_base_model, load_tokenizer
-    from grpo.rollout import build_engine
-    from grpo.rollout.stops import stop_string_sequences, stop_token_ids
-
     adapter = find_adapter(args.adapter) if args.adapter else None  # before the model loads
     cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
     base, model_dir = load_base_model(cfg, default_device())
     tokenizer = load_tokenizer(model_dir)
     policy = base
     if adapter is not None:  # with its own saved settings (rank, targets), whatever they are
-        from peft import PeftModel
+        from peft import PeftModel  # imported where used: it logs at import (grpo.quiet)
 
         policy = PeftModel.from_pretrained(base, adapter)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
@@ -259,10 +255,6 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict[str, float]:
 
 def write_jsonl(path: str, records: list[dict]) -> None:
     """`records` as JSON lines in `path` (its folder created), written aside and renamed: never half-written."""
-    from pathlib import Path
-
-    from grpo.run.durable import write_atomically
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomically(Path(path), "".join(json.dumps(r) + "\n" for r in records).encode())
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +19,7 @@ from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.data import Example
 from grpo.rollout.base import Rollout, pad_rows
-
-if TYPE_CHECKING:  # the step's setup, read here; grpo.step imports this module, not the other way round
-    from grpo.step import StepSetup
+from grpo.step_setup import StepSetup
 
 
 @dataclass(frozen=True)

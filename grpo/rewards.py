@@ -41,6 +41,7 @@ import importlib
 import importlib.util
 import math
 import re
+import warnings
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -395,8 +396,6 @@ def score(completions: Sequence[str], answers: Sequence[str], funcs: Sequence[Re
 def _say_what_applies_to_nothing(rewards: torch.Tensor, names: list[str]) -> None:
     """A function that applies to none of the batch is said once (a warning per function, which Python shows
     once); a batch that no function applies to is an error: every group would tie and teach nothing."""
-    import warnings
-
     n = rewards.shape[0]
     if n and bool(rewards.isnan().all()):
         raise RewardError(f"no reward applies to any of the {n} completions: {', '.join(names)} returned None or NaN "

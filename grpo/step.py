@@ -17,45 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from grpo.batch import Batch, batch_logprobs, make_batch, micro_batches, real_token_share, sequence_logprobs
-from grpo.config import Config
-from grpo.data import PromptSet, PromptStream
-from grpo.distributed import World
 from grpo.groups import SamplingReport, Scores, sample_groups
 from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
-from grpo.rollout import Engine, Sampling
+from grpo.step_setup import StepSetup
 
 
 # --------------------------------------------------------------------------------------------------
-# What a step reads, what it reports
+# What a step reports (what it reads is `grpo.step_setup.StepSetup`)
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepSetup:
-    """What every step reads, built once by `grpo.trainer.run`."""
-
-    cfg: Config
-    world: World
-    device: torch.device
-    policy: Any  # the PeftModel being trained
-    params: list[torch.nn.Parameter]  # its trainable adapters
-    optimizer: torch.optim.Optimizer
-    tokenizer: Any
-    engine: Engine
-    keep_engine: bool  # --engine-standby: the engine keeps its memory between steps (no release_memory)
-    sampling: Sampling  # the run's sampling; each step seeds its own copy
-    max_completion_length: int  # completion tokens at most (sampling.max_new_tokens): the constant loss_norm's length
-    prompts: PromptSet
-    stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
-    reward_funcs: list[Callable]
-    clock: Callable[[], float]  # seconds, after the device has finished its queued work
-
-
 @dataclass
 class InFlight:
     """The step being run, as a second Ctrl-C or an error finds it: where the prompt stream stood

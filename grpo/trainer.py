@@ -2,11 +2,12 @@
 
 What it deliberately is not: a framework. No callbacks, no trainer subclasses, no hidden state. Read
 `run()` from its first line to its last to know what a run does: its setup as named steps (the folder
-and seeds, model-data-sampler, optimizer, start or resume, the banner), then the loop, then recovery.
+and seeds; what every step reads, and the banner; start or resume), then the loop, then recovery.
 Each phase it calls lives in its own room: one GRPO step in `grpo.step` (sample, score and keep in
 `grpo.groups`, the batch's log-probs in `grpo.batch`), the optimizer and schedule in `grpo.optim`,
 checkpoints in `grpo.run.checkpoint`, metrics, progress and clocks in `grpo.run.log`, signals in
-`grpo.run.signals`, held-out accuracy in `grpo.eval`. The loss is `grpo.loss` and nothing else; the sampler
+`grpo.run.signals`, held-out accuracy in `grpo.eval`; what every step reads is built once here
+(`grpo.step_setup.StepSetup`). The loss is `grpo.loss` and nothing else; the sampler
 is any `Engine`, and what the loop must know of it the engine says itself; the model is the PeftModel
 that `grpo.model.load` loads.
 
@@ -27,35 +28,35 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.answer_format import SYSTEM_PROMPT
-from grpo.run.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
-                             new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
-                             save_from_every_rank, schedule_note)
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval import evaluate, log_eval
-from grpo.run.failures import add_note, describe
 from grpo.kernels.fp8 import FP8Linear
-from grpo.model.load import (attention_without_cudnn, default_device, load_policy, load_unsloth_policy, model_positions,
-                        model_summary)
+from grpo.model.load import attention_without_cudnn, default_device, load_policy, model_positions, model_summary
 from grpo.optim import make_optimizer, make_scheduler
-from grpo.rollout import (Engine, Sampling, VLLMOptions, auto_refusal, build_engine, resolve_engine_name,
-                          unsloth_loads_the_model)
+from grpo.rollout import (Engine, Sampling, UnslothOptions, VLLMOptions, auto_refusal, build_engine,
+                          loads_its_own_policy, resolve_engine_name)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
+from grpo.run.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
+                                 new_run_id, resume_checkpoint, rng_state, save_adapter, save_checkpoint,
+                                 save_from_every_rank, schedule_note)
 from grpo.run.claim import RunClaim
+from grpo.run.failures import add_note, describe
 from grpo.run.log import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
-                         synced_clock)
+                          synced_clock)
+from grpo.run.plots import plot_metrics
 from grpo.run.signals import StopOnSignal, Stopped
-from grpo.step import InFlight, StepSetup, grpo_step
+from grpo.step import InFlight, StepResult, grpo_step
+from grpo.step_setup import StepSetup
 
 KEEP_KV_BYTES = 2 * 2**30  # --engine-standby auto keeps an engine that holds at most this between steps
 
@@ -77,82 +78,54 @@ def train(cfg: Config) -> Path:
 
 def run(cfg: Config, world: World) -> Path:
     """The loop, as one rank of `world` runs it (the only rank without torchrun)."""
-    from rich.console import Console
-
     console = Console(quiet=not world.is_main)  # rank 0 prints for all
     out = Path(cfg.output_dir)
-    # Setup, step by step: the run's folder and seeds; model, data, rewards and sampler; the optimizer and
-    # schedule over the adapters; where the run starts (a checkpoint's state with --resume).
+    # Setup, step by step: the run's folder and seeds; what every step reads (model, data, rewards, sampler,
+    # optimizer); where the run starts (a checkpoint's state with --resume).
     device, claim = claim_and_seed(cfg, world, out, console)  # claim: rank 0's hold on the folder, till the end
     try:
-        loaded = load_model_data_and_sampler(cfg, world, device, out)
-        params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, loaded.policy)
-        # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
-        stream = grpo_data.PromptStream(len(loaded.prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
-        parts = Resumable(loaded.policy, optimizer, scheduler, stream)
+        setup, scheduler, held_out = set_up_steps(cfg, world, device, out, console)
+        parts = Resumable(setup.policy, setup.optimizer, scheduler, setup.stream)
         state, saved = start_or_resume(cfg, world, out, parts, console)  # saved: the checkpoint holding the state
     except BaseException:  # a setup that fails leaves the folder free, not claimed by a run that never ran
         if claim is not None:
             claim.release()
         raise
-    print_banner(console, cfg, world, device, loaded)
-    setup = StepSetup(cfg=cfg, world=world, device=device, policy=loaded.policy, params=params, optimizer=optimizer,
-                      tokenizer=loaded.tokenizer, engine=loaded.engine, keep_engine=loaded.keep_engine,
-                      sampling=loaded.sampling, max_completion_length=loaded.max_completion_length,
-                      prompts=loaded.prompts, stream=stream, reward_funcs=loaded.reward_funcs,
-                      clock=synced_clock(device))
 
     # The loop. Opened here, closed in the `finally`: the log, the progress bar, the signal handlers.
-    log = MetricsLog(out, cfg, state.step) if world.is_main else None
-    if log is not None and log.note:
-        console.print(f"[yellow]{log.note}[/]")
+    log = open_metrics_log(out, cfg, world, state.step, console)  # rank 0's; None on the others
     progress = ProgressBar(console, cfg.max_steps, state.step)
-    loaded.engine.progress = progress.generation  # tokens generated, shown while the engine samples (if it says)
+    setup.engine.progress = progress.generation  # tokens generated, shown while the engine samples (if it says)
     stop: StopOnSignal | None = None
     in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
     stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
     try:
         progress.start()
         if state.step == 0 and cfg.eval_size > 0:
-            held_out_eval(setup, loaded.eval_prompts, 0, console, log, progress)
+            held_out_eval(setup, held_out, 0, console, log, progress)
         stop = StopOnSignal(console)
         while state.step < cfg.max_steps:
             t_step = time.perf_counter()
             reset_peak_memory(device)
-            in_flight = InFlight(stream_at_start=stream.state_dict(), rng_at_start=rng_state())
+            in_flight = InFlight(stream_at_start=setup.stream.state_dict(), rng_at_start=rng_state())
             result = grpo_step(setup, state.step, in_flight)
             scheduler.step()
             state.step += 1
             in_flight = None  # from here the run's state is the finished step's
-
-            # Counters. A skipped step changes nothing (with mu > 1, passes before the bad one did update).
+            # A skipped step changes nothing (with mu > 1, passes before the bad one did update).
             state.nonfinite_in_row = state.nonfinite_in_row + 1 if result.skipped else 0
             state.skipped_steps += int(result.skipped)
-            give_up: NonFiniteLoss | None = None
-            if result.skipped:
-                console.print(f"[yellow]step {state.step}: non-finite loss or gradient, step skipped "
-                              f"({state.nonfinite_in_row} in a row)[/]")
-                if state.nonfinite_in_row >= cfg.max_nonfinite_steps:  # raised once logged and saved
-                    give_up = NonFiniteLoss(f"{state.nonfinite_in_row} non-finite steps in a row; stopped "
-                                            "(try a lower --learning-rate)")
-
-            # Log: the batch of all ranks; time and memory are this rank's.
+            give_up = skipped_step_verdict(cfg, state, console) if result.skipped else None
             record = result.log_record(state.step, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
-                                       *step_memory_gib(device, loaded.engine))
-            if world.is_main:
-                log.write(record)
-            line = step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn)
-            progress.update(state.step)
-            console.print(line, soft_wrap=True)
+                                       *step_memory_gib(device, setup.engine))  # the batch of all ranks
+            report_step(cfg, record, result, console, log, progress)
             if give_up is not None:  # every rank gives up after the same step: save with every rank's RNG
                 saved = save_from_every_rank(out, state, parts, cfg, world)
                 raise give_up
-            if cfg.log_completions_steps and state.step % cfg.log_completions_steps == 0:
-                print_completions(console, result)
             if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < cfg.max_steps:
                 saved = save_from_every_rank(out, state, parts, cfg, world)
             if cfg.eval_steps and state.step % cfg.eval_steps == 0 and state.step < cfg.max_steps:
-                held_out_eval(setup, loaded.eval_prompts, state.step, console, log, progress)
+                held_out_eval(setup, held_out, state.step, console, log, progress)
             if world.sum(torch.tensor(float(stop.requested))) > 0:  # all ranks stop after the same step
                 stopped = True
                 break
@@ -162,29 +135,12 @@ def run(cfg: Config, world: World) -> Path:
         stop.restore()
         if saved != checkpoint_path(out, state.step):
             saved = save_from_every_rank(out, state, parts, cfg, world)
-        if stopped:  # said where it saved in the `except` below
+        if stopped:  # said where it saved in `recover` below
             raise Stopped(stop.signum or signal.SIGINT)
-        if loaded.eval_prompts is not None:
-            progress.start()  # again, for the final evaluation
-        held_out_eval(setup, loaded.eval_prompts, state.step, console, log, progress)
-        progress.stop()
-        final = out / "adapter"
+        final = evaluate_and_save_adapter(setup, held_out, state.step, console, log, progress, out)
+    except BaseException as err:  # a second signal, a failed write, any error: rank 0 says where to continue
         if world.is_main:
-            save_adapter(loaded.policy, final)
-    except KeyboardInterrupt:  # a second signal (or Ctrl-C outside the loop): keep what is consistent
-        if world.is_main:  # saved first: after SIGHUP even printing may fail
-            where = save_consistent_state(out, cfg, state, parts, in_flight, saved)
-            progress.stop()
-            console.print(f"[bold yellow]interrupted[/]: {where}")
-        raise
-    except CheckpointWriteError as err:  # saving again would fail the same way
-        if world.is_main:
-            add_note(err, f"the last checkpoint is {saved}; continue with --resume latest" if saved is not None
-                     else "no checkpoint was saved")
-        raise
-    except Exception as err:  # rank 0 saves what every rank agreed on: the others may not answer now
-        if world.is_main:
-            add_note(err, save_consistent_state(out, cfg, state, parts, in_flight, saved))
+            recover(err, out, cfg, state, parts, in_flight, saved, console, progress)
         raise
     finally:
         progress.stop()
@@ -195,8 +151,6 @@ def run(cfg: Config, world: World) -> Path:
         if claim is not None:
             claim.release()
     if world.is_main:
-        from grpo.run.plots import plot_metrics
-
         plot_metrics(log.path, out / "metrics.png")
     world.barrier()
     console.print(f"[bold green]done[/]: {state.step} steps, {state.skipped_steps} skipped; adapter in {final}")
@@ -223,47 +177,42 @@ def claim_and_seed(cfg: Config, world: World, out: Path, console) -> tuple[torch
     return device, claim
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """What the run loaded before it trains: the model, its data and rewards, and the sampler."""
-
-    engine_name: str  # --engine resolved (auto -> native or hf)
-    policy: Any  # the PeftModel being trained
-    tokenizer: Any
-    engine: Engine
-    keep_engine: bool  # --engine-standby: the engine keeps its memory between steps
-    sampling: Sampling
-    max_completion_length: int  # completion tokens at most, resolved once: the sampler's budget, the constant norm's
-    prompts: grpo_data.PromptSet
-    eval_prompts: grpo_data.PromptSet | None
-    reward_funcs: list[Callable]
-
-
-def load_model_data_and_sampler(cfg: Config, world: World, device: torch.device, out: Path) -> Loaded:
-    """The policy and tokenizer, the training and held-out prompts, the reward functions, the engine
-    (sized for the longest prompt of either set) and the run's sampling."""
-    vllm_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"
-    policy, tokenizer, model_dir, engine = load_model(cfg, device, vllm_dir)
+def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, console
+                 ) -> tuple[StepSetup, Any, grpo_data.PromptSet | None]:
+    """(what every step reads, the schedule, the held-out prompts or None): the policy and tokenizer, the
+    prompts and the completion budget they leave (`load_prompt_sets`, resolved once here), the engine and the
+    run's sampling, the reward functions, the optimizer over the adapters and the prompt stream. Prints the
+    run's banner."""
+    work_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"  # an external engine's files
+    rows = max(cfg.batch_size, cfg.eval_samples)  # the most rows the engine generates at once
+    policy, tokenizer, model_dir, engine = load_model(cfg, device, work_dir, rows)
+    prompts, held_out, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy))
     engine_name = resolve_engine_name(cfg.engine, policy)
-    prompts, eval_prompts, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy))
-    eval_lengths = [len(p) for p in eval_prompts.prompt_ids] if eval_prompts else []
-    longest_prompt = max([prompts.max_prompt_length, *eval_lengths])  # sizes the engine's buffers
-    reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
-    if engine is None:
+    if engine is None:  # sized for the longest prompt of either set and its completion
+        held_out_lengths = [len(p) for p in held_out.prompt_ids] if held_out is not None else []
+        longest_prompt = max([prompts.max_prompt_length, *held_out_lengths])
         vllm = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
-                           work_dir=str(vllm_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                           work_dir=str(work_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            enforce_eager=cfg.vllm_enforce_eager)
         engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
-                              max_seq_len=longest_prompt + max_completion_length,
-                              max_batch=max(cfg.batch_size, cfg.eval_samples), gemm=cfg.engine_gemm,
-                              attention=cfg.engine_attention, fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
-    keep_engine = keeps_memory_between_steps(cfg.engine_standby, engine)
-    stop_ids = stop_token_ids(tokenizer, policy.get_base_model().generation_config)
+                              max_seq_len=longest_prompt + max_completion_length, max_batch=rows,
+                              gemm=cfg.engine_gemm, attention=cfg.engine_attention,
+                              fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        top_k=cfg.top_k, min_p=cfg.min_p, stop_token_ids=stop_ids,
+                        top_k=cfg.top_k, min_p=cfg.min_p,
+                        stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, cfg.stop))
-    return Loaded(engine_name, policy, tokenizer, engine, keep_engine, sampling, max_completion_length, prompts,
-                  eval_prompts, reward_funcs)
+    reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
+    params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, policy)
+    # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
+    stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
+    setup = StepSetup(cfg=cfg, world=world, device=device, policy=policy, params=params, optimizer=optimizer,
+                      tokenizer=tokenizer, engine=engine, engine_rows=rows,
+                      keep_engine=keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
+                      max_completion_length=max_completion_length, prompts=prompts, stream=stream,
+                      reward_funcs=reward_funcs, clock=synced_clock(device))
+    print_banner(console, setup, engine_name)
+    return setup, scheduler, held_out
 
 
 def make_optimizer_over_adapters(cfg: Config, world: World, policy
@@ -292,45 +241,48 @@ def start_or_resume(cfg: Config, world: World, out: Path, parts: Resumable, cons
     return state, saved
 
 
-def print_banner(console, cfg: Config, world: World, device: torch.device, loaded: Loaded) -> None:
-    """One line: the model, device, engine, prompts, P x ranks and G, trainable parameters, completion budget."""
-    summary = model_summary(loaded.policy)
-    prompts = loaded.prompts
+def print_banner(console, setup: StepSetup, engine_name: str) -> None:
+    """One line: the model, device, engine (`engine_name`: --engine resolved), prompts, P x ranks and G,
+    trainable parameters, completion budget; and a warning where an engine choice did not go as asked."""
+    cfg, world, device, engine = setup.cfg, setup.world, setup.device, setup.engine
+    summary = model_summary(setup.policy)
+    prompts = setup.prompts
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
     # how the engine runs where that was a choice: kept between steps or not, the native engine's attention
     # (--engine-attention auto picks it by the rows)
-    native = loaded.engine_name == "native"
-    folds = (native and loaded.engine.tuning.fold_adapter and device.type == "cuda"  # FP8 weights never fold
-             and not any(isinstance(m, FP8Linear) for m in loaded.policy.modules()))
-    notes = [*(["kept between steps"] if loaded.keep_engine else []),
-             *([f"{loaded.engine.tuning.attention} attention"] if native else []),
+    native = engine_name == "native"
+    folds = (native and engine.tuning.fold_adapter and device.type == "cuda"  # FP8 weights never fold
+             and not any(isinstance(m, FP8Linear) for m in setup.policy.modules()))
+    notes = [*(["kept between steps"] if setup.keep_engine else []),
+             *([f"{engine.tuning.attention} attention"] if native else []),
              *(["adapters folded where it decodes on its kernels"] if folds else [])]
     engine_notes = f" ({', '.join(notes)})" if notes else ""
-    if cfg.engine == "auto" and device.type == "cuda" and loaded.engine_name == "hf":  # slow: say why
-        console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(loaded.policy)}")
-    if cfg.engine_attention != "auto" and loaded.engine_name != "native":  # a choice that would do nothing
+    if cfg.engine == "auto" and device.type == "cuda" and engine_name == "hf":  # slow: say why
+        console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(setup.policy)}")
+    if cfg.engine_attention != "auto" and engine_name != "native":  # a choice that would do nothing
         console.print(f"[yellow]--engine-attention {cfg.engine_attention} is not used[/]: it picks the native "
-                      f"engine's attention, and this run samples with {loaded.engine_name}")
-    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {loaded.engine_name}{engine_notes} | "
+                      f"engine's attention, and this run samples with {engine_name}")
+    console.print(f"[bold]grpo[/] {cfg.model} on {device} | engine {engine_name}{engine_notes} | "
                   f"{len(prompts)} prompts ({prompts.dropped} over {prompts.max_prompt_length} tokens dropped) | "
                   f"P={cfg.prompts_per_step}"
                   f"{ranks} G={cfg.num_generations} | {summary['trainable_params']:,} trainable of "
-                  f"{summary['total_params']:,} | completions up to {loaded.max_completion_length} tokens")
+                  f"{summary['total_params']:,} | completions up to {setup.max_completion_length} tokens")
 
 
-def load_model(cfg: Config, device: torch.device, vllm_dir: Path):
-    """(policy, tokenizer, model_dir, engine). When Unsloth loads the model, it builds its vLLM engine
-    with it (sampling and training share the base weights) and model_dir is None; otherwise engine is
-    None and model_dir is the base checkpoint's folder."""
-    if unsloth_loads_the_model(cfg.engine):
-        policy, tokenizer, engine = load_unsloth_policy(
-            cfg.model, load_in_fp8=cfg.load_in_fp8, max_seq_length=cfg.max_seq_length, lora_rank=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, target_modules=cfg.lora_targets,
-            seed=cfg.seed, rows=max(cfg.batch_size, cfg.eval_samples), work_dir=str(vllm_dir),
-            lora_dropout=cfg.lora_dropout,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.vllm_enforce_eager,
-            use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False)
-        return policy, tokenizer, None, engine
+def load_model(cfg: Config, device: torch.device, work_dir: Path, rows: int):
+    """(policy, tokenizer, model_dir, engine). An engine that loads its own policy (`loads_its_own_policy`:
+    Unsloth's, whose vLLM shares the base weights with training) is built here, for --max-seq-length tokens and
+    `rows` rows, and model_dir is None; otherwise engine is None (it is built once the prompts are known) and
+    model_dir is the base checkpoint's folder."""
+    if loads_its_own_policy(cfg.engine):
+        unsloth = UnslothOptions(
+            model=cfg.model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets,
+            seed=cfg.seed, work_dir=str(work_dir), load_in_fp8=cfg.load_in_fp8, use_rslora=cfg.use_rslora,
+            lora_dropout=cfg.lora_dropout, gradient_checkpointing=cfg.gradient_checkpointing,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.vllm_enforce_eager)
+        engine = build_engine(cfg.engine, None, pad_id=0, max_seq_len=cfg.max_seq_length, max_batch=rows,
+                              unsloth=unsloth)
+        return engine.policy, engine.tokenizer, None, engine
     policy, tokenizer, model_dir = load_policy(cfg, device)
     return policy, tokenizer, model_dir, None
 
@@ -368,6 +320,53 @@ def keeps_memory_between_steps(standby: str, engine: Engine) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Phases of the run besides the step
 # --------------------------------------------------------------------------------------------------
+def open_metrics_log(out: Path, cfg: Config, world: World, step: int, console) -> MetricsLog | None:
+    """Rank 0's metrics log, continued from `step` (its note, where it dropped torn lines, printed); None on
+    the other ranks."""
+    if not world.is_main:
+        return None
+    log = MetricsLog(out, cfg, step)
+    if log.note:
+        console.print(f"[yellow]{log.note}[/]")
+    return log
+
+
+def skipped_step_verdict(cfg: Config, state: RunState, console) -> NonFiniteLoss | None:
+    """Says that the step just counted was skipped (a non-finite loss or gradient); returns the error that
+    stops the run once --max-nonfinite-steps came in a row (raised once the step is logged and saved), else None."""
+    console.print(f"[yellow]step {state.step}: non-finite loss or gradient, step skipped "
+                  f"({state.nonfinite_in_row} in a row)[/]")
+    if state.nonfinite_in_row >= cfg.max_nonfinite_steps:
+        return NonFiniteLoss(f"{state.nonfinite_in_row} non-finite steps in a row; stopped "
+                             "(try a lower --learning-rate)")
+    return None
+
+
+def report_step(cfg: Config, record: dict, result: StepResult, console, log: MetricsLog | None,
+                progress: ProgressBar) -> None:
+    """The step's record in metrics.jsonl (rank 0), its line on the console, the progress bar moved on, and
+    with --log-completions-steps the completions."""
+    if log is not None:
+        log.write(record)
+    progress.update(record["step"])
+    console.print(step_line(record, cfg.max_steps, gap_warn=cfg.gap_warn), soft_wrap=True)
+    if cfg.log_completions_steps and record["step"] % cfg.log_completions_steps == 0:
+        print_completions(console, result)
+
+
+def evaluate_and_save_adapter(setup: StepSetup, held_out: grpo_data.PromptSet | None, at_step: int, console,
+                              log: MetricsLog | None, progress: ProgressBar, out: Path) -> Path:
+    """The run's end: the final held-out evaluation, then rank 0 saves the adapter; returns its folder."""
+    if held_out is not None:
+        progress.start()  # again, for the final evaluation
+    held_out_eval(setup, held_out, at_step, console, log, progress)
+    progress.stop()
+    final = out / "adapter"
+    if setup.world.is_main:
+        save_adapter(setup.policy, final)
+    return final
+
+
 def held_out_eval(setup: StepSetup, eval_prompts: grpo_data.PromptSet | None, at_step: int, console,
                   log: MetricsLog | None, progress: ProgressBar) -> None:
     """Rank 0 measures held-out accuracy and logs it; the other ranks wait in their next collective."""
@@ -376,10 +375,27 @@ def held_out_eval(setup: StepSetup, eval_prompts: grpo_data.PromptSet | None, at
     cfg, engine = setup.cfg, setup.engine
     engine.release_memory()
     result = evaluate(engine, setup.tokenizer, eval_prompts, setup.sampling, k=cfg.eval_samples,
-                      seed=cfg.seed + 7919 * at_step, max_rows=max(cfg.batch_size, cfg.eval_samples),
+                      seed=cfg.seed + 7919 * at_step, max_rows=setup.engine_rows,
                       progress=progress.evaluation)
     engine.release_memory()
     log_eval(console, log, at_step, result)
+
+
+def recover(err: BaseException, out: Path, cfg: Config, state: RunState, parts: Resumable,
+            in_flight: InFlight | None, saved: Path | None, console, progress: ProgressBar) -> None:
+    """Rank 0, as the run stops on `err`: after a second signal (or Ctrl-C outside the loop), saves what is
+    consistent and says where; on a failed checkpoint write, notes the last checkpoint (saving again would fail
+    the same way); on any other error, saves what every rank agreed on (the others may not answer now) and
+    notes where the run can continue."""
+    if isinstance(err, KeyboardInterrupt):
+        where = save_consistent_state(out, cfg, state, parts, in_flight, saved)  # first: after SIGHUP even
+        progress.stop()  # printing may fail
+        console.print(f"[bold yellow]interrupted[/]: {where}")
+    elif isinstance(err, CheckpointWriteError):
+        add_note(err, f"the last checkpoint is {saved}; continue with --resume latest" if saved is not None
+                 else "no checkpoint was saved")
+    elif isinstance(err, Exception):
+        add_note(err, save_consistent_state(out, cfg, state, parts, in_flight, saved))
 
 
 def save_consistent_state(out: Path, cfg: Config, state: RunState, parts: Resumable, in_flight: InFlight | None,

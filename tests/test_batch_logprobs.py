@@ -206,7 +206,7 @@ def test_models_whose_logits_are_not_the_output_layers_product_are_refused_at_lo
     import transformers
 
     from conftest import tiny_llama
-    from grpo.batch import head_refusal
+    from grpo.model.load import head_refusal
     from grpo.config import Config
     from grpo.model.load import load_policy
 

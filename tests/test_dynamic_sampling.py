@@ -27,7 +27,8 @@ from grpo.loss import clipped_surrogate, group_advantages
 from grpo.rollout import Rollout, Sampling
 from grpo.run.log import step_line
 from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
-from grpo.step import InFlight, StepSetup, update_policy
+from grpo.step import InFlight, update_policy
+from grpo.step_setup import StepSetup
 from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
 
 
@@ -66,7 +67,7 @@ def sampling_setup(pattern: str, *, P: int, dynamic: bool, rounds: int, G: int =
     cfg = Config(model="unused", num_generations=G, prompts_per_step=P, dynamic_sampling=dynamic,
                  max_sampling_rounds=rounds, max_completion_length=6, seed=seed)
     return StepSetup(cfg=cfg, world=World(), device=torch.device("cpu"), policy=None, params=[], optimizer=None,
-                     tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id), keep_engine=False,
+                     tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id), engine_rows=P * G, keep_engine=False,
                      sampling=Sampling(max_new_tokens=6), max_completion_length=6, prompts=prompts,
                      stream=PromptStream(len(prompts), P, seed),
                      reward_funcs=[tie_or_hash], clock=time.perf_counter)
@@ -203,7 +204,7 @@ def test_each_loss_norm_over_fewer_kept_groups_in_micro_batches_equals_one_pass_
         optimizer = _KeepGrads(params)
         s = StepSetup(cfg=cfg, world=World(), device=torch.device("cpu"), policy=policy, params=params,
                       optimizer=optimizer, tokenizer=tokenizer, engine=PromptHashEngine(tokenizer.pad_token_id),
-                      keep_engine=True, sampling=sampling, max_completion_length=sampling.max_new_tokens, prompts=None,
+                      engine_rows=len(batch), keep_engine=True, sampling=sampling, max_completion_length=sampling.max_new_tokens, prompts=None,
                       stream=None, reward_funcs=[],
                       clock=time.perf_counter)
         update_policy(s, batch, [slice(0, 4), slice(4, 6)], adv, None, None, InFlight(stream_at_start={}))

@@ -65,16 +65,22 @@ def test_vllms_share_is_none_by_default_or_a_share_and_out_of_range_values_name_
 
 
 def test_the_trainer_gives_unsloth_the_share_and_eager_mode_from_the_flags(tmp_path, monkeypatch):
-    import grpo.trainer
+    import types
+
+    import grpo.rollout
     from grpo.trainer import load_model
 
     seen = {}
 
-    def load_unsloth_policy(model, **kw):
-        seen.update(kw)
-        return "policy", "tokenizer", "engine"
+    def load_unsloth(options, **sizes):
+        seen.update(vars(options), **sizes)
+        return types.SimpleNamespace(policy="policy", tokenizer="tokenizer")
 
-    monkeypatch.setattr(grpo.trainer, "load_unsloth_policy", load_unsloth_policy)
-    cfg = Config(engine="unsloth", vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True)
-    assert load_model(cfg, torch.device("cpu"), tmp_path) == ("policy", "tokenizer", None, "engine")
+    monkeypatch.setattr(grpo.rollout, "load_unsloth", load_unsloth)
+    cfg = Config(engine="unsloth", vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True, max_seq_length=640,
+                 gradient_checkpointing=False)
+    policy, tokenizer, model_dir, engine = load_model(cfg, torch.device("cpu"), tmp_path, rows=16)
+    assert (policy, tokenizer, model_dir) == ("policy", "tokenizer", None) and engine.policy == "policy"
     assert seen["gpu_memory_utilization"] == 0.3 and seen["enforce_eager"] is True
+    assert (seen["max_seq_length"], seen["rows"], seen["work_dir"]) == (640, 16, str(tmp_path))
+    assert seen["model"] == cfg.model and seen["gradient_checkpointing"] is False

@@ -73,7 +73,10 @@ def test_values_and_gradients_match_pefts_forward(fp8):
     assert torch.allclose(logits_ours, logits_peft, rtol=1e-5, atol=1e-5)
     assert grads_ours.keys() == grads_peft.keys()
     for name, g in grads_peft.items():
-        assert torch.allclose(grads_ours[name], g, rtol=1e-4, atol=1e-6), name
+        # An adapter's gradient entry sums products over every token and the layer's width: its rounding scales
+        # with the tensor's largest entries, not with its own value, which may cancel to near zero. So the
+        # tolerance is relative to the tensor's scale, elementwise it would fail on such an entry.
+        torch.testing.assert_close(grads_ours[name], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()), msg=name)
     # the adapters matter here, so a product left out or scaled wrongly could not pass
     with torch.no_grad(), peft_policy.disable_adapter():
         base = peft_policy(input_ids=ids).logits.float()

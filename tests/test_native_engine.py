@@ -715,44 +715,37 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
     from grpo.trainer import print_banner
 
     prompts = type("Prompts", (list,), {"dropped": 0, "max_prompt_length": 64})([[1], [2], [3]])
-    loaded = types.SimpleNamespace(policy=small_decoder("granite"), prompts=prompts, keep_engine=False,
-                                   engine_name="hf", max_completion_length=32)
-    for device, said in ((torch.device("cuda"), True), (torch.device("cpu"), False)):  # on a CPU hf is auto's pick
+
+    def banner(engine_name: str, device: str = "cpu", cfg: Config = Config(engine="auto"), **setup) -> str:
+        fields = dict(cfg=cfg, world=World(), device=torch.device(device), policy=small_decoder("granite"),
+                      prompts=prompts, keep_engine=False, engine=None, max_completion_length=32)
         console = Console(record=True, width=300)
-        print_banner(console, Config(engine="auto"), World(), device, loaded)
-        text = console.export_text()
+        print_banner(console, types.SimpleNamespace(**{**fields, **setup}), engine_name)
+        return console.export_text()
+
+    for device, said in (("cuda", True), ("cpu", False)):  # on a CPU hf is auto's pick
+        text = banner("hf", device)
         assert ("--engine auto took hf: the model is 'granite'" in text) == said
-        assert "engine hf" in text
+        assert "engine hf" in text and "completions up to 32 tokens" in text
         assert "--engine-attention" not in text
-    console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto", engine_attention="kernel"), World(), torch.device("cpu"), loaded)
     assert "--engine-attention kernel is not used: it picks the native engine's attention, and this run samples " \
-        "with hf" in console.export_text()
-    console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto"), World(), torch.device("cpu"), loaded)
-    assert Config().engine_fold_adapter and "fold" not in console.export_text()  # on by default, native only
+        "with hf" in banner("hf", cfg=Config(engine="auto", engine_attention="kernel"))
+    assert Config().engine_fold_adapter and "fold" not in banner("hf")  # on by default, native only
     engine = build_engine("native", small_llama(), pad_id=PAD, max_seq_len=16, max_batch=64, attention="auto")
-    native = types.SimpleNamespace(**{**vars(loaded), "engine_name": "native", "keep_engine": True, "engine": engine})
-    console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto"), World(), torch.device("cpu"), native)
-    assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # auto's pick on a CPU
+    native = dict(keep_engine=True, engine=engine)
+    assert "engine native (kept between steps, sdpa attention)" in banner("native", **native)  # auto's pick on a CPU
     folding = build_engine("native", small_llama(), pad_id=PAD, max_seq_len=16, max_batch=64, fold_adapter=True)
     for device in ("cuda", "cpu"):  # the line only (nothing runs); on a CPU nothing folds, and it says nothing
-        console = Console(record=True, width=300)
-        print_banner(console, Config(engine="auto"), World(), torch.device(device),
-                     types.SimpleNamespace(**{**vars(native), "engine": folding}))
         said = "(kept between steps, sdpa attention, adapters folded where it decodes on its kernels)" \
-            in console.export_text()
+            in banner("native", device, **{**native, "engine": folding})
         assert said == (device == "cuda")
     from grpo.config import LORA_TARGETS
     from grpo.kernels.fp8 import quantize_linears_
 
     fp8 = small_llama()
     quantize_linears_(fp8, LORA_TARGETS)
-    console = Console(record=True, width=300)
-    print_banner(console, Config(engine="auto"), World(), torch.device("cuda"),
-                 types.SimpleNamespace(**{**vars(native), "engine": folding, "policy": fp8}))
-    assert "engine native (kept between steps, sdpa attention)" in console.export_text()  # FP8 weights never fold
+    text = banner("native", "cuda", **{**native, "engine": folding, "policy": fp8})
+    assert "engine native (kept between steps, sdpa attention)" in text  # FP8 weights never fold
 
 
 def test_progress_hears_rows_times_steps_as_decoding_goes_and_the_total_at_the_end(model):

@@ -370,7 +370,8 @@ def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
     from grpo import trainer
     from grpo.rollout.hf import HFEngine
     from grpo.rollout.native import NativeEngine
-    from grpo.rollout.vllm import UnslothEngine, VLLMEngine
+    from grpo.rollout.unsloth import UnslothEngine
+    from grpo.rollout.vllm import VLLMEngine
 
     engine = NativeEngine.__new__(NativeEngine)  # only kv_cache_bytes is asked
     monkeypatch.setattr(NativeEngine, "kv_cache_bytes", lambda self: trainer.KEEP_KV_BYTES)
@@ -385,7 +386,8 @@ def test_auto_standby_keeps_only_a_native_kv_cache_up_to_the_limit(monkeypatch):
 
 def test_only_engines_with_other_numerics_ask_for_the_importance_correction():
     from grpo.rollout.hf import HFEngine
-    from grpo.rollout.vllm import UnslothEngine, VLLMEngine
+    from grpo.rollout.unsloth import UnslothEngine
+    from grpo.rollout.vllm import VLLMEngine
 
     assert not HFEngine.needs_importance_correction
     assert VLLMEngine.needs_importance_correction and UnslothEngine.needs_importance_correction

@@ -1,4 +1,5 @@
-"""The calls grpo/rollout/vllm.py makes to vLLM and Unsloth, checked against fakes (no vllm needed).
+"""The calls grpo/rollout/vllm.py and grpo/rollout/unsloth.py make to vLLM and Unsloth, checked against fakes
+(no vllm needed).
 
 tests/test_vllm.py runs the same engine against a real vLLM (scripts/test-vllm.sh); this file
 pins down the contract where vLLM is absent, and the pieces that are pure logic: Sampling ->
@@ -20,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import grpo.rollout.unsloth as ru
 import grpo.rollout.vllm as rv
-from grpo.model.load import load_unsloth_policy
 from grpo.rollout.base import Engine, Sampling
 
 
@@ -141,7 +142,7 @@ def fake_vllm(monkeypatch):
     }
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(rv, "_LAZY", {})  # the processor class is built against these fakes
+    monkeypatch.delitem(sys.modules, "grpo.rollout.vllm_logits", raising=False)  # imported against these fakes
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return built
 
@@ -177,7 +178,7 @@ def test_llm_is_built_with_lora_processed_logits_and_our_logits_processor(fake_v
     assert kw["enable_lora"] is True and kw["max_lora_rank"] == 8  # 4 rounded up to vLLM's next rank
     assert kw["max_model_len"] == 64 and kw["gpu_memory_utilization"] == 0.4
     assert kw["logprobs_mode"] == "processed_logits"
-    assert kw["logits_processors"] == ["grpo.rollout.vllm:LogSoftmaxAtTemperature"]
+    assert kw["logits_processors"] == ["grpo.rollout.vllm_logits:LogSoftmaxAtTemperature"]
     assert kw["enforce_eager"] is True  # no CUDA here
     assert "enable_sleep_mode" not in kw  # vLLM's CPU build rejects it
     assert isinstance(engine, Engine)
@@ -198,7 +199,7 @@ def test_extra_llm_kwargs_override_the_defaults(fake_vllm, tmp_path):
 def test_the_logits_processor_fqcn_resolves_to_a_vllm_logits_processor(fake_vllm):
     module_name, qualname = rv.LOGITS_PROCESSOR.split(":")
     cls = getattr(importlib.import_module(module_name), qualname)
-    assert issubclass(cls, FakeLogitsProcessorBase) and cls.__module__ == "grpo.rollout.vllm"
+    assert issubclass(cls, FakeLogitsProcessorBase) and cls.__module__ == "grpo.rollout.vllm_logits"
     assert cls(None, torch.device("cpu"), False).is_argmax_invariant() is False
 
 
@@ -339,7 +340,7 @@ def test_an_llm_with_raw_logprobs_refuses_temperatures_other_than_0_and_1(fake_v
 # --- the logits processor: arithmetic and batch bookkeeping -------------------------------------
 
 def test_logits_processor_makes_logits_over_t_equal_log_softmax_at_t_for_each_row(fake_vllm):
-    cls = rv.LogSoftmaxAtTemperature
+    cls = importlib.import_module("grpo.rollout.vllm_logits").LogSoftmaxAtTemperature
     proc = cls(None, torch.device("cpu"), False)
     P = types.SimpleNamespace
     added = [(0, P(temperature=0.7), None, []), (1, P(temperature=0.0), None, []),
@@ -356,7 +357,7 @@ def test_logits_processor_makes_logits_over_t_equal_log_softmax_at_t_for_each_ro
 
 
 def test_logits_processor_follows_removes_adds_moves_and_swaps(fake_vllm):
-    cls = rv.LogSoftmaxAtTemperature
+    cls = importlib.import_module("grpo.rollout.vllm_logits").LogSoftmaxAtTemperature
     proc = cls(None, torch.device("cpu"), False)
     P = types.SimpleNamespace
     SWAP, ONE_WAY = FakeMoveDirectionality.SWAP, FakeMoveDirectionality.UNIDIRECTIONAL
@@ -386,10 +387,10 @@ def test_engine_without_vllm_says_which_extra_to_install(monkeypatch, tmp_path):
         rv.VLLMEngine(FakePolicy(), "m", lora_rank=8, max_model_len=64, dtype="bf16", seed=0, work_dir=str(tmp_path))
 
 
-def test_importing_the_module_imports_neither_vllm_nor_unsloth():
+def test_importing_the_engines_imports_neither_vllm_nor_unsloth():
     import subprocess
 
-    code = ("import sys, grpo.rollout.vllm as m; "
+    code = ("import sys, grpo.rollout; "
             "print(any(k == 'vllm' or k.startswith('vllm.') or k == 'unsloth' for k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -480,11 +481,16 @@ def fake_unsloth(fake_vllm, monkeypatch):
 
 
 def _load(tmp_path, **kw):
-    args = dict(load_in_fp8=True, max_seq_length=1024, lora_rank=32, lora_alpha=64, use_rslora=True,
-                target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6, seed=3407, rows=16,
-                work_dir=str(tmp_path / "u"))
+    """(policy, tokenizer, engine) as `--engine unsloth` builds them: the engine loads its own policy."""
+    from grpo.rollout import build_engine
+
+    sizes = dict(max_seq_len=kw.pop("max_seq_length", 1024), max_batch=kw.pop("rows", 16))
+    args = dict(model=kw.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), load_in_fp8=True, lora_rank=32,
+                lora_alpha=64, use_rslora=True, target_modules=("q_proj", "v_proj"), gpu_memory_utilization=0.6,
+                seed=3407, work_dir=str(tmp_path / "u"))
     args.update(kw)
-    return load_unsloth_policy(args.pop("model_name", "unsloth/Llama-3.2-1B-Instruct"), **args)
+    engine = build_engine("unsloth", None, pad_id=0, **sizes, unsloth=ru.UnslothOptions(**args))
+    return engine.policy, engine.tokenizer, engine
 
 
 def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, tmp_path):
@@ -497,7 +503,7 @@ def test_unsloth_loads_with_standby_fast_inference_fp8_and_rslora(fake_unsloth, 
     peft = seen["get_peft_model"]
     assert (peft["r"], peft["lora_alpha"], peft["use_rslora"]) == (32, 64, True)
     assert peft["target_modules"] == ["q_proj", "v_proj"] and peft["random_state"] == 3407
-    assert got_model is model and tokenizer == "tokenizer" and isinstance(engine, rv.UnslothEngine)
+    assert got_model is model and tokenizer == "tokenizer" and isinstance(engine, ru.UnslothEngine)
     assert isinstance(engine, Engine)
 
 
@@ -553,15 +559,19 @@ def test_unsloth_missing_says_what_to_install(fake_vllm, monkeypatch, tmp_path):
         _load(tmp_path)
 
 
-def test_the_engine_flag_alone_chooses_unsloth_and_vllm_stays_plain_vllm():
+def test_the_engine_flag_alone_chooses_unsloth_and_only_unsloth_loads_its_own_policy():
     from grpo.config import Config
-    from grpo.rollout import build_engine, unsloth_loads_the_model
+    from grpo.rollout import build_engine, loads_its_own_policy
 
-    assert unsloth_loads_the_model("unsloth")
-    assert not any(unsloth_loads_the_model(name) for name in ("vllm", "native", "hf", "auto"))
+    assert loads_its_own_policy("unsloth")
+    assert not any(loads_its_own_policy(name) for name in ("vllm", "native", "hf", "auto"))
     assert Config(engine="unsloth").engine == "unsloth"
-    with pytest.raises(ValueError, match="Unsloth builds its engine as it loads the model"):
+    with pytest.raises(ValueError, match=r"--engine unsloth: build_engine needs unsloth=UnslothOptions"):
         build_engine("unsloth", None, pad_id=0, max_seq_len=8, max_batch=1)
+    options = ru.UnslothOptions(model="m", lora_rank=8, lora_alpha=8, target_modules=("q_proj",), seed=0,
+                                work_dir="w")
+    with pytest.raises(ValueError, match="the engine loads the policy itself"):  # never over another policy
+        build_engine("unsloth", FakePolicy(), pad_id=0, max_seq_len=8, max_batch=1, unsloth=options)
 
 
 def test_build_engine_takes_the_vllm_options_as_one_value_and_says_when_they_are_missing():
@@ -608,7 +618,7 @@ def test_unsloths_share_is_sized_for_the_runs_rows_by_default(fake_unsloth, tmp_
     fp = seen["from_pretrained"]
     # 2.3 GiB of weights + 384 MiB of KV cache (16 rows of 640 tokens, rounded to 768) + the overhead of 5 GiB:
     # 7.675 GiB of 100, rounded up to a hundredth
-    assert rv.UNSLOTH_ENGINE_OVERHEAD_BYTES == 5 * GiB
+    assert ru.UNSLOTH_ENGINE_OVERHEAD_BYTES == 5 * GiB
     assert fp["gpu_memory_utilization"] == engine.gpu_memory_utilization == 0.08
     assert fp["max_num_seqs"] == 16  # else Unsloth picks 8-256 by what its share leaves for the KV cache
     # 1024 rows of 2048 tokens need 64 GiB of KV cache: the share grows with them

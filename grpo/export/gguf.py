@@ -36,7 +36,14 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+
+import gguf
 import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from grpo.export.kquants import BLOCK_BYTES, quantize_k
 
 
 @dataclass(frozen=True)
@@ -142,10 +149,6 @@ def tensor_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layer: int,
 def encode(data: np.ndarray, qtype: str, pool: ProcessPoolExecutor | None = None) -> np.ndarray:
     """float32 `data` in ggml type `qtype`: F32/F16 arrays, or the raw bytes of a block type (the
     k-quants on `pool`'s workers when there is one)."""
-    import gguf
-
-    from grpo.export.kquants import BLOCK_BYTES, quantize_k
-
     if qtype == "F32":
         return data.astype(np.float32)
     if qtype in BLOCK_BYTES:
@@ -215,9 +218,6 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 def plan_tensors(model_dir: Path, config, gguf_type: str) -> list[PlannedTensor]:
     """Every tensor of the file, in llama.cpp's order (rope factors, embeddings, layers, output), typed."""
-    import gguf
-    from safetensors import safe_open
-
     arch = gguf.MODEL_ARCH[ARCHITECTURES[config.model_type]]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -249,9 +249,6 @@ def plan_tensors(model_dir: Path, config, gguf_type: str) -> list[PlannedTensor]
 
 def _tensor_data(model_dir: Path, config, item: PlannedTensor) -> np.ndarray:
     """The float32 values of one planned tensor, reordered for llama.cpp's rotary layout where needed."""
-    import torch
-    from safetensors import safe_open
-
     if not item.source:
         return _llama_rope_freqs(config)
     for file in _safetensors_files(model_dir):
@@ -270,8 +267,6 @@ def _tensor_data(model_dir: Path, config, item: PlannedTensor) -> np.ndarray:
 # Metadata
 # --------------------------------------------------------------------------------------------------
 def _add_model_metadata(writer, config, model_dir: Path, gguf_type: str, name: str) -> None:
-    import gguf
-
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
@@ -299,9 +294,6 @@ def _add_model_metadata(writer, config, model_dir: Path, gguf_type: str, name: s
 def _add_tokenizer_metadata(writer, config, model_dir: Path, tokenizer) -> None:
     """Tokens by id (padded to the model's vocabulary with unused [PADn]), their types, the BPE merges,
     the special ids and the chat template, as the converter's gpt2 vocabulary."""
-    import gguf
-    from transformers import GenerationConfig
-
     by_id = {i: tok for tok, i in tokenizer.get_vocab().items() if i < config.vocab_size}
     added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
     tokens, types = [], []
@@ -350,10 +342,7 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
     `gguf_type` at `path`. Header first, then one tensor at a time (read, converted, written), so memory
     holds one tensor; written beside `path` and renamed, so `path` is never half a file. The k-quants run
     on `workers` processes (default: every core this process may use, up to 16; the numpy arithmetic is
-    one core's and takes minutes a billion weights)."""
-    import gguf
-    from transformers import AutoConfig, AutoTokenizer
-
+    one core's, the slow part of an export)."""
     model_dir, path = Path(model_dir), Path(path)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -398,9 +387,7 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
 def _kquant_pool(plan: list[PlannedTensor], workers: int | None, cleanup: ExitStack) -> ProcessPoolExecutor | None:
     """Worker processes for the k-quants of `plan`, shut down with `cleanup`; None when there are none
     to write or one worker. Spawned, not forked: the caller may hold CUDA and torch's threads."""
-    from grpo.export.kquants import BLOCK_BYTES
-
-    if workers is None:  # at most 16: each spawned worker imports the caller's __main__ (grpo.export.merge: 0.2 GB)
+    if workers is None:  # at most 16: each spawned worker imports the caller's __main__ (grpo.export.merge and its imports)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         workers = min(cores, 16)
     if workers < 2 or not any(item.qtype in BLOCK_BYTES for item in plan):
@@ -412,7 +399,5 @@ def _kquant_pool(plan: list[PlannedTensor], workers: int | None, cleanup: ExitSt
 
 def tensor_types_of(path: Path) -> dict[str, str]:
     """{tensor name: ggml type name} of a GGUF file (for reports and tests)."""
-    import gguf
-
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
 

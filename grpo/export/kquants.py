@@ -37,8 +37,10 @@ import numpy as np
 
 QK_K = 256  # weights in a super-block
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_CHUNK_BLOCKS = 128  # super-blocks quantized at once: working arrays of 128 KiB stay in cache (measured fastest)
-_PIECE_BLOCKS = 16 * _CHUNK_BLOCKS  # a pool worker's unit: ~0.1 s of work, so the cores finish together
+# Super-blocks quantized at once: working arrays of 128 KiB stay in cache, traded against numpy's cost per call
+# (benchmarks/RESULTS.md, "The measured defaults").
+_CHUNK_BLOCKS = 128
+_PIECE_BLOCKS = 16 * _CHUNK_BLOCKS  # a pool worker's unit: small, so that the cores finish together
 _GROUP_MAX_EPS = np.float32(1e-15)  # below this a sub-block counts as all zero (llama.cpp's GROUP_MAX_EPS)
 _F0, _F1 = np.float32(0), np.float32(1)
 

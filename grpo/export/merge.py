@@ -24,16 +24,24 @@ the quantized forms).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from grpo.cli import OneLineParser, add_bool_flag
 from grpo.config import DTYPES as FULL_DTYPE_NAMES
+from grpo.config import Config
+from grpo.export.gguf import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
+from grpo.kernels.fp8 import FP8Linear
+from grpo.model.load import load_base_model, load_tokenizer
+from grpo.quiet import add_verbose_flag, hide_known_warnings
+from grpo.run.checkpoint import aside_path
+from grpo.run.failures import adapter_load_error, report, write_failure
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 DTYPES = {name: getattr(torch, FULL_DTYPE_NAMES[name]) for name in ("bf16", "fp16")}  # merged weights ship in 16 bits
@@ -57,8 +65,6 @@ def find_adapter(path: str | Path) -> Path:
 def dequantize_fp8_linears_(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
     """Replace, in place, every FP8Linear by an nn.Linear whose weight is its dequantized weight in
     `dtype`. Returns how many were replaced."""
-    from grpo.kernels.fp8 import FP8Linear
-
     names = [name for name, module in model.named_modules() if isinstance(module, FP8Linear)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
@@ -81,7 +87,7 @@ def merge_adapter(base: nn.Module, adapter_dir: str | Path) -> nn.Module:
     `base` is consumed (its modules are replaced); FP8Linear layers are dequantized to the dtype of the
     model's other weights first, since peft cannot merge into float8 codes.
     """
-    from peft import PeftModel
+    from peft import PeftModel  # imported where used: it logs at import (grpo.quiet)
 
     dtype = base.get_input_embeddings().weight.dtype
     dequantize_fp8_linears_(base, dtype)
@@ -101,10 +107,6 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
            gguf: Sequence[str] | str = (), overwrite: bool = False) -> dict[str, Path]:
     """Write OUT/adapter, OUT/merged and OUT/gguf-TYPE/ for each of `gguf` (see the module docstring);
     returns the paths written, by name ("adapter", "merged", "gguf-q4_k_m", ...)."""
-    from grpo.config import Config
-    from grpo.export.gguf import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
-    from grpo.model.load import load_base_model, load_tokenizer
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     gguf_types = parse_gguf_types(gguf if isinstance(gguf, str) else ",".join(gguf)) if gguf else ()
@@ -152,8 +154,6 @@ EXPORT_PARTS = ("adapter", "merged", "gguf-*")
 def claim_export_dir(out: Path, overwrite: bool, adapter_dir: Path) -> Path | None:
     """Refuse an --out that holds an export already, unless --overwrite, which moves it aside to
     OUT.old-N (nothing deleted, as training's --overwrite); returns where it went, or None."""
-    from grpo.run.checkpoint import aside_path
-
     held = sorted({p.name for part in EXPORT_PARTS for p in out.glob(part)}) if out.is_dir() else []
     if not held:
         return None
@@ -170,9 +170,6 @@ def claim_export_dir(out: Path, overwrite: bool, adapter_dir: Path) -> Path | No
 
 def build_parser():
     """The command line of `python -m grpo.export`."""
-    from grpo.cli import OneLineParser, add_bool_flag
-    from grpo.quiet import add_verbose_flag
-
     parser = OneLineParser(prog="python -m grpo.export", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="The base the adapter was trained on: local folder, hub id or smollm2-135m-instruct.")
@@ -183,8 +180,9 @@ def build_parser():
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="dtype of the merged model.")
     parser.add_argument("--gguf", default="", metavar="TYPES",
                         help="Also write GGUF files of the merged model, one folder per type: any of "
-                             "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated. q8_0 kept what a 60-step run "
-                             "learned, q5_k_m 88%% of it, q4_k_m 39%% (docs/measurements.md).")
+                             "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated. The smaller the type, the less "
+                             "of what training learned it keeps (benchmarks/RESULTS.md, \"The measured "
+                             "defaults\").")
     add_bool_flag(parser, "--overwrite",
                   help="An --out holding an export is moved aside to OUT.old-N (never deleted); without it such "
                        "a folder is refused.")
@@ -198,9 +196,6 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     """`python -m grpo.export`: the adapter and --out checked before the model loads; any error is one
     line (status 1)."""
-    from grpo.quiet import hide_known_warnings
-    from grpo.run.failures import adapter_load_error, report, write_failure
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verbose:  # before the libraries that warn are imported
@@ -222,10 +217,6 @@ def main(argv: list[str] | None = None) -> int:
 def check_export_paths(adapter: str, out: str, gguf: str = "") -> None:
     """Before anything loads or is written: the --gguf types exist, the adapter reads back whole and
     --out can be a folder."""
-    from safetensors.torch import load_file
-
-    from grpo.export.gguf import parse_gguf_types
-
     if gguf:
         parse_gguf_types(gguf)
     load_file(find_adapter(adapter) / "adapter_model.safetensors")  # a truncated file fails here, not mid-export

@@ -15,7 +15,11 @@ import json
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.kernels.fp8 import BLOCK, FP8_DTYPE, FP8Linear, quantize_fp8_block
 
@@ -65,10 +69,6 @@ def _check_fp8_block_config(model_dir: Path, qc: dict) -> None:
 def load_fp8_block_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16):
     """Load an FP8-Block checkpoint on the CPU: quantized linears become FP8Linear with the stored codes
     and scales, everything else loads in `dtype`. transformers never sees the quantization_config."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     model_dir = Path(model_dir)
     _check_fp8_block_config(model_dir, _read_config(model_dir).get("quantization_config") or {})
     config = AutoConfig.from_pretrained(model_dir)
@@ -117,8 +117,6 @@ def save_fp8_block_checkpoint(model: nn.Module, path: str | Path, targets: tuple
     the layout of unsloth/Llama-3.2-1B-Instruct-FP8-Block: each Linear named in `targets` as E4M3 codes plus
     float32 `weight_scale_inv` per 128x128 block, everything else bf16, and `quantization_config` in
     config.json. Returns {module name: (codes, scale_inv)} as written."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state, codes = {}, {}

@@ -1,8 +1,8 @@
 """The training pass's MLP product and RMSNorms, saving less for backward than transformers' modules do.
 
 Under gradient checkpointing, one recomputed layer holds all of its saved activations at once while its
-backward runs, and that is where the bench step peaks. Replaying the allocator's history on the H200 showed
-it (benchmarks/RESULTS.md, "Twelfth hold"). Two of those activations are copies the backward can do without:
+backward runs, and that is where the bench step peaks (the allocator's history shows it). Two of those
+activations are copies the backward can do without:
 - `act_fn(gate) * up` saves SiLU's output for the product's backward (a tensor of the intermediate size).
   `SiluMul` saves gate and up, which autograd keeps anyway, and recomputes SiLU in backward. That is one
   elementwise pass, and the gradients are eager's bit for bit (the same ops in the same order).
@@ -19,9 +19,9 @@ made their sum anew), and `SiluMul` makes its gradients in gate's and up's own b
 Only where autograd records: generation, evaluation and the reference's pass (no grad) call the modules' own
 forward, except the norms where `grpo.kernels.rmsnorm` runs (CUDA): there they take its one launch each way,
 with grad or without (the native engine's decode graph too), and their values are within a rounding of the
-module's, not bit for bit. On the H200 it took the bench step's update from 140 to 114 ms of GPU time and the
-reference pass from 54 to 45 (2026-12-04, benchmarks/RESULTS.md, "Sixteenth hold"); `install(model,
-norm_kernel=False)` keeps torch's ops. Only for the modules whose forward this reproduces exactly: Llama's,
+module's, not bit for bit. It trades bit-for-bit norms for a shorter update and reference pass
+(benchmarks/RESULTS.md, "The measured defaults"); `install(model, norm_kernel=False)` keeps torch's ops.
+Only for the modules whose forward this reproduces exactly: Llama's,
 Qwen2's and Qwen3's (`MLP_CLASSES`, `NORM_CLASSES`). The CPU tests compare values and gradients with the
 modules' own.
 """

@@ -1,10 +1,11 @@
 """Loading the policy: a local or cached checkpoint in bf16/fp32, an FP8-Block checkpoint, or a bf16
-checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing. Or, for
---engine unsloth, Unsloth's loading (`load_unsloth_policy`), which builds its vLLM engine with the model.
+checkpoint quantized to FP8 at load; rsLoRA adapters through peft; gradient checkpointing; and the check that
+the trainer's fused log-probs are the model's own (`head_refusal`).
 
 Helpers it owns: `grpo/model/fp8_checkpoint.py` (telling FP8 checkpoints apart, loading FP8-Block ones).
-Not here: the FP8 format and kernels themselves (`grpo/kernels/fp8.py`), and any second copy of the
-model. The reference policy is this same model with its adapters disabled.
+Not here: the FP8 format and kernels themselves (`grpo/kernels/fp8.py`), any second copy of the model (the
+reference policy is this same model with its adapters disabled), and Unsloth's loading, which builds the model
+with its vLLM engine (`grpo/rollout/unsloth.py`).
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.nn.functional as F
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from grpo.model import lean_activations
-from grpo.model import lora_addmm
-from grpo.batch import head_refusal
 from grpo.config import DTYPES, LORA_TARGETS, Config
+from grpo.kernels.fp8 import FP8Linear, quantize_linears_
+from grpo.model import lean_activations, lora_addmm
 from grpo.model.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
+from grpo.model.lora_addmm import LinearInInputDtype
 from grpo.model.packaged import PACKAGED_MODELS, packaged_model_dir
 
 
@@ -64,9 +66,6 @@ def resolve_model_dir(name: str) -> Path:
     if path.exists() or name.count("/") != 1:
         raise FileNotFoundError(f"--model {name}: not a directory holding a checkpoint; pass a local "
                                 f"checkpoint folder or a hub id such as owner/name")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     try:
         return Path(snapshot_download(name, local_files_only=offline))
@@ -84,12 +83,11 @@ def attention_without_cudnn() -> Iterator[None]:
     """Within the block, torch's scaled_dot_product_attention leaves cuDNN's backend out (flash or
     memory-efficient attention take its place); leaving it restores what was enabled before.
 
-    torch puts cuDNN's attention first on Hopper, and cuDNN builds a plan for every new shape: on the H200
-    (torch 2.11, 2026-12-02) a forward and backward at a new sequence length took 164 ms, the same call
-    once planned 0.70 ms, flash's 0.73 ms with no plan. A run never repeats its shapes (each step's
-    prompts and micro-batches have new widths): the Qwen preset's training pass on new widths took 1.39 s
-    with cuDNN, 1.03 s without (benchmarks/RESULTS.md, "New widths"). cuDNN's backward was also the
-    one that returned NaN under a padding mask (`grpo.batch.sequence_logprobs`)."""
+    torch puts cuDNN's attention first on Hopper, and cuDNN builds a plan for every new shape, which costs far
+    more than the call it plans. A run never repeats its shapes (each step's prompts and micro-batches have new
+    widths), so it trades cuDNN's planned kernel for flash's unplanned one, the same speed without a plan
+    (benchmarks/RESULTS.md, "The measured defaults"). cuDNN's backward was also the one that returned NaN under
+    a padding mask (`grpo.batch.sequence_logprobs`)."""
     was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
     vllm_before = "vllm" in sys.modules
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -101,8 +99,6 @@ def attention_without_cudnn() -> Iterator[None]:
 
 
 def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -111,10 +107,6 @@ def load_tokenizer(model_dir: Path):
 
 def load_base_model(cfg: Config, device: torch.device):
     """The frozen base model on `device`: FP8-Block checkpoints and --load-in-fp8 give FP8 linears."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from grpo.kernels.fp8 import quantize_linears_
-
     model_dir = resolve_model_dir(cfg.model)
     dtype = resolve_dtype(cfg.dtype, device)
     if is_fp8_checkpoint(model_dir):
@@ -129,22 +121,11 @@ def load_base_model(cfg: Config, device: torch.device):
     return model, model_dir
 
 
-class LinearInInputDtype(nn.Linear):
-    """An adapter matrix that stays float32, the precision the optimizer updates, but multiplies in its
-    input's dtype: a bf16 activation is neither copied to float32 nor saved a second time for backward.
-
-    `compute_adapters_in_base_dtype` (--lora-compute base) gives peft's LoRA A and B layers this class;
-    its product is still x @ W^T, so the native engine's decode kernels take these layers as they take
-    nn.Linear (`grpo.rollout.native.plan`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-
 def compute_adapters_in_base_dtype(policy) -> int:
     """--lora-compute base: peft's LoRA layers stop casting their input to the adapters' float32 and
     their A and B matrices multiply in the activations' dtype. Parameters, state_dict keys and saved
     adapters are unchanged. Returns how many adapter matrices were switched."""
+    # peft imports torchao, which logs at import: imported where used, after a command line hides that (grpo.quiet)
     from peft.tuners.lora import LoraLayer
 
     switched = 0
@@ -160,6 +141,7 @@ def compute_adapters_in_base_dtype(policy) -> int:
 
 def add_lora(model, cfg: Config):
     """rsLoRA adapters on `cfg.lora_targets`; everything else stays frozen."""
+    # peft imports torchao, which logs at import: imported where used, after a command line hides that (grpo.quiet)
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
@@ -183,8 +165,6 @@ def add_lora(model, cfg: Config):
 def set_fp8_gemm(model, cfg: Config) -> int:
     """Every FP8Linear multiplies as --fp8-gemm says (see its help); returns how many there are.
     auto is dense only with checkpointing: without it autograd would keep every layer's dense weight."""
-    from grpo.kernels.fp8 import FP8Linear
-
     dense = cfg.fp8_gemm == "dense" or (cfg.fp8_gemm == "auto" and cfg.gradient_checkpointing)
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for layer in layers:
@@ -199,6 +179,31 @@ def save_lora(policy, folder) -> None:
     we never train, hundreds of MB on a real model, which then no longer load into the base checkpoint
     (and "auto" asks the hub for the base's config on every save)."""
     policy.save_pretrained(str(folder), save_embedding_layers=False)
+
+
+def head_refusal(model) -> str | None:
+    """Why the trainer's log-probs (`grpo.batch.sequence_logprobs`) would not give `model`'s own log-probs, or None when it does.
+
+    It runs the decoder (`model.model`) and multiplies by the output embedding's weight itself. That is
+    the model only where its forward does nothing after that product: Granite divides the logits by
+    `logits_scaling`, Gemma 2 and 3 soft-cap them, Cohere scales them, some heads add a bias. So this
+    compares, on a few tokens, the model's logits with that product (a rounding apart at most)."""
+    decoder, head = getattr(model, "model", None), model.get_output_embeddings()
+    name = getattr(model.config, "model_type", type(model).__name__)
+    if decoder is None or head is None:
+        return f"model {name!r} has no .model decoder or no output embedding, which the trainer's log-probs read"
+    if getattr(head, "bias", None) is not None:
+        return f"model {name!r}'s output layer has a bias, which the trainer's fused log-probs leave out"
+    ids = torch.arange(1, 9, device=head.weight.device)[None] % head.weight.shape[0]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        product = (decoder(input_ids=ids, use_cache=False).last_hidden_state @ head.weight.t()).float()
+    if not torch.allclose(logits, product, rtol=1e-2, atol=1e-2):
+        off = (logits - product).abs().max().item()
+        return (f"model {name!r} changes its logits after the output layer (by up to {off:.3g} on 8 tokens: "
+                "a scaling, a soft cap), which the trainer's fused log-probs leave out; train a model whose "
+                "logits are the output layer's product (Llama, Mistral, Qwen2, Qwen3, SmolLM2, ...)")
+    return None
 
 
 def model_positions(policy) -> int | None:
@@ -216,84 +221,6 @@ def load_policy(cfg: Config, device: torch.device | None = None):
     tokenizer = load_tokenizer(model_dir)
     policy = add_lora(model, cfg)
     return policy, tokenizer, model_dir
-
-
-def load_unsloth_policy(model_name: str, *, load_in_fp8: bool, max_seq_length: int, lora_rank: int,
-                        lora_alpha: int, use_rslora: bool, target_modules: tuple[str, ...] | list[str],
-                        seed: int, rows: int, gpu_memory_utilization: float | None = None,
-                        work_dir: str = "outputs/unsloth", enforce_eager: bool = False,
-                        lora_dropout: float = 0.0, use_gradient_checkpointing: Any = "unsloth"):
-    """Unsloth's shared-weight setup: (model, tokenizer, engine). CUDA and unsloth+vLLM only.
-
-    Loads with `fast_inference=True` (vLLM inside, standby on) and `max_lora_rank`; FP8 as the
-    checkpoint's own quantization_config says, or quantized at load when `load_in_fp8` asks it of a
-    bf16 checkpoint; then adds the same rsLoRA adapter as `load_policy` through
-    `FastLanguageModel.get_peft_model`. The returned model is the policy the trainer trains.
-    `rows`: the most sequences the engine generates at once (P x G, or the evaluation's), vLLM's
-    max_num_seqs. `gpu_memory_utilization`: vLLM's share of the GPU, standby or not; None sizes it for `rows`
-    sequences of `max_seq_length` tokens (grpo.rollout.vllm's `unsloth_share_for`). `enforce_eager` skips
-    vLLM's torch.compile and CUDA graphs (minutes of start-up).
-    """
-    from grpo.rollout.vllm import (INSTALL_HINT, UNSLOTH_HINT, UnslothEngine, check_fp8_supported,
-                                   unsloth_share_for, vllm_available, vllm_lora_rank)
-
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"{UNSLOTH_HINT}; no CUDA GPU here (use --engine hf or native, or plain vLLM)")
-    if gpu_memory_utilization is None:
-        from transformers import AutoConfig
-
-        model_dir = resolve_model_dir(model_name)
-        gpu_memory_utilization = unsloth_share_for(
-            model_dir, AutoConfig.from_pretrained(model_dir), rows=rows, max_model_len=max_seq_length,
-            total_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    # A pre-quantized FP8-Block checkpoint brings its own quantization_config, which decides; Unsloth's
-    # load_in_fp8 asks vLLM for per-channel FP8 on top of it, which vLLM refuses. So load_in_fp8 only
-    # ever quantizes a bf16 checkpoint.
-    prequantized = is_fp8_checkpoint(model_name)
-    check_fp8_supported(bool(load_in_fp8) or prequantized)
-    # Unsloth reads these at import: standby shares one memory pool between vLLM and training, and
-    # our trainer needs the forward pass to return logits.
-    os.environ["UNSLOTH_VLLM_STANDBY"] = "1"
-    # Under standby Unsloth replaces gpu_memory_utilization by its own share for the GPU (0.925 x 0.95 of
-    # a GPU of 40 GB or more with vLLM >= 0.11: unsloth_zoo.vllm_utils.load_vllm); this keeps the user's.
-    os.environ["UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE"] = "1"
-    os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
-    try:
-        from unsloth import FastLanguageModel
-    except ImportError as err:
-        raise ImportError(f"{UNSLOTH_HINT} ({err})") from None
-    if not vllm_available():
-        raise ImportError(INSTALL_HINT)
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=model_name,
-        max_seq_length=max_seq_length,
-        load_in_4bit=False,
-        load_in_fp8=bool(load_in_fp8) and not prequantized,
-        fast_inference=True,
-        max_lora_rank=vllm_lora_rank(lora_rank),
-        gpu_memory_utilization=gpu_memory_utilization,
-        max_num_seqs=rows,  # Unsloth would pick 8-256 by the memory its share leaves for the KV cache
-        enforce_eager=enforce_eager,  # one of the load_vllm arguments Unsloth passes on
-        # load_vllm's training=True (the default) builds vLLM with processed_logprobs, renormalised over
-        # what min_p keeps; False gives raw ones, the trainer's quantity at temperature 1. (It also leaves
-        # the gradients out of Unsloth's estimate of vLLM's batch size; vLLM's share is ours either way.)
-        training=False,
-        random_state=seed,
-    )
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        target_modules=list(target_modules),
-        use_rslora=use_rslora,
-        bias="none",
-        use_gradient_checkpointing=use_gradient_checkpointing,
-        random_state=seed,
-    )
-    engine = UnslothEngine(model, work_dir=work_dir, seed=seed, max_model_len=max_seq_length,
-                           gpu_memory_utilization=gpu_memory_utilization)
-    return model, tokenizer, engine
 
 
 def model_summary(policy) -> dict:

@@ -7,13 +7,13 @@ whole output, and autograd's backward of `* scaling` is one more over the output
 Here the rows' base output takes the product in place, `y.addmm_(x A^T, B^T, alpha=scaling)`: cuBLAS reads y in
 the GEMM's epilogue and adds `scaling * (x A^T) B^T` summed in float32, rounding once where peft rounds three
 times. Its backward scales only the rank-wide tensors (rows x r and r x out). Nothing is saved that peft's path
-did not save. On the H200 the bench step's update took 210 ms of GPU time against 227 with peft's forward
-(2026-12-04, `benchmarks/probes/step_profile.py --peft-forward`).
+did not save. It trades peft's own forward for ours in training, for a shorter update
+(benchmarks/RESULTS.md, "The measured defaults").
 
 Only where autograd records (the training pass; the engine, the evaluation and the reference pass call peft's
 own forward), and only in the case this reproduces: one active adapter without DoRA or other variants, not merged,
 without a bias on B, and adapters that multiply in the activations' dtype (`--lora-compute base`,
-`model.LinearInInputDtype`). Everything else goes to peft's forward. The CPU tests compare values and gradients
+`LinearInInputDtype` below). Everything else goes to peft's forward. The CPU tests compare values and gradients
 with peft's.
 """
 
@@ -22,13 +22,24 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+class LinearInInputDtype(nn.Linear):
+    """An adapter matrix that stays float32, the precision the optimizer updates, but multiplies in its
+    input's dtype: a bf16 activation is neither copied to float32 nor saved a second time for backward.
+
+    `grpo.model.load.compute_adapters_in_base_dtype` (--lora-compute base) gives peft's LoRA A and B layers this
+    class; its product is still x @ W^T, so the native engine's decode kernels take these layers as they take
+    nn.Linear (`grpo.rollout.native.plan`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
     """The adapter whose product `_forward` adds, where this call is the plain case it reproduces; else None."""
-    from grpo.model.load import LinearInInputDtype  # (here: grpo.model.load imports this module)
-
     if args or kwargs or not torch.is_grad_enabled() or layer.disable_adapters or layer.merged:
         return None
     active = [a for a in layer.active_adapters if a in layer.lora_A]
@@ -55,11 +66,12 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def install(model: nn.Module) -> int:
     """Gives `model`'s peft LoRA Linear layers the one-GEMM training forward: on each module (a bound method),
     as `lean_activations.install` does. Returns how many layers changed."""
-    from peft.tuners.lora.layer import Linear
+    # peft imports torchao, which logs at import: imported where used, after a command line hides that (grpo.quiet)
+    from peft.tuners.lora.layer import Linear as LoraLinear
 
     changed = 0
     for module in model.modules():
-        if type(module) is Linear:
+        if type(module) is LoraLinear:
             module.forward = types.MethodType(_forward, module)
             changed += 1
     return changed

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Sequence
 
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from grpo import assets
+from grpo.quiet import add_verbose_flag, hide_known_warnings
 
 __all__ = ["PackagedModel", "PACKAGED_MODELS", "packaged_model_dir", "gguf_path", "convert_gguf"]
 
@@ -75,9 +80,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (SMOLLM2, QWEN25
 
 def packaged_model_dir(name: str) -> Path:
     """The plain bf16 checkpoint of packaged model `name`, converted from its GGUF the first time (with a
-    spinner on screen: the conversion takes about half a minute for SmolLM2 on 2 cores)."""
-    from rich.console import Console
-
+    spinner on screen while it converts)."""
     model = PACKAGED_MODELS[name]
     target = assets.cache_dir() / "models" / f"{model.name}-bf16"
     if (target / "config.json").is_file():
@@ -95,8 +98,6 @@ def packaged_model_dir(name: str) -> Path:
 def _random_state_kept():
     """The conversion builds a model, whose initial weights draw random numbers; a run calls it after setting
     its seed, so the draws are undone: a run that converts starts exactly as one that found the model converted."""
-    import torch
-
     python_state = random.getstate()
     try:
         with torch.random.fork_rng(devices=[]):  # the CPU generator: the conversion runs on the CPU
@@ -171,9 +172,6 @@ def convert_gguf(gguf: Path, target: Path, end_tokens: Sequence[str] = ()) -> Pa
     """Convert the GGUF into a plain checkpoint folder `target`: bf16 safetensors, config.json without a
     quantization_config, the tokenizer with its chat template, and a generation config that ends a turn
     at the tokenizer's EOS or any of `end_tokens`. Written aside and renamed: never seen half-written."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     eos_ids = [tokenizer.eos_token_id]
     for token in end_tokens:
@@ -205,8 +203,6 @@ def convert_gguf(gguf: Path, target: Path, end_tokens: Sequence[str] = ()) -> Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo.quiet import add_verbose_flag, hide_known_warnings
-
     parser = argparse.ArgumentParser(prog="python -m grpo.model.packaged", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=list(PACKAGED_MODELS), help="The packaged model (its --model value).")
     parser.add_argument("--gguf-only", action="store_true", help="Fetch and check the GGUF, do not convert it.")

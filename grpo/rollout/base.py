@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from grpo.rollout.options import check_sampling_numbers
+from grpo.sampling_ranges import check_sampling_numbers
 
 
 @dataclass(frozen=True)

