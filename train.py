@@ -7,24 +7,24 @@ Exit status: 0 done; 1 an error, told in one line (`--debug` or GRPO_DEBUG=1 add
 import signal
 import sys
 
-from grpo.config import parse_command_line
-from grpo.quiet import hide_known_warnings
-
 
 def main(argv: list[str] | None = None) -> int:
+    # grpo is imported here, not at the top: a Python without the environment (e.g. `python3 train.py`) gets one
+    # line saying which Python to use, not a traceback.
+    try:
+        from grpo.config import parse_command_line
+        from grpo.quiet import hide_known_warnings
+    except ModuleNotFoundError as missing:
+        return outside_the_environment(missing)
     cfg, verbose = parse_command_line(argv)
     if not verbose:  # before the libraries that warn are imported
         hide_known_warnings()
-    # What needs torch is imported once the flags are read: --help and a flag error need no environment, and a
-    # Python without one gets a line saying which to use.
     try:
         from grpo.run.checkpoint import RunFinished
         from grpo.run.failures import report
         from grpo.trainer import train
-    except ModuleNotFoundError as missing:  # a Python without the environment, e.g. `python3 train.py`
-        print(f"error: {missing.name} is not installed in this Python ({sys.executable}); fix: run ./dev train "
-              "(it sets up .venv first), or .venv/bin/python train.py", file=sys.stderr)
-        return 1
+    except ModuleNotFoundError as missing:
+        return outside_the_environment(missing)
     try:
         train(cfg)
     except RunFinished as done:  # --resume of a run that has no step left: said, and not an error
@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         return report(err, cfg.debug)
     return 0
+
+
+def outside_the_environment(missing: ModuleNotFoundError) -> int:
+    print(f"error: {missing.name} is not installed in this Python ({sys.executable}); fix: run ./dev train "
+          "(it sets up .venv first), or .venv/bin/python train.py", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -378,12 +378,21 @@ def test_every_float_setting_refuses_nan_and_inf_naming_its_flag():
 
     from grpo.config import Config
 
+    from grpo.loss.terms import POLICY_TERMS
+
     floats = [f.name for f in dataclasses.fields(Config) if "float" in str(f.type)]
-    assert len(floats) > 15
+    assert len(floats) > 10
     for name in floats:
         for bad in (math.nan, math.inf, -math.inf):
             with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} {bad}: must be a finite number"):
                 Config(**{name: bad})
+    # the loss's knobs live on its policy terms, each refused with its flag
+    knobs = [(term, f.name) for term in POLICY_TERMS.values() for f in dataclasses.fields(term) if "float" in str(f.type)]
+    assert len(knobs) >= 12
+    for term, name in knobs:
+        for bad in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match=rf"\({name}={bad}\), flag {term.flag(name)}: must be a finite number"):
+                term(**{name: bad})
 
 
 def test_a_null_answer_in_a_jsonl_dataset_has_its_own_message(tmp_path):
