@@ -215,17 +215,17 @@ def fixed_lengths() -> Iterator[None]:
     random-init model would stop at an EOS by chance). The trainer's Config has no such flag: no user wants it."""
     from grpo import trainer  # torch and the model stack, only where a step runs: collection stays light
 
-    load = trainer.load_model_data_and_sampler
+    set_up = trainer.set_up_steps
 
-    def load_at_fixed_lengths(*args, **kwargs):
-        loaded = load(*args, **kwargs)
-        return replace(loaded, sampling=replace(loaded.sampling, ignore_eos=True))
+    def set_up_at_fixed_lengths(*args, **kwargs):
+        setup, *rest = set_up(*args, **kwargs)
+        return (replace(setup, sampling=replace(setup.sampling, ignore_eos=True)), *rest)
 
-    trainer.load_model_data_and_sampler = load_at_fixed_lengths
+    trainer.set_up_steps = set_up_at_fixed_lengths
     try:
         yield
     finally:
-        trainer.load_model_data_and_sampler = load
+        trainer.set_up_steps = set_up
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

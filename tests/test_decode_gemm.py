@@ -197,7 +197,7 @@ def test_engine_plans_only_the_layers_the_kernels_can_stand_in_for():
     assert layer_projections(dora.base_model.model.model.layers[0], torch.float32) is None
     partial = get_peft_model(small_llama(seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
     assert layer_projections(partial.base_model.model.model.layers[0], torch.float32) is None  # q/k/v ranks differ
-    from grpo.model.load import LinearInInputDtype
+    from grpo.model.lora_addmm import LinearInInputDtype
 
     layer = lora.base_model.model.model.layers[0]
     layer.self_attn.q_proj.lora_A["default"].__class__ = LinearInInputDtype  # --lora-compute base: same product

@@ -3,7 +3,7 @@
 tests/test_vllm_cuda.py's Unsloth run on an FP8-Block checkpoint once gave every completion the same reward
 (every completion 32 characters). This looks at one engine in isolation: it writes the
 tests' model (tests/engine_runs.py, as bf16 or FP8-Block), builds the engine as the trainer
-does (`--engine unsloth`: `grpo.model.load.load_unsloth_policy`; `--engine vllm`: `VLLMEngine` over
+does (`--engine unsloth`: `build_engine("unsloth", None, ...)`, which loads its own policy; `--engine vllm`: `VLLMEngine` over
 `load_policy`), and for vLLM without an adapter and with ours (B random, so the adapter matters) records
 per case: the first rows' token ids and texts, how many distinct tokens were sampled, non-finite sampler
 log-probs, and |log p_sampler - log p_trainer| with the trainer's log-probs from the policy's forward.
@@ -33,13 +33,16 @@ def build(engine: str, path: Path, work: Path, share: float):
     import torch
 
     from grpo.config import LORA_TARGETS, Config
-    from grpo.model.load import load_policy, load_unsloth_policy
+    from grpo.model.load import load_policy
+    from grpo.rollout import build_engine
+    from grpo.rollout.unsloth import UnslothOptions
 
     if engine == "unsloth":
-        return load_unsloth_policy(str(path), load_in_fp8=False, max_seq_length=256, lora_rank=8, lora_alpha=16,
-                                   use_rslora=True, target_modules=LORA_TARGETS, seed=0, rows=8,  # 2 prompts x 4
-                                   gpu_memory_utilization=share, work_dir=str(work), enforce_eager=True,
-                                   use_gradient_checkpointing=False)
+        options = UnslothOptions(model=str(path), lora_rank=8, lora_alpha=16, target_modules=LORA_TARGETS, seed=0,
+                                 work_dir=str(work), gradient_checkpointing=False, gpu_memory_utilization=share,
+                                 enforce_eager=True)
+        unsloth = build_engine("unsloth", None, pad_id=0, max_seq_len=256, max_batch=8, unsloth=options)  # 2 x 4
+        return unsloth.policy, unsloth.tokenizer, unsloth
     from grpo.rollout.vllm import VLLMEngine
 
     cfg = Config(model=str(path), lora_rank=8, lora_alpha=16, dtype="bf16", gradient_checkpointing=False)

@@ -22,7 +22,7 @@ from torch import nn
 from grpo.kernels import decode_gemm
 from grpo.kernels.decode_gemm import DecodeProj
 from grpo.kernels.fp8 import FP8Linear
-from grpo.model.load import LinearInInputDtype
+from grpo.model.lora_addmm import LinearInInputDtype
 
 # LoRA A/B layers whose forward is a plain x @ W^T: peft's nn.Linear, and the class `--lora-compute base`
 # swaps in (the same product in the input's dtype; the kernels compute it in float32/TF32 either way).
