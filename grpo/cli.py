@@ -1,4 +1,4 @@
-"""The command line as people already know it, the same for train.py, grpo.eval and grpo.export.merge.
+"""The command line as people already know it, the same for train.py, grpo.eval and grpo.export.
 
     parser = OneLineParser(prog="python -m grpo.eval", description="...")
     add_bool_flag(parser, "--load-in-fp8", help="...")

@@ -16,17 +16,19 @@ import dataclasses
 import json
 import math
 import shlex
+import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
 from grpo.cli import OneLineParser, add_bool_flag, print_to_a_pipe
-from grpo.run.durable import write_atomically
 from grpo.loss import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_TERMS, RATIO_LEVELS, SCALES, Clip, PolicyTerm,
                        policy_term)
 from grpo.loss.importance import check_importance_numbers
 from grpo.quiet import add_verbose_flag
+from grpo.run.durable import write_atomically
 from grpo.sampling_ranges import check_sampling_numbers
 
 DEFAULT_MODEL = "unsloth/Llama-3.2-1B-Instruct-FP8-Block"
@@ -426,8 +428,6 @@ def format_value(value: Any) -> str:
 
 def list_presets(width: int = 100) -> str:
     """Every preset: its summary, then its values as the flags that would set them."""
-    import textwrap
-
     blocks = []
     for name, values in PRESETS.items():
         summary = textwrap.fill(PRESET_SUMMARIES[name], width, initial_indent=f"{name}: ", subsequent_indent="  ")
@@ -499,8 +499,6 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
 
 def _wrap(text: str, width: int, indent: int) -> list[str]:
     """`text` in lines of `width`, every line after the first indented by `indent` spaces."""
-    import textwrap
-
     lines = textwrap.wrap(text, width)
     return [lines[0], *(" " * indent + line for line in lines[1:])]
 
@@ -556,8 +554,6 @@ class CommandLine(NamedTuple):
 
 def parse_command_line(argv: list[str] | None = None) -> CommandLine:
     """Flags -> Config: the preset's values first, then every flag the user gave; and the CLI's own -v."""
-    import sys
-
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_named_preset(argv))
     args = vars(parser.parse_args(argv))

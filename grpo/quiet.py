@@ -6,9 +6,9 @@ still reaches stderr. Python warnings are filtered by category, module and messa
 (`warnings.filterwarnings`); the libraries that warn through `logging` get a filter on their own
 logger that drops only the matching records.
 
-`hide_known_warnings()` is called once, at the start of each command line (`train.py`, `python -m
-grpo.eval`, `grpo.export.merge`, `grpo.model.packaged`; `add_verbose_flag` gives each its -v), before those
-libraries are imported; importing this module changes nothing. What it deliberately is not: a blanket
+`hide_known_warnings()` is called once, at the start of each command line (`train.py`; `python -m grpo.eval`,
+`grpo.export` and `grpo.model.packaged` through `quiet_unless_verbose`; `add_verbose_flag` gives each its -v),
+before those libraries are imported; importing this module changes nothing. What it deliberately is not: a blanket
 filter, or a place for this project's own warnings (fix those instead).
 """
 
@@ -61,6 +61,13 @@ def hide_known_warnings() -> None:
         logger = logging.getLogger(logger_name)
         if not any(isinstance(f, DropMatching) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(DropMatching(pattern))
+
+
+def quiet_unless_verbose(argv: list[str]) -> None:
+    """`hide_known_warnings()` unless -v/--verbose is among a command line's arguments: for a `python -m`
+    entry point, before its modules import the libraries that warn (its parser comes with those modules)."""
+    if not {"-v", "--verbose"} & set(argv):
+        hide_known_warnings()
 
 
 def add_verbose_flag(parser) -> None:

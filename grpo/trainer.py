@@ -39,7 +39,7 @@ from grpo import rewards as grpo_rewards
 from grpo.answer_format import SYSTEM_PROMPT
 from grpo.config import Config
 from grpo.distributed import World, init_world
-from grpo.eval import evaluate, log_eval
+from grpo.eval.accuracy import evaluate, log_eval
 from grpo.kernels.fp8 import FP8Linear
 from grpo.model.load import attention_without_cudnn, default_device, load_policy, model_positions, model_summary
 from grpo.optim import make_optimizer, make_scheduler

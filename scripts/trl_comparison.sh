@@ -53,7 +53,7 @@
 #               time budget so that the evaluations still fit the 30-minute hold (TRL's step: unmeasured;
 #               ~8 s guessed: vLLM's sampling, the weight sync, an extra forward for its IS weights)  ~10.5
 #   eval-S      grpo.eval of both adapters at S (60, or the last step TRL saved), per problem          ~2
-#   compare     grpo.compare_evals ours-S trl-S; the evaluations appended to both metrics files; plots
+#   compare     grpo.eval.compare ours-S trl-S; the evaluations appended to both metrics files; plots
 # The whole hold: ~5 min of carrying before the chain starts + ~22 min of chain = ~27 of its 30 minutes.
 #
 # Results ($OUT, then docs/learning/ by hand): ours.metrics.jsonl, trl.metrics.jsonl (eval/greedy_accuracy and
@@ -146,7 +146,7 @@ chain() {  # the GPU work, in order; runs in the background from a snapshot of t
     append_eval $CMP/$run/metrics.jsonl $s $CMP/eval-$run-$s.json
     python3 -m grpo.run.plots $CMP/$run/metrics.jsonl $CMP/$run/metrics.png > /dev/null 2>&1 || true
   done
-  stage compare python3 -m grpo.compare_evals $CMP/eval-ours-$s.jsonl $CMP/eval-trl-$s.jsonl
+  stage compare python3 -m grpo.eval.compare $CMP/eval-ours-$s.jsonl $CMP/eval-trl-$s.jsonl
   cp $CMP/compare.log $CMP/compare-$s.txt
   echo "$(date -u +%T) chain done (compared at step $s)" >> $CMP/stages.log
 }
@@ -192,7 +192,7 @@ speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one h
     done
   fi
   for run in "${pids[@]}"; do wait $run || true; done
-  stage compare python3 -m grpo.compare_evals $CMP/eval-asis.jsonl $CMP/eval-lever.jsonl
+  stage compare python3 -m grpo.eval.compare $CMP/eval-asis.jsonl $CMP/eval-lever.jsonl
   cp $CMP/compare.log $CMP/compare-speed.txt
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }

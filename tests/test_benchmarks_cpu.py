@@ -581,7 +581,7 @@ def test_the_gguf_probe_evaluates_through_grpo_evals_own_flags(monkeypatch, char
     """The probe once built grpo.eval's flags by hand and missed two it reads (a 5-minute GPU call lost)."""
     monkeypatch.syspath_prepend(str(PROBES))
     gguf_quality = importlib.import_module("gguf_quality")
-    from grpo.eval import evaluate_from_flags
+    from grpo.eval.cli import evaluate_from_flags
 
     args = gguf_quality.parse_args(["--out", "unused", "--dataset", "arithmetic", "--eval-size", "2",
                                     "--max-completion-length", "4", "--max-prompt-length", "4096"])

@@ -1,4 +1,4 @@
-"""The command line people already know (grpo.cli), the same in train.py, grpo.eval and grpo.export.merge: boolean
+"""The command line people already know (grpo.cli), the same in train.py, grpo.eval and grpo.export: boolean
 flags bare, --no- and true/false; no prefix matching; TRL's snake_case spellings; the nearest flag for an
 unknown one."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo import eval as grpo_eval
+from grpo.eval import cli as grpo_eval
 from grpo.export import merge as grpo_export
 from grpo.config import build_parser, parse_args
 

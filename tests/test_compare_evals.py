@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo import compare_evals
+from grpo.eval import compare as compare_evals
 
 
 def test_mcnemar_exact_matches_hand_computed_binomial_tails():

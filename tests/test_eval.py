@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from grpo import eval as grpo_eval
+from grpo.eval import accuracy, cli
 from grpo.rollout import Rollout, Sampling
 
 
@@ -46,7 +46,7 @@ def test_accuracy_and_format_are_reported_apart(llama_tokenizer):
     wrong_formatted = "2+2<end_working_out><SOLUTION>5</SOLUTION>"
     engine = ScriptedEngine(llama_tokenizer, greedy=[good, right_but_unformatted],
                             sampled=[wrong_formatted, good, right_but_unformatted, right_but_unformatted])
-    result = grpo_eval.evaluate(engine, llama_tokenizer, _Prompts(["4", "4"]), Sampling(max_new_tokens=8),
+    result = accuracy.evaluate(engine, llama_tokenizer, _Prompts(["4", "4"]), Sampling(max_new_tokens=8),
                                 k=2, seed=0)
     assert result["eval/greedy_accuracy"] == 1.0 and result["eval/greedy_format"] == 0.5
     assert result["eval/pass@1"] == 0.75 and result["eval/sampled_format"] == 0.5
@@ -59,7 +59,7 @@ def test_lenient_accuracy_counts_boxed_and_final_numbers_that_strict_accuracy_do
     formatted_wrong = "9 * 2<end_working_out><SOLUTION>17</SOLUTION>"
     engine = ScriptedEngine(llama_tokenizer, greedy=[boxed, last_number, formatted_wrong],
                             sampled=[boxed, formatted_wrong, "no idea", last_number, boxed, boxed])
-    result = grpo_eval.evaluate(engine, llama_tokenizer, _Prompts(["18", "18", "18"]), Sampling(max_new_tokens=8),
+    result = accuracy.evaluate(engine, llama_tokenizer, _Prompts(["18", "18", "18"]), Sampling(max_new_tokens=8),
                                 k=2, seed=0)
     assert result["eval/greedy_accuracy"] == 0.0 and result["eval/greedy_lenient_accuracy"] == 2 / 3
     assert result["eval/greedy_format"] == 1 / 3
@@ -77,7 +77,7 @@ def test_eval_cli_loads_an_adapter_with_its_own_rank_and_targets(tiny_llama_dir,
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     adapted = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     adapted.save_pretrained(tmp_path / "adapter")
-    code = grpo_eval.main(["--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"), "--eval-size", "2",
+    code = cli.main(["--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"), "--eval-size", "2",
                            "--samples", "1", "--max-completion-length", "4", "--engine", "hf"])
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -104,8 +104,8 @@ def test_eval_in_chunks_of_max_rows_gives_the_same_result(llama_tokenizer):
     prompts = _Prompts(["4"] * 7)
     prompts.prompt_ids = [[i] for i in range(7)]
     whole, chunked = PerPromptEngine(llama_tokenizer), PerPromptEngine(llama_tokenizer)
-    a = grpo_eval.evaluate(whole, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0)
-    b = grpo_eval.evaluate(chunked, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0, max_rows=4)
+    a = accuracy.evaluate(whole, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0)
+    b = accuracy.evaluate(chunked, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=3, seed=0, max_rows=4)
     assert a == b and a["eval/greedy_accuracy"] == 4 / 7
     assert whole.rows_per_call == [7, 21] and max(chunked.rows_per_call) <= 4 and sum(chunked.rows_per_call) == 28
 
@@ -119,9 +119,9 @@ def test_per_problem_records_hold_each_problems_greedy_grades_and_sampled_counts
     prompts.examples = [Example(question="What is 2+2?", answer="4", columns={}),
                         Example(question="And 3+1?", answer="4", columns={})]
     records: list[dict] = []
-    result = grpo_eval.evaluate(engine, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=2, seed=0,
+    result = accuracy.evaluate(engine, llama_tokenizer, prompts, Sampling(max_new_tokens=8), k=2, seed=0,
                                 per_problem=records)
-    assert [r["id"] for r in records] == [grpo_eval.problem_id("What is 2+2?"), grpo_eval.problem_id("And 3+1?")]
+    assert [r["id"] for r in records] == [accuracy.problem_id("What is 2+2?"), accuracy.problem_id("And 3+1?")]
     assert records[0]["id"] != records[1]["id"] and len(records[0]["id"]) == 16
     first, second = records
     assert (first["greedy_strict"], first["greedy_lenient"], first["greedy_format"]) == (True, True, True)
@@ -133,7 +133,7 @@ def test_per_problem_records_hold_each_problems_greedy_grades_and_sampled_counts
 
 def test_eval_cli_writes_one_line_per_held_out_problem(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "evals" / "base.jsonl"
-    assert grpo_eval.main(["--model", str(tiny_llama_dir), "--eval-size", "3", "--samples", "0",
+    assert cli.main(["--model", str(tiny_llama_dir), "--eval-size", "3", "--samples", "0",
                            "--max-completion-length", "2", "--engine", "hf", "--batch-rows", "2",
                            "--per-problem", str(out)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -141,19 +141,19 @@ def test_eval_cli_writes_one_line_per_held_out_problem(tiny_llama_dir, tmp_path,
     assert len(records) == result["eval/prompts"] == 3 and len({r["id"] for r in records}) == 3
     assert sum(r["greedy_strict"] for r in records) / 3 == result["eval/greedy_accuracy"]
     with pytest.raises(SystemExit):
-        grpo_eval.main(["--model", "no/such-model", "--batch-rows", "0"])
+        cli.main(["--model", "no/such-model", "--batch-rows", "0"])
     assert "--batch-rows 0" in capsys.readouterr().err
 
 
 def test_eval_cli_evaluates_without_cudnns_attention_as_the_trainer_does(monkeypatch, capsys):
     # every prompt width of an evaluation is new: cuDNN's attention would plan each (grpo.model.load)
     enabled = []
-    monkeypatch.setattr(grpo_eval, "evaluate_from_flags",
+    monkeypatch.setattr(cli, "evaluate_from_flags",
                         lambda args: enabled.append(torch.backends.cuda.cudnn_sdp_enabled()) or {"eval/prompts": 0})
     was = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        assert grpo_eval.main(["--model", "any/model"]) == 0
+        assert cli.main(["--model", "any/model"]) == 0
         assert enabled == [False] and torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
@@ -161,7 +161,7 @@ def test_eval_cli_evaluates_without_cudnns_attention_as_the_trainer_does(monkeyp
 
 
 def test_eval_cli_refuses_an_empty_stop_string_before_loading_anything(capsys):
-    from grpo.eval import main
+    from grpo.eval.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", "no/such-model", "--stop", ""])
@@ -169,7 +169,7 @@ def test_eval_cli_refuses_an_empty_stop_string_before_loading_anything(capsys):
 
 
 def test_eval_cli_faults_are_one_line_naming_the_flag_or_path(tiny_llama_dir, tmp_path, capsys):
-    from grpo.eval import main
+    from grpo.eval.cli import main
 
     with pytest.raises(SystemExit) as exit_info:  # refused by the parser, before anything loads
         main(["--model", "no/such-model", "--temperature", "nan"])
@@ -195,8 +195,8 @@ def test_eval_cli_builds_its_prompts_with_the_given_system_prompt(tiny_llama_dir
     monkeypatch.setattr(grpo_data, "build_prompts", lambda *a, **kw: (seen.append(a[3:] or kw), real(*a, **kw))[1])
     args = ["--model", str(tiny_llama_dir), "--eval-size", "1", "--samples", "0", "--max-completion-length", "2",
             "--engine", "hf"]
-    assert grpo_eval.main(args) == 0
-    assert grpo_eval.main([*args, "--system-prompt", "Answer in <SOLUTION> tags."]) == 0
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--system-prompt", "Answer in <SOLUTION> tags."]) == 0
     assert seen == [(grpo_data.SYSTEM_PROMPT,), ("Answer in <SOLUTION> tags.",)]
 
 
@@ -221,9 +221,9 @@ def test_eval_of_a_run_adapter_takes_the_runs_system_prompt_unless_one_is_given(
     monkeypatch.setattr(grpo_data, "build_prompts", lambda *a, **kw: (seen.append(a[3]), real(*a, **kw))[1])
     args = ["--model", str(tiny_llama_dir), "--eval-size", "1", "--samples", "0", "--max-completion-length", "2",
             "--engine", "hf"]
-    assert grpo_eval.main([*args, "--adapter", str(run_adapter)]) == 0
+    assert cli.main([*args, "--adapter", str(run_adapter)]) == 0
     assert f"--system-prompt: the run's, from {run_adapter / 'config.json'}" in capsys.readouterr().err
-    assert grpo_eval.main([*args, "--adapter", str(run_adapter / "adapter"), "--system-prompt", "Mine."]) == 0
+    assert cli.main([*args, "--adapter", str(run_adapter / "adapter"), "--system-prompt", "Mine."]) == 0
     assert seen == ["The run's own prompt.", "Mine."]
 
 
@@ -233,7 +233,7 @@ def test_a_truncated_adapter_config_is_named_by_eval_and_export_and_export_write
 
     config = run_adapter / "adapter" / "adapter_config.json"
     config.write_text(config.read_text()[:40])
-    assert grpo_eval.main(["--model", str(tiny_llama_dir), "--adapter", str(run_adapter), "--engine", "hf"]) == 1
+    assert cli.main(["--model", str(tiny_llama_dir), "--adapter", str(run_adapter), "--engine", "hf"]) == 1
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert line.startswith(f"error: --adapter {run_adapter}: {config} is not valid JSON (") and "intact copy" in line
     out = tmp_path / "exported"

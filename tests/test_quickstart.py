@@ -277,7 +277,7 @@ class _OneTokenEngine:
 def test_evaluate_reports_prompts_done_over_its_passes(llama_tokenizer):
     from test_eval import _Prompts
 
-    from grpo import eval as grpo_eval
+    from grpo.eval import accuracy as grpo_eval
     from grpo.rollout import Sampling
 
     engine = _OneTokenEngine()

@@ -77,7 +77,7 @@ def eval_flags(model_dir: Path, args) -> argparse.Namespace:
     """The flags of `python -m grpo.eval` for one checkpoint, parsed by its own parser (so they cannot drift
     from what it reads): greedy only, as the qwen1.5b-gsm8k preset's trainer evaluates by default (its stop
     string, prompts up to 288 tokens, 64 completions a call)."""
-    from grpo.eval import build_parser
+    from grpo.eval.cli import build_parser
 
     return build_parser().parse_args(
         ["--model", str(model_dir), "--dataset", args.dataset, "--eval-size", str(args.eval_size), "--samples", "0",
@@ -106,7 +106,7 @@ def evaluate_checkpoint(model_dir: Path, args, reference: list[list[int]] | None
     import torch
 
     from grpo import data as grpo_data
-    from grpo.eval import evaluate_from_flags
+    from grpo.eval.cli import evaluate_from_flags
     from grpo.model.load import default_device
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

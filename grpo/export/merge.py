@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
 from torch import nn
 
@@ -39,7 +40,7 @@ from grpo.config import Config
 from grpo.export.gguf import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
 from grpo.kernels.fp8 import FP8Linear
 from grpo.model.load import load_base_model, load_tokenizer
-from grpo.quiet import add_verbose_flag, hide_known_warnings
+from grpo.quiet import add_verbose_flag
 from grpo.run.checkpoint import aside_path
 from grpo.run.failures import adapter_load_error, report, write_failure
 
@@ -87,7 +88,6 @@ def merge_adapter(base: nn.Module, adapter_dir: str | Path) -> nn.Module:
     `base` is consumed (its modules are replaced); FP8Linear layers are dequantized to the dtype of the
     model's other weights first, since peft cannot merge into float8 codes.
     """
-    from peft import PeftModel  # imported where used: it logs at import (grpo.quiet)
 
     dtype = base.get_input_embeddings().weight.dtype
     dequantize_fp8_linears_(base, dtype)
@@ -198,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     line (status 1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.verbose:  # before the libraries that warn are imported
-        hide_known_warnings()
     try:
         check_export_paths(args.adapter, args.out, args.gguf)
         paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8, args.gguf, args.overwrite)

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -125,9 +127,6 @@ def compute_adapters_in_base_dtype(policy) -> int:
     """--lora-compute base: peft's LoRA layers stop casting their input to the adapters' float32 and
     their A and B matrices multiply in the activations' dtype. Parameters, state_dict keys and saved
     adapters are unchanged. Returns how many adapter matrices were switched."""
-    # peft imports torchao, which logs at import: imported where used, after a command line hides that (grpo.quiet)
-    from peft.tuners.lora import LoraLayer
-
     switched = 0
     for module in policy.modules():
         if isinstance(module, LoraLayer):
@@ -141,9 +140,6 @@ def compute_adapters_in_base_dtype(policy) -> int:
 
 def add_lora(model, cfg: Config):
     """rsLoRA adapters on `cfg.lora_targets`; everything else stays frozen."""
-    # peft imports torchao, which logs at import: imported where used, after a command line hides that (grpo.quiet)
-    from peft import LoraConfig, get_peft_model
-
     lora = LoraConfig(
         r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
         use_rslora=cfg.use_rslora, target_modules=list(cfg.lora_targets), bias="none",

@@ -23,6 +23,7 @@ import types
 
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
 
@@ -66,9 +67,6 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def install(model: nn.Module) -> int:
     """Gives `model`'s peft LoRA Linear layers the one-GEMM training forward: on each module (a bound method),
     as `lean_activations.install` does. Returns how many layers changed."""
-    # peft imports torchao, which logs at import: imported where used, after a command line hides that (grpo.quiet)
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
     changed = 0
     for module in model.modules():
         if type(module) is LoraLinear:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from grpo.config import Config, flag
@@ -363,7 +364,6 @@ def _read_file(path: Path, load) -> Any:
 
 def apply_checkpoint(saved: SavedCheckpoint, parts: Resumable, world: World) -> RunState:
     """Puts a read checkpoint into the run's objects and this process's RNGs; returns the counters."""
-    from peft import set_peft_model_state_dict  # imported where used: it logs at import (grpo.quiet)
 
     path, trainer_state = saved.path, saved.trainer_state
     saved_world = trainer_state.get("world_size", 1)

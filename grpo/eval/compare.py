@@ -1,6 +1,6 @@
 """Two held-out evaluations of the same problems, compared problem by problem: McNemar's exact test.
 
-    python -m grpo.compare_evals ours.jsonl trl.jsonl [--key greedy_strict greedy_lenient greedy_format]
+    python -m grpo.eval.compare ours.jsonl trl.jsonl [--key greedy_strict greedy_lenient greedy_format]
 
 Each file is `python -m grpo.eval --per-problem FILE.jsonl` output: one line per problem with its `id`.
 Problems pair by id; both files must hold the same set. Per key (a boolean of each record): both accuracies,
@@ -80,7 +80,7 @@ def format_row(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m grpo.compare_evals", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m grpo.eval.compare", description=__doc__.splitlines()[0])
     parser.add_argument("a", help="Per-problem JSONL of evaluation A (python -m grpo.eval --per-problem).")
     parser.add_argument("b", help="Per-problem JSONL of evaluation B, over the same problems.")
     parser.add_argument("--key", nargs="+", default=list(KEYS), help="Which boolean of each record to compare "
