@@ -39,6 +39,8 @@ HARMLESS_LOG_RECORDS: tuple[tuple[str, str], ...] = (
     # bitsandbytes looks for an optional 4-bit CPU kernel on the kernels hub at import (CPUs with AVX512-BF16);
     # grpo uses its 8-bit AdamW only, and offline the lookup always fails.
     ("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # ... and with the hub offline, the kernels library says first that it skips that kernel's publisher check.
+    ("kernels._internals.hf_hub", r"^Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"),
 )
 
 
