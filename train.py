@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, verbose = parse_command_line(argv)
     if not verbose:  # before the libraries that warn are imported
         hide_known_warnings()
+    if cfg.engine == "unsloth":
+        import_unsloth_first()
     try:
         from grpo.run.checkpoint import RunFinished
         from grpo.run.failures import report
@@ -35,6 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         return report(err, cfg.debug)
     return 0
+
+
+def import_unsloth_first() -> None:
+    """Unsloth patches transformers and peft as it is imported, so it comes before them (the trainer imports both).
+    If it cannot be imported, the engine's own import of it says why, as a one-line error."""
+    try:
+        import unsloth  # noqa: F401
+    except Exception:
+        pass
 
 
 def outside_the_environment(missing: ModuleNotFoundError) -> int:

@@ -3,8 +3,7 @@ describe it. A completion reads `<start_working_out>...<end_working_out><SOLUTIO
 generation prompt ends with the first tag (`grpo.data.chat_prompt`), the rewards check the rest
 (`grpo.rewards`), and presets stop at the last (`grpo.config`).
 
-What it deliberately is not: parsing or scoring (`grpo.rewards`) or prompting (`grpo.data`). No torch:
-the command line's presets read it.
+What it deliberately is not: parsing or scoring (`grpo.rewards`) or prompting (`grpo.data`).
 """
 
 REASONING_START = "<start_working_out>"

@@ -340,6 +340,11 @@ class Config:
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
         if "policy_term" in kwargs:
             kwargs["policy_term"] = policy_term(**kwargs["policy_term"])
+        elif data.get("loss_type") in POLICY_TERMS:  # written before the terms: their knobs were flat fields
+            term = POLICY_TERMS[data["loss_type"]]
+            knobs = {f.name: data[term.flag_prefix + f.name] for f in dataclasses.fields(term)
+                     if term.flag_prefix + f.name in data}
+            kwargs["policy_term"] = term(**knobs)
         return cls(**kwargs)
 
 
@@ -356,9 +361,9 @@ def spell_flag(name: str, value: object) -> str:
 # Presets: named starting points. A flag the user gives overrides that one value and keeps the rest.
 PRESETS: dict[str, dict[str, Any]] = {
     # The first run on a CPU, and what `./dev train` runs when no --preset is named: the offline SmolLM2-135M-
-    # Instruct learning the answer format on arithmetic, shown once in its system prompt. Sized so that a step
-    # takes about half a minute on 2 shared CPU cores (tests/test_quickstart.py holds the budget): 8 completions
-    # of at most 48 tokens, no held-out eval, one torch thread. docs/measurements.md has the runs.
+    # Instruct learning the answer format on arithmetic, shown once in its system prompt. Sized for short steps on
+    # 2 CPU cores: 8 completions of at most 48 tokens, no held-out eval, one torch thread. docs/measurements.md
+    # has the runs.
     "quickstart": dict(model="smollm2-135m-instruct", dataset="arithmetic", reward_preset="dapo",
                        system_prompt=QUICKSTART_SYSTEM_PROMPT, num_generations=4, prompts_per_step=2,
                        max_prompt_length=200, max_completion_length=48, max_seq_length=512, num_train_examples=500,
@@ -392,14 +397,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
 }
 
-# What each preset runs and for how long, for --help and --list-presets.
+# What each preset runs, for --help and --list-presets.
 PRESET_SUMMARIES: dict[str, str] = {
     "quickstart": "CPU, offline, what ./dev train runs when no --preset is named: SmolLM2-135M learns the answer "
                   "format (shown once in its system prompt) on arithmetic; 16 steps of 2 prompts x 4 completions "
-                  "of at most 48 tokens. Several minutes on 2 CPU cores, the first step's line within a minute.",
+                  "of at most 48 tokens: sized for a first run on a CPU (the README says what to expect).",
     "smollm2-arithmetic": "The long learning run, offline: SmolLM2-135M on arithmetic, 60 steps of 4 prompts x 8 "
-                          "completions of up to 160 tokens, held-out eval every 20 steps. Minutes a step on a CPU, "
-                          "seconds on a GPU.",
+                          "completions of up to 160 tokens, held-out eval every 20 steps; for a GPU, or a long "
+                          "wait on a CPU.",
     "dapo-llama1b": "Recipe A (the flag defaults), needs the hub or its cache: Llama 3.2 1B FP8-Block on "
                     "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
     "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
@@ -525,6 +530,9 @@ def add_policy_term_flags(group: argparse._ArgumentGroup, help: str, shown: Poli
     for name, cls in POLICY_TERMS.items():
         example = shown if isinstance(shown, cls) else cls()
         for knob in dataclasses.fields(cls):
+            if str(knob.type) not in kinds:
+                raise TypeError(f"policy term {name!r}: knob {knob.name} is a {knob.type}; a knob is a number, "
+                                f"one of {', '.join(kinds)}")
             group.add_argument(cls.flag(knob.name), type=kinds[str(knob.type)], default=argparse.SUPPRESS,
                                dest=f"{name}:{knob.name}", metavar=(cls.flag_prefix + knob.name).upper(),
                                help=f"{knob.metadata['help']} (default: "

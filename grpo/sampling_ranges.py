@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy (grpo.rollout.vllm, grpo.vllm_logits)
+
 
 def spell_field(name: str, value: object) -> str:
     """`Sampling.top_p=1.5`: as a caller of `Sampling` writes it."""

@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from grpo.batch import Batch, batch_logprobs, make_batch, micro_batches, real_token_share, sequence_logprobs
+from grpo.config import Config
 from grpo.groups import SamplingReport, Scores, sample_groups
 from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
 from grpo.step_setup import StepSetup

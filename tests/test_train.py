@@ -144,6 +144,17 @@ def test_a_preset_term_keeps_its_knobs_under_a_flag_and_config_json_holds_the_te
     assert Config.load(tmp_path / "config.json") == cfg
 
 
+@pytest.mark.parametrize("flat, term", [
+    ({"loss_type": "cispo", "cispo_eps_low": 0.5, "cispo_eps_high": 3.0, "epsilon": 0.3}, "Cispo(eps_low=0.5, eps_high=3.0)"),
+    ({"loss_type": "clip", "epsilon": 0.3, "epsilon_high": 0.28, "sapo_tau_pos": 2.0},
+     "Clip(epsilon=0.3, epsilon_high=0.28, delta=None)")])
+def test_a_config_json_with_the_loss_knobs_as_flat_fields_loads_its_own_term(tmp_path, flat, term):
+    """config.json of a run from before the policy terms: its term's knobs were fields of Config."""
+    (tmp_path / "config.json").write_text(json.dumps({**flat, "ignore_eos": False, "learning_rate": 2e-5}))
+    cfg = Config.load(tmp_path / "config.json")
+    assert repr(cfg.policy_term) == term and cfg.learning_rate == 2e-5
+
+
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
     straight = tiny_cfg(tiny_llama_dir, tmp_path / "a", max_steps=4, save_steps=2, save_total_limit=3,
                         num_iterations=2, beta=0.04)

@@ -142,7 +142,7 @@ def fake_vllm(monkeypatch):
     }
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.delitem(sys.modules, "grpo.rollout.vllm_logits", raising=False)  # imported against these fakes
+    monkeypatch.delitem(sys.modules, "grpo.vllm_logits", raising=False)  # imported against these fakes
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return built
 
@@ -178,7 +178,7 @@ def test_llm_is_built_with_lora_processed_logits_and_our_logits_processor(fake_v
     assert kw["enable_lora"] is True and kw["max_lora_rank"] == 8  # 4 rounded up to vLLM's next rank
     assert kw["max_model_len"] == 64 and kw["gpu_memory_utilization"] == 0.4
     assert kw["logprobs_mode"] == "processed_logits"
-    assert kw["logits_processors"] == ["grpo.rollout.vllm_logits:LogSoftmaxAtTemperature"]
+    assert kw["logits_processors"] == ["grpo.vllm_logits:LogSoftmaxAtTemperature"]
     assert kw["enforce_eager"] is True  # no CUDA here
     assert "enable_sleep_mode" not in kw  # vLLM's CPU build rejects it
     assert isinstance(engine, Engine)
@@ -199,7 +199,7 @@ def test_extra_llm_kwargs_override_the_defaults(fake_vllm, tmp_path):
 def test_the_logits_processor_fqcn_resolves_to_a_vllm_logits_processor(fake_vllm):
     module_name, qualname = rv.LOGITS_PROCESSOR.split(":")
     cls = getattr(importlib.import_module(module_name), qualname)
-    assert issubclass(cls, FakeLogitsProcessorBase) and cls.__module__ == "grpo.rollout.vllm_logits"
+    assert issubclass(cls, FakeLogitsProcessorBase) and cls.__module__ == "grpo.vllm_logits"
     assert cls(None, torch.device("cpu"), False).is_argmax_invariant() is False
 
 
@@ -340,7 +340,7 @@ def test_an_llm_with_raw_logprobs_refuses_temperatures_other_than_0_and_1(fake_v
 # --- the logits processor: arithmetic and batch bookkeeping -------------------------------------
 
 def test_logits_processor_makes_logits_over_t_equal_log_softmax_at_t_for_each_row(fake_vllm):
-    cls = importlib.import_module("grpo.rollout.vllm_logits").LogSoftmaxAtTemperature
+    cls = importlib.import_module("grpo.vllm_logits").LogSoftmaxAtTemperature
     proc = cls(None, torch.device("cpu"), False)
     P = types.SimpleNamespace
     added = [(0, P(temperature=0.7), None, []), (1, P(temperature=0.0), None, []),
@@ -357,7 +357,7 @@ def test_logits_processor_makes_logits_over_t_equal_log_softmax_at_t_for_each_ro
 
 
 def test_logits_processor_follows_removes_adds_moves_and_swaps(fake_vllm):
-    cls = importlib.import_module("grpo.rollout.vllm_logits").LogSoftmaxAtTemperature
+    cls = importlib.import_module("grpo.vllm_logits").LogSoftmaxAtTemperature
     proc = cls(None, torch.device("cpu"), False)
     P = types.SimpleNamespace
     SWAP, ONE_WAY = FakeMoveDirectionality.SWAP, FakeMoveDirectionality.UNIDIRECTIONAL

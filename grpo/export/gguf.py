@@ -387,7 +387,7 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
 def _kquant_pool(plan: list[PlannedTensor], workers: int | None, cleanup: ExitStack) -> ProcessPoolExecutor | None:
     """Worker processes for the k-quants of `plan`, shut down with `cleanup`; None when there are none
     to write or one worker. Spawned, not forked: the caller may hold CUDA and torch's threads."""
-    if workers is None:  # at most 16: each spawned worker imports the caller's __main__ (grpo.export.merge and its imports)
+    if workers is None:  # at most 16: each spawned worker is a new Python that imports the k-quant code
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         workers = min(cores, 16)
     if workers < 2 or not any(item.qtype in BLOCK_BYTES for item in plan):

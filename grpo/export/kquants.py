@@ -38,7 +38,7 @@ import numpy as np
 QK_K = 256  # weights in a super-block
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # Super-blocks quantized at once: working arrays of 128 KiB stay in cache, traded against numpy's cost per call
-# (benchmarks/RESULTS.md, "The measured defaults").
+# (the fastest of the sizes tried).
 _CHUNK_BLOCKS = 128
 _PIECE_BLOCKS = 16 * _CHUNK_BLOCKS  # a pool worker's unit: small, so that the cores finish together
 _GROUP_MAX_EPS = np.float32(1e-15)  # below this a sub-block counts as all zero (llama.cpp's GROUP_MAX_EPS)

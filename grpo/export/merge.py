@@ -181,8 +181,8 @@ def build_parser():
     parser.add_argument("--gguf", default="", metavar="TYPES",
                         help="Also write GGUF files of the merged model, one folder per type: any of "
                              "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated. The smaller the type, the less "
-                             "of what training learned it keeps (benchmarks/RESULTS.md, \"The measured "
-                             "defaults\").")
+                             "of what training learned it keeps: ship q8_0 (benchmarks/RESULTS.md, \"GGUF "
+                             "export\").")
     add_bool_flag(parser, "--overwrite",
                   help="An --out holding an export is moved aside to OUT.old-N (never deleted); without it such "
                        "a folder is refused.")

@@ -296,7 +296,7 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, bi
       scaled_mm  FP8 tensor-core GEMMs both ways (Hopper), X quantized per 1x128 group: `_FP8LinearFn`
       dequant    W dequantized to x's dtype for each product, forward and backward: `_FP8LinearFn`
       dense      W dequantized once (one kernel) and `F.linear`: torch's own autograd node, so no Python runs
-                 in the backward, where each FP8 call spent most of its host time (benchmarks/RESULTS.md);
+                 in the backward, where each FP8 call spent most of its host time (benchmarks/RESULTS.md, "The measured defaults");
                  what autograd saves for dX is that dense weight, so keep it to recomputed layers (gradient
                  checkpointing), where only the layer being recomputed holds its dense weights
       auto       scaled_mm where it runs, else dequant (`grpo.config`'s --fp8-gemm picks dense for the trainer)"""

@@ -26,16 +26,12 @@ The logits are computed in the weight's dtype (bf16 on GPU: fp32 accumulation, b
 all softmax arithmetic is float32, as `token_logprobs_ref` does. The entropy is a diagnostic and
 carries no gradient; the LM head is frozen (no gradient for W; passing a W that requires grad is an
 error). What this module is not: no sampling, no masking (the caller masks with `mask`), no vocab
-parallelism. The Triton kernel's launch (`TritonTiles`) is changed only inside `with tuning(...)`.
+parallelism.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, replace
 
 import torch
 
@@ -123,47 +119,27 @@ def _triton_kernel():
     return _TRITON_KERNEL
 
 
-@dataclass(frozen=True)
-class TritonTiles:
-    """The Triton kernel's launch: vocabulary columns per loop step and warps per row. The choice matters
-    little: 2048/4 to 16384/16 warps run about as fast (benchmarks/RESULTS.md, "The measured defaults")."""
-
-    block_v: int = 8192
-    num_warps: int = 16
+# The Triton kernel's launch: vocabulary columns per loop step and warps per row. The choice matters little:
+# 2048/4 to 16384/16 run about as fast (benchmarks/RESULTS.md, "The measured defaults").
+BLOCK_V, NUM_WARPS = 8192, 16
 
 
-_TILES: ContextVar[TritonTiles] = ContextVar("logprobs_triton_tiles", default=TritonTiles())
-
-
-@contextmanager
-def tuning(*, block_v: int | None = None, num_warps: int | None = None) -> Iterator[TritonTiles]:
-    """Within the block, `token_logprobs` launches the Triton kernel with these tiles (benchmark sweeps);
-    leaving it restores the tiles in force before. A call's backward uses the tiles of its forward."""
-    outer = _TILES.get()
-    inner = replace(outer, **{k: v for k, v in (("block_v", block_v), ("num_warps", num_warps)) if v is not None})
-    token = _TILES.set(inner)
-    try:
-        yield inner
-    finally:
-        _TILES.reset(token)
-
-
-def _chunk_triton(logits, targets, inv_t, logp_out, ent_out, want_grad, tiles: TritonTiles):
+def _chunk_triton(logits, targets, inv_t, logp_out, ent_out, want_grad):
     """Same contract as `_chunk_torch`; overwrites `logits` (a buffer it owns) with the gradient."""
     _, kernel = _triton_kernel()
     c, v = logits.shape
     ent = ent_out if ent_out is not None else logp_out  # a valid pointer, never written
     kernel[(c,)](logits, logits.stride(0), targets, logp_out, ent, v, inv_t,
-                 WANT_ENT=ent_out is not None, WANT_GRAD=want_grad, BLOCK_V=tiles.block_v,
-                 num_warps=tiles.num_warps)
+                 WANT_ENT=ent_out is not None, WANT_GRAD=want_grad, BLOCK_V=BLOCK_V,
+                 num_warps=NUM_WARPS)
     return logits if want_grad else None
 
 
-def _chunk(hidden_c, weight, targets_c, inv_t, logp_out, ent_out, want_grad, impl, tiles: TritonTiles):
+def _chunk(hidden_c, weight, targets_c, inv_t, logp_out, ent_out, want_grad, impl):
     """One chunk: logits, statistics, and the gradient factor (onehot - p) W / T (c, H) or None."""
     logits = hidden_c @ weight.t()  # (c, V) in the weight's dtype, fp32 accumulation
     if impl == "triton":
-        dz = _chunk_triton(logits, targets_c, inv_t, logp_out, ent_out, want_grad, tiles)
+        dz = _chunk_triton(logits, targets_c, inv_t, logp_out, ent_out, want_grad)
     else:
         dz = _chunk_torch(logits, targets_c, inv_t, logp_out, ent_out, want_grad)
     return None if dz is None else dz @ weight  # (c, H)
@@ -178,14 +154,13 @@ class _TokenLogprobs(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=hidden.device)
         grad_factor = torch.empty_like(hidden) if want_grad and not recompute else None  # (N, H)
-        tiles = _TILES.get()  # read here: backward may run on autograd's own thread
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             g = _chunk(hidden[s:e], weight, targets[s:e], inv_t, logp[s:e], ent[s:e] if want_entropy else None,
-                       grad_factor is not None, impl, tiles)
+                       grad_factor is not None, impl)
             if g is not None:
                 grad_factor[s:e] = g
-        ctx.inv_t, ctx.chunk, ctx.impl, ctx.recompute, ctx.tiles = inv_t, chunk, impl, recompute, tiles
+        ctx.inv_t, ctx.chunk, ctx.impl, ctx.recompute = inv_t, chunk, impl, recompute
         if want_grad:
             ctx.save_for_backward(*((hidden, weight, targets) if recompute else (grad_factor,)))
         ctx.mark_non_differentiable(ent)
@@ -207,8 +182,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
             if ctx.recompute:
-                factor = _chunk(hidden[s:e], weight, targets[s:e], ctx.inv_t, scratch[: e - s], None, True, ctx.impl,
-                                ctx.tiles)
+                factor = _chunk(hidden[s:e], weight, targets[s:e], ctx.inv_t, scratch[: e - s], None, True, ctx.impl)
             else:
                 factor = grad_factor[s:e]
             grad_hidden[s:e] = factor.float() * grad_logp[s:e, None]  # rows scaled by dLoss/dlogp

@@ -20,7 +20,7 @@ from grpo.rollout.stops import first_stop_index
 
 
 # Prompt tokens a prefill reads at once: it trades a little prefill speed for a second Ctrl-C that stops a
-# long prompt's prefill within one chunk (benchmarks/RESULTS.md, "The measured defaults").
+# long prompt's prefill within one chunk (docs/measurements.md, "A long prefill and Ctrl-C").
 PREFILL_CHUNK = 256
 
 

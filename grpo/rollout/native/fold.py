@@ -75,8 +75,8 @@ def _fold(d: DecodeProj) -> _Kept:
     delta = _delta(d)
     summed = torch.add(w, delta).to(w.dtype)
     changed = bits(_taken_out(summed, delta)) != bits(w)  # the unfold's arithmetic
-    # int32 indices: a random adapter of B ~ N(0, 0.01) kept a fifth of a 1B model's elements aside, 1.8 GiB
-    # as int64; a smaller B keeps fewer (N(0, 1e-3): 4%, N(0, 1e-4): 0.7%)
+    # int32 indices: half the memory of int64 for the elements kept aside (a large random adapter keeps a fifth
+    # of a weight's), for at most 2^31 elements a weight (benchmarks/RESULTS.md, "The measured defaults")
     index = changed.view(-1).nonzero().squeeze(1).to(torch.int32)
     kept = _Kept(index, w.view(-1)[index].clone())
     w.copy_(summed)

@@ -5,7 +5,7 @@ The product runs the defaults but for `attention`, which a user may choose (`--e
 default). The sizes (`kv_bucket`, `prefill_bucket`, `check_every`, `kernel_rows`) are the product's; tests
 shrink them to reach several buckets or wide steps on tiny models. They are kept off `NativeEngine`'s
 constructor so that its arguments are what a user decides: the model, the cache's size, the pad id, and
-`gemm`. Figures behind the defaults: (benchmarks/RESULTS.md, "The measured defaults").
+`gemm`. The figures behind the defaults are in benchmarks/RESULTS.md, "The measured defaults".
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The logits processor that makes vLLM report the trainer's log-probabilities, log softmax(logits / T).
 
 vLLM loads it by its qualified name (`grpo.rollout.vllm.LOGITS_PROCESSOR`) in whichever process runs its engine
-core, so it lives in a module of its own that subclasses vLLM's class at import. Only vLLM imports this module:
-importing `grpo.rollout.vllm` does not import vllm.
+core, so it lives in a module of its own that subclasses vLLM's class at import, outside `grpo.rollout`: that
+process imports torch and vllm for it, not the other engines. Only vLLM imports this module: importing
+`grpo.rollout.vllm` does not import vllm.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor, MoveDirectionality
 
-from grpo.rollout.vllm import GREEDY_EPS
+from grpo.sampling_ranges import GREEDY_EPS
 
 
 class LogSoftmaxAtTemperature(LogitsProcessor):
