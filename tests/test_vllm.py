@@ -182,7 +182,7 @@ def test_a_grpo_step_with_engine_vllm_sizes_vllms_kv_cache_for_its_rows(tmp_path
         return real_llm(**kwargs)
 
     monkeypatch.setattr(rv._import_vllm(), "LLM", recording_llm)
-    monkeypatch.setattr("grpo.run.plots.plot_metrics", lambda *a, **k: None)  # this environment has no matplotlib
+    monkeypatch.setattr("grpo.trainer.plot_metrics", lambda *a, **k: None)  # this environment has no matplotlib
     cfg = Config(model=str(path), engine="vllm", dataset="arithmetic", max_steps=1, prompts_per_step=2,
                  num_generations=2, max_completion_length=8, lora_rank=LORA_RANK, lora_alpha=16, optim="adamw_torch",
                  dtype="fp32", eval_size=0, save_steps=0, log_completions_steps=0, output_dir=str(tmp_path / "run"))
