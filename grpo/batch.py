@@ -67,8 +67,8 @@ class Batch:
         return min(-(-max(lengths, default=0) // multiple) * multiple, self.input_ids.shape[1])
 
     def take(self, order: list[int]) -> "Batch":
-        """The rows in `order` (a permutation of 0..B-1)."""
-        at = torch.tensor(order, device=self.input_ids.device)
+        """The rows in `order` (row indices: a permutation of 0..B-1, or some of them to keep only those)."""
+        at = torch.tensor(order, dtype=torch.long, device=self.input_ids.device)
         return Batch(*(t[at] for t in (self.input_ids, self.start, self.completion_ids, self.mask,
                                        self.sampler_logp)), tuple(self.lengths[i] for i in order),
                      self.width_multiple, None if self.host_mask is None else self.host_mask[order])
@@ -95,6 +95,14 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
     host_mask = rollout.mask.to("cpu", torch.bool)
     lengths = tuple(len(p) + n for p, n in zip(rows, host_mask.sum(1).tolist()))
     return Batch(*(t.to(device) for t in parts), lengths, host_mask=host_mask)
+
+
+def finished_rows(batch: Batch, adv: torch.Tensor, finished: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    """The rows whose completion finished (EOS or a stop string), `adv` (B,) along with them: what
+    --mask-truncated-completions trains on. A truncated row leaves the loss whole: no token, no gradient, and no
+    count in any normalisation; its reward already counted in its group's advantages. `finished`: (B,) bool."""
+    keep = finished.to("cpu", torch.bool).nonzero().flatten().tolist()
+    return batch.take(keep), adv[torch.tensor(keep, dtype=torch.long, device=adv.device)]
 
 
 def micro_batches(batch: Batch, adv: torch.Tensor, micro: int, pad_to_multiple_of: int = 1

@@ -50,6 +50,37 @@ def _f(default: Any, help: str, group: str, **argparse_kw: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+def parse_overlong_penalty(text: str) -> tuple[int | None, int] | None:
+    """--overlong-penalty's value: "LEN,CACHE" -> (LEN, CACHE), "CACHE" -> (None, CACHE) (LEN: the run's completion
+    budget), "none" -> None."""
+    if text.strip().lower() in ("none", ""):
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEN,CACHE or CACHE in tokens (e.g. 1024,256, or 256 "
+                                         "with LEN the run's --max-completion-length); none turns it off")
+    return (None, numbers[0]) if len(numbers) == 1 else (numbers[0], numbers[1])
+
+
+def check_overlong_penalty(setting: tuple[int | None, int], max_completion_length: int | None) -> None:
+    """LEN,CACHE of --overlong-penalty: CACHE from 1 to LEN (LEN, where omitted, the completion budget when it is
+    known here)."""
+    if not (isinstance(setting, tuple) and len(setting) == 2):
+        raise ValueError(f"--overlong-penalty {setting!r}: give LEN,CACHE or CACHE in tokens, e.g. 1024,256")
+    length, cache = setting
+    shown = f"--overlong-penalty {cache}" if length is None else f"--overlong-penalty {length},{cache}"
+    if cache < 1:
+        raise ValueError(f"{shown}: CACHE must be 1 token or more")
+    limit = length if length is not None else max_completion_length
+    if limit is not None and cache > limit:
+        named = f"LEN {limit}" if length is not None else f"LEN (--max-completion-length {limit})"
+        raise ValueError(f"{shown}: CACHE must be at most {named}; lower CACHE or raise LEN")
+
+
 @dataclass(frozen=True)
 class Config:
     # --- model -------------------------------------------------------------------------------
@@ -145,6 +176,20 @@ class Config:
                                 "trains on what it holds (nothing: no update that step).", "grpo")
     max_sampling_rounds: int = _f(3, "With --dynamic-sampling: sampling rounds of P prompts (per rank) a step may "
                                   "run at most; 1 only filters.", "grpo")
+    mask_truncated_completions: bool = _f(False, "Take each completion that the length limit cut (no EOS or stop "
+                                          "string: frac_finished in the log is the share that did finish) out of "
+                                          "the loss: it still counts in its group's advantages, but adds no "
+                                          "gradient and no row or token to the loss's normalisation (TRL's option "
+                                          "of this name; DAPO's overlong filtering). Turn it on when many "
+                                          "completions hit --max-completion-length, so that a reasoning cut short "
+                                          "is not punished as a wrong one.", "grpo")
+    overlong_penalty: tuple[int | None, int] | None = _f(
+        None, "LEN,CACHE (or CACHE alone): DAPO's soft overlong punishment as a reward of its own, logged as "
+        "rewards/overlong: 0 for completions of up to LEN - CACHE tokens, then falling linearly to -1 at LEN "
+        "tokens, -1 beyond (docs/loss.md, \"Overlong completions\"). LEN defaults to the run's completion budget "
+        "(--max-completion-length, or what the prompts leave of --max-seq-length). Use it when completions run into "
+        "the limit, to teach shorter answers a little at a time; none is off.", "grpo",
+        type=parse_overlong_penalty, metavar="LEN,CACHE")
     gap_warn: float = _f(0.05, "Show the sampler-trainer gap on the progress line when the mean of |log pi_train - "
                          "log pi_sampler| over the step's tokens exceeds this (it is logged every step as gap/*).",
                          "grpo")
@@ -296,6 +341,8 @@ class Config:
         if any(not text for text in self.stop):
             raise ValueError(f"--stop {' '.join(map(repr, self.stop))}: an empty stop string would end every "
                              "completion at once; remove it")
+        if self.overlong_penalty is not None:
+            check_overlong_penalty(self.overlong_penalty, self.max_completion_length)
         if self.max_sampling_rounds < 1:
             raise ValueError(f"--max-sampling-rounds {self.max_sampling_rounds}: use 1 or more (3 is usual)")
         if not self.gap_warn >= 0:

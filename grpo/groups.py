@@ -155,10 +155,13 @@ def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 
 def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generations: int
           ) -> tuple[list[str], list[str], Scores]:
     """This rank's completion texts and answers, and every rank's rows scored: one column per reward
-    function. Advantages need only this rank's groups, but scale_rewards="batch" and the log use all."""
-    texts = s.tokenizer.batch_decode(rollout.completions(), skip_special_tokens=True)
+    function. Advantages need only this rank's groups, but scale_rewards="batch" and the log use all.
+    Reward functions get the dataset's columns and `completion_ids`, each completion's token ids (TRL's name:
+    what a length-based reward such as --overlong-penalty reads)."""
+    completion_ids = rollout.completions()
+    texts = s.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     answers = [ex.answer for ex in examples for _ in range(num_generations)]
-    columns = grpo_data.batch_columns(examples, repeat=num_generations)
+    columns = {**grpo_data.batch_columns(examples, repeat=num_generations), "completion_ids": completion_ids}
     rewards, names = grpo_rewards.score(texts, answers, s.reward_funcs, columns)  # (P*G, R)
     judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
     judged = torch.tensor(judged, dtype=rewards.dtype).view(-1, 2)  # (P*G, 2) correct, formatted

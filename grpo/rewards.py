@@ -291,6 +291,33 @@ def number_gsm8k(completions: list[str], answers: list[str], **columns: Any) -> 
     return [_number_points(c, a, _NUMBER_POINTS["gsm8k"]) for c, a in zip(completions, answers, strict=True)]
 
 
+def soft_overlong_penalty(length: int, max_length: int, cache: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13) of a completion of `length`
+    tokens: 0 up to max_length - cache, then (max_length - cache - length) / cache, falling linearly to -1 at
+    max_length, and -1 beyond."""
+    start = max_length - cache
+    if length <= start:
+        return 0.0
+    if length <= max_length:
+        return (start - length) / cache
+    return -1.0
+
+
+def overlong_penalty(max_length: int, cache: int) -> RewardFn:
+    """--overlong-penalty as a reward function named `overlong` (logged as rewards/overlong): the soft overlong
+    punishment of each completion's length in tokens, read from the `completion_ids` column the scorer passes
+    (TRL's name for it)."""
+    if not 1 <= cache <= max_length:
+        raise ValueError(f"--overlong-penalty {max_length},{cache}: CACHE must be between 1 and LEN "
+                         f"({max_length}); fix: lower CACHE or raise LEN")
+
+    def overlong(completions: list[str], answers: list[str], *, completion_ids: Sequence[Sequence[int]],
+                 **columns: Any) -> list[float]:
+        return [soft_overlong_penalty(len(ids), max_length, cache) for ids in completion_ids]
+
+    return overlong
+
+
 PRESETS: dict[str, list[RewardFn]] = {
     "dapo": [format_exact, format_tags_dapo, answer_dapo, number_dapo],
     "gsm8k": [format_exact, format_tags_gsm8k, answer_gsm8k, number_gsm8k],

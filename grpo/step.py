@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from grpo.batch import Batch, batch_logprobs, make_batch, micro_batches, real_token_share, sequence_logprobs
+from grpo.batch import (Batch, batch_logprobs, finished_rows, make_batch, micro_batches, real_token_share,
+                        sequence_logprobs)
 from grpo.config import Config
 from grpo.groups import SamplingReport, Scores, sample_groups
 from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
@@ -116,6 +117,10 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     s.policy.eval()
     batch = make_batch(groups.rollout, s.tokenizer.pad_token_id, s.device)
     adv = adv.to(s.device)
+    if cfg.mask_truncated_completions:  # the cut completions leave the loss, after counting in the advantages
+        batch, adv = finished_rows(batch, adv, groups.rollout.finished)
+        if int(s.world.sum(torch.tensor(len(batch)))) == 0:  # every completion of the step was cut: no update
+            return result
     batch, adv, slices = micro_batches(batch, adv, cfg.micro_batch_size or cfg.batch_size,  # like lengths together
                                        cfg.pad_to_multiple_of)
     ref_logp, old_logp, logp_times = reference_and_old_logprobs(s, batch, slices)

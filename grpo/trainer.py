@@ -203,6 +203,10 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                         stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, cfg.stop))
     reward_funcs = grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)
+    if cfg.overlong_penalty is not None:  # LEN, where omitted, is the completion budget resolved above
+        length, cache = cfg.overlong_penalty
+        reward_funcs = [*reward_funcs, grpo_rewards.overlong_penalty(
+            max_completion_length if length is None else length, cache)]
     params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, policy)
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
     stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
