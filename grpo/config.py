@@ -182,7 +182,7 @@ class Config:
                                           "gradient and no row or token to the loss's normalisation (TRL's option "
                                           "of this name; DAPO's overlong filtering). Turn it on when many "
                                           "completions hit --max-completion-length, so that a reasoning cut short "
-                                          "is not punished as a wrong one.", "grpo")
+                                          "is not trained away as if it were wrong.", "grpo")
     overlong_penalty: tuple[int | None, int] | None = _f(
         None, "LEN,CACHE (or CACHE alone): DAPO's soft overlong punishment as a reward of its own, logged as "
         "rewards/overlong: 0 for completions of up to LEN - CACHE tokens, then falling linearly to -1 at LEN "

@@ -1,8 +1,9 @@
 """The four-tier reward of the two reference recipes, the answer parser under it, and the reward API.
 
 A reward function is `f(completions: list[str], answers: list[str], **columns) -> list[float]`: one
-float per completion (None or NaN where it does not apply). `score` calls a list of them and keeps
-one column per function, so each is logged on its own. `PRESETS` holds the two reference recipes:
+float per completion (None or NaN where it does not apply); in training `columns` hold the dataset's
+extra fields and `completion_ids`, each completion's token ids (TRL's name). `score` calls a list of them
+and keeps one column per function, so each is logged on its own. `PRESETS` holds the two reference recipes:
 
 | tier | what it checks | dapo (recipe A) | gsm8k (recipe B) |
 |---|---|---|---|
