@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo import assets
 from grpo.quiet import add_verbose_flag, hide_known_warnings
+from grpo.run.durable import give_usual_modes
 
 __all__ = ["PackagedModel", "PACKAGED_MODELS", "packaged_model_dir", "gguf_path", "convert_gguf"]
 
@@ -193,6 +194,7 @@ def convert_gguf(gguf: Path, target: Path, end_tokens: Sequence[str] = ()) -> Pa
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # ranks under torchrun convert side by side
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    give_usual_modes(partial)  # model.safetensors comes out 0600 from safetensors' writer
     try:
         partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
     except OSError:
