@@ -10,6 +10,7 @@
   spelling), in the one-line error.
 - A boolean flag takes `--flag`, `--no-flag` and `--flag true|false` (also yes/no, on/off, 1/0).
 - Errors are one line with a pointer to --help, not the whole usage.
+- `make_console()`: rich's Console, which wraps long lines only on a terminal.
 
 What it deliberately is not: the flags themselves (train.py's come from `grpo.config.Config`, the others'
 from their modules), or a parser of its own: it is argparse.
@@ -21,6 +22,8 @@ import argparse
 import difflib
 import os
 import sys
+
+from rich.console import Console
 
 # TRL's (and transformers' TrainingArguments') names for what our flags do, where the names differ.
 TRL_NAMES = {
@@ -84,10 +87,28 @@ class OneLineParser(argparse.ArgumentParser):
         known = [option for option in self._option_string_actions if option.startswith("--")]
         if kebab in TRL_NAMES and TRL_NAMES[kebab].split()[0] in known:
             return f"unrecognized flag {name}: here it is {TRL_NAMES[kebab]}"
-        nearest = difflib.get_close_matches(kebab, known, n=1, cutoff=0.6)
+        nearest = nearest_flags(kebab, known)
         if nearest:
-            return f"unrecognized flag {name}: did you mean {nearest[0]}?"
+            either = nearest[0] if len(nearest) == 1 else f"{', '.join(nearest[:-1])} or {nearest[-1]}"
+            return f"unrecognized flag {name}: did you mean {either}?"
         return f"unrecognized arguments: {' '.join(unknown)}"
+
+
+def nearest_flags(flag: str, known: list[str], most: int = 3) -> list[str]:
+    """The known flags `flag` most likely meant: those it begins (`--learn` -> `--learning-rate`; the shortest
+    first, at most `most`), else the closest spelling (`--max-step` -> `--max-steps`), else none."""
+    started = sorted((k for k in known if k.startswith(flag) and len(flag) > 3), key=len)  # not a bare "--x"
+    if started:
+        return started[:most]
+    return difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+
+
+def make_console(**kwargs) -> Console:
+    """A rich Console that wraps only on a terminal: printed to a file or a pipe, a long line (a path, a
+    command to copy) stays one line instead of breaking at rich's 80 columns."""
+    out = Console(**kwargs)
+    out.soft_wrap = not out.is_terminal
+    return out
 
 
 def parse_bool(text: str) -> bool:

@@ -28,6 +28,7 @@ from grpo.loss import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_TERMS, RATIO
                        policy_term)
 from grpo.loss.importance import check_importance_numbers
 from grpo.quiet import add_verbose_flag
+from grpo.rewards import reward_functions
 from grpo.run.durable import write_atomically
 from grpo.sampling_ranges import check_sampling_numbers
 
@@ -124,7 +125,8 @@ class Config:
                       "JSONL file with 'question' and 'answer' fields.", "data")
     reward_preset: str = _f("dapo", "Reward recipe: dapo or gsm8k (the two reference recipes).", "data",
                             choices=["dapo", "gsm8k"])
-    reward: tuple[str, ...] = _f((), "Extra reward functions as module:function, each "
+    reward: tuple[str, ...] = _f((), "Extra reward functions as module:function (a module of the current "
+                                 "folder or on PYTHONPATH) or path/to/file.py:function, each "
                                  "f(completions, answers, **columns) -> list[float].", "data", nargs="+")
     max_seq_length: int = _f(2048, "Prompt plus completion tokens at most.", "data")
     max_prompt_length: int | None = _f(None, "Prompt tokens at most; longer prompts are dropped and "
@@ -357,7 +359,8 @@ class Config:
                              "use a temperature above 0 (1.0 is the recipe's)")
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_seq_length:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
-                             f"within --max-seq-length {self.max_seq_length}")
+                             f"within --max-seq-length {self.max_seq_length}; fix: raise --max-seq-length above "
+                             "--max-prompt-length plus the completion's tokens")
         share = self.vllm_gpu_memory_utilization
         if share is not None and not 0.0 < share < 1.0:
             raise ValueError(f"--vllm-gpu-memory-utilization {share}: a share of the GPU in (0, 1), or none for a "
@@ -630,7 +633,9 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
     try:
         if term_flags:
             values["policy_term"] = policy_term_from_flags(values.get("policy_term"), term_flags)
-        return CommandLine(Config(**values), verbose)
+        config = Config(**values)
+        reward_functions(config.reward_preset, config.reward)  # imported and found now, before any model loads
+        return CommandLine(config, verbose)
     except ValueError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits

@@ -463,12 +463,15 @@ def build_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
     budget = max_prompt_length if max_prompt_length is not None else _percentile(lengths, 0.9)
-    limit, fix = f"--max-prompt-length {budget}", "raise it"
+    shortest = min(lengths)
+    limit, fix = f"--max-prompt-length {budget}", f"raise --max-prompt-length to {shortest} or more"
     if room is not None and room.tokens < budget:
         budget, limit, fix = room.tokens, f"{room.why} leave {room.tokens} tokens for a prompt", room.fix
+    elif room is not None and room.tokens < shortest:  # raising --max-prompt-length alone would collide with room
+        fix += f", and as {room.why} leave {room.tokens} tokens for a prompt, {room.fix}"
     keep = [i for i, n in enumerate(lengths) if n <= budget]
     if not keep:
-        raise ValueError(f"{limit}: every prompt is longer (shortest {min(lengths)} tokens); fix: {fix}")
+        raise ValueError(f"{limit}: every prompt is longer (shortest {shortest} tokens); fix: {fix}")
     return PromptSet(prompt_ids=[list(ids[i]) for i in keep], prompts=[texts[i] for i in keep],
                      examples=[examples[i] for i in keep], max_prompt_length=budget,
                      dropped=len(examples) - len(keep))

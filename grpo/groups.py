@@ -19,6 +19,7 @@ from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.data import Example
 from grpo.rollout.base import Rollout, pad_rows
+from grpo.run.log import NOT_APPLIED
 from grpo.step_setup import StepSetup
 
 
@@ -48,6 +49,19 @@ class Scores:
     def total(self) -> torch.Tensor:  # (N*P*G,)
         """One reward per completion; a function that returned None ("does not apply") adds nothing."""
         return self.rewards.nansum(-1)
+
+    def reward_log(self) -> dict[str, float | int]:
+        """Each reward's mean where it applies (`rewards/NAME`, NaN where it applies to none) and, for a reward
+        that applies to no completion of the step (None or NaN for every one), how many it returned so for
+        (`rewards_applies_to_none/NAME`): the step line says it, and the metrics record keeps it."""
+        means = {f"rewards/{name}": float(self.rewards[:, j].nanmean()) for j, name in enumerate(self.names)}
+        return {**means, **{f"{NOT_APPLIED}{name}": n for name, n in self.applies_to_none().items()}}
+
+    def applies_to_none(self) -> dict[str, int]:
+        """{reward name: completions} for each reward that returned None or NaN for every completion."""
+        n = self.rewards.shape[0]
+        nan = self.rewards.isnan().sum(0)  # (R,)
+        return {name: n for name, count in zip(self.names, nan.tolist()) if n and count == n}
 
     def table(self) -> torch.Tensor:
         """(rows, R + 4) every column side by side, as ranks gather it: rewards, correct, formatted, lengths,

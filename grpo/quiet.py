@@ -6,9 +6,10 @@ still reaches stderr. Python warnings are filtered by category, module and messa
 (`warnings.filterwarnings`); the libraries that warn through `logging` get a filter on their own
 logger that drops only the matching records.
 
-`hide_known_warnings()` is called once, at the start of each command line (`train.py`; `python -m grpo.eval`,
-`grpo.export` and `grpo.model.packaged` through `quiet_unless_verbose`; `add_verbose_flag` gives each its -v),
-before those libraries are imported; importing this module changes nothing. What it deliberately is not: a blanket
+`hide_known_warnings()` is called once, at the start of each command line (`train.py` and `python -m
+grpo.model.packaged` after parsing their flags; `python -m grpo.eval` and `grpo.export` through
+`quiet_unless_verbose`; `add_verbose_flag` gives each its -v), before those libraries are imported (torchao's
+notes come when loading a GGUF imports it); importing this module changes nothing. What it deliberately is not: a blanket
 filter, or a place for this project's own warnings (fix those instead).
 """
 

@@ -41,8 +41,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import re
-import warnings
+import sys
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -333,29 +334,48 @@ def reward_functions(preset: str, extra: Sequence[str] = ()) -> list[RewardFn]:
 
 
 def load_reward(spec: str) -> RewardFn:
-    """`package.module:function` or `path/to/file.py:function` -> the function."""
+    """`package.module:function` or `path/to/file.py:function` -> the function. A module is looked for where
+    Python looks, then in the current folder (as `python -m` finds it, but after what is installed)."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--reward {spec!r}: expected module:function (or path/to/file.py:function)")
     try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
-            file_spec = importlib.util.spec_from_file_location(f"grpo_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        module = _file_module(Path(module_name)) if module_name.endswith(".py") else _module(module_name)
     except Exception as err:  # any failure while importing user code is reported the same way
         raise ValueError(f"--reward {spec!r}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
-                         "fix: put the module on PYTHONPATH or give path/to/file.py:function") from None
+                         "fix: run from the folder that holds it, put it on PYTHONPATH or give "
+                         "path/to/file.py:function") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"--reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"--reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _module(name: str):
+    """`name` imported, with the current folder searched last: train.py's own folder is on the path, and
+    the user's (where `--reward my_rewards:f` points) otherwise is not."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.append(here)
+    return importlib.import_module(name)
+
+
+def _file_module(path: Path):
+    """The module of `path/to/file.py`, run once: a second load (the command line checks the reward before
+    the run loads it) gets the same module."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {path}")
+    name = f"grpo_reward_{path.stem}"
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
+        return loaded
+    file_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def _name(fn: RewardFn) -> str:
@@ -417,21 +437,17 @@ def score(completions: Sequence[str], answers: Sequence[str], funcs: Sequence[Re
                 raise RewardError(f"reward function {name} returned {as_float} for completion {i}; rewards must be "
                                   "finite (None where a function does not apply)")
             rewards[i, j] = as_float
-    _say_what_applies_to_nothing(rewards, names)
+    _refuse_a_batch_no_reward_applies_to(rewards, names)
     return rewards, names
 
 
-def _say_what_applies_to_nothing(rewards: torch.Tensor, names: list[str]) -> None:
-    """A function that applies to none of the batch is said once (a warning per function, which Python shows
-    once); a batch that no function applies to is an error: every group would tie and teach nothing."""
+def _refuse_a_batch_no_reward_applies_to(rewards: torch.Tensor, names: list[str]) -> None:
+    """Every group would tie and teach nothing. (One function that applies to no completion of a step is
+    the step line's to say: `grpo.groups.Scores.applies_to_none`.)"""
     n = rewards.shape[0]
     if n and bool(rewards.isnan().all()):
         raise RewardError(f"no reward applies to any of the {n} completions: {', '.join(names)} returned None or NaN "
                           "for every one; fix: return a float where a reward applies (None or NaN means it does not)")
-    for j, name in enumerate(names):
-        if n and bool(rewards[:, j].isnan().all()):
-            warnings.warn(f"reward function {name} returned None or NaN for every completion of a step (it applies to "
-                          "none of them); if it should apply, check what it returns", RuntimeWarning, stacklevel=2)
 
 
 def _locate_failure(fn: RewardFn, completions: list[str], answers: list[str],

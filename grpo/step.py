@@ -70,7 +70,7 @@ class StepResult:
         total = scores.total  # (N*P*G,)
         record = {
             "step": step, "reward": float(total.mean()), "reward_std": float(total.std()) if len(total) > 1 else 0.0,
-            **{f"rewards/{name}": float(scores.rewards[:, j].nanmean()) for j, name in enumerate(scores.names)},
+            **scores.reward_log(),
             "accuracy": float(scores.correct.double().mean()), "format": float(scores.formatted.double().mean()),
             "completion_length": float(scores.lengths.double().mean()),
             "frac_finished": float(scores.finished.double().mean()),

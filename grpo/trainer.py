@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.answer_format import SYSTEM_PROMPT
+from grpo.cli import make_console
 from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval.accuracy import evaluate, log_eval
@@ -78,7 +78,7 @@ def train(cfg: Config) -> Path:
 
 def run(cfg: Config, world: World) -> Path:
     """The loop, as one rank of `world` runs it (the only rank without torchrun)."""
-    console = Console(quiet=not world.is_main)  # rank 0 prints for all
+    console = make_console(quiet=not world.is_main)  # rank 0 prints for all; wrapped only on a terminal
     out = Path(cfg.output_dir)
     # Setup, step by step: the run's folder and seeds; what every step reads (model, data, rewards, sampler,
     # optimizer); where the run starts (a checkpoint's state with --resume).

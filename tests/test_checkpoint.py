@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 
 import pytest
 import torch
@@ -147,8 +149,16 @@ def test_resuming_with_another_schedule_or_rate_says_what_applies(tmp_path):
     assert schedule_note(tmp_path / "missing", saved) is None  # an older checkpoint without config.json
 
 
+@pytest.fixture
+def group_writable_umask():
+    """umask 002 for the test (a shared machine's usual one): files should come out 0664, not 0600."""
+    old = os.umask(0o002)
+    yield 0o664
+    os.umask(old)
+
+
 def test_an_adapter_saved_after_the_vocabulary_grew_holds_only_lora_weights_and_loads_into_the_base(
-        tmp_path, char_llama_dir):
+        tmp_path, char_llama_dir, group_writable_umask):
     """Unsloth grows the model's vocabulary to its tokenizer's length (one more token for Llama 3.2's
     tokenizer in the CUDA tests): the adapter still saves (and checkpoints save) only what was trained,
     and loads into a policy on the unchanged base checkpoint."""
@@ -163,8 +173,11 @@ def test_an_adapter_saved_after_the_vocabulary_grew_holds_only_lora_weights_and_
     policy.get_base_model().resize_token_embeddings(129)
     with torch.no_grad():
         next(p for n, p in policy.named_parameters() if "lora_B" in n).fill_(0.5)
-    saved = load_file(str(save_adapter(policy, tmp_path / "adapter") / "adapter_model.safetensors"))
+    folder = save_adapter(policy, tmp_path / "adapter")
+    saved = load_file(str(folder / "adapter_model.safetensors"))
     assert saved and all("lora_" in k for k in saved), sorted(saved)[:3]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert modes["adapter_model.safetensors"] == group_writable_umask, modes  # not safetensors' 0600
 
     fresh, _, _ = load_policy(cfg, torch.device("cpu"))
     loaded = set_peft_model_state_dict(fresh, saved)

@@ -415,6 +415,23 @@ def test_no_budget_lets_a_prompt_past_the_room_its_sequence_leaves(llama_tokeniz
         prompt_room(512, 600, None)
 
 
+def test_prompts_longer_than_the_sequence_leaves_name_both_limits_to_raise(llama_tokenizer):
+    """Raising --max-prompt-length alone past what --max-seq-length leaves would only collide with it: the fix
+    names both, with the length that would fit."""
+    long_one = [Example("word " * 600, "1")]
+    shortest = len(build_prompts(llama_tokenizer, long_one, 10_000).prompt_ids[0])
+    room = prompt_room(max_seq_length=512, max_completion_length=64, model_positions=None)
+    with pytest.raises(ValueError) as refused:
+        build_prompts(llama_tokenizer, long_one, 5, room=room)
+    assert str(refused.value) == (
+        f"--max-prompt-length 5: every prompt is longer (shortest {shortest} tokens); fix: raise --max-prompt-length "
+        f"to {shortest} or more, and as --max-seq-length 512 minus --max-completion-length 64 leave 448 tokens for a "
+        "prompt, raise --max-seq-length or lower --max-completion-length")
+    roomy = prompt_room(max_seq_length=4096, max_completion_length=64, model_positions=None)
+    with pytest.raises(ValueError, match=rf"fix: raise --max-prompt-length to {shortest} or more$"):
+        build_prompts(llama_tokenizer, long_one, 5, room=roomy)  # room enough: the one flag
+
+
 def test_the_run_fits_prompt_and_completion_into_the_model_positions(llama_tokenizer, tmp_path):
     """No budget and a --max-seq-length past the model: the run's prompts and completions fit the model."""
     from grpo.trainer import load_prompt_sets

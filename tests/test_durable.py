@@ -3,7 +3,12 @@ leaves nothing behind; appended lines land in order."""
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from grpo.run.durable import append_line, fill_folder, publish, write_atomically
 
@@ -47,3 +52,28 @@ def test_a_filled_folder_is_published_under_its_final_name_with_its_files(tmp_pa
     fill_folder(tmp, write)
     publish(tmp, final)
     assert not tmp.exists() and [p.name for p in final.iterdir()] == ["adapter_model.safetensors"]
+
+
+@pytest.fixture
+def group_writable_umask():
+    """umask 002 for the test (a shared machine's usual one): files should come out 0664, not 0644 or 0600."""
+    old = os.umask(0o002)
+    yield 0o664
+    os.umask(old)
+
+
+def test_written_files_get_the_users_usual_mode(tmp_path, group_writable_umask):
+    write_atomically(tmp_path / "config.json", b"{}")
+    append_line(tmp_path / "metrics.jsonl", b"{}\n")
+    assert stat.S_IMODE((tmp_path / "config.json").stat().st_mode) == group_writable_umask
+    assert stat.S_IMODE((tmp_path / "metrics.jsonl").stat().st_mode) == group_writable_umask
+
+
+def test_a_filled_folder_gives_safetensors_files_the_usual_mode_not_0600(tmp_path, group_writable_umask):
+    def write(folder):
+        folder.mkdir()
+        save_file({"w": torch.zeros(2)}, str(folder / "adapter_model.safetensors"))  # through a private temp file
+
+    fill_folder(tmp_path / ".tmp-adapter", write)
+    mode = (tmp_path / ".tmp-adapter" / "adapter_model.safetensors").stat().st_mode
+    assert stat.S_IMODE(mode) == group_writable_umask

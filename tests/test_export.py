@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,16 @@ def test_merged_fp32_model_matches_base_plus_adapter(tiny_llama_dir, tmp_path):
     torch.testing.assert_close(logits(merged), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_export_writes_the_adapter_unchanged_and_a_bf16_model_that_reloads_and_matches(tiny_llama_dir, tmp_path):
+@pytest.fixture
+def group_writable_umask():
+    """umask 002 for the test (a shared machine's usual one): files should come out 0664, not 0600."""
+    old = os.umask(0o002)
+    yield 0o664
+    os.umask(old)
+
+
+def test_export_writes_the_adapter_unchanged_and_a_bf16_model_that_reloads_and_matches(tiny_llama_dir, tmp_path,
+                                                                                       group_writable_umask):
     from peft import PeftModel
 
     policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "run" / "adapter")
@@ -71,6 +81,10 @@ def test_export_writes_the_adapter_unchanged_and_a_bf16_model_that_reloads_and_m
     reloaded_adapter = PeftModel.from_pretrained(load_dense(tiny_llama_dir), paths["adapter"]).eval()
     assert reloaded_adapter.peft_config["default"].use_rslora
     torch.testing.assert_close(logits(reloaded_adapter), expected, atol=1e-5, rtol=1e-5)
+
+    for folder in (paths["adapter"], paths["merged"]):  # model.safetensors too, not safetensors' 0600
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()}
+        assert set(modes.values()) == {group_writable_umask}, modes
 
     config = json.loads((paths["merged"] / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
+import stat
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from grpo import assets
 from grpo.model import packaged as packaged_models
 from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
 from grpo.data import chat_prompt
+from grpo.quiet import HARMLESS_LOG_RECORDS, HARMLESS_WARNINGS
 from grpo.model.packaged import (
     PACKAGED_MODELS, QWEN25_CODER_1_5B, PackagedModel, convert_gguf, gguf_path, joined_gguf_path, packaged_model_dir,
 )
@@ -433,3 +439,30 @@ def test_a_run_that_converts_its_packaged_model_trains_as_one_that_finds_it_conv
     assert first_metrics == second_metrics
     assert first_adapter.keys() == second_adapter.keys()
     assert all(torch.equal(first_adapter[k], second_adapter[k]) for k in first_adapter)
+
+
+def test_the_converting_command_is_quiet_one_line_per_message_and_writes_readable_files(tmp_path):
+    """`python -m grpo.model.packaged NAME`, its output a pipe: no third-party noise (torchao's .so files, torch's
+    pytree notes; -v shows them), the `converted ... in PATH` line whole (not wrapped at 80 columns), and the
+    checkpoint's files with the user's usual mode (safetensors' own writer leaves 0600)."""
+    try:
+        gguf_path(PACKAGED_MODELS["smollm2-135m-instruct"])  # fetched into the real cache if need be
+    except FileNotFoundError as err:  # no network and no cached package
+        pytest.skip(f"SmolLM2 package unavailable: {err}")
+    cache = tmp_path / "a-cache-folder-with-a-name-long-enough-to-pass-eighty-columns"
+    cache.mkdir()
+    if (assets.cache_dir() / "assets").is_dir():
+        (cache / "assets").symlink_to(assets.cache_dir() / "assets")
+    env = {**os.environ, "GRPO_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", "import os, sys; os.umask(0o002); from grpo.model.packaged import main; "
+               "sys.exit(main(sys.argv[1:]))", "smollm2-135m-instruct"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    target = cache / "models" / "smollm2-135m-instruct-bf16"
+    assert result.stdout.strip() == str(target)
+    noise = [p for _, _, p in HARMLESS_WARNINGS] + [p for _, p in HARMLESS_LOG_RECORDS]
+    assert not [p for p in noise if re.search(p.lstrip("^"), result.stderr)], result.stderr[-3000:]
+    assert f"in {target} (once: later runs read it there)" in result.stderr
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert set(modes.values()) == {0o664}, modes

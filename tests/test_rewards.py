@@ -301,7 +301,7 @@ def test_lenient_is_never_below_strict_and_equals_it_when_a_solution_block_exist
                 assert lenient == strict, (completion, answer)
 
 
-def test_a_reward_that_applies_to_no_completion_is_said_once_and_a_batch_no_reward_applies_to_stops():
+def test_a_reward_that_applies_to_no_completion_is_no_python_warning_and_a_batch_no_reward_applies_to_stops():
     import warnings
 
     from grpo.rewards import RewardError, score
@@ -312,14 +312,22 @@ def test_a_reward_that_applies_to_no_completion_is_said_once_and_a_batch_no_rewa
     def length(completions, answers, **columns):
         return [float(len(text)) for text in completions]
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for _ in range(3):  # three steps
-            rewards, names = score(["a", "bb"], ["1", "2"], [never, length])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the step line says it (grpo.groups.Scores.applies_to_none), not Python
+        rewards, names = score(["a", "bb"], ["1", "2"], [never, length])
     assert rewards[:, 1].tolist() == [1.0, 2.0] and names == ["never", "length"]
-    assert [str(w.message) for w in caught] == [
-        "reward function never returned None or NaN for every completion of a step (it applies to none of them); "
-        "if it should apply, check what it returns"]
     with pytest.raises(RewardError, match=r"^no reward applies to any of the 2 completions: never returned None or "
                                           r"NaN for every one; fix: return a float"):
         score(["a", "bb"], ["1", "2"], [never])
+
+
+def test_a_module_in_the_current_folder_loads_and_a_file_loads_once(tmp_path, monkeypatch):
+    (tmp_path / "raise_reward.py").write_text("CALLS = []\nCALLS.append(1)\n"
+                                              "def boom(completions, answers, **columns):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "raise_reward", raising=False)
+    assert load_reward("raise_reward:boom")(["x"], ["1"]) == [1.0]
+    first = load_reward(f"{tmp_path / 'raise_reward.py'}:boom")
+    again = load_reward("raise_reward.py:boom")  # the same file, relative: not run a second time
+    assert first is again and sys.modules[first.__module__].CALLS == [1]

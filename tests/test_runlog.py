@@ -96,3 +96,35 @@ def test_each_metrics_record_is_appended_whole_in_one_write(tmp_path, monkeypatc
     monkeypatch.setattr(os, "write", lambda fd, data: (writes.append(bytes(data)), real_write(fd, data))[1])
     log.write({"step": 1, "text": "x" * 20000})
     assert len(writes) == 1 and writes[0].endswith(b"\n") and json.loads(writes[0])["step"] == 1
+
+
+def test_a_reward_that_applies_to_no_completion_is_one_line_of_the_step_and_null_in_strict_json(tmp_path):
+    rewards = torch.tensor([[1.0, float("nan")], [3.0, float("nan")], [0.0, float("nan")], [2.0, float("nan")]])
+    column = torch.ones(4, 1)
+    scores = Scores(rewards, ["format_exact", "never"], correct=column, formatted=column, lengths=column,
+                    finished=column)
+    result = StepResult(scores=scores, texts=["x"] * 4, answers=["1"] * 4, num_generations=2, frac_zero_std=0.0,
+                        loss_stats={"loss": float("nan")}, grad_norm=float("inf"), skipped=True, timings={})
+    record = result.log_record(3, lr=1e-3, step_time=2.5, peak_mem_gib=1.5)
+    line = step_line(record, max_steps=10)
+    assert line.splitlines()[1] == ("  reward never returned None or NaN for all 4 completions (it applies to none; "
+                                    "if it should, check what it returns)")
+    assert "format_exact" not in line
+    log = MetricsLog(tmp_path, Config(), resumed_step=0)
+    log.write(record)
+    text = (tmp_path / "metrics.jsonl").read_text()
+    written = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert written["rewards/never"] is None and written["loss"] is None and written["grad_norm"] is None
+    assert written["rewards_applies_to_none/never"] == 4 and written["rewards/format_exact"] == 1.5
+
+
+def test_the_finished_progress_bar_says_elapsed_not_zero_time_left():
+    from rich.console import Console
+
+    text = io.StringIO()
+    bar = ProgressBar(Console(file=text, force_terminal=False, width=200), total=2, completed=0)
+    bar.start()
+    bar.update(2)
+    bar.stop()
+    last = text.getvalue().strip().splitlines()[-1]
+    assert "2/2" in last and last.endswith("elapsed") and "left" not in last, last

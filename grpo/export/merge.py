@@ -42,6 +42,7 @@ from grpo.kernels.fp8 import FP8Linear
 from grpo.model.load import load_base_model, load_tokenizer
 from grpo.quiet import add_verbose_flag
 from grpo.run.checkpoint import aside_path
+from grpo.run.durable import give_usual_modes
 from grpo.run.failures import adapter_load_error, report, write_failure
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -140,6 +141,7 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     out_merged = out / "merged"
     merged.save_pretrained(out_merged)
     (tokenizer or load_tokenizer(model_dir)).save_pretrained(out_merged)
+    give_usual_modes(out_merged)  # model.safetensors comes out 0600 from safetensors' writer
     del base, merged  # the GGUF files are written from OUT/merged, one tensor at a time
     written = {"adapter": out_adapter, "merged": out_merged}
     for name in gguf_types:

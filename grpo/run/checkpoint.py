@@ -244,7 +244,7 @@ def write_checkpoint_files(folder: Path, state: RunState, parts: Resumable, cfg:
     trainer_state = {"step": state.step, "stream": parts.stream.state_dict(),
                      "nonfinite_in_row": state.nonfinite_in_row, "skipped_steps": state.skipped_steps,
                      "world_size": state.world_size, "run_id": state.run_id}
-    (folder / "trainer_state.json").write_text(json.dumps(trainer_state))
+    (folder / "trainer_state.json").write_text(json.dumps(trainer_state, allow_nan=False))
     cfg.save(folder)
 
 

@@ -3,7 +3,10 @@ summary of a step's record (the record itself is `grpo.step.StepResult.log_recor
 the clock that charges each phase with its own GPU work, and peak memory.
 
 metrics.jsonl takes one whole line per record, in one write that is flushed to disk; a line cut short
-(a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file.
+(a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file. Each
+line is strict JSON (`json_line`): a value that is not finite (a reward's mean over a step it applies to
+none of, a NaN loss) is written as null, not as Python's bare NaN that JSON readers refuse; the key stays,
+so every record has the same columns.
 
 What it deliberately is not: a callback system. The loop in `grpo.trainer.run` calls these
 explicitly; nothing here decides what the run does next. Signals are `grpo.run.signals`'.
@@ -20,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.text import Text
 
 from grpo.config import Config
 from grpo.run.durable import append_line, write_atomically
@@ -60,7 +64,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         """Appends the record as one line, in one write, flushed to disk before returning."""
-        append_line(self.path, (json.dumps(record) + "\n").encode())
+        append_line(self.path, json_line(record).encode())
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
@@ -77,6 +81,22 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def json_line(record: dict) -> str:
+    """`record` as one line of strict JSON: a float that is not finite, at any depth, becomes null."""
+    return json.dumps(finite_or_none(record), allow_nan=False) + "\n"
+
+
+def finite_or_none(value: Any) -> Any:
+    """`value` with every NaN or infinite float (in dicts, lists and tuples too) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
@@ -97,13 +117,16 @@ def read_records(text: str) -> tuple[list[tuple[str, dict]], int]:
     return records, dropped
 
 
+NOT_APPLIED = "rewards_applies_to_none/"  # + a reward's name: the completions of a step it returned None or NaN for
+
+
 def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = math.inf) -> str:
     """The record in one line of at most 100 columns (about 112 with vLLM's pool): the step (of
     `max_steps`), the reward (mean ± std over the batch), answer accuracy, exact-format compliance, KL to the reference, mean completion length in
     tokens, the step's seconds and its peak memory (GPU allocated; on CPU the process's resident size),
     then vLLM's pool apart where the engine is vLLM (`mem 5.2 GiB + vllm 7.9 GiB`).
     A second line when there is more to say: the sampler-trainer gap when its mean exceeds `gap_warn`
-    (--gap-warn), and what --dynamic-sampling kept."""
+    (--gap-warn), what --dynamic-sampling kept, and each reward that applied to no completion of the step."""
     step = f"{record['step']}" if max_steps is None else f"{record['step']:>{len(str(max_steps))}}/{max_steps}"
     seconds = record["step_time"]
     took = f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
@@ -122,6 +145,10 @@ def step_line(record: dict, max_steps: int | None = None, *, gap_warn: float = m
         if record["sampling/groups_kept"] == 0:
             kept += ": no informative group, not trained"
         extras.append(kept)
+    for key, n in record.items():
+        if key.startswith(NOT_APPLIED):
+            extras.append(f"reward {key[len(NOT_APPLIED):]} returned None or NaN for all {n} completions "
+                          "(it applies to none; if it should, check what it returns)")
     return line if not extras else line + "\n  " + " | ".join(extras)
 
 
@@ -133,6 +160,19 @@ def print_completions(console, result, groups: int = 2) -> None:
         console.print(f"  [dim]answer {result.answers[j]!r} reward {float(total[j]):.2f}:[/] {result.texts[j][:400]!r}")
 
 
+class TimeLeftColumn(ProgressColumn):
+    """`left 0:04:10` beside the elapsed time while a task runs; `elapsed` once it is finished (not `left 0:00:00`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._remaining = TimeRemainingColumn()
+
+    def render(self, task: Task) -> Text:
+        if task.finished:
+            return Text("elapsed", style="progress.elapsed")
+        return Text("left ") + self._remaining.render(task)
+
+
 class ProgressBar:
     """The run's live display, shown between `start()` and `stop()`: a bar over the run's steps and, under
     it, the phase in flight: held-out prompts evaluated, and tokens generated (`generation` is the
@@ -141,7 +181,7 @@ class ProgressBar:
     def __init__(self, console, total: int, completed: int):
         self._progress = Progress(TextColumn("[bold]{task.description:>8}"), BarColumn(bar_width=32),
                                   MofNCompleteColumn(), TextColumn("{task.fields[unit]:<7}"), TimeElapsedColumn(),
-                                  TextColumn("left"), TimeRemainingColumn(), console=console)
+                                  TimeLeftColumn(), console=console)
         self._steps = self._progress.add_task("steps", total=total, completed=completed, unit="steps")
         self._eval = self._progress.add_task("eval", total=None, visible=False, unit="prompts")
         self._generate = self._progress.add_task("generate", total=None, visible=False, unit="tokens")
