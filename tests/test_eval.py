@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -294,7 +295,7 @@ def test_ctrl_c_during_an_evaluation_is_one_line_and_status_130(monkeypatch, cap
 
 def test_eval_help_shows_every_default_and_the_sizes_on_a_cpu_and_a_gpu():
     parser = cli.build_parser()
-    takes_a_value = [a for a in parser._actions if a.option_strings and a.help != "==SUPPRESS=="
+    takes_a_value = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
                      and a.nargs != 0 and a.dest != "model"]
     assert len(takes_a_value) >= 15
     assert [a.option_strings[0] for a in takes_a_value if "(default: " not in a.help] == []

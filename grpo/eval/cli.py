@@ -40,7 +40,7 @@ from grpo.run.durable import write_atomically
 from grpo.run.failures import adapter_load_error, report
 from grpo.run.log import ProgressBar
 
-# A CPU measures fewer problems with fewer samples: a less precise figure in minutes rather than an hour
+# A CPU measures fewer problems with fewer samples: a less precise figure for a shorter wait
 # (benchmarks/RESULTS.md, "The measured defaults").
 SIZE_DEFAULTS = {"cpu": {"eval_size": 16, "samples": 1}, "gpu": {"eval_size": 64, "samples": 4}}
 MAX_COMPLETION_LENGTH = 256  # without a run's own
@@ -197,28 +197,36 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict:
                         stop_token_ids=stop_token_ids(tokenizer, base.generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, args.stop))
     names = ["base", "adapter"] if args.compare_base else ["base" if adapter is None else "adapter"]
-    console = Console(stderr=True)
-    progress = ProgressBar(console, len(names), 0)  # its top bar counts the models evaluated
-    results: dict[str, dict] = {}
-    records: dict[str, list[dict]] = {name: [] for name in names}
-    progress.start()
-    try:
-        for done, name in enumerate(names, start=1):  # the base first: the adapter is applied to it in place
-            policy = base if name == "base" else PeftModel.from_pretrained(base, adapter)
-            results[name] = evaluate_policy(policy, tokenizer, prompt_set, sampling, args, progress, records[name])
-            progress.update(done)
-    finally:
-        progress.stop()
+    results, records = evaluate_models(names, base, adapter, tokenizer, prompt_set, sampling, args)
     if args.per_problem:
         write_jsonl(args.per_problem, records[names[-1]])
         if args.compare_base:
             write_jsonl(base_records_path(args.per_problem), records["base"])
     if not args.compare_base:
-        console.print(results[names[0]])
+        Console(stderr=True).print(results[names[0]])
         return results[names[0]]
     result = comparison(results["base"], results["adapter"], records["base"], records["adapter"])
     print_comparison(result, args.adapter)
     return result
+
+
+def evaluate_models(names: list[str], base, adapter: Path | None, tokenizer, prompt_set, sampling: Sampling,
+                    args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """Each of `names` ("base", "adapter": the base first, since the adapter is applied to it in place) evaluated
+    under the same prompts and sampling, with the trainer's progress bar on stderr; (results, per-problem records)
+    by name."""
+    progress = ProgressBar(Console(stderr=True), len(names), 0)  # its top bar counts the models evaluated
+    results: dict[str, dict] = {}
+    records: dict[str, list[dict]] = {name: [] for name in names}
+    progress.start()
+    try:
+        for done, name in enumerate(names, start=1):
+            policy = base if name == "base" else PeftModel.from_pretrained(base, adapter)
+            results[name] = evaluate_policy(policy, tokenizer, prompt_set, sampling, args, progress, records[name])
+            progress.update(done)
+    finally:
+        progress.stop()
+    return results, records
 
 
 def evaluate_policy(policy, tokenizer, prompt_set, sampling: Sampling, args: argparse.Namespace,
