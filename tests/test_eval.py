@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -207,7 +208,8 @@ def run_adapter(tiny_llama_dir, tmp_path):
     from test_export import load_dense, trained_adapter
 
     run = tmp_path / "run"
-    Config(model=str(tiny_llama_dir), system_prompt="The run's own prompt.", output_dir=str(run)).save(run)
+    Config(model=str(tiny_llama_dir), system_prompt="The run's own prompt.", stop=("</SOLUTION>",),
+           max_completion_length=3, output_dir=str(run)).save(run)
     trained_adapter(load_dense(tiny_llama_dir), run / "adapter")
     return run
 
@@ -222,7 +224,8 @@ def test_eval_of_a_run_adapter_takes_the_runs_system_prompt_unless_one_is_given(
     args = ["--model", str(tiny_llama_dir), "--eval-size", "1", "--samples", "0", "--max-completion-length", "2",
             "--engine", "hf"]
     assert cli.main([*args, "--adapter", str(run_adapter)]) == 0
-    assert f"--system-prompt: the run's, from {run_adapter / 'config.json'}" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"the run's settings, from {run_adapter / 'config.json'}: " in said and "--system-prompt" in said
     assert cli.main([*args, "--adapter", str(run_adapter / "adapter"), "--system-prompt", "Mine."]) == 0
     assert seen == ["The run's own prompt.", "Mine."]
 
@@ -240,3 +243,139 @@ def test_a_truncated_adapter_config_is_named_by_eval_and_export_and_export_write
     assert export_main(["--model", str(tiny_llama_dir), "--adapter", str(run_adapter), "--out", str(out)]) == 1
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert f"{config} is not valid JSON" in line and not out.exists()
+
+
+class RecordedProgress:
+    """Stands in for grpo.run.log.ProgressBar: records what the evaluation tells it."""
+
+    made: list[RecordedProgress] = []
+
+    def __init__(self, console, total, completed):
+        self.total, self.calls = total, []
+        RecordedProgress.made.append(self)
+
+    def start(self):
+        self.calls.append(("start",))
+
+    def stop(self):
+        self.calls.append(("stop",))
+
+    def update(self, completed):
+        self.calls.append(("update", completed))
+
+    def evaluation(self, done, total):
+        self.calls.append(("evaluation", done, total))
+
+    def generation(self, done, total):
+        self.calls.append(("generation", done, total))
+
+
+def test_eval_cli_shows_prompts_and_tokens_done_on_the_trainers_progress_bar(tiny_llama_dir, monkeypatch, capsys):
+    RecordedProgress.made = []
+    monkeypatch.setattr(cli, "ProgressBar", RecordedProgress)
+    assert cli.main(["--model", str(tiny_llama_dir), "--eval-size", "3", "--samples", "1",
+                     "--max-completion-length", "2", "--engine", "hf", "--batch-rows", "2"]) == 0
+    [bar] = RecordedProgress.made
+    assert bar.total == 1 and bar.calls[0] == ("start",) and bar.calls[-2:] == [("update", 1), ("stop",)]
+    prompts = [c[1:] for c in bar.calls if c[0] == "evaluation"]
+    assert prompts[0] == (0, 6) and prompts[-1] == (6, 6) and len(prompts) > 2  # greedy, then sampled, in chunks
+    assert any(c[0] == "generation" and c[1] > 0 for c in bar.calls)  # the engine's tokens, as it generates
+
+
+def test_ctrl_c_during_an_evaluation_is_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "evaluate_from_flags", interrupted)
+    assert cli.main(["--model", "any/model"]) == 130
+    captured = capsys.readouterr()
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("interrupted") and "nothing written" in line and captured.out == ""
+
+
+def test_eval_help_shows_every_default_and_the_sizes_on_a_cpu_and_a_gpu():
+    parser = cli.build_parser()
+    takes_a_value = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
+                     and a.nargs != 0 and a.dest != "model"]
+    assert len(takes_a_value) >= 15
+    assert [a.option_strings[0] for a in takes_a_value if "(default: " not in a.help] == []
+    helps = {a.dest: " ".join(a.help.split()) for a in takes_a_value}
+    assert "(default: 64 on a GPU, 16 on a CPU)" in helps["eval_size"]
+    assert "(default: 4 on a GPU, 1 on a CPU)" in helps["samples"]
+    for dest in ("max_completion_length", "stop", "system_prompt"):
+        assert "the run's when --adapter is in a run's folder" in helps[dest]
+    text = " ".join(parser.format_help().split())
+    assert "(default: 64 on a GPU, 16 on a CPU)" in text and "(default: 3407)" in text
+
+
+def test_unset_flags_take_the_runs_stop_and_length_and_the_devices_size(tmp_path, capsys):
+    from grpo.config import Config
+
+    run = tmp_path / "run"
+    Config(model="m", system_prompt="Own.", stop=("</SOLUTION>",), max_completion_length=48,
+           output_dir=str(run)).save(run)
+    (run / "checkpoint-4").mkdir()
+    found = cli.run_config(run / "checkpoint-4")
+    assert found is not None and found[0] == run / "config.json"
+    unset = cli.build_parser().parse_args(["--model", "m"])
+    on_cpu = cli.with_run_defaults(unset, found, torch.device("cpu"))
+    assert (on_cpu.stop, on_cpu.max_completion_length, on_cpu.system_prompt) == (["</SOLUTION>"], 48, "Own.")
+    assert (on_cpu.eval_size, on_cpu.samples) == (16, 1)
+    assert f"the run's settings, from {run / 'config.json'}: --stop '</SOLUTION>', --max-completion-length 48" \
+        in capsys.readouterr().err
+    assert unset.stop is None and unset.eval_size is None  # the flags as parsed are left as they were
+    on_gpu = cli.with_run_defaults(unset, None, torch.device("cuda"))
+    assert (on_gpu.stop, on_gpu.max_completion_length, on_gpu.eval_size, on_gpu.samples) == ([], 256, 64, 4)
+    assert on_gpu.system_prompt == cli.SYSTEM_PROMPT
+    given = cli.build_parser().parse_args(["--model", "m", "--stop", "--max-completion-length", "9",
+                                          "--eval-size", "2", "--samples", "0"])
+    mine = cli.with_run_defaults(given, found, torch.device("cpu"))
+    assert (mine.stop, mine.max_completion_length, mine.eval_size, mine.samples) == ([], 9, 2, 0)
+    Config(model="m", max_seq_length=512, max_prompt_length=200, output_dir=str(run)).save(run)
+    assert cli.with_run_defaults(unset, cli.run_config(run), torch.device("cpu")).max_completion_length == 312
+
+
+def test_eval_of_a_run_adapter_samples_with_the_runs_stop_and_length(tiny_llama_dir, run_adapter, monkeypatch,
+                                                                    capsys):
+    seen = []
+    real = cli.evaluate
+    monkeypatch.setattr(cli, "evaluate", lambda *a, **kw: (seen.append(a[3]), real(*a, **kw))[1])
+    assert cli.main(["--model", str(tiny_llama_dir), "--adapter", str(run_adapter), "--eval-size", "1",
+                     "--samples", "0", "--engine", "hf"]) == 0
+    [sampling] = seen
+    tokenizer = cli.load_tokenizer(tiny_llama_dir)
+    assert sampling.max_new_tokens == 3
+    assert sampling.stop_sequences == cli.stop_string_sequences(tokenizer, ["</SOLUTION>"]) != ()
+
+
+def test_compare_base_evaluates_the_base_like_the_adapter_and_prints_the_difference(tiny_llama_dir, run_adapter,
+                                                                                    tmp_path, monkeypatch, capsys):
+    seen = []
+    real = cli.evaluate
+    def with_lora(engine):
+        return any("lora_" in name for name, _ in engine.model.named_modules())
+
+    monkeypatch.setattr(cli, "evaluate", lambda *a, **kw: (seen.append((with_lora(a[0]), a[2], a[3])),
+                                                           real(*a, **kw))[1])
+    flags = ["--model", str(tiny_llama_dir), "--eval-size", "3", "--samples", "1", "--engine", "hf"]
+    out = tmp_path / "evals" / "trained.jsonl"
+    assert cli.main([*flags, "--adapter", str(run_adapter), "--compare-base", "--per-problem", str(out)]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    (base_lora, base_prompts, base_sampling), (lora, prompts, sampling) = seen
+    assert base_prompts is prompts and base_sampling == sampling and sampling.max_new_tokens == 3  # the run's
+    assert (base_lora, lora) == (False, True)  # the base first, then the adapter
+    assert result["adapter_minus_base"] == {k: result["adapter"][k] - result["base"][k] for k in
+                                            result["adapter"] if k not in ("eval/prompts", "eval/samples")}
+    assert [row["key"] for row in result["per_problem"]] == ["greedy_strict", "greedy_lenient", "greedy_format"]
+    assert all(row["problems"] == 3 and 0 < row["p_value"] <= 1 for row in result["per_problem"])
+    assert "adapter-base" in captured.err and "McNemar exact p" in captured.err
+    base_file = tmp_path / "evals" / "trained.base.jsonl"
+    assert len(out.read_text().splitlines()) == len(base_file.read_text().splitlines()) == 3
+    # the base's figures are those of the base evaluated alone under the run's prompt, stop and length
+    assert cli.main([*flags, "--system-prompt", "The run's own prompt.", "--stop", "</SOLUTION>",
+                     "--max-completion-length", "3"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result["base"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", "no/such-model", "--compare-base"])
+    assert exit_info.value.code == 2 and "--compare-base" in capsys.readouterr().err
