@@ -250,8 +250,8 @@ class RecordedProgress:
 
     made: list[RecordedProgress] = []
 
-    def __init__(self, console, total, completed):
-        self.total, self.calls = total, []
+    def __init__(self, console, total, completed, unit="steps"):
+        self.total, self.unit, self.calls = total, unit, []
         RecordedProgress.made.append(self)
 
     def start(self):
@@ -276,7 +276,7 @@ def test_eval_cli_shows_prompts_and_tokens_done_on_the_trainers_progress_bar(tin
     assert cli.main(["--model", str(tiny_llama_dir), "--eval-size", "3", "--samples", "1",
                      "--max-completion-length", "2", "--engine", "hf", "--batch-rows", "2"]) == 0
     [bar] = RecordedProgress.made
-    assert bar.total == 1 and bar.calls[0] == ("start",) and bar.calls[-2:] == [("update", 1), ("stop",)]
+    assert bar.total == 1 and bar.unit == "models" and bar.calls[0] == ("start",) and bar.calls[-2:] == [("update", 1), ("stop",)]
     prompts = [c[1:] for c in bar.calls if c[0] == "evaluation"]
     assert prompts[0] == (0, 6) and prompts[-1] == (6, 6) and len(prompts) > 2  # greedy, then sampled, in chunks
     assert any(c[0] == "generation" and c[1] > 0 for c in bar.calls)  # the engine's tokens, as it generates

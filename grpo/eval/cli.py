@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from rich.console import Console
 
 from grpo import data as grpo_data
 from grpo.answer_format import SYSTEM_PROMPT
-from grpo.cli import OneLineParser, add_bool_flag
+from grpo.cli import OneLineParser, add_bool_flag, make_console
 from grpo.config import Config, format_value
 from grpo.eval.accuracy import evaluate
 from grpo.eval.compare import KEYS, compare, format_row
@@ -38,7 +37,7 @@ from grpo.rollout import Sampling, build_engine
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.run.durable import write_atomically
 from grpo.run.failures import adapter_load_error, report
-from grpo.run.log import ProgressBar
+from grpo.run.log import ProgressBar, json_line
 
 # A CPU measures fewer problems with fewer samples: a less precise figure for a shorter wait
 # (benchmarks/RESULTS.md, "The measured defaults").
@@ -203,7 +202,7 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict:
         if args.compare_base:
             write_jsonl(base_records_path(args.per_problem), records["base"])
     if not args.compare_base:
-        Console(stderr=True).print(results[names[0]])
+        make_console(stderr=True).print(results[names[0]])
         return results[names[0]]
     result = comparison(results["base"], results["adapter"], records["base"], records["adapter"])
     print_comparison(result, args.adapter)
@@ -215,7 +214,7 @@ def evaluate_models(names: list[str], base, adapter: Path | None, tokenizer, pro
     """Each of `names` ("base", "adapter": the base first, since the adapter is applied to it in place) evaluated
     under the same prompts and sampling, with the trainer's progress bar on stderr; (results, per-problem records)
     by name."""
-    progress = ProgressBar(Console(stderr=True), len(names), 0)  # its top bar counts the models evaluated
+    progress = ProgressBar(make_console(stderr=True), len(names), 0, unit="models")
     results: dict[str, dict] = {}
     records: dict[str, list[dict]] = {name: [] for name in names}
     progress.start()
@@ -272,4 +271,4 @@ def base_records_path(path: str) -> Path:
 def write_jsonl(path: str | Path, records: list[dict]) -> None:
     """`records` as JSON lines in `path` (its folder created), written aside and renamed: never half-written."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(Path(path), "".join(json.dumps(r) + "\n" for r in records).encode())
+    write_atomically(Path(path), "".join(json_line(r) for r in records).encode())

@@ -176,13 +176,14 @@ class TimeLeftColumn(ProgressColumn):
 class ProgressBar:
     """The run's live display, shown between `start()` and `stop()`: a bar over the run's steps and, under
     it, the phase in flight: held-out prompts evaluated, and tokens generated (`generation` is the
-    engines' `GenerationProgress`). The phase bars show only while their phase runs."""
+    engines' `GenerationProgress`). The phase bars show only while their phase runs. `unit` names what the top
+    bar counts: a run's steps, or the models `python -m grpo.eval` measures."""
 
-    def __init__(self, console, total: int, completed: int):
+    def __init__(self, console, total: int, completed: int, unit: str = "steps"):
         self._progress = Progress(TextColumn("[bold]{task.description:>8}"), BarColumn(bar_width=32),
                                   MofNCompleteColumn(), TextColumn("{task.fields[unit]:<7}"), TimeElapsedColumn(),
                                   TimeLeftColumn(), console=console)
-        self._steps = self._progress.add_task("steps", total=total, completed=completed, unit="steps")
+        self._steps = self._progress.add_task(unit, total=total, completed=completed, unit=unit)
         self._eval = self._progress.add_task("eval", total=None, visible=False, unit="prompts")
         self._generate = self._progress.add_task("generate", total=None, visible=False, unit="tokens")
         self._shown = False
