@@ -26,7 +26,8 @@ def load_environment(spec: str) -> type:
     `step(action_text)` and to be made with no arguments. A module is found as `--reward` finds one."""
     module_name, sep, name = spec.rpartition(":")
     if not sep or not module_name or not name:
-        raise ValueError(f"environment {spec!r}: expected path/to/file.py:Name (or module:Name)")
+        raise ValueError(f"environment {spec!r}: expected path/to/file.py:Name (or module:Name); fix: name the file "
+                         "and its class, as in my_env.py:Wordle")
     try:
         module = _file_module(Path(module_name)) if module_name.endswith(".py") else _module(module_name)
     except Exception as err:  # any failure while importing user code is reported the same way

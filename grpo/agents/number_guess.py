@@ -23,10 +23,14 @@ class NumberGuess:
     solved, no_guess = 1.0, -0.1
 
     def reset(self, example: dict[str, Any]) -> str:
-        if example.get("answer") is not None:
-            self.secret = int(example["answer"])
-        else:
+        answer = example.get("answer")
+        if answer is None:  # no seed either: a number of the system's randomness
             self.secret = random.Random(example.get("seed")).randint(self.low, self.high)
+        elif isinstance(answer, int) or (isinstance(answer, str) and _INTEGER.fullmatch(answer.strip())):
+            self.secret = int(answer)
+        else:
+            raise ValueError(f"number guess example {example!r}: the answer {answer!r} is not a whole number; "
+                             f"fix: give one from {self.low} to {self.high}, or a seed")
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"number guess example {example!r}: the answer {self.secret} is outside "
                              f"[{self.low}, {self.high}]; fix: give an answer inside it, or a seed")

@@ -54,7 +54,8 @@ def load_tools(spec: str) -> list[Tool]:
     module_name, sep, names = spec.rpartition(":")
     wanted = [name.strip() for name in names.split(",")]
     if not sep or not module_name or not all(wanted):
-        raise ValueError(f"tools {spec!r}: expected path/to/file.py:f,g (or module:f,g)")
+        raise ValueError(f"tools {spec!r}: expected path/to/file.py:f,g (or module:f,g); fix: name the file and "
+                         "its functions, as in my_tools.py:calculator,lookup")
     try:
         module = _file_module(Path(module_name)) if module_name.endswith(".py") else _module(module_name)
     except Exception as err:  # any failure while importing user code is reported the same way
