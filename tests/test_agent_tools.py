@@ -91,9 +91,13 @@ def test_load_tools_finds_an_installed_module():
     assert load_tools("grpo.agents.calculator:calculator") == [calculator]
 
 
-@pytest.mark.parametrize("spec", ["my_tools.py", "my_tools.py:", ":add", "my_tools.py:add,,lookup"])
+@pytest.mark.parametrize("spec", ["my_tools.py", "my_tools.py:", ":add", "my_tools.py: "])
 def test_a_spec_without_module_and_functions_is_one_line(spec):
     assert "expected path/to/file.py:f,g" in one_line_error(spec)
+
+
+def test_an_empty_name_among_the_tools_is_one_line():
+    assert "an empty name in 'add,,lookup'" in one_line_error("my_tools.py:add,,lookup")
 
 
 def test_a_file_that_does_not_import_is_one_line_naming_the_file_and_the_error(tmp_path):

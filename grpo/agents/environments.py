@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from grpo.rewards import _file_module, _module
+from grpo.agents._user_code import import_user_module, split_spec
 
 # each method, and the arguments the loop calls it with
 _METHODS = {"reset": "reset(example)", "step": "step(action_text)"}
@@ -24,17 +23,10 @@ _METHODS = {"reset": "reset(example)", "step": "step(action_text)"}
 def load_environment(spec: str) -> type:
     """`path/to/file.py:Name` or `module:Name` -> the class, checked to have `reset(example)` and
     `step(action_text)` and to be made with no arguments. A module is found as `--reward` finds one."""
-    module_name, sep, name = spec.rpartition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"environment {spec!r}: expected path/to/file.py:Name (or module:Name); fix: name the file "
-                         "and its class, as in my_env.py:Wordle")
-    try:
-        module = _file_module(Path(module_name)) if module_name.endswith(".py") else _module(module_name)
-    except Exception as err:  # any failure while importing user code is reported the same way
-        first_line = (str(err).strip().splitlines() or [""])[0]
-        raise ValueError(f"environment {spec!r}: cannot import {module_name!r} ({type(err).__name__}: "
-                         f"{first_line}); fix: run from the folder that holds it, put it on PYTHONPATH or "
-                         "give path/to/file.py:Name") from None
+    form = "path/to/file.py:Name (or module:Name)"
+    module_name, name = split_spec(spec, "environment", form, "my_env.py:Wordle")
+    name = name.strip()
+    module = import_user_module(spec, "environment", module_name, form)
     cls = getattr(module, name, None)
     if cls is None:
         raise ValueError(f"environment {spec!r}: {module_name!r} has no {name!r}; fix: name a class it defines")

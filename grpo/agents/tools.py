@@ -12,8 +12,8 @@ The formats parsed (style names as `tool_call_style` returns them):
 - "llama" (Llama 3.1/3.2): the whole reply is the JSON call `{"name": ..., "parameters": {...}}`, optionally
   after `<|python_tag|>`; several calls are separated by `;`.
 
-What it deliberately is not: the episode loop. Parsing never raises and running never raises or hangs the
-caller: a bad call becomes a `ToolCall` with an `error`, and its message says what went wrong.
+What it deliberately is not: the episode loop. Parsing what a model wrote never raises, and running a call
+never raises or hangs the caller: a bad call becomes a `ToolCall` with an `error`, and its message says what went wrong.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from grpo.rewards import _file_module, _module
+from grpo.agents._user_code import first_line, import_user_module, split_spec
 
 Tool = Callable[..., Any]
 STYLES = ("qwen", "llama")
@@ -51,17 +50,12 @@ class ToolCall:
 def load_tools(spec: str) -> list[Tool]:
     """`path/to/file.py:f,g` or `module:f,g` -> [f, g], each checked to be a tool (see the module's docstring).
     A module is found as `--reward` finds one: where Python looks, then in the current folder."""
-    module_name, sep, names = spec.rpartition(":")
+    form = "path/to/file.py:f,g (or module:f,g)"
+    module_name, names = split_spec(spec, "tools", form, "my_tools.py:calculator,lookup")
     wanted = [name.strip() for name in names.split(",")]
-    if not sep or not module_name or not all(wanted):
-        raise ValueError(f"tools {spec!r}: expected path/to/file.py:f,g (or module:f,g); fix: name the file and "
-                         "its functions, as in my_tools.py:calculator,lookup")
-    try:
-        module = _file_module(Path(module_name)) if module_name.endswith(".py") else _module(module_name)
-    except Exception as err:  # any failure while importing user code is reported the same way
-        raise ValueError(f"tools {spec!r}: cannot import {module_name!r} ({type(err).__name__}: {_one_line(err)}); "
-                         "fix: run from the folder that holds it, put it on PYTHONPATH or give "
-                         "path/to/file.py:f,g") from None
+    if not all(wanted):
+        raise ValueError(f"tools {spec!r}: an empty name in {names!r}; fix: separate the names by single commas")
+    module = import_user_module(spec, "tools", module_name, form)
     tools = [_checked_tool(module, module_name, name) for name in wanted]
     repeated = sorted({name for name in wanted if wanted.count(name) > 1})
     if repeated:
@@ -79,7 +73,7 @@ def _checked_tool(module: Any, module_name: str, name: str) -> Tool:
     try:
         get_json_schema(fn)
     except (TypeHintParsingException, DocstringParsingException, TypeError, ValueError) as err:
-        raise ValueError(f"{where}: no tool definition can be made ({_one_line(err)}); fix: give every "
+        raise ValueError(f"{where}: no tool definition can be made ({first_line(err)}); fix: give every "
                          "parameter a type hint and the docstring an Args: line for each") from None
     return fn
 
@@ -185,6 +179,8 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool], timeout_s: float) -> st
         inspect.signature(fn).bind(**call.arguments)
     except TypeError as err:
         return f"Error: tool {call.name!r} cannot take these arguments ({err})"
+    except ValueError:  # no signature to read: the call itself says whether the arguments fit
+        pass
     outcome: dict[str, Any] = {}
     worker = threading.Thread(target=_run_into, args=(fn, call.arguments, outcome), daemon=True,
                               name=f"tool-{call.name}")
@@ -194,7 +190,7 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool], timeout_s: float) -> st
         return f"Error: tool {call.name!r} did not return within {timeout_s:g} s"
     if "error" in outcome:
         err = outcome["error"]
-        return f"Error: tool {call.name!r} raised {type(err).__name__}: {_one_line(err)}"
+        return f"Error: tool {call.name!r} raised {type(err).__name__}: {first_line(err)}"
     return _as_content(call.name, outcome["result"])
 
 
@@ -214,9 +210,5 @@ def _as_content(name: str, result: Any) -> str:
         return str(result)
     except Exception as err:  # noqa: BLE001  a result that will not become text is the tool's fault
         return f"Error: tool {name!r} returned a {type(result).__name__} that cannot be made text " \
-               f"({type(err).__name__}: {_one_line(err)})"
+               f"({type(err).__name__}: {first_line(err)})"
 
-
-def _one_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
