@@ -226,7 +226,8 @@ def test_llama_malformed_json_after_a_good_call_is_a_call_with_an_error():
 
 
 def test_an_unknown_tool_name_parses_with_an_error_when_the_names_are_given():
-    text = '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call><tool_call>\n{"name": "sub", "arguments": {}}\n</tool_call>'
+    text = ('<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>'
+            '<tool_call>\n{"name": "sub", "arguments": {}}\n</tool_call>')
     add, sub = parse_tool_calls(text, "qwen", names={"add", "lookup"})
     assert add.error is None
     assert sub.name == "sub" and sub.error == "unknown tool 'sub'; the tools are: add, lookup"
