@@ -38,19 +38,15 @@ function, e.g. with math-verify, through `--reward module:function`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import os
 import re
-import sys
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from grpo.answer_format import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START
+from grpo.user_code import import_user_module, split_spec
 
 RewardFn = Callable[..., list]
 
@@ -336,46 +332,15 @@ def reward_functions(preset: str, extra: Sequence[str] = ()) -> list[RewardFn]:
 def load_reward(spec: str) -> RewardFn:
     """`package.module:function` or `path/to/file.py:function` -> the function. A module is looked for where
     Python looks, then in the current folder (as `python -m` finds it, but after what is installed)."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--reward {spec!r}: expected module:function (or path/to/file.py:function)")
-    try:
-        module = _file_module(Path(module_name)) if module_name.endswith(".py") else _module(module_name)
-    except Exception as err:  # any failure while importing user code is reported the same way
-        raise ValueError(f"--reward {spec!r}: cannot import {module_name!r} ({type(err).__name__}: {err}); "
-                         "fix: run from the folder that holds it, put it on PYTHONPATH or give "
-                         "path/to/file.py:function") from None
+    form = "module:function (or path/to/file.py:function)"
+    module_name, attr = split_spec(spec, "--reward", form, "my_rewards.py:short")
+    module = import_user_module(spec, "--reward", module_name, form)
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"--reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"--reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
-
-
-def _module(name: str):
-    """`name` imported, with the current folder searched last: train.py's own folder is on the path, and
-    the user's (where `--reward my_rewards:f` points) otherwise is not."""
-    here = os.getcwd()
-    if here not in sys.path:
-        sys.path.append(here)
-    return importlib.import_module(name)
-
-
-def _file_module(path: Path):
-    """The module of `path/to/file.py`, run once: a second load (the command line checks the reward before
-    the run loads it) gets the same module."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no file {path}")
-    name = f"grpo_reward_{path.stem}"
-    loaded = sys.modules.get(name)
-    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
-        return loaded
-    file_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(file_spec)
-    file_spec.loader.exec_module(module)
-    sys.modules[name] = module
-    return module
 
 
 def _name(fn: RewardFn) -> str:

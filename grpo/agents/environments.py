@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo.agents._user_code import import_user_module, split_spec
+from grpo.user_code import import_user_module, split_spec
 
 # each method, and the arguments the loop calls it with
 _METHODS = {"reset": "reset(example)", "step": "step(action_text)"}

@@ -28,7 +28,8 @@ from typing import Any, Callable, Collection, Sequence
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from grpo.agents._user_code import first_line, import_user_module, split_spec
+from grpo.run.failures import first_line
+from grpo.user_code import import_user_module, split_spec
 
 Tool = Callable[..., Any]
 STYLES = ("qwen", "llama")
@@ -73,8 +74,9 @@ def _checked_tool(module: Any, module_name: str, name: str) -> Tool:
     try:
         get_json_schema(fn)
     except (TypeHintParsingException, DocstringParsingException, TypeError, ValueError) as err:
-        raise ValueError(f"{where}: no tool definition can be made ({first_line(err)}); fix: give every "
-                         "parameter a type hint and the docstring an Args: line for each") from None
+        why = first_line(str(err)) or type(err).__name__
+        raise ValueError(f"{where}: no tool definition can be made ({why}); fix: give every parameter a type "
+                         "hint and the docstring an Args: line for each") from None
     return fn
 
 
@@ -190,7 +192,7 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool], timeout_s: float) -> st
         return f"Error: tool {call.name!r} did not return within {timeout_s:g} s"
     if "error" in outcome:
         err = outcome["error"]
-        return f"Error: tool {call.name!r} raised {type(err).__name__}: {first_line(err)}"
+        return f"Error: tool {call.name!r} raised {type(err).__name__}: {first_line(str(err)) or 'no message'}"
     return _as_content(call.name, outcome["result"])
 
 
@@ -210,5 +212,5 @@ def _as_content(name: str, result: Any) -> str:
         return str(result)
     except Exception as err:  # noqa: BLE001  a result that will not become text is the tool's fault
         return f"Error: tool {name!r} returned a {type(result).__name__} that cannot be made text " \
-               f"({type(err).__name__}: {first_line(err)})"
+               f"({type(err).__name__}: {first_line(str(err)) or 'no message'})"
 
