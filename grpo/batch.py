@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.kernels.logprobs import token_logprobs
-from grpo.rollout.base import Rollout
+from grpo.rollout.base import Rollout, completion_spans
 
 
 @dataclass
@@ -30,9 +30,9 @@ class Batch:
     completion_ids: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) bool
     sampler_logp: torch.Tensor  # (B, T)
-    # Each row's real length (prompt and counted completion tokens; its padding comes after), kept on the
-    # host so that cutting a micro-batch to its longest row never waits for the device. None: read once
-    # from `start` and `mask`.
+    # Each row's real length (prompt and completion up to its last counted token, the replies between a
+    # transcript's turns included; its padding comes after), kept on the host so that cutting a micro-batch
+    # to its longest row never waits for the device. None: read once from `start` and `mask`.
     lengths: tuple[int, ...] | None = None
     # `rows` rounds a micro-batch's width up to a multiple of this (--pad-to-multiple-of): more padding, but
     # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention, which the
@@ -45,7 +45,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         if self.lengths is None:
-            self.lengths = tuple((self.start + self.mask.sum(1)).tolist())
+            self.lengths = tuple((self.start + completion_spans(self.mask)).tolist())
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -93,7 +93,7 @@ def make_batch(rollout: Rollout, pad_id: int, device: torch.device) -> Batch:
     parts = (input_ids, start, rollout.completion_ids, rollout.mask, rollout.sampler_logp.float())
     # On the host: the prompts' lengths are; the mask comes from the rollout (on the sampler's device), once
     host_mask = rollout.mask.to("cpu", torch.bool)
-    lengths = tuple(len(p) + n for p, n in zip(rows, host_mask.sum(1).tolist()))
+    lengths = tuple(len(p) + n for p, n in zip(rows, completion_spans(host_mask).tolist()))
     return Batch(*(t.to(device) for t in parts), lengths, host_mask=host_mask)
 
 
@@ -124,7 +124,7 @@ def micro_batches(batch: Batch, adv: torch.Tensor, micro: int, pad_to_multiple_o
 
 
 def real_token_share(batch: Batch, slices: list[slice]) -> float:
-    """Real tokens (prompts and counted completion tokens) over the positions the training forwards run:
+    """Real tokens (prompts and completions up to their last counted token) over the positions the training forwards run:
     each micro-batch runs as wide as its longest row (`Batch.width`), so the rest of its rows are padded to
     that. 1.0: no padding; what `micro_batches`' sorting buys shows here (logged as train/real_token_frac)."""
     run = sum(len(part) * batch.width(part) for part in (batch.lengths[sl] for sl in slices) if part)

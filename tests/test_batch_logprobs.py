@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from grpo.rollout import Rollout
-from grpo.batch import make_batch, real_token_share, sequence_logprobs
+from grpo.batch import make_batch, micro_batches, real_token_share, sequence_logprobs
+from grpo.loss import clipped_surrogate
 
 PAD = 4
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [99, 100, 101]]  # lengths 5, 2, 3
@@ -99,8 +100,6 @@ def test_gradient_stays_finite_under_an_attention_backend_that_breaks_padded_row
 
 
 def test_a_micro_batch_runs_only_as_wide_as_its_longest_row_with_the_same_logprobs():
-    from grpo.batch import micro_batches
-
     policy = small_policy().eval()
     batch = make_batch(ragged_rollout(), PAD, torch.device("cpu"))  # real lengths 11, 8, 3, 7, 3, 7 of 11
     assert batch.lengths == (11, 8, 3, 7, 3, 7) and batch.input_ids.shape[1] == 11
@@ -183,8 +182,6 @@ def test_on_cuda_a_training_pass_and_its_statistics_never_wait_for_the_device(mo
 
 def test_widths_rounded_up_to_a_multiple_leave_the_logprobs_as_they_are():
     # --pad-to-multiple-of: widths that repeat from step to step, at the price of padding no counted token reads
-    from grpo.batch import micro_batches
-
     policy = small_policy().eval()
     batch = make_batch(ragged_rollout(), PAD, torch.device("cpu"))  # real lengths 11, 8, 3, 7, 3, 7 of 11
     adv = torch.arange(6.0)
@@ -255,3 +252,38 @@ def test_attention_without_cudnn_leaves_out_cudnn_alone_and_restores_what_was_en
         assert not backends.cudnn_sdp_enabled()
     finally:
         backends.enable_cudnn_sdp(was)
+
+
+def test_a_transcript_with_a_masked_middle_trains_only_its_model_tokens_as_a_hand_built_reference():
+    """Model tokens, then a tool's reply (mask False), then model tokens again: micro-batches of one row each run
+    as wide as the whole transcript, and the loss and its gradient are those of each row's own full forward with
+    the reply's positions left out of the sum."""
+    policy = small_policy()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(10, 500, (2, 9), generator=g)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
+    ids[1, 8] = PAD
+    rollout = Rollout(prompt_ids=[PROMPTS[1]], completion_ids=ids, mask=mask, sampler_logp=torch.zeros(ids.shape),
+                      finished=torch.ones(2, dtype=torch.bool), num_generations=2)
+    assert rollout.spans.tolist() == [7, 8] and rollout.lengths.tolist() == [4, 4]
+    assert rollout.completions() == [ids[0, :7].tolist(), ids[1, :8].tolist()]
+    adv = torch.tensor([1.0, -0.5])
+    batch, batch_adv, slices = micro_batches(make_batch(rollout, PAD, torch.device("cpu")), adv, 1)
+    assert batch.lengths == (9, 10) and [batch.rows(sl).input_ids.shape[1] for sl in slices] == [9, 10]
+    logp = torch.cat([sequence_logprobs(policy, batch.rows(sl), temperature=0.7) for sl in slices])
+    loss, _ = clipped_surrogate(logp, logp.detach(), batch_adv, batch.mask)
+    grads = torch.autograd.grad(loss, [p for p in policy.parameters() if p.requires_grad])
+
+    reference = []
+    for row in range(2):  # each row's own unpadded forward over prompt and whole transcript
+        tokens = torch.tensor(PROMPTS[1] + ids[row, :rollout.spans[row]].tolist())
+        logits = policy(input_ids=tokens[None]).logits[0].float() / 0.7
+        at = mask[row].nonzero().flatten()
+        targets = ids[row, at]
+        lp = torch.log_softmax(logits[len(PROMPTS[1]) - 1 + at], -1).gather(-1, targets[:, None]).squeeze(-1)
+        reference.append(-(adv[row] * torch.exp(lp - lp.detach())).mean())  # ratio 1: the policy gradient
+    ref_loss = torch.stack(reference).mean()
+    ref_grads = torch.autograd.grad(ref_loss, [p for p in policy.parameters() if p.requires_grad])
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -49,7 +49,9 @@ class Rollout:
     """P prompts times num_generations (G) completions, in group order: row i belongs to prompt i // G.
 
     `completion_ids` is right-padded with `pad_id`; `mask` is True where a completion token counts
-    (up to and including the stop token). `sampler_logp` holds the sampler's log-probability of each
+    (up to and including the stop token). A completion of several turns (`grpo.agents.episodes`) is the
+    whole transcript, the tool and environment replies between the model's turns included, with `mask`
+    False at those: it has holes, and its padding starts after its last counted token (`spans`). `sampler_logp` holds the sampler's log-probability of each
     sampled token under softmax(logits / temperature) before any top-k/top-p/min-p truncation, which is
     what the trainer computes too, so the two can be compared token by token; 0 where `mask` is False.
     """
@@ -76,11 +78,24 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:  # (P*G,)
+        """Each completion's counted tokens."""
         return self.mask.sum(-1)
 
+    @property
+    def spans(self) -> torch.Tensor:  # (P*G,)
+        """Each completion's tokens up to and including its last counted one, the replies between the model's
+        turns included: `lengths` where the mask has no holes."""
+        return completion_spans(self.mask)
+
     def completions(self) -> list[list[int]]:
-        """The completions as lists of token ids, padding removed."""
-        return [row[m].tolist() for row, m in zip(self.completion_ids, self.mask)]
+        """The completions as lists of token ids, padding removed (a transcript keeps its replies)."""
+        return [row[:n].tolist() for row, n in zip(self.completion_ids, self.spans.tolist())]
+
+
+def completion_spans(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) from a (B, T) mask: the index after each row's last True, 0 for a row with none."""
+    at = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return (mask * at).amax(-1) if mask.shape[-1] else mask.new_zeros(mask.shape[:-1], dtype=torch.long)
 
 
 # What an engine reports while it generates: (tokens so far, tokens at most) of the call in flight,
