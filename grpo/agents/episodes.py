@@ -1,0 +1,209 @@
+"""Episodes of several turns: the model writes, its tool calls run or an environment answers, and the
+reply enters its context, until the model stops calling, the environment says done, or a limit cuts it.
+
+`run_episodes` plays P prompts times n episodes on any `Engine` and returns them as one `Rollout` whose
+completions are whole transcripts after the prompt: the model's tokens and the replies' tokens in order,
+`mask` True only at the model's. It is the reference: an engine that continues its rows in place must give
+the same transcripts for the same sampled tokens.
+
+How a reply becomes tokens: the chat template renders the conversation with the new message(s) and the
+generation prompt; the text it adds after the model's own end-of-turn is the reply. The model's tokens are
+never re-tokenized, so the trainer scores exactly the tokens that were sampled.
+
+What it deliberately is not: the scoring or the update. Rewards, advantages and the loss read the
+`Rollout` as they read single completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from grpo.agents.environments import Episode
+from grpo.agents.tools import Tool, parse_tool_calls, run_tool_call, tool_call_style, tool_schemas
+from grpo.rollout.base import Engine, Rollout, Sampling, pad_rows
+
+Message = dict[str, str]
+
+
+@dataclasses.dataclass
+class _Row:
+    """One episode in play: its conversation, its environment, and its completion so far."""
+
+    record: Episode
+    environment: Any
+    rendered: str  # the chat template's text of the conversation, generation prompt included
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[bool] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    turn_tokens: list[int] = dataclasses.field(default_factory=list)  # the model's tokens of its last turn
+    finished: bool = False
+    going: bool = True
+
+
+def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Message]], n: int, sampling: Sampling,
+                 *, tools: Sequence[Tool] | None = None, environment: type | None = None, max_turns: int,
+                 tool_timeout_s: float, examples: Sequence[dict[str, Any]] | None = None
+                 ) -> tuple[Rollout, list[Episode]]:
+    """n episodes of each of the P conversations in `prompt_messages`, in group order (row i is prompt i // n).
+
+    `tools`: the functions the model may call (their definitions go into the chat template); a turn without a
+    call ends the episode, unless an `environment` plays it. `environment`: a class, one instance per episode,
+    `reset(example)` with `examples[p]` (its observation is the prompt's last user message) and
+    `step(text)` after each model turn. `max_turns`: model turns at most; an episode that would go on is cut.
+    `sampling.max_new_tokens` bounds the whole transcript after the prompt, replies included.
+
+    Returns the `Rollout` (`finished` False where `max_turns` or the token budget cut the episode) and each
+    episode's `Episode` (its conversation, environment rewards, tool calls and errors, whether turns cut it)."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns}: must be at least 1")
+    if environment is not None and (examples is None or len(examples) != len(prompt_messages)):
+        raise ValueError("an environment needs one example per prompt (reset(example)); fix: pass examples")
+    t0 = time.perf_counter()
+    schemas = tool_schemas(tools) if tools else None
+    style = tool_call_style(tokenizer.chat_template) if tools else None
+    render = _Renderer(tokenizer, schemas)
+    prompts, rows = [], []
+    for p, messages in enumerate(prompt_messages):
+        group = [_new_row(list(messages), environment, examples[p] if examples is not None else None)
+                 for _ in range(n)]
+        first = {row.record.messages[-1]["content"] for row in group} if environment is not None else set()
+        if len(first) > 1:
+            raise ValueError(f"environment {environment.__name__}: reset gave different observations for the "
+                             f"same example ({examples[p]!r}); fix: make the observation depend only on the example")
+        for row in group:
+            row.rendered = render(row.record.messages)
+        prompts.append(render.ids(group[0].rendered))
+        rows += group
+
+    budget = sampling.max_new_tokens
+    for turn in range(1, max_turns + 1):
+        going = [i for i, row in enumerate(rows) if row.going]
+        if not going:
+            break
+        left = [budget - len(rows[i].ids) for i in going]
+        turn_sampling = dataclasses.replace(
+            sampling, max_new_tokens=max(left),
+            seed=None if sampling.seed is None else sampling.seed + turn - 1)
+        if turn == 1:
+            out = engine.generate(prompts, n, turn_sampling)
+        else:
+            contexts = [prompts[i // n] + rows[i].ids for i in going]
+            out = engine.generate(contexts, 1, turn_sampling)
+        for k, i in enumerate(going):
+            _model_turn(rows[i], out, k, left[k], tokenizer)
+        for i in going:
+            row = rows[i]
+            if row.going:
+                _answer(row, tools, style, environment is not None, tool_timeout_s, render, budget, turn == max_turns)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rollout = Rollout(
+        prompt_ids=prompts,
+        completion_ids=pad_rows([row.ids for row in rows], pad_id, dtype=torch.long),
+        mask=pad_rows([row.mask for row in rows], False, dtype=torch.bool),
+        sampler_logp=pad_rows([row.logp for row in rows], 0.0, dtype=torch.float32),
+        finished=torch.tensor([row.finished for row in rows], dtype=torch.bool),
+        num_generations=n, timings={"episodes": time.perf_counter() - t0})
+    return rollout, [row.record for row in rows]
+
+
+def _new_row(messages: list[Message], environment: type | None, example: dict[str, Any] | None) -> _Row:
+    env = None
+    if environment is not None:
+        env = environment()
+        messages.append({"role": "user", "content": str(env.reset(example))})
+    return _Row(Episode(messages), env, "")
+
+
+def _model_turn(row: _Row, out: Rollout, k: int, left: int, tokenizer) -> None:
+    """Row `row`'s tokens of this turn, from row `k` of the engine's `out`, cut to the row's own budget."""
+    tokens = out.completion_ids[k][out.mask[k]].tolist()
+    logp = out.sampler_logp[k][out.mask[k]].tolist()
+    stopped = bool(out.finished[k]) and len(tokens) <= left
+    tokens, logp = tokens[:left], logp[:left]
+    row.ids += tokens
+    row.mask += [True] * len(tokens)
+    row.logp += logp
+    row.record.messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
+    row.turn_tokens = tokens
+    if not stopped:  # the token budget ran out mid-turn
+        row.going, row.finished = False, False
+
+
+def _answer(row: _Row, tools: Sequence[Tool] | None, style: str | None, has_environment: bool,
+            timeout_s: float, render: "_Renderer", budget: int, last_turn: bool) -> None:
+    """After a model turn that stopped: its tool calls run, or the environment steps; the reply's tokens are
+    appended, or the episode ends (finished) or is cut (turns or tokens spent)."""
+    text = row.record.messages[-1]["content"]
+    replies: list[Message] = []
+    calls = parse_tool_calls(text, style, [fn.__name__ for fn in tools]) if tools else []
+    if calls and not last_turn:
+        for call in calls:
+            content = run_tool_call(call, tools, timeout_s)
+            row.record.tool_calls += 1
+            row.record.tool_errors += call.error is not None or content.startswith("Error: ")
+            replies.append({"role": "tool", "content": content})
+    elif not calls and has_environment:
+        observation, reward, done = row.environment.step(text)
+        row.record.rewards.append(float(reward))
+        if done:
+            row.going, row.finished = False, True
+            return
+        replies.append({"role": "user", "content": str(observation)})
+    if not calls and not has_environment:
+        row.going, row.finished = False, True
+        return
+    if last_turn:  # the episode would go on: the turn limit cuts it
+        row.going, row.finished, row.record.cut = False, False, True
+        return
+    before = row.rendered
+    row.record.messages += replies
+    row.rendered = render(row.record.messages)
+    reply = render.ids(render.reply(before, row.rendered, row.record.messages[-1 - len(replies)]["content"],
+                                    row.turn_tokens))
+    if len(row.ids) + len(reply) >= budget:  # no room left for the model to answer: cut
+        row.going, row.finished = False, False
+        return
+    row.ids += reply
+    row.mask += [False] * len(reply)
+    row.logp += [0.0] * len(reply)
+
+
+class _Renderer:
+    """The chat template's text of a conversation (with the tools' definitions and the generation prompt),
+    its tokens, and the text a reply adds after the model's turn."""
+
+    def __init__(self, tokenizer, schemas: list[dict[str, Any]] | None):
+        self.tokenizer = tokenizer
+        self.schemas = schemas
+
+    def __call__(self, messages: list[Message]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def reply(self, before: str, after: str, content: str, model_tokens: list[int]) -> str:
+        """The text `after` adds past the model's turn: `before` is the conversation up to the model's turn
+        (generation prompt included), `content` the model's text and `model_tokens` its tokens, whose last may
+        be the end-of-turn that the template renders too."""
+        if not after.startswith(before):
+            raise ValueError("the chat template renders the earlier conversation differently once a message is "
+                             "added (it rewrites past turns), so the episode's tokens cannot be continued; fix: "
+                             "use a chat template that only appends")
+        at = after.find(content.strip(), len(before)) + len(content.strip()) if content.strip() else len(before)
+        last = model_tokens[-1:]
+        end = self.tokenizer.decode(last)
+        if end and not self.tokenizer.decode(last, skip_special_tokens=True):  # the model wrote its end-of-turn
+            found = after.find(end, at)
+            if found < 0:
+                raise ValueError(f"the chat template does not close the model's turn with {end!r}, the token the "
+                                 "model stopped at; fix: stop generation at the template's end-of-turn token")
+            at = found + len(end)
+        return after[at:]

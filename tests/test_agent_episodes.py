@@ -1,0 +1,215 @@
+"""grpo.agents.episodes: episodes of several turns played on an engine, as one Rollout whose mask covers
+exactly the model's tokens, whose replies are the chat template's own text, and whose cut episodes say so."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from grpo.agents.calculator import calculator
+from grpo.agents.episodes import run_episodes
+from grpo.agents.number_guess import NumberGuess
+from grpo.agents.tools import tool_schemas
+from grpo.batch import make_batch, sequence_logprobs
+from grpo.rollout.base import Rollout, Sampling, pad_rows
+from grpo.rollout.hf import HFEngine
+
+# Qwen2.5's tool format (<tool_call> blocks, a `tool` role answered in <tool_response>) on Llama 3's special
+# tokens, so the real Llama tokenizer reads it. The newline after <|eot_id|> is text the model never writes:
+# it belongs to the reply.
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n<tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
+    'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|eot_id|>\n'
+    "{% endif %}"
+    "{% for message in messages %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"
+    "{% if message.role == 'tool' %}<tool_response>{{ message.content }}</tool_response>"
+    "{% else %}{{ message.content }}{% endif %}<|eot_id|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+EOT = 128009
+PAD = 128004
+PROMPT = [{"role": "user", "content": "What is 2+3?"}]
+
+
+@pytest.fixture
+def tokenizer(llama_tokenizer):
+    tok = llama_tokenizer
+    saved = tok.chat_template
+    tok.chat_template = TEMPLATE
+    yield tok
+    tok.chat_template = saved
+
+
+def reply_text(message: str, role: str = "tool") -> str:
+    body = f"<tool_response>{message}</tool_response>" if role == "tool" else message
+    return (f"\n<|start_header_id|>{role}<|end_header_id|>\n\n{body}<|eot_id|>\n"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+class Scripted:
+    """An engine that answers each call with chosen completions (one list of token ids per row), stopping a row
+    where it ends with a stop id and cutting it at the budget; it records what it was asked."""
+
+    needs_importance_correction = False
+
+    def __init__(self, calls: list[list[list[int]]]):
+        self.calls = list(calls)
+        self.asked: list[tuple[list[list[int]], int, Sampling]] = []
+
+    def generate(self, prompt_ids, n, sampling):
+        self.asked.append(([list(p) for p in prompt_ids], n, sampling))
+        rows = [row[:sampling.max_new_tokens] for row in self.calls.pop(0)]
+        assert len(rows) == len(prompt_ids) * n
+        finished = [bool(row) and row[-1] in sampling.stop_token_ids for row in rows]
+        ids = pad_rows(rows, 0, dtype=torch.long)
+        mask = pad_rows([[True] * len(r) for r in rows], False, dtype=torch.bool)
+        logp = pad_rows([[-0.25 - 0.01 * t for t in range(len(r))] for r in rows], 0.0, dtype=torch.float32)
+        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=ids, mask=mask, sampler_logp=logp,
+                       finished=torch.tensor(finished), num_generations=n)
+
+    def release_memory(self):
+        pass
+
+    def standby_bytes(self):
+        return None
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling(budget: int = 200) -> Sampling:
+    return Sampling(max_new_tokens=budget, stop_token_ids=(EOT,))
+
+
+def test_a_tool_call_and_its_answer_make_one_transcript_with_the_mask_over_the_models_tokens(tokenizer):
+    call = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>') + [EOT]
+    answer = encode(tokenizer, "It is 5.") + [EOT]
+    direct = encode(tokenizer, "5") + [EOT]
+    engine = Scripted([[call, direct], [answer]])
+    rollout, episodes = run_episodes(engine, tokenizer, [PROMPT], 2, sampling(), tools=[calculator], max_turns=3,
+                                     tool_timeout_s=5.0)
+    reply = encode(tokenizer, reply_text("5"))
+    prompt = encode(tokenizer, tokenizer.apply_chat_template(PROMPT, tools=tool_schemas([calculator]), tokenize=False,
+                                                             add_generation_prompt=True))
+    assert rollout.prompt_ids == [prompt]
+    assert rollout.completions() == [call + reply + answer, direct]
+    assert rollout.mask[0, :len(call) + len(reply) + len(answer)].tolist() == \
+        [True] * len(call) + [False] * len(reply) + [True] * len(answer)
+    assert rollout.mask[1].sum() == len(direct) and rollout.finished.tolist() == [True, True]
+    model_logp = [-0.25 - 0.01 * t for t in range(len(call))] + [-0.25 - 0.01 * t for t in range(len(answer))]
+    assert rollout.sampler_logp[0][rollout.mask[0]].tolist() == pytest.approx(model_logp)
+    assert (rollout.sampler_logp[0][~rollout.mask[0]] == 0).all()
+    # turn 2 continued only the row still going, from its whole context, with the budget it had left
+    contexts, n, asked = engine.asked[1]
+    assert contexts == [prompt + call + reply] and n == 1
+    assert asked.max_new_tokens == 200 - len(call) - len(reply)
+    assert [(e.turns, e.tool_calls, e.tool_errors, e.cut) for e in episodes] == [(2, 1, 0, False), (1, 0, 0, False)]
+    assert episodes[0].messages[2] == {"role": "tool", "content": "5"}
+
+
+def boom(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError("the tool broke")
+
+
+def test_a_tool_that_raises_becomes_an_error_message_in_the_conversation(tokenizer):
+    call = encode(tokenizer, '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>') + [EOT]
+    answer = encode(tokenizer, "Sorry.") + [EOT]
+    rollout, episodes = run_episodes(Scripted([[call], [answer]]), tokenizer, [PROMPT], 1, sampling(), tools=[boom],
+                                     max_turns=2, tool_timeout_s=5.0)
+    message = "Error: tool 'boom' raised RuntimeError: the tool broke"
+    assert episodes[0].messages[2] == {"role": "tool", "content": message}
+    assert rollout.completions()[0] == call + encode(tokenizer, reply_text(message)) + answer
+    assert (episodes[0].tool_calls, episodes[0].tool_errors) == (1, 1) and rollout.finished.tolist() == [True]
+
+
+def test_an_episode_cut_by_the_turn_limit_or_the_token_budget_is_not_finished(tokenizer):
+    call = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>') + [EOT]
+    rollout, episodes = run_episodes(Scripted([[call]]), tokenizer, [PROMPT], 1, sampling(), tools=[calculator],
+                                     max_turns=1, tool_timeout_s=5.0)
+    assert rollout.completions() == [call] and rollout.finished.tolist() == [False]
+    assert episodes[0].cut and episodes[0].tool_calls == 0  # the call that would go on was not run
+
+    reply = encode(tokenizer, reply_text("1"))
+    budget = len(call) + len(reply) + 3
+    long_answer = encode(tokenizer, "one two three four five six") + [EOT]
+    rollout, episodes = run_episodes(Scripted([[call], [long_answer]]), tokenizer, [PROMPT], 1, sampling(budget),
+                                     tools=[calculator], max_turns=4, tool_timeout_s=5.0)
+    assert rollout.completions() == [call + reply + long_answer[:3]]  # every token after the prompt counts
+    assert rollout.finished.tolist() == [False] and not episodes[0].cut
+
+    rollout, _ = run_episodes(Scripted([[call]]), tokenizer, [PROMPT], 1, sampling(len(call) + len(reply)),
+                              tools=[calculator], max_turns=4, tool_timeout_s=5.0)
+    assert rollout.completions() == [call] and rollout.finished.tolist() == [False]  # no room left to answer
+
+
+def test_the_number_guessing_environment_ends_the_episode_on_the_right_guess(tokenizer):
+    guesses = [[encode(tokenizer, "50") + [EOT]], [encode(tokenizer, "I guess 42") + [EOT]]]
+    rollout, episodes = run_episodes(Scripted(guesses), tokenizer, [[]], 1, sampling(), environment=NumberGuess,
+                                     max_turns=5, tool_timeout_s=5.0, examples=[{"answer": 42}])
+    episode = episodes[0]
+    assert episode.messages[0]["content"].startswith("I am thinking of a whole number from 1 to 100")
+    assert episode.rewards == [0.0, 1.0] and episode.reward == 1.0 and episode.turns == 2
+    assert rollout.finished.tolist() == [True] and not episode.cut
+    observation = encode(tokenizer, reply_text("50 is wrong: the number is lower.", role="user"))
+    assert rollout.completions()[0] == guesses[0][0] + observation + guesses[1][0]
+
+
+def test_an_environment_whose_first_observation_differs_within_a_group_is_refused(tokenizer):
+    class Moody(NumberGuess):
+        count = 0
+
+        def reset(self, example):
+            Moody.count += 1
+            return f"observation {Moody.count}"
+
+    with pytest.raises(ValueError, match="reset gave different observations for the same example"):
+        run_episodes(Scripted([]), tokenizer, [[]], 2, sampling(), environment=Moody, max_turns=2,
+                     tool_timeout_s=1.0, examples=[{}])
+
+
+class StopAfter:
+    """The hf engine with each turn stopped after `k` tokens, as if the model had ended its turn there: a random
+    model rarely writes its end-of-turn token. The template's end-of-turn then belongs to the reply."""
+
+    needs_importance_correction = False
+
+    def __init__(self, engine: HFEngine, k: int):
+        self.engine, self.k = engine, k
+
+    def generate(self, prompt_ids, n, sampling):
+        out = self.engine.generate(prompt_ids, n, dataclasses.replace(sampling, max_new_tokens=min(self.k, sampling.max_new_tokens)))
+        out.finished = out.mask.sum(1) == self.k
+        return out
+
+
+def test_hf_episodes_record_the_samplers_logprobs_that_the_trainer_computes_on_the_whole_transcript(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama(seed=3)
+    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              init_lora_weights=False)).eval()
+    engine = StopAfter(HFEngine(policy, pad_id=PAD), k=4)
+    rollout, episodes = run_episodes(engine, tokenizer, [[], []], 2, Sampling(max_new_tokens=80, seed=0),
+                                     environment=NumberGuess, max_turns=3, tool_timeout_s=1.0,
+                                     examples=[{"answer": 7}, {"answer": 93}])
+    assert [e.turns for e in episodes] == [3, 3, 3, 3] and all(e.cut for e in episodes)
+    assert (rollout.mask.sum(1) == 12).all() and not rollout.finished.any()
+    for row, episode in zip(rollout.completions(), episodes):
+        observation = episode.messages[2]["content"]
+        assert observation in tokenizer.decode(row)  # the environment's reply sits between the model's turns
+    batch = make_batch(rollout, PAD, torch.device("cpu"))
+    with torch.no_grad():
+        trainer_logp = sequence_logprobs(policy, batch, temperature=1.0)
+    torch.testing.assert_close(trainer_logp, rollout.sampler_logp, atol=2e-4, rtol=0)
