@@ -28,6 +28,8 @@ from grpo.loss import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_TERMS, RATIO
                        policy_term)
 from grpo.loss.importance import check_importance_numbers
 from grpo.quiet import add_verbose_flag
+from grpo.agents.environments import load_environment
+from grpo.agents.tools import load_tools
 from grpo.rewards import reward_functions
 from grpo.run.durable import write_atomically
 from grpo.sampling_ranges import check_sampling_numbers
@@ -192,6 +194,22 @@ class Config:
         "(--max-completion-length, or what the prompts leave of --max-seq-length). Use it when completions run into "
         "the limit, to teach shorter answers a little at a time; none is off.", "grpo",
         type=parse_overlong_penalty, metavar="LEN,CACHE")
+    tools: str | None = _f(None, "Functions the model may call, as path/to/file.py:f,g (or module:f,g): each with a "
+                           "type hint on every parameter and a docstring with an Args: line for each, which become the "
+                           "chat template's tool definitions. A completion then becomes an episode: its tool calls run "
+                           "and their results enter the conversation until the model answers without a call or "
+                           "--max-turns cuts it; only the model's tokens train. Needs a chat template with tools "
+                           "(Qwen2.5, Llama 3.1/3.2).", "agents")
+    environment: str | None = _f(None, "An environment class, as path/to/file.py:Name (or module:Name), with "
+                                 "reset(example) -> observation and step(text) -> (observation, reward, done); one "
+                                 "instance plays each episode, its observations enter as user messages, and its reward "
+                                 "is a reward column of its own (rewards/environment). grpo.agents.number_guess:"
+                                 "NumberGuess is a built-in example.", "agents")
+    max_turns: int = _f(8, "With --tools or --environment: model turns per episode at most; an episode that would go "
+                        "on is cut (not finished, counted as episodes/frac_cut_by_max_turns). Raise it when many "
+                        "episodes are cut; --max-completion-length still bounds each whole transcript.", "agents")
+    tool_timeout: float = _f(10.0, "With --tools: seconds a tool call may run; past it the conversation gets an error "
+                             "message instead of the result. Raise it for tools that are slow by nature.", "agents")
     gap_warn: float = _f(0.05, "Show the sampler-trainer gap on the progress line when the mean of |log pi_train - "
                          "log pi_sampler| over the step's tokens exceeds this (it is logged every step as gap/*).",
                          "grpo")
@@ -308,7 +326,7 @@ class Config:
         """Every numeric flag in its range, named in the message; cross-flag rules after."""
         at_least = {"lora_rank": 1, "lora_alpha": 1, "max_seq_length": 2, "max_prompt_length": 1,
                     "num_train_examples": 1, "prompts_per_step": 1, "micro_batch_size": 1, "pad_to_multiple_of": 1,
-                    "num_iterations": 1, "max_completion_length": 1, "max_steps": 1, "max_nonfinite_steps": 1,
+                    "num_iterations": 1, "max_completion_length": 1, "max_turns": 1, "max_steps": 1, "max_nonfinite_steps": 1,
                     "top_k": 0, "save_steps": 0, "save_total_limit": 0, "eval_steps": 0, "eval_size": 0,
                     "eval_samples": 0, "log_completions_steps": 0, "seed": 0, "weight_decay": 0.0, "max_grad_norm": 0.0}
         for name, low in at_least.items():
@@ -321,6 +339,8 @@ class Config:
             value = getattr(self, name)
             if not low <= value < high:
                 raise ValueError(f"{flag(name)} {value}: must be in [{low:g}, {high:g})")
+        if self.tool_timeout <= 0:
+            raise ValueError(f"--tool-timeout {self.tool_timeout}: must be above 0 seconds")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning-rate {self.learning_rate}: must be above 0 (the recipe's is 5e-6)")
         if self.seed >= 2**32:
@@ -635,6 +655,10 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
             values["policy_term"] = policy_term_from_flags(values.get("policy_term"), term_flags)
         config = Config(**values)
         reward_functions(config.reward_preset, config.reward)  # imported and found now, before any model loads
+        if config.tools:
+            load_tools(config.tools)
+        if config.environment:
+            load_environment(config.environment)
         return CommandLine(config, verbose)
     except ValueError as err:
         parser.error(str(err))

@@ -17,6 +17,9 @@ import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
+from grpo.agents.environments import Episode
+from grpo.agents.episodes import environment, episode_metrics, run_episodes
+from grpo.answer_format import SYSTEM_PROMPT
 from grpo.data import Example
 from grpo.rollout.base import Rollout, pad_rows
 from grpo.run.log import NOT_APPLIED
@@ -90,6 +93,7 @@ class SampledGroups:
     rank_rows: slice  # this rank's rows of kept_rewards, in the order of `rollout`
     report: SamplingReport | None  # None without --dynamic-sampling
     timings: dict[str, float]
+    episodes: dict[str, float] = dataclasses.field(default_factory=dict)  # every rank's `episode_metrics`; {}: single turn
 
 
 def sample_groups(s: StepSetup, step: int, num_generations: int) -> SampledGroups:
@@ -110,9 +114,11 @@ def sample_groups(s: StepSetup, step: int, num_generations: int) -> SampledGroup
     scores: list[Scores] = []  # every rank's, one per round
     differ: list[torch.Tensor] = []  # (N*P,) bool per round: the group's rewards are not all equal
     timings: dict[str, float] = {}
+    episodes: list[Episode] = []  # this rank's, of every round
     while True:
-        examples, rollout, times = sample(s, step, num_generations, len(rollouts))
-        round_texts, round_answers, round_scores = score(s, examples, rollout, num_generations)
+        examples, rollout, times, round_episodes = sample(s, step, num_generations, len(rollouts))
+        round_texts, round_answers, round_scores = score(s, examples, rollout, num_generations, round_episodes)
+        episodes += round_episodes
         rollouts.append(rollout)
         texts += round_texts
         answers += round_answers
@@ -143,13 +149,15 @@ def sample_groups(s: StepSetup, step: int, num_generations: int) -> SampledGroup
         rollout=join_groups(rollouts, keep[:, world.rank], s.tokenizer.pad_token_id),
         kept_rewards=totals[keep.transpose(0, 1)].reshape(-1),  # rank after rank, each round after round
         rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * num_generations),
-        report=report, timings=timings)
+        report=report, timings=timings,
+        episodes=episode_metrics([e for rank in world.gather_objects(episodes) for e in rank]))
 
 
 def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 0
-           ) -> tuple[list[Example], Rollout, dict[str, float]]:
-    """This rank's P prompts of the step's sampling round, G completions of each, and the seconds it
-    took (with the engine's own phases as generate/*). The sampling seed is the step's, the rank's and
+           ) -> tuple[list[Example], Rollout, dict[str, float], list[Episode]]:
+    """This rank's P prompts of the step's sampling round, G completions of each, the seconds it took (with
+    the engine's own phases as generate/*) and, with --tools or --environment, the episodes that the
+    completions are (`grpo.agents.episodes`; [] otherwise). The sampling seed is the step's, the rank's and
     the round's."""
     cfg, world = s.cfg, s.world
     P = cfg.prompts_per_step
@@ -157,26 +165,41 @@ def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 
     examples = [s.prompts.examples[i] for i in idx]
     t = s.clock()
     seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank + 15_485_863 * sampling_round
-    rollout = s.engine.generate([s.prompts.prompt_ids[i] for i in idx], num_generations,
-                                dataclasses.replace(s.sampling, seed=seed))
+    sampling = dataclasses.replace(s.sampling, seed=seed)
+    episodes: list[Episode] = []
+    if s.tools or s.environment is not None:
+        system_prompt = SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
+        messages = [[{"role": "system", "content": system_prompt}, {"role": "user", "content": ex.question}]
+                    for ex in examples]
+        rows = [{"question": ex.question, "answer": ex.answer, **ex.columns} for ex in examples]
+        rollout, episodes = run_episodes(s.engine, s.tokenizer, messages, num_generations, sampling,
+                                         tools=s.tools, environment=s.environment, max_turns=cfg.max_turns,
+                                         tool_timeout_s=cfg.tool_timeout, examples=rows)
+    else:
+        rollout = s.engine.generate([s.prompts.prompt_ids[i] for i in idx], num_generations, sampling)
     assert rollout.num_generations == num_generations, (
         f"the engine returned groups of {rollout.num_generations} completions; asked for {num_generations}")
     times = {"generate": s.clock() - t}
     times.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
-    return examples, rollout, times
+    return examples, rollout, times, episodes
 
 
-def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generations: int
-          ) -> tuple[list[str], list[str], Scores]:
+def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generations: int,
+          episodes: list[Episode] | None = None) -> tuple[list[str], list[str], Scores]:
     """This rank's completion texts and answers, and every rank's rows scored: one column per reward
     function. Advantages need only this rank's groups, but scale_rewards="batch" and the log use all.
     Reward functions get the dataset's columns and `completion_ids`, each completion's token ids (TRL's name:
-    what a length-based reward such as --overlong-penalty reads)."""
+    what a length-based reward such as --overlong-penalty reads). An episode's text and ids are its whole
+    transcript; with an environment, its reward is a column of its own (`rewards/environment`)."""
     completion_ids = rollout.completions()
     texts = s.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     answers = [ex.answer for ex in examples for _ in range(num_generations)]
     columns = {**grpo_data.batch_columns(examples, repeat=num_generations), "completion_ids": completion_ids}
-    rewards, names = grpo_rewards.score(texts, answers, s.reward_funcs, columns)  # (P*G, R)
+    funcs = s.reward_funcs
+    if s.environment is not None:
+        columns["environment_reward"] = [e.reward for e in episodes]
+        funcs = [*funcs, environment]
+    rewards, names = grpo_rewards.score(texts, answers, funcs, columns)  # (P*G, R)
     judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
     judged = torch.tensor(judged, dtype=rewards.dtype).view(-1, 2)  # (P*G, 2) correct, formatted
     local = Scores(rewards, names, judged[:, :1], judged[:, 1:], rollout.lengths[:, None].to("cpu", rewards.dtype),

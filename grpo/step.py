@@ -60,6 +60,7 @@ class StepResult:
     sampling: SamplingReport | None = None  # what --dynamic-sampling did; None without it
     gap: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler-trainer gap; {} if not trained
     real_token_frac: float | None = None  # this rank's real tokens over the positions trained; None: not trained
+    episodes: dict[str, float] = dataclasses.field(default_factory=dict)  # turns, tool calls...; {}: single turn
 
     def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float,
                    engine_pool_gib: float | None = None) -> dict:
@@ -82,6 +83,7 @@ class StepResult:
             **({} if engine_pool_gib is None else {"engine_pool_gib": engine_pool_gib}),
             **self.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained
             **({} if self.real_token_frac is None else {"train/real_token_frac": self.real_token_frac}),
+            **self.episodes,  # episodes/turns, episodes/tool_calls, ...: with --tools or --environment
         }
         if self.sampling is not None:
             report = self.sampling
@@ -105,7 +107,8 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     groups = sample_groups(s, step, num_generations)
     result = StepResult(scores=groups.scores, texts=groups.texts, answers=groups.answers,
                         num_generations=num_generations, frac_zero_std=groups.frac_zero_std, loss_stats={},
-                        grad_norm=None, skipped=False, timings=groups.timings, sampling=groups.report)
+                        grad_norm=None, skipped=False, timings=groups.timings, sampling=groups.report,
+                        episodes=groups.episodes)
     if len(groups.kept_rewards) == 0:  # no rank kept a group (all know it): nothing to learn from
         return result
 

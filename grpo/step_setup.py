@@ -42,3 +42,5 @@ class StepSetup:
     stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
     reward_funcs: list[Callable]
     clock: Callable[[], float]  # seconds, after the device has finished its queued work
+    tools: tuple[Callable, ...] = ()  # --tools: with these or an environment, each completion is an episode
+    environment: type | None = None  # --environment: its class, one instance per episode

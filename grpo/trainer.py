@@ -35,6 +35,8 @@ import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
+from grpo.agents.environments import load_environment
+from grpo.agents.tools import load_tools
 from grpo.answer_format import SYSTEM_PROMPT
 from grpo.cli import make_console
 from grpo.config import Config
@@ -214,7 +216,9 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                       tokenizer=tokenizer, engine=engine, engine_rows=rows,
                       keep_engine=keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
                       max_completion_length=max_completion_length, prompts=prompts, stream=stream,
-                      reward_funcs=reward_funcs, clock=synced_clock(device))
+                      reward_funcs=reward_funcs, clock=synced_clock(device),
+                      tools=tuple(load_tools(cfg.tools)) if cfg.tools else (),
+                      environment=load_environment(cfg.environment) if cfg.environment else None)
     print_banner(console, setup, engine_name)
     return setup, scheduler, held_out
 

@@ -4,6 +4,7 @@ exactly the model's tokens, whose replies are the chat template's own text, and 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from grpo.agents.episodes import run_episodes
 from grpo.agents.number_guess import NumberGuess
 from grpo.agents.tools import tool_schemas
 from grpo.batch import make_batch, sequence_logprobs
+from grpo.config import Config, parse_args
 from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.hf import HFEngine
+from grpo.trainer import train
 
 # Qwen2.5's tool format (<tool_call> blocks, a `tool` role answered in <tool_response>) on Llama 3's special
 # tokens, so the real Llama tokenizer reads it. The newline after <|eot_id|> is text the model never writes:
@@ -213,3 +216,115 @@ def test_hf_episodes_record_the_samplers_logprobs_that_the_trainer_computes_on_t
     with torch.no_grad():
         trainer_logp = sequence_logprobs(policy, batch, temperature=1.0)
     torch.testing.assert_close(trainer_logp, rollout.sampler_logp, atol=2e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training on episodes: train() with --tools and with --environment
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_llama_dir(tmp_path_factory, llama_tokenizer):
+    """A tiny random Llama whose tokenizer carries the test's chat template with tools."""
+    path = tmp_path_factory.mktemp("tool-llama")
+    tiny_llama().save_pretrained(path)
+    saved = llama_tokenizer.chat_template
+    llama_tokenizer.chat_template = TEMPLATE
+    llama_tokenizer.save_pretrained(path)
+    llama_tokenizer.chat_template = saved
+    return path
+
+
+class CallsFirst:
+    """The trainer's engine, with every episode's first turn a scripted calculator call (a random model never
+    writes one); the turns after it are the model's own."""
+
+    needs_importance_correction = False
+
+    def __init__(self, engine, call: list[int]):
+        self.engine, self.call = engine, call
+
+    def generate(self, prompt_ids, n, sampling):
+        if n == 1:  # an episode's later turn: its whole context, one row each
+            return self.engine.generate(prompt_ids, n, sampling)
+        rows = len(prompt_ids) * n
+        ids = torch.tensor([self.call] * rows)
+        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=ids,
+                       mask=torch.ones(ids.shape, dtype=torch.bool), sampler_logp=torch.full(ids.shape, -1.0),
+                       finished=torch.ones(rows, dtype=torch.bool), num_generations=n)
+
+    def release_memory(self):
+        self.engine.release_memory()
+
+    def standby_bytes(self):
+        return self.engine.standby_bytes()
+
+
+def read_metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_the_loss(
+        tool_llama_dir, tmp_path, monkeypatch, llama_tokenizer):
+    import grpo.batch
+    import grpo.groups
+    import grpo.trainer
+
+    call = encode(llama_tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')
+    real_build = grpo.trainer.build_engine
+    monkeypatch.setattr(grpo.trainer, "build_engine", lambda *a, **k: CallsFirst(real_build(*a, **k), call + [EOT]))
+    rollouts, targets = [], []
+    real_episodes, real_logprobs = grpo.groups.run_episodes, grpo.batch.token_logprobs
+
+    def recording_episodes(*args, **kwargs):
+        rollout, episodes = real_episodes(*args, **kwargs)
+        rollouts.append(rollout)
+        return rollout, episodes
+
+    def recording_logprobs(h, weight, ids, temperature):
+        targets.append(ids.clone())
+        return real_logprobs(h, weight, ids, temperature)
+
+    monkeypatch.setattr(grpo.groups, "run_episodes", recording_episodes)
+    monkeypatch.setattr(grpo.batch, "token_logprobs", recording_logprobs)
+    out = tmp_path / "run"
+    train(Config(model=str(tool_llama_dir), dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,
+                 num_generations=2, max_completion_length=120, max_seq_length=1024, learning_rate=1e-3,
+                 warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0, output_dir=str(out), seed=3,
+                 reward=("test_train:text_signal",), tools="grpo.agents.calculator:calculator", max_turns=2))
+    records = read_metrics(out)
+    assert len(records) == 2
+    for record in records:
+        assert record["episodes/tool_calls"] == 1.0 and record["episodes/tool_errors"] == 0.0
+        assert record["episodes/turns"] == 2.0 and "episodes/frac_cut_by_max_turns" in record
+    header = llama_tokenizer.convert_tokens_to_ids("<|start_header_id|>")  # in every reply, never the model's
+    for rollout in rollouts:
+        for row, mask in zip(rollout.completions(), rollout.mask):
+            assert row[:len(call) + 1] == call + [EOT] and header in row
+            assert not mask[row.index(header)]
+            assert "<tool_response>42</tool_response>" in llama_tokenizer.decode(row)
+    assert targets and all(header not in ids.tolist() for ids in targets)
+
+
+def test_a_run_with_the_number_guessing_environment_logs_its_reward_and_episodes(tool_llama_dir, tmp_path):
+    data = tmp_path / "guess.jsonl"
+    data.write_text("".join(json.dumps({"question": "Guess my number.", "answer": str(a)}) + "\n"
+                            for a in (7, 31, 64, 90)))
+    out = tmp_path / "run"
+    train(Config(model=str(tool_llama_dir), dataset=str(data), engine="hf", max_steps=1, prompts_per_step=2,
+                 num_generations=2, max_completion_length=60, max_seq_length=1024, learning_rate=1e-3,
+                 warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0, output_dir=str(out), seed=3,
+                 environment="grpo.agents.number_guess:NumberGuess", max_turns=3))
+    (record,) = read_metrics(out)
+    assert "rewards/environment" in record and record["rewards/environment"] <= 1.0
+    assert 1.0 <= record["episodes/turns"] <= 3.0 and record["episodes/tool_calls"] == 0.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tools", "grpo.agents.calculator:nothing"], "has no 'nothing'"),
+    (["--environment", "grpo.agents.calculator:calculator"], "not a class"),
+    (["--max-turns", "0"], "--max-turns 0: must be 1 or more"),
+    (["--tool-timeout", "0"], "--tool-timeout 0.0: must be above 0"),
+])
+def test_bad_agent_flags_are_one_line_before_any_model_loads(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "no/such-model", *flags])
+    assert message in capsys.readouterr().err

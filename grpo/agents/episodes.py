@@ -207,3 +207,22 @@ class _Renderer:
                                  "model stopped at; fix: stop generation at the template's end-of-turn token")
             at = found + len(end)
         return after[at:]
+
+
+def environment(completions: list[str], answers: list[str], *, environment_reward: Sequence[float],
+                **columns: Any) -> list[float]:
+    """The environment's reward of each episode (its rewards per turn summed) as a reward function, so that it
+    is a column of its own (`rewards/environment`) beside the others: the trainer passes `environment_reward`."""
+    return [float(r) for r in environment_reward]
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """The step's log of its episodes: model turns, tool calls and tool errors per episode, and the share cut
+    by the turn limit. {} without episodes (a single-turn run)."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {"episodes/turns": sum(e.turns for e in episodes) / n,
+            "episodes/tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "episodes/tool_errors": sum(e.tool_errors for e in episodes) / n,
+            "episodes/frac_cut_by_max_turns": sum(e.cut for e in episodes) / n}
