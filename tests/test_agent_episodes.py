@@ -182,6 +182,14 @@ def test_an_environment_whose_first_observation_differs_within_a_group_is_refuse
                      tool_timeout_s=1.0, examples=[{}])
 
 
+def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tokenizer):
+    tokenizer.chat_template = TEMPLATE.replace("{% for message in messages %}", "{% for message in messages[-2:] %}")
+    call = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>') + [EOT]
+    with pytest.raises(ValueError, match="renders the earlier conversation differently"):
+        run_episodes(Scripted([[call]]), tokenizer, [PROMPT], 1, sampling(), tools=[calculator], max_turns=2,
+                     tool_timeout_s=5.0)
+
+
 class StopAfter:
     """The hf engine with each turn stopped after `k` tokens, as if the model had ended its turn there: a random
     model rarely writes its end-of-turn token. The template's end-of-turn then belongs to the reply."""

@@ -197,7 +197,9 @@ class _Renderer:
             raise ValueError("the chat template renders the earlier conversation differently once a message is "
                              "added (it rewrites past turns), so the episode's tokens cannot be continued; fix: "
                              "use a chat template that only appends")
-        at = after.find(content.strip(), len(before)) + len(content.strip()) if content.strip() else len(before)
+        content = content.strip()  # as a template that trims it renders it
+        found = after.find(content, len(before)) if content else -1
+        at = found + len(content) if found >= 0 else len(before)
         last = model_tokens[-1:]
         end = self.tokenizer.decode(last)
         if end and not self.tokenizer.decode(last, skip_special_tokens=True):  # the model wrote its end-of-turn
