@@ -86,6 +86,9 @@ def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Messa
         if not going:
             break
         left = [budget - len(rows[i].ids) for i in going]
+        # One call for every row still going, at the largest budget left; each row is then cut to its own
+        # (`_model_turn`): its tokens up to its limit are drawn alike. Each turn its own seed, so that a seeded
+        # run does not replay the first turn's draws.
         turn_sampling = dataclasses.replace(
             sampling, max_new_tokens=max(left),
             seed=None if sampling.seed is None else sampling.seed + turn - 1)
