@@ -150,7 +150,8 @@ def sample_groups(s: StepSetup, step: int, num_generations: int) -> SampledGroup
         kept_rewards=totals[keep.transpose(0, 1)].reshape(-1),  # rank after rank, each round after round
         rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * num_generations),
         report=report, timings=timings,
-        episodes=episode_metrics([e for rank in world.gather_objects(episodes) for e in rank]))
+        episodes=(episode_metrics([e for rank in world.gather_objects(episodes) for e in rank])
+                  if s.tools or s.environment is not None else {}))  # single turn: no collective for nothing
 
 
 def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 0
