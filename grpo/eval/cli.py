@@ -7,7 +7,8 @@ An adapter from a run's folder is measured under the run's own settings (its sys
 completion length) unless a flag says otherwise. `--compare-base` measures the base model under exactly those
 settings first, then the adapter, and prints the difference per metric and problem by problem (McNemar's exact
 test, `grpo.eval.compare`). `--per-problem FILE.jsonl` also writes one line per held-out problem, for
-`python -m grpo.eval.compare A.jsonl B.jsonl`.
+`python -m grpo.eval.compare A.jsonl B.jsonl`. `--gguf FILE [--gguf-lora ADAPTER.gguf]` measures an exported
+GGUF file in llama.cpp's own server instead (`grpo.eval.llama_cpp`), with --model's tokenizer and prompts.
 
 What it deliberately is not: training's evaluation (the trainer calls `grpo.eval.accuracy` on its own policy).
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
+from transformers import GenerationConfig
 
 from grpo import data as grpo_data
 from grpo.answer_format import SYSTEM_PROMPT
@@ -30,8 +32,10 @@ from grpo.cli import OneLineParser, add_bool_flag, make_console
 from grpo.config import Config, format_value
 from grpo.eval.accuracy import evaluate
 from grpo.eval.compare import KEYS, compare, format_row
+from grpo.eval.llama_cpp import LlamaCppEngine, LlamaServer
 from grpo.export.merge import find_adapter
-from grpo.model.load import attention_without_cudnn, default_device, load_base_model, load_tokenizer
+from grpo.model.load import (attention_without_cudnn, default_device, load_base_model, load_tokenizer,
+                             resolve_model_dir)
 from grpo.quiet import add_verbose_flag
 from grpo.rollout import Sampling, build_engine
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
@@ -58,6 +62,13 @@ def build_parser():
     add_bool_flag(parser, "--compare-base", help="Evaluate the base model first, under the adapter's prompt, stop "
                   "strings and length, then the adapter, and print the difference per metric and per problem "
                   "(needs --adapter) (default: false).")
+    parser.add_argument("--gguf", default=None, metavar="FILE.gguf", help="Evaluate this GGUF file in llama.cpp's "
+                        "llama-server instead of --model's weights (--model still gives the tokenizer and prompts) "
+                        "(default: none).")
+    parser.add_argument("--gguf-lora", default=None, metavar="ADAPTER.gguf", help="With --gguf: a LoRA GGUF "
+                        "(`python -m grpo.export --gguf-lora`) that llama.cpp applies on top (default: none).")
+    parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="With --gguf: the folder of llama.cpp's "
+                        "tools (default: $GRPO_LLAMA_CPP, else what scripts/llama-cpp.sh built in the cache).")
     parser.add_argument("--dataset", default="arithmetic", help="Dataset whose held-out split is used "
                         "(default: arithmetic).")
     parser.add_argument("--eval-size", type=int, default=None, help="Held-out prompts "
@@ -116,6 +127,11 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with a flag of `python -m grpo.eval` as given, naming it; None when nothing."""
     if args.compare_base and args.adapter is None:
         return "--compare-base: compares the base model with an adapter; pass --adapter ADAPTER_OR_RUN_FOLDER"
+    if args.gguf is None and (args.gguf_lora is not None or args.llama_cpp is not None):
+        return "--gguf-lora and --llama-cpp go with --gguf FILE.gguf (the file llama.cpp evaluates)"
+    if args.gguf is not None and (args.adapter is not None or args.compare_base):
+        return ("--gguf evaluates a GGUF file in llama.cpp; --adapter and --compare-base evaluate --model's "
+                "weights: use one or the other (a trained adapter goes in as --gguf-lora)")
     if args.stop is not None and any(not text for text in args.stop):
         return "--stop: an empty stop string would end every completion at once; remove it"
     at_least = {"--eval-size": (args.eval_size, 1), "--samples": (args.samples, 0), "--seed": (args.seed, 0),
@@ -187,6 +203,8 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict:
     adapter = find_adapter(args.adapter) if args.adapter else None  # before the model loads
     device = default_device()
     args = with_run_defaults(args, run_config(adapter) if adapter is not None else None, device)
+    if args.gguf is not None:
+        return evaluate_gguf(args, device)
     cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
     base, model_dir = load_base_model(cfg, device)
     tokenizer = load_tokenizer(model_dir)
@@ -206,6 +224,38 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict:
         return results[names[0]]
     result = comparison(results["base"], results["adapter"], records["base"], records["adapter"])
     print_comparison(result, args.adapter)
+    return result
+
+
+def evaluate_gguf(args: argparse.Namespace, device: torch.device) -> dict:
+    """`--gguf`: the file (and `--gguf-lora`) in llama.cpp's server, with --model's tokenizer, prompts and stop ids;
+    as many requests in flight as a batch of the trainer's evaluation (`--batch-rows`, else 64)."""
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
+    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, args.system_prompt)
+    generation_config = GenerationConfig.from_pretrained(model_dir) \
+        if (model_dir / "generation_config.json").is_file() else None
+    sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
+                        stop_token_ids=stop_token_ids(tokenizer, generation_config),
+                        stop_sequences=stop_string_sequences(tokenizer, args.stop))
+    slots = min(args.batch_rows or 64, len(prompt_set.prompt_ids) * max(1, args.samples))
+    longest = max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length
+    progress = ProgressBar(make_console(stderr=True), 1, 0, unit="models")
+    records: list[dict] = []
+    with LlamaServer(args.gguf, lora=args.gguf_lora, slots=slots, ctx_per_slot=-(-longest // 256) * 256,
+                     gpu_layers=999 if device.type == "cuda" else 0, bin_dir=args.llama_cpp) as server:
+        engine = LlamaCppEngine(server, pad_id=tokenizer.pad_token_id, seed=args.seed)
+        progress.start()
+        try:
+            result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed,
+                              max_rows=args.batch_rows, progress=progress.evaluation, per_problem=records)
+            progress.update(1)
+        finally:
+            progress.stop()
+    if args.per_problem:
+        write_jsonl(args.per_problem, records)
+    make_console(stderr=True).print(result)
     return result
 
 

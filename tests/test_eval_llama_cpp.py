@@ -1,0 +1,69 @@
+"""grpo.eval.llama_cpp without llama.cpp: the requests it sends and how it cuts the rows that come back.
+(The server itself is exercised by `./dev test-gguf`.)"""
+
+import pytest
+import torch
+
+from grpo.eval import cli as eval_cli
+from grpo.eval.llama_cpp import LlamaCppEngine, LlamaServer, find_tool, request_body
+from grpo.rollout.base import Sampling
+
+
+class FakeServer:
+    """Answers each request with the next of `replies` for its prompt (by its first token), recording the bodies."""
+
+    slots = 3
+
+    def __init__(self, replies: dict[int, list[dict]]):
+        self.replies = {k: list(v) for k, v in replies.items()}
+        self.bodies: list[dict] = []
+
+    def complete(self, body: dict) -> dict:
+        self.bodies.append(body)
+        return self.replies[body["prompt"][0]].pop(0)
+
+
+def test_request_turns_off_every_sampler_of_llama_cpp_that_ours_lacks():
+    body = request_body([5, 6], Sampling(max_new_tokens=7, temperature=0.0, min_p=0.1), seed=11)
+    assert body["prompt"] == [5, 6] and body["n_predict"] == 7 and body["seed"] == 11
+    assert body["temperature"] == 0.0 and body["return_tokens"] is True
+    # llama.cpp's own defaults (top-k 40, top-p 0.95, min-p 0.05) would change the distribution sampled
+    assert body["top_k"] == 0 and body["top_p"] == 1.0 and body["min_p"] == 0.1
+    assert body["repeat_penalty"] == 1.0 and body["dry_multiplier"] == 0.0 and body["xtc_probability"] == 0.0
+    assert body["mirostat"] == 0 and body["typical_p"] == 1.0
+    assert body["ignore_eos"] is False  # llama.cpp forbids end tokens it is told to ignore
+
+
+def test_rows_are_cut_at_our_stops_and_keep_group_order():
+    stop_seq = (8, 9)
+    server = FakeServer({
+        1: [{"tokens": [4, 8, 9, 4, 4], "stop_type": "limit"},  # stop sequence inside: cut after it
+            {"tokens": [4, 2], "stop_type": "eos"}],            # the end token (2): kept, finished
+        3: [{"tokens": [4, 4, 4, 4, 4, 4], "stop_type": "limit"},  # cut by the budget
+            {"tokens": [7], "stop_type": "eos"}],               # llama.cpp stopped at one of its own end tokens
+    })
+    engine = LlamaCppEngine(server, pad_id=0, seed=100)
+    sampling = Sampling(max_new_tokens=5, temperature=1.0, stop_token_ids=(2,), stop_sequences=(stop_seq,))
+    out = engine.generate([[1, 1], [3]], 2, sampling)
+    assert out.completions() == [[4, 8, 9], [4, 2], [4, 4, 4, 4, 4], [7]]
+    assert out.finished.tolist() == [True, True, False, True]
+    assert out.mask.sum(1).tolist() == [3, 2, 5, 1]
+    assert torch.equal(out.sampler_logp, torch.zeros_like(out.sampler_logp))
+    # each row its own seed, from the engine's when the sampling has none
+    assert sorted(b["seed"] for b in server.bodies) == [100, 101, 102, 103]
+
+
+def test_missing_tools_and_files_are_one_line(tmp_path):
+    with pytest.raises(FileNotFoundError, match="scripts/llama-cpp.sh"):
+        find_tool("llama-server", tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LlamaServer(tmp_path / "none.gguf", bin_dir=tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gguf-lora", "a.gguf"], "go with --gguf"),
+    (["--gguf", "m.gguf", "--adapter", "run"], "one or the other"),
+])
+def test_gguf_flags_that_do_not_go_together(argv, message):
+    args = eval_cli.build_parser().parse_args(["--model", "m", *argv])
+    assert message in eval_cli.eval_flag_problem(args)
