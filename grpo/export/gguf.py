@@ -12,7 +12,7 @@ to Q5_0 / Q5_1 / Q8_0 (Q8_0 for the output layer) as llama.cpp does. Vectors (no
 What the file holds, as llama.cpp's convert_hf_to_gguf.py writes it for the same model (Llama, SmolLM2:
 arch `llama`; Qwen2: arch `qwen2`):
 - tensor names from gguf's own `TensorNameMap` (`blk.N.attn_q.weight`, `token_embd.weight`, ...); for
-  arch `llama` the q and k rows are reordered (`_llama_rope_order`): llama.cpp's rotary embedding pairs
+  arch `llama` the q and k rows are reordered (`llama_rope_order`): llama.cpp's rotary embedding pairs
   neighbouring dimensions where the Hugging Face layout pairs halves. Readers (transformers too) undo it.
 - `{arch}.context_length, embedding_length, block_count, feed_forward_length, attention.head_count(_kv),
   rope.freq_base, attention.layer_norm_rms_epsilon` (+ `vocab_size`, `rope.dimension_count` for llama),
@@ -88,14 +88,19 @@ def gguf_file_name(gguf_type: str) -> str:
 
 def check_convertible(config, tokenizer) -> None:
     """Refuse, in one line and before anything is written, a model these files cannot describe."""
-    arch = getattr(config, "model_type", None)
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"--gguf: cannot write a {arch!r} model as GGUF; fix: export without --gguf (the merged "
-                         f"checkpoint is written) or use a {' or '.join(ARCHITECTURES)} model")
+    check_arch(config)
     rope = _rope(config)
     if rope.get("rope_type", "default") not in ("default", "linear", "llama3"):
         raise ValueError(f"--gguf: rope scaling {rope.get('rope_type')!r} is not written; fix: export without --gguf")
     bpe_pre_tokenizer(tokenizer)
+
+
+def check_arch(config, flag: str = "--gguf") -> None:
+    """One line for a model whose architecture has no GGUF layout here."""
+    arch = getattr(config, "model_type", None)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{flag}: cannot write a {arch!r} model as GGUF; fix: export without {flag} (the merged "
+                         f"checkpoint is written) or use a {' or '.join(ARCHITECTURES)} model")
 
 
 def bpe_pre_tokenizer(tokenizer) -> str:
@@ -203,7 +208,7 @@ def _llama_rope_freqs(config) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
-def _llama_rope_order(w: np.ndarray, n_head: int) -> np.ndarray:
+def llama_rope_order(w: np.ndarray, n_head: int) -> np.ndarray:
     """Rows of a q or k projection from the Hugging Face rotary layout (each head's halves rotate
     together) to llama.cpp's (neighbouring pairs rotate together)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -257,9 +262,9 @@ def _tensor_data(model_dir: Path, config, item: PlannedTensor) -> np.ndarray:
                 data = f.get_tensor(item.source).to(torch.float32).numpy()
                 break
     if config.model_type == "llama" and ".attn_q." in item.name:
-        data = _llama_rope_order(data, config.num_attention_heads)
+        data = llama_rope_order(data, config.num_attention_heads)
     elif config.model_type == "llama" and ".attn_k." in item.name:
-        data = _llama_rope_order(data, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        data = llama_rope_order(data, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     return data
 
 

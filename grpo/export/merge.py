@@ -2,6 +2,7 @@
 
     python -m grpo.export --model smollm2-135m-instruct --adapter outputs/smollm2-arithmetic/adapter \\
         --out exports/smollm2-arithmetic [--dtype bf16|fp16] [--load-in-fp8] [--gguf f16,q8_0,q5_k_m,q4_k_m]
+        [--gguf-imatrix auto|FILE] [--gguf-lora [--gguf-lora-base BASE.gguf]]
 
 writes
     OUT/adapter   adapter_config.json + adapter_model.safetensors: the format peft's
@@ -12,6 +13,8 @@ writes
     OUT/gguf-TYPE/model-TYPE.gguf   with --gguf: the merged model for llama.cpp-style runtimes (and
                   transformers' `gguf_file=`), one folder per type, written from OUT/merged by
                   grpo/export/gguf.py as llama.cpp's converter and quantizer would write it.
+    OUT/gguf-lora/adapter.gguf   with --gguf-lora: the adapter in llama.cpp's LoRA format, for any GGUF
+                  of the base (`llama-cli -m BASE.gguf --lora adapter.gguf`; grpo/export/lora_gguf.py).
 
 An --out that holds an export already is refused; --overwrite moves it aside to OUT.old-N.
 
@@ -38,6 +41,7 @@ from grpo.cli import OneLineParser, add_bool_flag
 from grpo.config import DTYPES as FULL_DTYPE_NAMES
 from grpo.config import Config
 from grpo.export.gguf import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
+from grpo.export.lora_gguf import write_lora_gguf
 from grpo.kernels.fp8 import FP8Linear
 from grpo.model.load import load_base_model, load_tokenizer
 from grpo.quiet import add_verbose_flag
@@ -105,9 +109,11 @@ def adapter_targets(adapter_dir: Path) -> tuple[str, ...] | None:
 
 
 def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16", load_in_fp8: bool = False,
-           gguf: Sequence[str] | str = (), overwrite: bool = False) -> dict[str, Path]:
-    """Write OUT/adapter, OUT/merged and OUT/gguf-TYPE/ for each of `gguf` (see the module docstring);
-    returns the paths written, by name ("adapter", "merged", "gguf-q4_k_m", ...)."""
+           gguf: Sequence[str] | str = (), overwrite: bool = False, gguf_lora: bool = False,
+           gguf_lora_base: str | Path | None = None) -> dict[str, Path]:
+    """Write OUT/adapter, OUT/merged, OUT/gguf-TYPE/ for each of `gguf` and OUT/gguf-lora/ with `gguf_lora`
+    (see the module docstring); returns the paths written, by name ("adapter", "merged", "gguf-q4_k_m",
+    "gguf-lora", ...)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     gguf_types = parse_gguf_types(gguf if isinstance(gguf, str) else ",".join(gguf)) if gguf else ()
@@ -144,6 +150,9 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     give_usual_modes(out_merged)  # model.safetensors comes out 0600 from safetensors' writer
     del base, merged  # the GGUF files are written from OUT/merged, one tensor at a time
     written = {"adapter": out_adapter, "merged": out_merged}
+    if gguf_lora:  # first: it is small, and a base GGUF it does not fit is refused before the long writes
+        written["gguf-lora"] = write_lora_gguf(adapter_dir, out_merged, out / "gguf-lora" / "adapter.gguf",
+                                               base_gguf=gguf_lora_base, name=out.resolve().name)
     for name in gguf_types:
         folder = f"gguf-{name}"
         written[folder] = write_gguf(out_merged, out / folder / gguf_file_name(name), name, name=out.resolve().name)
@@ -185,6 +194,12 @@ def build_parser():
                              "f16,bf16,q8_0,q5_k_m,q4_k_m, comma-separated. The smaller the type, the less "
                              "of what training learned it keeps: ship q8_0 (benchmarks/RESULTS.md, \"GGUF "
                              "export\").")
+    add_bool_flag(parser, "--gguf-lora",
+                  help="Also write the adapter as a llama.cpp LoRA GGUF, OUT/gguf-lora/adapter.gguf: run it on any "
+                       "GGUF of the base, e.g. `llama-cli -m BASE.gguf --lora OUT/gguf-lora/adapter.gguf`.")
+    parser.add_argument("--gguf-lora-base", default=None, metavar="BASE.gguf",
+                        help="With --gguf-lora: the base GGUF it will run on; the adapter is checked against its "
+                             "architecture and tensor shapes before anything is written (default: no check).")
     add_bool_flag(parser, "--overwrite",
                   help="An --out holding an export is moved aside to OUT.old-N (never deleted); without it such "
                        "a folder is refused.")
@@ -201,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_export_paths(args.adapter, args.out, args.gguf)
-        paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8, args.gguf, args.overwrite)
+        check_export_paths(args.adapter, args.out, args.gguf, args.gguf_lora, args.gguf_lora_base)
+        paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8, args.gguf, args.overwrite,
+                       args.gguf_lora, args.gguf_lora_base)
     except Exception as err:
         message = adapter_load_error(err, args.adapter, args.model)
         short = None if isinstance(err, OSError) else write_failure(err)  # an OSError names its own path
@@ -214,11 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_export_paths(adapter: str, out: str, gguf: str = "") -> None:
-    """Before anything loads or is written: the --gguf types exist, the adapter reads back whole and
-    --out can be a folder."""
+def check_export_paths(adapter: str, out: str, gguf: str = "", gguf_lora: bool = False,
+                       gguf_lora_base: str | None = None) -> None:
+    """Before anything loads or is written: the --gguf types exist, the adapter reads back whole, the
+    LoRA GGUF's options go together and --out can be a folder."""
     if gguf:
         parse_gguf_types(gguf)
+    if gguf_lora_base is not None and not gguf_lora:
+        raise ValueError(f"--gguf-lora-base {gguf_lora_base}: checks the adapter's LoRA GGUF, which is not asked "
+                         "for; fix: add --gguf-lora")
+    if gguf_lora_base is not None and not Path(gguf_lora_base).is_file():
+        raise ValueError(f"--gguf-lora-base {gguf_lora_base}: no such file; fix: pass the base model's .gguf")
     load_file(find_adapter(adapter) / "adapter_model.safetensors")  # a truncated file fails here, not mid-export
     taken = next((p for p in (Path(out), *Path(out).parents) if p.exists()), None)
     if taken is not None and not taken.is_dir():
