@@ -21,8 +21,12 @@ arch `llama`; Qwen2: arch `qwen2`):
   pre-tokenizer name, bos/eos/padding ids, chat template (gguf's `SpecialVocab`), and the turn's other
   end token from generation_config.json as `eot_token_id`.
 
+With an importance matrix (`importance`, grpo/export/imatrix.py) the Q4_K/Q5_K/Q6_K tensors it names are
+quantized with it, as `llama-quantize --imatrix` does; the types chosen stay the same, and the fallback
+types (Q5_0, Q5_1, Q8_0) are written without it (llama.cpp would weight Q5_0/Q5_1 too).
+
 Not here: merging (grpo/export/merge.py), the k-quant arithmetic (grpo/export/kquants.py), sentencepiece or other
-non-BPE tokenizers, importance matrices, architectures other than those in `ARCHITECTURES`.
+non-BPE tokenizers, architectures other than those in `ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from grpo.export.imatrix import check_imatrix
 from grpo.export.kquants import BLOCK_BYTES, quantize_k
 
 
@@ -151,13 +156,14 @@ def tensor_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layer: int,
     return "F16" if cols % 32 else qtype
 
 
-def encode(data: np.ndarray, qtype: str, pool: ProcessPoolExecutor | None = None) -> np.ndarray:
+def encode(data: np.ndarray, qtype: str, pool: ProcessPoolExecutor | None = None,
+           importance: np.ndarray | None = None) -> np.ndarray:
     """float32 `data` in ggml type `qtype`: F32/F16 arrays, or the raw bytes of a block type (the
-    k-quants on `pool`'s workers when there is one)."""
+    k-quants on `pool`'s workers when there is one, weighted by `importance` when given)."""
     if qtype == "F32":
         return data.astype(np.float32)
     if qtype in BLOCK_BYTES:
-        return quantize_k(data, gguf.GGMLQuantizationType[qtype], pool)
+        return quantize_k(data, gguf.GGMLQuantizationType[qtype], pool, importance)
     return gguf.quants.quantize(data, gguf.GGMLQuantizationType[qtype])
 
 
@@ -221,10 +227,14 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def tensor_name_map(config) -> gguf.TensorNameMap:
+    """gguf's map from Hugging Face tensor names to llama.cpp's for the model of `config`."""
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH[ARCHITECTURES[config.model_type]], config.num_hidden_layers)
+
+
 def plan_tensors(model_dir: Path, config, gguf_type: str) -> list[PlannedTensor]:
     """Every tensor of the file, in llama.cpp's order (rope factors, embeddings, layers, output), typed."""
-    arch = gguf.MODEL_ARCH[ARCHITECTURES[config.model_type]]
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = tensor_name_map(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     found: list[tuple[str, str, tuple[int, ...]]] = []
     for file in _safetensors_files(model_dir):
@@ -342,17 +352,22 @@ def _end_token_ids(model_dir: Path, generation_config_cls) -> list[int]:
 # The file
 # --------------------------------------------------------------------------------------------------
 def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = None,
-               workers: int | None = None) -> Path:
+               workers: int | None = None, importance: dict[str, np.ndarray] | None = None,
+               importance_source: str = "") -> Path:
     """Write the checkpoint in `model_dir` (config.json, *.safetensors, tokenizer) as one GGUF of
     `gguf_type` at `path`. Header first, then one tensor at a time (read, converted, written), so memory
     holds one tensor; written beside `path` and renamed, so `path` is never half a file. The k-quants run
     on `workers` processes (default: every core this process may use, up to 16; the numpy arithmetic is
-    one core's, the slow part of an export)."""
+    one core's, the slow part of an export). `importance`: {GGUF name: (cols,) mean squared activation}
+    for the k-quants (grpo/export/imatrix.py), checked against the model first (`importance_source`
+    names it in that line)."""
     model_dir, path = Path(model_dir), Path(path)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     check_convertible(config, tokenizer)
     plan = plan_tensors(model_dir, config, gguf_type)
+    if importance is not None:
+        check_imatrix(importance, {t.name: t.shape[-1] for t in plan if len(t.shape) == 2}, importance_source)
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[ARCHITECTURES[config.model_type]]])
     _add_model_metadata(writer, config, model_dir, gguf_type, name or model_dir.name)
     _add_tokenizer_metadata(writer, config, model_dir, tokenizer)
@@ -378,7 +393,8 @@ def write_gguf(model_dir: Path, path: Path, gguf_type: str, name: str | None = N
         writer.write_ti_data_to_file()
         for item in plan:
             try:
-                writer.write_tensor_data(encode(_tensor_data(model_dir, config, item), item.qtype, pool))
+                weights = (importance or {}).get(item.name)
+                writer.write_tensor_data(encode(_tensor_data(model_dir, config, item), item.qtype, pool, weights))
             except BrokenProcessPool as e:  # the child said why on stderr; this says what to do
                 raise RuntimeError(
                     f"{path.name}: the k-quant worker processes stopped (each starts by importing the "

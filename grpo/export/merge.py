@@ -13,6 +13,8 @@ writes
     OUT/gguf-TYPE/model-TYPE.gguf   with --gguf: the merged model for llama.cpp-style runtimes (and
                   transformers' `gguf_file=`), one folder per type, written from OUT/merged by
                   grpo/export/gguf.py as llama.cpp's converter and quantizer would write it.
+    OUT/gguf-imatrix/imatrix.gguf   with --gguf-imatrix auto: the importance matrix the k-quants were
+                  weighted by, in llama-imatrix's format (`llama-quantize --imatrix` reads it).
     OUT/gguf-lora/adapter.gguf   with --gguf-lora: the adapter in llama.cpp's LoRA format, for any GGUF
                   of the base (`llama-cli -m BASE.gguf --lora adapter.gguf`; grpo/export/lora_gguf.py).
 
@@ -40,10 +42,12 @@ from torch import nn
 from grpo.cli import OneLineParser, add_bool_flag
 from grpo.config import DTYPES as FULL_DTYPE_NAMES
 from grpo.config import Config
-from grpo.export.gguf import check_convertible, gguf_file_name, parse_gguf_types, write_gguf
+from grpo.export.gguf import (GGUF_TYPES, check_convertible, gguf_file_name, parse_gguf_types, tensor_name_map,
+                              write_gguf)
+from grpo.export.imatrix import collect_imatrix, means, read_imatrix, run_texts, write_imatrix
 from grpo.export.lora_gguf import write_lora_gguf
 from grpo.kernels.fp8 import FP8Linear
-from grpo.model.load import load_base_model, load_tokenizer
+from grpo.model.load import default_device, load_base_model, load_tokenizer
 from grpo.quiet import add_verbose_flag
 from grpo.run.checkpoint import aside_path
 from grpo.run.durable import give_usual_modes
@@ -110,13 +114,14 @@ def adapter_targets(adapter_dir: Path) -> tuple[str, ...] | None:
 
 def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16", load_in_fp8: bool = False,
            gguf: Sequence[str] | str = (), overwrite: bool = False, gguf_lora: bool = False,
-           gguf_lora_base: str | Path | None = None) -> dict[str, Path]:
+           gguf_lora_base: str | Path | None = None, gguf_imatrix: str | Path | None = None) -> dict[str, Path]:
     """Write OUT/adapter, OUT/merged, OUT/gguf-TYPE/ for each of `gguf` and OUT/gguf-lora/ with `gguf_lora`
     (see the module docstring); returns the paths written, by name ("adapter", "merged", "gguf-q4_k_m",
-    "gguf-lora", ...)."""
+    "gguf-lora", ...). `gguf_imatrix`: "auto" or a llama.cpp imatrix file, for the k-quant types."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     gguf_types = parse_gguf_types(gguf if isinstance(gguf, str) else ",".join(gguf)) if gguf else ()
+    importance = check_imatrix_option(gguf_imatrix, gguf_types)
     adapter_dir = find_adapter(adapter)
     out = Path(out)
     src = adapter_dir.resolve()
@@ -138,7 +143,13 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     tokenizer = load_tokenizer(model_dir) if gguf_types else None
     if gguf_types:
         check_convertible(base.config, tokenizer)  # before the merge: a model GGUF cannot hold costs nothing
-    merged = merge_adapter(base, adapter_dir).to(DTYPES[dtype])
+    merged = merge_adapter(base, adapter_dir)
+    written = {}
+    if gguf_imatrix == "auto":  # from the merged model in float32, before its rounding to 16 bits
+        sums, counts, what = auto_imatrix(merged, tokenizer, adapter_dir)
+        written["gguf-imatrix"] = write_imatrix(out / "gguf-imatrix" / "imatrix.gguf", sums, counts, what)
+        importance = means(sums, counts)
+    merged = merged.to(DTYPES[dtype])
     bad = [n for n, p in merged.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise ValueError(f"--dtype {dtype}: {bad[0]} overflows when rounded to {dtype}; use --dtype bf16")
@@ -149,14 +160,44 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     (tokenizer or load_tokenizer(model_dir)).save_pretrained(out_merged)
     give_usual_modes(out_merged)  # model.safetensors comes out 0600 from safetensors' writer
     del base, merged  # the GGUF files are written from OUT/merged, one tensor at a time
-    written = {"adapter": out_adapter, "merged": out_merged}
+    written = {"adapter": out_adapter, "merged": out_merged, **written}
     if gguf_lora:  # first: it is small, and a base GGUF it does not fit is refused before the long writes
         written["gguf-lora"] = write_lora_gguf(adapter_dir, out_merged, out / "gguf-lora" / "adapter.gguf",
                                                base_gguf=gguf_lora_base, name=out.resolve().name)
     for name in gguf_types:
         folder = f"gguf-{name}"
-        written[folder] = write_gguf(out_merged, out / folder / gguf_file_name(name), name, name=out.resolve().name)
+        written[folder] = write_gguf(out_merged, out / folder / gguf_file_name(name), name, name=out.resolve().name,
+                                     importance=importance if GGUF_TYPES[name].mix else None,
+                                     importance_source=str(gguf_imatrix))
     return written
+
+
+def check_imatrix_option(gguf_imatrix: str | Path | None, gguf_types: Sequence[str]) -> dict | None:
+    """--gguf-imatrix: goes with a k-quant type; a file is read now (a bad one fails before the model
+    loads). Returns the file's importance, or None (none, or auto: collected after the merge)."""
+    if gguf_imatrix is None:
+        return None
+    if not any(GGUF_TYPES[name].mix for name in gguf_types):
+        raise ValueError(f"--gguf-imatrix {gguf_imatrix}: weights the k-quants, and --gguf names none; fix: add "
+                         "q4_k_m or q5_k_m to --gguf")
+    if str(gguf_imatrix) == "auto":
+        return None
+    if not Path(gguf_imatrix).is_file():
+        raise ValueError(f"--gguf-imatrix {gguf_imatrix}: no such file; fix: pass a llama-imatrix file, or auto")
+    return read_imatrix(Path(gguf_imatrix))
+
+
+def auto_imatrix(merged: nn.Module, tokenizer, adapter_dir: Path):
+    """`--gguf-imatrix auto`: summed squared activations and token counts over the run's own prompts and the
+    merged model's completions (grpo/export/imatrix.py), on the GPU when there is one; and what the text was."""
+    device = default_device()
+    merged.to(device)
+    try:
+        sequences, what = run_texts(merged, tokenizer, adapter_dir)
+        sums, counts = collect_imatrix(merged, sequences, tensor_name_map(merged.config))
+    finally:
+        merged.to("cpu")
+    return sums, counts, what
 
 
 EXPORT_PARTS = ("adapter", "merged", "gguf-*")
@@ -197,6 +238,11 @@ def build_parser():
     add_bool_flag(parser, "--gguf-lora",
                   help="Also write the adapter as a llama.cpp LoRA GGUF, OUT/gguf-lora/adapter.gguf: run it on any "
                        "GGUF of the base, e.g. `llama-cli -m BASE.gguf --lora OUT/gguf-lora/adapter.gguf`.")
+    parser.add_argument("--gguf-imatrix", default=None, metavar="auto|FILE",
+                        help="Weight the k-quants (q4_k_m, q5_k_m) by an importance matrix, as llama-quantize "
+                             "--imatrix: auto collects it from the run's own prompts and the merged model's greedy "
+                             "completions (written to OUT/gguf-imatrix/imatrix.gguf); FILE is one llama-imatrix "
+                             "wrote for this model (.gguf or legacy .dat) (default: none).")
     parser.add_argument("--gguf-lora-base", default=None, metavar="BASE.gguf",
                         help="With --gguf-lora: the base GGUF it will run on; the adapter is checked against its "
                              "architecture and tensor shapes before anything is written (default: no check).")
@@ -218,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_export_paths(args.adapter, args.out, args.gguf, args.gguf_lora, args.gguf_lora_base)
         paths = export(args.model, args.adapter, args.out, args.dtype, args.load_in_fp8, args.gguf, args.overwrite,
-                       args.gguf_lora, args.gguf_lora_base)
+                       args.gguf_lora, args.gguf_lora_base, args.gguf_imatrix)
     except Exception as err:
         message = adapter_load_error(err, args.adapter, args.model)
         short = None if isinstance(err, OSError) else write_failure(err)  # an OSError names its own path
