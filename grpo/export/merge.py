@@ -245,8 +245,8 @@ def build_parser():
                              "wrote for this model (.gguf or legacy .dat) (default: none).")
     parser.add_argument("--gguf-lora-base", default=None, metavar="BASE.gguf",
                         help="With --gguf-lora: the base GGUF it will run on; the adapter is checked against its "
-                             "architecture and tensor shapes, as llama.cpp will check them, before the LoRA GGUF is written "
-                             "(default: no check).")
+                             "architecture and tensor shapes, as llama.cpp will check them, before the LoRA GGUF "
+                             "is written (default: no check).")
     add_bool_flag(parser, "--overwrite",
                   help="An --out holding an export is moved aside to OUT.old-N (never deleted); without it such "
                        "a folder is refused.")
