@@ -56,7 +56,8 @@ def check_lora_config(adapter_config: dict, where: Path) -> None:
     if adapter_config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"--gguf-lora: {where} is a {adapter_config['peft_type']} adapter; llama.cpp reads LoRA "
                          "only; fix: export without --gguf-lora (the merged GGUF holds it)")
-    unstated = [key for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save") if adapter_config.get(key)]
+    unstated = [key for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save")
+                if adapter_config.get(key)]
     if unstated:
         raise ValueError(f"--gguf-lora: {where} uses {unstated[0]}, which llama.cpp's LoRA format cannot state; "
                          "fix: export without --gguf-lora and run the merged model's GGUF (--gguf)")
