@@ -54,9 +54,11 @@ def smollm2_export(tmp_path_factory):
     run = root / "run"
     trained_adapter(load_dense(base_dir), run / "adapter", seed=5, rank=8)
     (run / "config.json").write_text(json.dumps({"dataset": "arithmetic", "system_prompt": "Answer briefly."}))
-    imatrix.AUTO_PROMPTS, imatrix.AUTO_COMPLETION_TOKENS = 4, 48  # a few hundred tokens: enough to weight by
-    paths = export(str(base_dir), run, root / "out", dtype="fp16", gguf="f16,q4_k_m", gguf_lora=True,
-                   gguf_imatrix="auto")
+    with pytest.MonkeyPatch.context() as patch:  # a few hundred tokens: enough to weight by, quick on a CPU
+        patch.setattr(imatrix, "AUTO_PROMPTS", 4)
+        patch.setattr(imatrix, "AUTO_COMPLETION_TOKENS", 48)
+        paths = export(str(base_dir), run, root / "out", dtype="fp16", gguf="f16,q4_k_m", gguf_lora=True,
+                       gguf_imatrix="auto")
     paths["base-f16"] = write_gguf(base_dir, root / "base" / "base-f16.gguf", "f16")
     return paths
 
