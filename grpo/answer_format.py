@@ -3,6 +3,9 @@ describe it. A completion reads `<start_working_out>...<end_working_out><SOLUTIO
 generation prompt ends with the first tag (`grpo.data.chat_prompt`), the rewards check the rest
 (`grpo.rewards`), and presets stop at the last (`grpo.config`).
 
+Also the system prompts of the agent presets (`grpo.config.PRESETS`): the format with the calculator tool, and
+the number-guessing game's, which has no answer format.
+
 What it deliberately is not: parsing or scoring (`grpo.rewards`) or prompting (`grpo.data`).
 """
 
@@ -25,4 +28,20 @@ QUICKSTART_SYSTEM_PROMPT = (
     f"{SYSTEM_PROMPT}\n"
     f'For example, to "What is a plus b?" answer '
     f"{REASONING_START}a + b = c{REASONING_END}{SOLUTION_START}c{SOLUTION_END}"
+)
+
+# The recipe's system prompt with the calculator tool (the qwen1.5b-gsm8k-calculator preset): the same format, and
+# where the tool fits in it. The tool's definition itself comes from the chat template.
+CALCULATOR_SYSTEM_PROMPT = (
+    f"{SYSTEM_PROMPT}\n"
+    "You may call the calculator tool for any arithmetic while you work; its result comes back in the next message, "
+    f"and you go on working from there. Once you know the answer, close with {REASONING_END}{SOLUTION_START}the "
+    f"number{SOLUTION_END}."
+)
+
+# The number-guessing game's system prompt (the qwen1.5b-number-guess preset): no answer format, one guess a turn;
+# the environment's first message says the rules.
+NUMBER_GUESS_SYSTEM_PROMPT = (
+    "You are playing a number guessing game. Reply to each message with your next guess: one whole number and "
+    "nothing else. Use what each answer tells you."
 )

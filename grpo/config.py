@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from grpo.answer_format import QUICKSTART_SYSTEM_PROMPT
+from grpo.answer_format import CALCULATOR_SYSTEM_PROMPT, NUMBER_GUESS_SYSTEM_PROMPT, QUICKSTART_SYSTEM_PROMPT
 from grpo.cli import OneLineParser, add_bool_flag, print_to_a_pipe
 from grpo.loss import (IS_LEVELS, IS_MODES, KL_KINDS, NORMS, POLICY_TERMS, RATIO_LEVELS, SCALES, Clip, PolicyTerm,
                        policy_term)
@@ -123,10 +123,12 @@ class Config:
                                 "values and gradients are the modules' bit for bit.", "model")
 
     # --- data --------------------------------------------------------------------------------
-    dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), or a path to a "
+    dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), number-guess (games "
+                      "of grpo.agents.number_guess:NumberGuess, built in, offline), or a path to a "
                       "JSONL file with 'question' and 'answer' fields.", "data")
-    reward_preset: str = _f("dapo", "Reward recipe: dapo or gsm8k (the two reference recipes).", "data",
-                            choices=["dapo", "gsm8k"])
+    reward_preset: str = _f("dapo", "Reward recipe: dapo or gsm8k (the two reference recipes), or none (no answer "
+                            "format paid for: only --reward functions and the --environment's reward, as for a game).",
+                            "data", choices=["dapo", "gsm8k", "none"])
     reward: tuple[str, ...] = _f((), "Extra reward functions as module:function (a module of the current "
                                  "folder or on PYTHONPATH) or path/to/file.py:function, each "
                                  "f(completions, answers, **columns) -> list[float].", "data", nargs="+")
@@ -339,6 +341,9 @@ class Config:
             value = getattr(self, name)
             if not low <= value < high:
                 raise ValueError(f"{flag(name)} {value}: must be in [{low:g}, {high:g})")
+        if self.reward_preset == "none" and not self.reward and self.environment is None:
+            raise ValueError("--reward-preset none with neither --reward nor --environment leaves no reward to learn "
+                             "from; fix: add --reward module:function, an --environment, or a reward preset")
         if self.tool_timeout <= 0:
             raise ValueError(f"--tool-timeout {self.tool_timeout}: must be above 0 seconds")
         if self.learning_rate <= 0:
@@ -465,6 +470,31 @@ PRESETS: dict[str, dict[str, Any]] = {
                            micro_batch_size=16, gradient_checkpointing=False,
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
+    # The single-turn preset's task with the calculator tool (issue 64's first agent): the same model, problems,
+    # rewards, sampling and schedule, each completion an episode of up to 5 model turns (the first opened with
+    # <start_working_out> as the single-turn prompt is, so the same rewards read it alike; a turn that stops at
+    # </SOLUTION> ends the episode). The prompts grow by the tool's definition (about 200 tokens in Qwen's template,
+    # hence 512), the transcripts by the calls and their results (hence 512 tokens). 60 steps, held-out eval at 0
+    # and at the end on the single-turn preset's 319 problems.
+    "qwen1.5b-gsm8k-calculator": dict(
+        model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
+        system_prompt=CALCULATOR_SYSTEM_PROMPT, tools="grpo.agents.calculator:calculator", max_turns=5,
+        num_generations=8, prompts_per_step=8, max_prompt_length=512, max_completion_length=512, max_seq_length=1024,
+        learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",), micro_batch_size=16, gradient_checkpointing=False,
+        warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=0, eval_size=319, eval_samples=1,
+        log_completions_steps=10, output_dir="outputs/qwen1.5b-gsm8k-calculator"),
+    # A stateful game (issue 64's second agent): grpo.agents.number_guess:NumberGuess, a secret from 1 to 100 in 7
+    # guesses told higher or lower, over the built-in number-guess games (75 numbers to train on, 25 held out).
+    # The reward is the environment's alone (reward preset none): 1 for the right guess, -0.1 a reply without a
+    # number. One guess a turn is a few tokens and a reply about 25, so 7 turns fit 384 tokens. The preset's
+    # learning rate, batch and schedule as above; held-out success over the 25 games greedy and 4 samples each.
+    "qwen1.5b-number-guess": dict(
+        model="qwen2.5-coder-1.5b-instruct", dataset="number-guess", reward_preset="none",
+        system_prompt=NUMBER_GUESS_SYSTEM_PROMPT, environment="grpo.agents.number_guess:NumberGuess", max_turns=7,
+        num_generations=8, prompts_per_step=8, max_prompt_length=256, max_completion_length=384, max_seq_length=640,
+        learning_rate=1e-5, beta=0.0, micro_batch_size=16, gradient_checkpointing=False,
+        warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=0, eval_size=25, eval_samples=4,
+        log_completions_steps=10, output_dir="outputs/qwen1.5b-number-guess"),
 }
 
 # What each preset runs, for --help and --list-presets.
@@ -481,6 +511,14 @@ PRESET_SUMMARIES: dict[str, str] = {
                       "split, 319 problems held out) with recipe B's rewards; 200 steps of 8 prompts x 8 completions "
                       "up to 384 tokens, held-out eval every 20 steps, the adapters folded in decode; about 24 GiB "
                       "of GPU memory at most. Held-out strict accuracy and speed: benchmarks/RESULTS.md.",
+    "qwen1.5b-gsm8k-calculator": "Offline, one GPU: qwen1.5b-gsm8k's task with the calculator tool, each completion an "
+                                 "episode of up to 5 turns (tool calls and results in between); 60 steps of 8 x 8 "
+                                 "episodes up to 512 tokens, held-out strict accuracy and tool use at step 0 and "
+                                 "at the end (docs/learning.md, \"Agents\").",
+    "qwen1.5b-number-guess": "Offline, one GPU: the packaged Qwen plays the built-in number-guessing game (a secret "
+                             "from 1 to 100 in 7 guesses, told higher or lower) for the environment's reward; 60 "
+                             "steps of 8 x 8 games, held-out success on 25 secrets at step 0 and at the end "
+                             "(docs/learning.md, \"Agents\").",
     "gsm8k-llama1b": "Recipe B on the 1B model, needs the hub or its cache: GSM8K with the gsm8k rewards, rsLoRA "
                      "r=64, 500 steps of 4 x 4 completions, prompts up to 288 tokens. One GPU.",
 }

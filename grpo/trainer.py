@@ -35,8 +35,7 @@ import torch
 
 from grpo import data as grpo_data
 from grpo import rewards as grpo_rewards
-from grpo.agents.environments import load_environment
-from grpo.agents.tools import load_tools
+from grpo.agents.settings import EpisodeSettings, first_prompt
 from grpo.answer_format import SYSTEM_PROMPT
 from grpo.cli import make_console
 from grpo.config import Config
@@ -188,7 +187,9 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
     work_dir = out / "vllm" if world.size == 1 else out / "vllm" / f"rank{world.rank}"  # an external engine's files
     rows = max(cfg.batch_size, cfg.eval_samples)  # the most rows the engine generates at once
     policy, tokenizer, model_dir, engine = load_model(cfg, device, work_dir, rows)
-    prompts, held_out, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy))
+    episodes = EpisodeSettings.load(cfg.tools, cfg.environment, cfg.max_turns, cfg.tool_timeout,
+                                    SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt)
+    prompts, held_out, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy), episodes)
     engine_name = resolve_engine_name(cfg.engine, policy)
     if engine is None:  # sized for the longest prompt of either set and its completion
         held_out_lengths = [len(p) for p in held_out.prompt_ids] if held_out is not None else []
@@ -216,9 +217,7 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                       tokenizer=tokenizer, engine=engine, engine_rows=rows,
                       keep_engine=keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
                       max_completion_length=max_completion_length, prompts=prompts, stream=stream,
-                      reward_funcs=reward_funcs, clock=synced_clock(device),
-                      tools=tuple(load_tools(cfg.tools)) if cfg.tools else (),
-                      environment=load_environment(cfg.environment) if cfg.environment else None)
+                      reward_funcs=reward_funcs, clock=synced_clock(device), episodes=episodes)
     print_banner(console, setup, engine_name)
     return setup, scheduler, held_out
 
@@ -295,23 +294,28 @@ def load_model(cfg: Config, device: torch.device, work_dir: Path, rows: int):
     return policy, tokenizer, model_dir, None
 
 
-def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None
+def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None, episodes: EpisodeSettings | None = None
                      ) -> tuple[grpo_data.PromptSet, grpo_data.PromptSet | None, int]:
     """(training prompts, held-out prompts or None, completion tokens at most). A prompt and its completion
-    fit --max-seq-length and the model's `positions`: longer prompts are dropped and counted."""
+    fit --max-seq-length and the model's `positions`: longer prompts are dropped and counted. With `episodes`,
+    a prompt is an episode's first (`grpo.agents.settings.first_prompt`: the tools' definitions and an
+    environment's first observation counted)."""
     examples = grpo_data.load_examples(cfg.dataset, split="train", seed=cfg.seed)
     if cfg.num_train_examples is not None:
         examples = examples[:cfg.num_train_examples]
     system_prompt = SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt
     room = grpo_data.prompt_room(cfg.max_seq_length, cfg.max_completion_length, positions)
-    prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt, room=room)
+    prompt_text = None if episodes is None else (lambda example: first_prompt(tokenizer, example, episodes))
+    prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt, room=room,
+                                      prompt_text=prompt_text)
     sequence = room.tokens + (cfg.max_completion_length or 1)  # --max-seq-length, or the model's positions
     max_completion_length = (cfg.max_completion_length if cfg.max_completion_length is not None
                              else sequence - prompts.max_prompt_length)
     eval_prompts = None
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
-        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, sequence - max_completion_length, system_prompt)
+        eval_prompts = grpo_data.build_prompts(tokenizer, held_out, sequence - max_completion_length, system_prompt,
+                                               prompt_text=prompt_text)
     return prompts, eval_prompts, max_completion_length
 
 
@@ -384,7 +388,7 @@ def held_out_eval(setup: StepSetup, eval_prompts: grpo_data.PromptSet | None, at
     engine.release_memory()
     result = evaluate(engine, setup.tokenizer, eval_prompts, setup.sampling, k=cfg.eval_samples,
                       seed=cfg.seed + 7919 * at_step, max_rows=setup.engine_rows,
-                      progress=progress.evaluation)
+                      progress=progress.evaluation, episodes=setup.episodes)
     engine.release_memory()
     log_eval(console, log, at_step, result)
 

@@ -57,7 +57,7 @@ def reply_text(message: str, role: str = "tool") -> str:
 
 class Scripted:
     """An engine that answers each call with chosen completions (one list of token ids per row), stopping a row
-    where it ends with a stop id and cutting it at the budget; it records what it was asked."""
+    where it ends with a stop id or stop sequence and cutting it at the budget; it records what it was asked."""
 
     needs_importance_correction = False
 
@@ -69,7 +69,9 @@ class Scripted:
         self.asked.append(([list(p) for p in prompt_ids], n, sampling))
         rows = [row[:sampling.max_new_tokens] for row in self.calls.pop(0)]
         assert len(rows) == len(prompt_ids) * n
-        finished = [bool(row) and row[-1] in sampling.stop_token_ids for row in rows]
+        finished = [bool(row) and (row[-1] in sampling.stop_token_ids
+                                   or any(tuple(row[-len(seq):]) == seq for seq in sampling.stop_sequences))
+                    for row in rows]
         ids = pad_rows(rows, 0, dtype=torch.long)
         mask = pad_rows([[True] * len(r) for r in rows], False, dtype=torch.bool)
         logp = pad_rows([[-0.25 - 0.01 * t for t in range(len(r))] for r in rows], 0.0, dtype=torch.float32)
@@ -155,6 +157,56 @@ def test_an_episode_cut_by_the_turn_limit_or_the_token_budget_is_not_finished(to
     rollout, _ = run_episodes(Scripted([[call]]), tokenizer, [PROMPT], 1, sampling(len(call) + len(reply)),
                               tools=[calculator], max_turns=4, tool_timeout_s=5.0)
     assert rollout.completions() == [call] and rollout.finished.tolist() == [False]  # no room left to answer
+
+
+def test_a_turn_that_stops_at_a_stop_string_ends_the_episode_without_running_its_calls(tokenizer):
+    from grpo.rollout.stops import stop_string_sequences
+
+    answer = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+                               " so <SOLUTION>5</SOLUTION>")
+    stop = stop_string_sequences(tokenizer, ["</SOLUTION>"])
+    assert any(tuple(answer[-len(seq):]) == seq for seq in stop)  # the scripted turn ends at the stop string
+    engine = Scripted([[answer]])
+    rollout, episodes = run_episodes(engine, tokenizer, [PROMPT], 1, dataclasses.replace(sampling(), stop_sequences=stop),
+                                     tools=[calculator], max_turns=3, tool_timeout_s=5.0)
+    assert len(engine.asked) == 1 and rollout.completions() == [answer]  # no second turn
+    assert rollout.finished.tolist() == [True] and episodes[0].tool_calls == 0 and not episodes[0].cut
+
+
+def test_a_call_closed_by_another_eos_than_the_templates_runs_and_the_template_closes_the_turn(tokenizer):
+    end_of_text = 128001  # one of Llama's EOS, which the template never writes (as Qwen's <|endoftext|>)
+    call = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
+    answer = encode(tokenizer, "5") + [EOT]
+    stops = dataclasses.replace(sampling(), stop_token_ids=(EOT, end_of_text))
+    rollout, episodes = run_episodes(Scripted([[call + [end_of_text]], [answer]]), tokenizer, [PROMPT], 1, stops,
+                                     tools=[calculator], max_turns=3, tool_timeout_s=5.0)
+    assert episodes[0].tool_calls == 1 and episodes[0].messages[2] == {"role": "tool", "content": "5"}
+    reply = encode(tokenizer, "<|eot_id|>" + reply_text("5"))  # the template's own end-of-turn opens the reply
+    assert rollout.completions() == [call + [end_of_text] + reply + answer]
+    assert rollout.mask[0].tolist()[:len(call) + 1 + len(reply)] == [True] * (len(call) + 1) + [False] * len(reply)
+
+
+def test_a_prefilled_first_turn_keeps_the_transcript_a_continuation_of_the_prompt(tokenizer):
+    from grpo.rewards import has_exact_format, is_correct
+
+    prefill = "<start_working_out>"
+    call = encode(tokenizer, ' 2+3: <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}'
+                             "</tool_call>") + [EOT]
+    answer = encode(tokenizer, "So it is 5.<end_working_out><SOLUTION>5</SOLUTION>") + [EOT]
+    engine = Scripted([[call], [answer]])
+    rollout, episodes = run_episodes(engine, tokenizer, [PROMPT], 1, sampling(), tools=[calculator], max_turns=3,
+                                     tool_timeout_s=5.0, prefill=prefill)
+    schemas = tool_schemas([calculator])
+    opened = tokenizer.apply_chat_template(PROMPT, tools=schemas, tokenize=False, add_generation_prompt=True,
+                                           date_string="26 Jul 2024") + prefill
+    assert rollout.prompt_ids == [encode(tokenizer, opened)]
+    reply = encode(tokenizer, reply_text("5"))
+    assert engine.asked[1][0] == [encode(tokenizer, opened) + call + reply]
+    # the conversation keeps what the model wrote; its renders put the prefill back in front (else turn 2's context
+    # above would not continue the prompt: the template's text would not start with the text before)
+    assert episodes[0].messages[1]["content"] == tokenizer.decode(call, skip_special_tokens=True)
+    transcript = tokenizer.decode(rollout.completions()[0], skip_special_tokens=True)
+    assert has_exact_format(transcript) and is_correct(transcript, "5")  # read as a single-turn completion is
 
 
 def test_the_number_guessing_environment_ends_the_episode_on_the_right_guess(tokenizer):
@@ -280,7 +332,7 @@ def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_
     real_build = grpo.trainer.build_engine
     monkeypatch.setattr(grpo.trainer, "build_engine", lambda *a, **k: CallsFirst(real_build(*a, **k), call + [EOT]))
     rollouts, targets = [], []
-    real_episodes, real_logprobs = grpo.groups.run_episodes, grpo.batch.token_logprobs
+    real_episodes, real_logprobs = grpo.groups.play_episodes, grpo.batch.token_logprobs
 
     def recording_episodes(*args, **kwargs):
         rollout, episodes = real_episodes(*args, **kwargs)
@@ -291,7 +343,7 @@ def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_
         targets.append(ids.clone())
         return real_logprobs(h, weight, ids, temperature)
 
-    monkeypatch.setattr(grpo.groups, "run_episodes", recording_episodes)
+    monkeypatch.setattr(grpo.groups, "play_episodes", recording_episodes)
     monkeypatch.setattr(grpo.batch, "token_logprobs", recording_logprobs)
     out = tmp_path / "run"
     train(Config(model=str(tool_llama_dir), dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,

@@ -486,3 +486,19 @@ def test_prompt_stream_refuses_a_checkpoint_from_another_dataset_or_seed():
         PromptStream(10, 2, seed=5).load_state_dict(state)
     with pytest.raises(ValueError, match="n_items=0"):
         PromptStream(0, 2)
+
+
+def test_number_guess_games_hold_out_a_fixed_quarter_of_the_secrets_whatever_the_seed():
+    from grpo.agents.number_guess import NumberGuess
+
+    test = load_examples("number-guess", "test", seed=0)
+    assert [e.answer for e in load_examples("number-guess", "test", seed=9)] == [e.answer for e in test]
+    train, other = load_examples("number-guess", "train", seed=0), load_examples("number-guess", "train", seed=1)
+    held, trained = {int(e.answer) for e in test}, {int(e.answer) for e in train}
+    assert len(test) == data.NUMBER_GUESS_HELDOUT == len(held) and not held & trained
+    assert held | trained == set(range(NumberGuess.low, NumberGuess.high + 1))
+    assert [e.answer for e in other] != [e.answer for e in train] and sorted(e.answer for e in other) == \
+        sorted(e.answer for e in train)  # the seed orders the training games, never chooses them
+    env = NumberGuess()
+    env.reset({"answer": test[0].answer})
+    assert env.secret == int(test[0].answer)

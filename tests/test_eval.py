@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from grpo import data as grpo_data
 from grpo.eval import accuracy, cli
 from grpo.rollout import Rollout, Sampling
 
@@ -379,3 +380,76 @@ def test_compare_base_evaluates_the_base_like_the_adapter_and_prints_the_differe
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--model", "no/such-model", "--compare-base"])
     assert exit_info.value.code == 2 and "--compare-base" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Episodes: a run with tools or an environment is evaluated on the episodes it trains on
+# --------------------------------------------------------------------------------------------------
+def test_eval_of_episodes_reports_tool_use_calls_and_turns_beside_accuracy(llama_tokenizer):
+    from grpo.agents.calculator import calculator
+    from grpo.agents.settings import EpisodeSettings
+    from test_agent_episodes import EOT, TEMPLATE, Scripted
+
+    tok = llama_tokenizer
+    saved, tok.chat_template = tok.chat_template, TEMPLATE
+    try:
+        def ids(text):
+            return tok.encode(text, add_special_tokens=False) + [EOT]
+
+        call = ids('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')
+        engine = Scripted([[call, ids("<end_working_out><SOLUTION>3</SOLUTION>")],  # turn 1 of both problems
+                           [ids("<end_working_out><SOLUTION>42</SOLUTION>")]])  # turn 2 of the first
+        examples = [grpo_data.Example("What is 6 times 7?", "42"), grpo_data.Example("And 1 plus 1?", "2")]
+        agent = EpisodeSettings((calculator,), None, max_turns=3, tool_timeout_s=5.0, system_prompt="Solve.")
+        prompt_set = grpo_data.build_prompts(tok, examples, 10_000)
+        records = []
+        result = accuracy.evaluate(engine, tok, prompt_set, Sampling(max_new_tokens=64, stop_token_ids=(EOT,)), k=0,
+                                   seed=0, per_problem=records, episodes=agent)
+    finally:
+        tok.chat_template = saved
+    assert result["eval/greedy_accuracy"] == 0.5 and result["eval/greedy_format"] == 1.0  # the transcript is read
+    assert (result["eval/greedy_tool_use"], result["eval/greedy_tool_calls"], result["eval/greedy_tool_errors"],
+            result["eval/greedy_turns"]) == (0.5, 0.5, 0.0, 1.5)
+    assert "eval/greedy_success" not in result  # no environment
+    assert [(r["greedy_tool_use"], r["greedy_tool_calls"], r["greedy_turns"]) for r in records] == \
+        [(True, 1, 2), (False, 0, 1)]
+
+
+def test_compare_base_plays_the_same_games_for_the_base_and_the_runs_adapter(tmp_path, monkeypatch, capsys):
+    from grpo.config import Config
+    from test_agent_episodes import TEMPLATE
+    from test_export import load_dense, trained_adapter
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_llama
+    from grpo.assets import llama_tokenizer_dir
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(llama_tokenizer_dir())
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(model_dir)
+    run = tmp_path / "run"
+    Config(model=str(model_dir), dataset="number-guess", reward_preset="none", system_prompt="Guess.",
+           environment="grpo.agents.number_guess:NumberGuess", max_turns=2, max_completion_length=10,
+           output_dir=str(run)).save(run)
+    trained_adapter(load_dense(model_dir), run / "adapter")
+    seen = []
+    real = cli.evaluate
+    monkeypatch.setattr(cli, "evaluate", lambda *a, **kw: (seen.append((a[2], a[3], kw["episodes"])),
+                                                           real(*a, **kw))[1])
+    out = tmp_path / "games.jsonl"
+    assert cli.main(["--model", str(model_dir), "--adapter", str(run), "--compare-base", "--dataset", "number-guess",
+                     "--eval-size", "3", "--samples", "1", "--engine", "hf", "--per-problem", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "--environment grpo.agents.number_guess:NumberGuess" in captured.err  # taken from the run
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    (base_prompts, base_sampling, base_games), (prompts, sampling, games) = seen
+    assert base_prompts is prompts and base_sampling == sampling and base_games is games
+    assert games.environment.__name__ == "NumberGuess" and games.max_turns == 2 and games.tools == ()
+    for name in ("base", "adapter"):
+        assert {"eval/greedy_success", "eval/greedy_turns", "eval/sampled_success"} <= set(result[name])
+        assert 1 <= result[name]["eval/greedy_turns"] <= 2
+    assert [row["key"] for row in result["per_problem"]][-1] == "greedy_success"
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert len(set(ids)) == 3  # one question, three secrets: three problems

@@ -67,3 +67,8 @@ def test_missing_tools_and_files_are_one_line(tmp_path):
 def test_gguf_flags_that_do_not_go_together(argv, message):
     args = eval_cli.build_parser().parse_args(["--model", "m", *argv])
     assert message in eval_cli.eval_flag_problem(args)
+
+
+def test_gguf_is_not_for_episodes():
+    args = eval_cli.build_parser().parse_args(["--model", "m", "--gguf", "m.gguf", "--tools", "t.py:f"])
+    assert "--tools and --environment" in eval_cli.eval_flag_problem(args)

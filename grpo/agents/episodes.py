@@ -25,6 +25,7 @@ import torch
 
 from grpo.agents.environments import Episode
 from grpo.agents.tools import Tool, parse_tool_calls, run_tool_call, tool_call_style, tool_schemas
+from grpo.data import render_chat
 from grpo.rollout.base import Engine, Rollout, Sampling, pad_rows
 
 Message = dict[str, str]
@@ -47,7 +48,7 @@ class _Row:
 
 def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Message]], n: int, sampling: Sampling,
                  *, tools: Sequence[Tool] | None = None, environment: type | None = None, max_turns: int,
-                 tool_timeout_s: float, examples: Sequence[dict[str, Any]] | None = None
+                 tool_timeout_s: float, examples: Sequence[dict[str, Any]] | None = None, prefill: str = ""
                  ) -> tuple[Rollout, list[Episode]]:
     """n episodes of each of the P conversations in `prompt_messages`, in group order (row i is prompt i // n).
 
@@ -55,7 +56,10 @@ def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Messa
     call ends the episode, unless an `environment` plays it. `environment`: a class, one instance per episode,
     `reset(example)` with `examples[p]` (its observation is the prompt's last user message) and
     `step(text)` after each model turn. `max_turns`: model turns at most; an episode that would go on is cut.
-    `sampling.max_new_tokens` bounds the whole transcript after the prompt, replies included.
+    `sampling.max_new_tokens` bounds the whole transcript after the prompt, replies included. `prefill`: text the
+    model's first turn opens with, at the end of the prompt (as single-turn prompts end with `<start_working_out>`).
+    A turn that ends at a stop string (`sampling.stop_sequences`), not at the model's end-of-turn, ends the
+    episode's tool calls: the stop string closes the answer, so its calls are not run.
 
     Returns the `Rollout` (`finished` False where `max_turns` or the token budget cut the episode) and each
     episode's `Episode` (its conversation, environment rewards, tool calls and errors, whether turns cut it)."""
@@ -66,7 +70,7 @@ def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Messa
     t0 = time.perf_counter()
     schemas = tool_schemas(tools) if tools else None
     style = tool_call_style(tokenizer.chat_template) if tools else None
-    render = _Renderer(tokenizer, schemas)
+    render = _Renderer(tokenizer, schemas, prefill)
     prompts, rows = [], []
     for p, messages in enumerate(prompt_messages):
         group = [_new_row(list(messages), environment, examples[p] if examples is not None else None)
@@ -144,7 +148,8 @@ def _answer(row: _Row, tools: Sequence[Tool] | None, style: str | None, has_envi
     appended, or the episode ends (finished) or is cut (turns or tokens spent)."""
     text = row.record.messages[-1]["content"]
     replies: list[Message] = []
-    calls = parse_tool_calls(text, style, [fn.__name__ for fn in tools]) if tools else []
+    ended_turn = render.ends_turn(row.turn_tokens)  # a stop string closed the answer instead: no call runs
+    calls = parse_tool_calls(text, style, [fn.__name__ for fn in tools]) if tools and ended_turn else []
     if calls and not last_turn:
         for call in calls:
             content = run_tool_call(call, tools, timeout_s)
@@ -178,16 +183,30 @@ def _answer(row: _Row, tools: Sequence[Tool] | None, style: str | None, has_envi
 
 
 class _Renderer:
-    """The chat template's text of a conversation (with the tools' definitions and the generation prompt),
-    its tokens, and the text a reply adds after the model's turn."""
+    """The chat template's text of a conversation (with the tools' definitions and the generation prompt, by
+    `grpo.data.render_chat` as single-turn prompts are), its tokens, and the text a reply adds after the model's
+    turn. The model's first turn opens with `prefill`: the first prompt ends with it, and later renders put it back
+    in front of the model's first message, so the text rendered before stays a prefix of the text after."""
 
-    def __init__(self, tokenizer, schemas: list[dict[str, Any]] | None):
+    def __init__(self, tokenizer, schemas: list[dict[str, Any]] | None, prefill: str = ""):
         self.tokenizer = tokenizer
         self.schemas = schemas
+        self.prefill = prefill
 
     def __call__(self, messages: list[Message]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                  add_generation_prompt=True)
+        first = next((i for i, message in enumerate(messages) if message["role"] == "assistant"), None)
+        if first is None:
+            return render_chat(self.tokenizer, messages, self.schemas) + self.prefill
+        if self.prefill:
+            opened = {**messages[first], "content": self.prefill + messages[first]["content"]}
+            messages = [*messages[:first], opened, *messages[first + 1:]]
+        return render_chat(self.tokenizer, messages, self.schemas)
+
+    def ends_turn(self, model_tokens: list[int]) -> bool:
+        """The model closed its turn with a special token (its end-of-turn, or another of its EOS), not with a
+        stop string."""
+        last = model_tokens[-1:]
+        return bool(last) and not self.tokenizer.decode(last, skip_special_tokens=True)
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -203,14 +222,12 @@ class _Renderer:
         content = content.strip()  # as a template that trims it renders it
         found = after.find(content, len(before)) if content else -1
         at = found + len(content) if found >= 0 else len(before)
-        last = model_tokens[-1:]
-        end = self.tokenizer.decode(last)
-        if end and not self.tokenizer.decode(last, skip_special_tokens=True):  # the model wrote its end-of-turn
+        if self.ends_turn(model_tokens):  # the model wrote its end-of-turn: the template's own is not the reply's
+            end = self.tokenizer.decode(model_tokens[-1:])
             found = after.find(end, at)
-            if found < 0:
-                raise ValueError(f"the chat template does not close the model's turn with {end!r}, the token the "
-                                 "model stopped at; fix: stop generation at the template's end-of-turn token")
-            at = found + len(end)
+            # Another of the model's EOS (Qwen's <|endoftext|> for its <|im_end|>) is not in the template's text:
+            # the model's token stays, and the template's own close opens the reply.
+            at = found + len(end) if found >= 0 else at
         return after[at:]
 
 

@@ -3,8 +3,9 @@
 With or without an adapter, measured as the trainer measures it (`grpo.eval.accuracy`): a progress bar on stderr,
 then the figures on stderr and as one JSON line on stdout.
 
-An adapter from a run's folder is measured under the run's own settings (its system prompt, stop strings and
-completion length) unless a flag says otherwise. `--compare-base` measures the base model under exactly those
+An adapter from a run's folder is measured under the run's own settings (its system prompt, stop strings,
+completion length, and its tools or environment, whose episodes are then played as training plays them) unless a
+flag says otherwise. `--compare-base` measures the base model under exactly those
 settings first, then the adapter, and prints the difference per metric and problem by problem (McNemar's exact
 test, `grpo.eval.compare`). `--per-problem FILE.jsonl` also writes one line per held-out problem, for
 `python -m grpo.eval.compare A.jsonl B.jsonl`. `--gguf FILE [--gguf-lora ADAPTER.gguf]` measures an exported
@@ -27,11 +28,12 @@ from peft import PeftModel
 from transformers import GenerationConfig
 
 from grpo import data as grpo_data
+from grpo.agents.settings import EpisodeSettings, first_prompt
 from grpo.answer_format import SYSTEM_PROMPT
 from grpo.cli import OneLineParser, add_bool_flag, make_console
 from grpo.config import Config, format_value
 from grpo.eval.accuracy import evaluate
-from grpo.eval.compare import KEYS, compare, format_row
+from grpo.eval.compare import EPISODE_KEYS, KEYS, compare, format_row
 from grpo.eval.llama_cpp import LlamaCppEngine, LlamaServer
 from grpo.export.merge import find_adapter
 from grpo.model.load import (attention_without_cudnn, default_device, load_base_model, load_tokenizer,
@@ -81,6 +83,16 @@ def build_parser():
                         f"(default: {RUN_DEFAULT} none).")
     parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
                         f"train.py's --system-prompt (default: {RUN_DEFAULT} the recipe's).")
+    parser.add_argument("--tools", default=None, metavar="FILE.py:f,g", help="Tools the model may call, as "
+                        "train.py's --tools: each held-out problem is then an episode (none: single completions) "
+                        f"(default: {RUN_DEFAULT} none).")
+    parser.add_argument("--environment", default=None, metavar="FILE.py:Class", help="An environment class, as "
+                        "train.py's --environment: each held-out problem is then an episode of it (none: no "
+                        f"environment) (default: {RUN_DEFAULT} none).")
+    parser.add_argument("--max-turns", type=int, default=None, help="With tools or an environment: model turns per "
+                        f"episode at most (default: {RUN_DEFAULT} {Config.max_turns}).")
+    parser.add_argument("--tool-timeout", type=float, default=None, help="With tools: seconds a tool call may run "
+                        f"(default: {RUN_DEFAULT} {Config.tool_timeout:g}).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature for pass@1 "
                         "(default: 1.0).")
     parser.add_argument("--min-p", type=float, default=0.1, help="min-p for pass@1 sampling (default: 0.1).")
@@ -132,11 +144,14 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
     if args.gguf is not None and (args.adapter is not None or args.compare_base):
         return ("--gguf evaluates a GGUF file in llama.cpp; --adapter and --compare-base evaluate --model's "
                 "weights: use one or the other (a trained adapter goes in as --gguf-lora)")
+    if args.gguf is not None and (args.tools or args.environment):
+        return "--gguf evaluates single completions; --tools and --environment episodes run on --model's weights"
     if args.stop is not None and any(not text for text in args.stop):
         return "--stop: an empty stop string would end every completion at once; remove it"
     at_least = {"--eval-size": (args.eval_size, 1), "--samples": (args.samples, 0), "--seed": (args.seed, 0),
                 "--max-completion-length": (args.max_completion_length, 1),
-                "--max-prompt-length": (args.max_prompt_length, 1), "--batch-rows": (args.batch_rows, 1)}
+                "--max-prompt-length": (args.max_prompt_length, 1), "--batch-rows": (args.batch_rows, 1),
+                "--max-turns": (args.max_turns, 1)}
     for name, (value, low) in at_least.items():
         if value is not None and value < low:
             return f"{name} {value}: must be {low} or more"
@@ -144,6 +159,8 @@ def eval_flag_problem(args: argparse.Namespace) -> str | None:
         return f"--temperature {args.temperature}: must be a finite number, 0 or more"
     if not (math.isfinite(args.min_p) and 0 <= args.min_p < 1):
         return f"--min-p {args.min_p}: must be in [0, 1)"
+    if args.tool_timeout is not None and not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):
+        return f"--tool-timeout {args.tool_timeout}: must be above 0 seconds"
     return None
 
 
@@ -189,6 +206,16 @@ def with_run_defaults(args: argparse.Namespace, run: tuple[Path, dict] | None,
         values["system_prompt"] = settings.get("system_prompt") or SYSTEM_PROMPT
         if settings.get("system_prompt") is not None:
             taken.append("--system-prompt (its own)")
+    for name, plain in (("tools", None), ("environment", None), ("max_turns", Config.max_turns),
+                        ("tool_timeout", Config.tool_timeout)):
+        if values[name] is None:
+            from_run = settings.get(name)
+            values[name] = plain if from_run is None else from_run
+            if from_run is not None and name in ("tools", "environment"):
+                taken.append(f"--{name} {format_value(from_run)}")
+    for name in ("tools", "environment"):
+        if isinstance(values[name], str) and values[name].lower() == "none":
+            values[name] = None
     sized = SIZE_DEFAULTS["gpu" if device.type == "cuda" else "cpu"]
     for name, value in sized.items():
         values[name] = value if values[name] is None else values[name]
@@ -208,13 +235,17 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict:
     cfg = Config(model=args.model, dataset=args.dataset, load_in_fp8=args.load_in_fp8, gradient_checkpointing=False)
     base, model_dir = load_base_model(cfg, device)
     tokenizer = load_tokenizer(model_dir)
+    episodes = EpisodeSettings.load(args.tools, args.environment, args.max_turns, args.tool_timeout,
+                                    args.system_prompt)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, args.system_prompt)
+    prompt_text = None if episodes is None else (lambda example: first_prompt(tokenizer, example, episodes))
+    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, args.system_prompt,
+                                         prompt_text=prompt_text)
     sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
                         stop_token_ids=stop_token_ids(tokenizer, base.generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, args.stop))
     names = ["base", "adapter"] if args.compare_base else ["base" if adapter is None else "adapter"]
-    results, records = evaluate_models(names, base, adapter, tokenizer, prompt_set, sampling, args)
+    results, records = evaluate_models(names, base, adapter, tokenizer, prompt_set, sampling, args, episodes)
     if args.per_problem:
         write_jsonl(args.per_problem, records[names[-1]])
         if args.compare_base:
@@ -260,10 +291,11 @@ def evaluate_gguf(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def evaluate_models(names: list[str], base, adapter: Path | None, tokenizer, prompt_set, sampling: Sampling,
-                    args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+                    args: argparse.Namespace, episodes: EpisodeSettings | None = None
+                    ) -> tuple[dict[str, dict], dict[str, list[dict]]]:
     """Each of `names` ("base", "adapter": the base first, since the adapter is applied to it in place) evaluated
-    under the same prompts and sampling, with the trainer's progress bar on stderr; (results, per-problem records)
-    by name."""
+    under the same prompts and sampling (and with `episodes`, the same episodes' settings, environments reset from
+    the same examples), with the trainer's progress bar on stderr; (results, per-problem records) by name."""
     progress = ProgressBar(make_console(stderr=True), len(names), 0, unit="models")
     results: dict[str, dict] = {}
     records: dict[str, list[dict]] = {name: [] for name in names}
@@ -271,7 +303,8 @@ def evaluate_models(names: list[str], base, adapter: Path | None, tokenizer, pro
     try:
         for done, name in enumerate(names, start=1):
             policy = base if name == "base" else PeftModel.from_pretrained(base, adapter)
-            results[name] = evaluate_policy(policy, tokenizer, prompt_set, sampling, args, progress, records[name])
+            results[name] = evaluate_policy(policy, tokenizer, prompt_set, sampling, args, progress, records[name],
+                                            episodes)
             progress.update(done)
     finally:
         progress.stop()
@@ -279,26 +312,28 @@ def evaluate_models(names: list[str], base, adapter: Path | None, tokenizer, pro
 
 
 def evaluate_policy(policy, tokenizer, prompt_set, sampling: Sampling, args: argparse.Namespace,
-                    progress: ProgressBar, records: list[dict]) -> dict[str, float]:
+                    progress: ProgressBar, records: list[dict], episodes: EpisodeSettings | None = None
+                    ) -> dict[str, float]:
     """One model's held-out result through an engine of its own; its per-problem records appended to `records`."""
     engine = build_engine(args.engine, policy, pad_id=tokenizer.pad_token_id,
                           max_seq_len=max(len(p) for p in prompt_set.prompt_ids) + args.max_completion_length,
                           max_batch=max(1, args.eval_size * max(1, args.samples)))
     engine.progress = progress.generation  # tokens generated, shown while the engine samples (if it says)
     result = evaluate(engine, tokenizer, prompt_set, sampling, k=args.samples, seed=args.seed,
-                      max_rows=args.batch_rows, progress=progress.evaluation, per_problem=records)
+                      max_rows=args.batch_rows, progress=progress.evaluation, per_problem=records, episodes=episodes)
     engine.release_memory()
     return result
 
 
 def comparison(base: dict[str, float], adapter: dict[str, float], base_records: list[dict],
                adapter_records: list[dict]) -> dict:
-    """Both results, the adapter's minus the base's per metric, and per greedy key the problem-by-problem
-    comparison (A the adapter, B the base: `grpo.eval.compare.compare`)."""
+    """Both results, the adapter's minus the base's per metric, and per greedy key (with episodes, their tool use
+    or success too) the problem-by-problem comparison (A the adapter, B the base: `grpo.eval.compare.compare`)."""
     by_id = [{r["id"]: r for r in records} for records in (adapter_records, base_records)]
+    keys = [*KEYS, *(key for key in EPISODE_KEYS if adapter_records and key in adapter_records[0])]
     difference = {k: adapter[k] - base[k] for k in adapter if k not in ("eval/prompts", "eval/samples")}
     return {"base": base, "adapter": adapter, "adapter_minus_base": difference,
-            "per_problem": [compare(by_id[0], by_id[1], key) for key in KEYS]}
+            "per_problem": [compare(by_id[0], by_id[1], key) for key in keys]}
 
 
 def print_comparison(result: dict, adapter: str) -> None:

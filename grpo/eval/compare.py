@@ -24,6 +24,7 @@ from grpo.run.failures import report
 from grpo.run.plots import json_lines
 
 KEYS = ("greedy_strict", "greedy_lenient", "greedy_format")
+EPISODE_KEYS = ("greedy_tool_use", "greedy_success")  # in the records of episodes: with tools, an environment
 
 
 def mcnemar_exact(b: int, c: int) -> float:
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("a", help="Per-problem JSONL of evaluation A (python -m grpo.eval --per-problem).")
     parser.add_argument("b", help="Per-problem JSONL of evaluation B, over the same problems.")
     parser.add_argument("--key", nargs="+", default=list(KEYS), help="Which boolean of each record to compare "
-                        f"(default: {' '.join(KEYS)}).")
+                        f"(default: {' '.join(KEYS)}; records of episodes also have {' and '.join(EPISODE_KEYS)}).")
     parser.add_argument("--json", action="store_true", help="Print one JSON object per key instead of a line.")
     args = parser.parse_args(argv)
     try:

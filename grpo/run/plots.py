@@ -4,8 +4,9 @@ Two panels sharing the step axis. Top: the mean reward of each step, with a band
 deviation when the records carry `reward_std`. Bottom: the training batch's answer accuracy and format
 compliance (faint per step, solid as a running mean: a batch of P*G completions is noisy), and the
 held-out evaluations (`eval/greedy_accuracy`, `eval/greedy_lenient_accuracy`, `eval/greedy_format`,
-`eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`; the lenient ones only where the records carry
-them) as markers joined by lines, step 0 being the untrained model.
+`eval/pass@1`, `eval/pass@1_lenient`, `eval/sampled_format`; of episodes `eval/greedy_tool_use`,
+`eval/greedy_success` and `eval/sampled_success`; each only where the records carry it) as markers joined by
+lines, step 0 being the untrained model.
 
 Also `python -m grpo.run.plots METRICS_JSONL [PNG]`; `--compare LABEL=METRICS_JSONL ... PNG` draws several runs
 of one recipe on shared axes (`plot_side_by_side`: reward, train and held-out accuracy, step time). What
@@ -31,6 +32,9 @@ EVAL_SERIES = (  # key, label, marker
     ("eval/pass@1_lenient", "held-out lenient accuracy (pass@1)", "d"),
     ("eval/greedy_format", "held-out format (greedy)", "^"),
     ("eval/sampled_format", "held-out format (sampled)", "v"),
+    ("eval/greedy_tool_use", "held-out tool use (greedy)", "P"),  # episodes with tools
+    ("eval/greedy_success", "held-out success (greedy)", "*"),  # episodes of an environment
+    ("eval/sampled_success", "held-out success (sampled)", "X"),
 )
 
 
@@ -127,7 +131,8 @@ def plot_metrics(metrics_jsonl: str | Path, png_path: str | Path, title: str | N
                   label=label + (f" (mean of {window} steps)" if window > 1 else ""))
     colors = {"eval/greedy_accuracy": "darkgreen", "eval/pass@1": "limegreen",
               "eval/greedy_lenient_accuracy": "purple", "eval/pass@1_lenient": "orchid",
-              "eval/greedy_format": "darkorange", "eval/sampled_format": "gold"}
+              "eval/greedy_format": "darkorange", "eval/sampled_format": "gold", "eval/greedy_tool_use": "teal",
+              "eval/greedy_success": "crimson", "eval/sampled_success": "salmon"}
     for key, label, marker in EVAL_SERIES:
         s, v = _series(evals, key)
         if s:
