@@ -45,6 +45,7 @@ class NativeTurns:
         self.turn_logp: list[list[float]] = [[] for _ in range(self.rows)]
         self.last: list[int] = [p[-1] for p in prompt_ids for _ in range(n)]  # each row's last token
         self.decoding = set(range(self.rows))
+        self.waiting: set[int] = set()  # the rows whose turns the last `ended()` returned
         self.block = min(engine.tuning.check_every, engine.max_seq_len)  # the output buffers' columns
         # the KV length that holds every row's end: the graphs were captured up to it
         self.ceiling = engine._kv_bucket(max(self.prompt_lengths), sampling.max_new_tokens - 1)
@@ -74,6 +75,7 @@ class NativeTurns:
         alive, finished = st.alive[:rows].tolist(), st.finished[:rows].tolist()
         st.step.zero_()  # the next block writes from column 0 again
         ends = []
+        self.waiting = set()
         for r in sorted(self.decoding):
             k = taken[r]
             self.turn_ids[r] += ids[r][:k]
@@ -84,6 +86,7 @@ class NativeTurns:
                 ends.append(TurnEnd(r, self.turn_ids[r], self.turn_logp[r], bool(finished[r])))
                 self.turn_ids[r], self.turn_logp[r] = [], []
                 self.decoding.discard(r)
+                self.waiting.add(r)
         self.timings["decode"] += time.perf_counter() - t0
         self.timings["decode_steps"] += self.block
         if engine.progress is not None:
@@ -92,19 +95,19 @@ class NativeTurns:
 
     def continue_rows(self, replies: dict[int, list[int]]) -> None:
         """Each reply's tokens after its row's last; the row decodes its next turn from the next block on."""
-        if not replies:
-            return
         t0 = time.perf_counter()
+        budget = self.sampling.max_new_tokens
+        for r, reply in replies.items():  # all checked before any row changes
+            if r not in self.waiting:
+                raise ValueError(f"continue_rows: row {r}'s turn is not among those the last ended() returned; "
+                                 "continue only those")
+            if self.lengths[r] + len(reply) >= budget:
+                raise ValueError(f"continue_rows: row {r}'s reply of {len(reply)} tokens leaves it no room in its "
+                                 f"budget of {budget}; end the row instead")
+        self.waiting = set()
         rows, tokens, starts = sorted(replies), [], []
         for r in rows:
-            reply = list(replies[r])
-            if r in self.decoding or not 0 <= r < self.rows:
-                raise ValueError(f"continue_rows: row {r} has no turn that ended; continue only rows that "
-                                 "ended() returned")
-            if self.lengths[r] + len(reply) >= self.sampling.max_new_tokens:
-                raise ValueError(f"continue_rows: row {r}'s reply of {len(reply)} tokens leaves it no room in its "
-                                 f"budget of {self.sampling.max_new_tokens}; end the row instead")
-            start = self.prompt_lengths[r] + self.lengths[r]
+            reply, start = list(replies[r]), self.prompt_lengths[r] + self.lengths[r]
             if not reply:  # nothing to add: the row's last token again, for the logits that follow it
                 reply, start = [self.last[r]], start - 1
             else:
@@ -112,6 +115,7 @@ class NativeTurns:
                 self.last[r] = reply[-1]
             tokens.append(reply)
             starts.append(start)
-        self.engine._extend(rows, tokens, starts)
-        self.decoding.update(rows)
+        if rows:
+            self.engine._extend(rows, tokens, starts)
+            self.decoding.update(rows)
         self.timings["extend"] += time.perf_counter() - t0
