@@ -9,12 +9,15 @@ attention), sampled as the recipe samples (temperature 1, min_p 0.1):
   its end-of-turn, so a turn ends at any of a set of ordinary token ids: one id in `TURN_TOKENS` of the
   vocabulary, so turns of about that many tokens, each row's of its own length;
   - `in-place` (the product): `NativeEngine.turns`, each reply prefilled into its row's KV cache, rows at
-    their own pace;
+    their own pace; `in-place-check8` the same with the host looking every 8 decode steps (`check_every`);
   - `resent` (the reference): every turn one `generate` over each going row's whole context.
 What is timed is the whole call (`run_episodes`: host work, tool and environment replies, the chat template,
 included; single turn: `generate`), without the graphs' capture (warm-up round). Each record carries model
 tokens per second; the episodes' also their share of the single-turn figure measured in the same module
-(`of_single_turn`, the goal is >= 0.7 in place), turns per episode, reply tokens per row and time per phase.
+(`of_single_turn`, the goal is >= 0.7 in place), turns per episode, reply tokens per row and time per phase:
+capture, prefill, decode (in place: the time in `Turns.ended()`, waiting for blocks, the replies' prefills
+among them), extend (queuing the replies' prefills), host (the rest: the environment, the chat template, while
+the next block decodes). `pytest benchmarks/ --benchmark -k episodes`.
 """
 
 from __future__ import annotations
@@ -96,11 +99,15 @@ def _sampling(shape, **kw):
                     **kw)
 
 
-def _engine(policy, tokenizer, max_seq_len: int):
-    from grpo.rollout import build_engine
+def _engine(policy, tokenizer, max_seq_len: int, check_every: int | None = None):
+    """The engine as the trainer builds it (`build_engine`: auto attention, the adapter folded), with
+    `check_every` (decode steps between the host's looks) where given."""
+    from grpo.rollout.native import EngineTuning, NativeEngine
 
-    return build_engine("native", policy, pad_id=tokenizer.pad_token_id, max_seq_len=max_seq_len, max_batch=ROWS,
-                        fold_adapter=True)
+    tuning = EngineTuning(fold_adapter=True)
+    if check_every is not None:
+        tuning = EngineTuning(fold_adapter=True, check_every=check_every)
+    return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=ROWS, pad_id=tokenizer.pad_token_id, tuning=tuning)
 
 
 _single_turn: dict[str, float] = {}
@@ -129,10 +136,11 @@ def _single_turn_tokens_per_s(bench_env, policy, tokenizer, prompts, shape) -> f
 
 @pytest.mark.bench_order(75)
 @pytest.mark.bench_cost(60)
-@pytest.mark.parametrize("path", ["in-place", "resent"])
+@pytest.mark.parametrize("path", ["in-place", "in-place-check8", "resent"])
 def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path):
-    """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`) or every turn's context re-sent
-    to `generate` (the reference), beside single-turn sampling of the same rows and budget."""
+    """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`; `-check8`: the host looks every 8
+    decode steps, not every 16: a stopped row waits less, the device syncs twice as often) or every turn's
+    context re-sent to `generate` (the reference), beside single-turn sampling of the same rows and budget."""
     from grpo.agents.episodes import run_episodes
 
     policy, tokenizer, examples, shape = episodes_setup
@@ -143,8 +151,10 @@ def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path
     single = _single_turn_tokens_per_s(bench_env, policy, tokenizer, prompts, shape)
     longest = max(map(len, prompts))
     # the reference's turns re-send contexts at the largest budget left: room for a context and a whole budget
-    engine = _engine(policy, tokenizer, longest + shape.completion_len * (1 if path == "in-place" else 2))
-    played = engine if path == "in-place" else GenerateOnly(engine)
+    in_place = path.startswith("in-place")
+    engine = _engine(policy, tokenizer, longest + shape.completion_len * (1 if in_place else 2),
+                     check_every=8 if path == "in-place-check8" else None)
+    played = engine if in_place else GenerateOnly(engine)
     sampling = _sampling(shape)
     runs = []
 
@@ -173,7 +183,8 @@ def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path
         "turns_per_episode": sum(e.turns for e in episodes) / len(episodes),
         "reply_tokens_per_row": float((spans.sum() - model_tokens) / shape.rows),
         "phases_s": {**phases, "host": phases["episodes"] - sum(v for k, v in phases.items() if k != "episodes")},
-        "decode_steps": rollout.timings.get("decode_steps"), "turn_tokens": TURN_TOKENS, "max_turns": MAX_TURNS,
+        "decode_steps": rollout.timings.get("decode_steps"), "check_every": engine.tuning.check_every,
+        "turn_tokens": TURN_TOKENS, "max_turns": MAX_TURNS,
         "shape": bs.asdict(shape),
     })
     results.add(benchmark, group="episodes", config=shape.name, impl=path, dtype="bf16")
