@@ -1,8 +1,9 @@
 """The seam between the trainer and every sampler: `Sampling`, `Rollout` and the `Engine` protocol.
 
 Engines take and give token ids; the tokenizer lives outside them. This module holds only the data
-types, the protocols (`Engine`, and `Turns` for an engine that continues episodes' rows in place) and `pad_rows` (rows of different lengths into one padded tensor, as every engine and
-the step build them), no sampling code (that is `grpo/rollout/sampling.py`).
+types, the protocols (`Engine`, and `Turns` for an engine that continues episodes' rows in place) and
+`pad_rows` (rows of different lengths into one padded tensor, as every engine and the step build them), no
+sampling code (that is `grpo/rollout/sampling.py`).
 """
 
 from __future__ import annotations

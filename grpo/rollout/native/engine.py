@@ -511,8 +511,9 @@ class NativeEngine:
             if isinstance(p, (list, tuple)) and len(p) + sampling.max_new_tokens > self.max_seq_len:
                 raise ValueError(f"episode prompt {i} has {len(p)} tokens and its transcript (turns and replies) "
                                  f"may take {sampling.max_new_tokens} more: {len(p) + sampling.max_new_tokens} "
-                                 f"exceed the engine's max_seq_len={self.max_seq_len}; fix: build the engine with "
-                                 "a max_seq_len that holds both, or lower the completion budget")
+                                 f"exceed the engine's max_seq_len={self.max_seq_len}; fix: an engine whose "
+                                 "max_seq_len holds both (train.py: --max-seq-length), or a smaller completion "
+                                 "budget (--max-completion-length)")
         self._check(prompt_ids, num_generations, sampling)
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
