@@ -260,3 +260,36 @@ def test_in_place_episodes_in_cuda_graphs_equal_the_reference_way(gemm):
         assert [e.ids for e in runs[0][row]] == [e.ids for e in runs[1][row]], row
         for a, b in zip(runs[0][row], runs[1][row]):
             torch.testing.assert_close(torch.tensor(a.logp), torch.tensor(b.logp), atol=1e-4, rtol=0)
+
+
+@pytest.mark.cuda
+@cuda
+def test_in_place_episodes_with_the_adapter_folded_record_the_policys_logprobs_on_the_whole_transcript():
+    """The trainer's engine on the GPU (decode kernels, the LoRA adapter folded into the weights, graphs): the
+    log-probs recorded for every model token, after replies too, are a whole-transcript forward's (float32, where
+    folding rounds nothing that matters)."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+
+    policy = get_peft_model(lively_llama(seed=6), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS),
+                                                             init_lora_weights=False)).cuda().eval()
+    engine = NativeEngine(policy, max_seq_len=96, max_batch=6, pad_id=PAD, gemm="kernels",
+                          tuning=EngineTuning(kv_bucket=16, check_every=4, fold_adapter=True))
+    sampling = Sampling(max_new_tokens=48, temperature=1.0, seed=2, stop_token_ids=every(6, 1024))
+    replies = {r: [100 + r] * (r + 1) for r in range(6)}
+    with engine.turns(PROMPTS, 2, sampling) as turns:
+        ends = play(turns, replies, sampling.max_new_tokens)
+    assert engine.needs_importance_correction and max(len(e) for e in ends.values()) >= 2
+    for row, turns_of_row in ends.items():
+        ids, counted, logp = list(PROMPTS[row // 2]), [], []
+        for k, end in enumerate(turns_of_row):
+            counted += range(len(ids), len(ids) + len(end.ids))
+            ids += end.ids
+            logp += end.logp
+            if k + 1 < len(turns_of_row):
+                ids += replies[row]
+        with torch.no_grad():
+            full = torch.log_softmax(policy(torch.tensor([ids], device="cuda")).logits[0].double(), -1)
+        want = torch.stack([full[t - 1, ids[t]] for t in counted]).cpu()
+        torch.testing.assert_close(torch.tensor(logp, dtype=torch.float64), want, atol=2e-3, rtol=0)

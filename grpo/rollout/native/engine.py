@@ -26,6 +26,10 @@ One `generate(prompt_ids, num_generations, sampling)`:
    `EngineTuning.fold_adapter` the prefill and the decode read the adapters folded into the base weights
    (`fold.py`), taken out exactly when the decode ends.
 
+Episodes of several turns (`turns(prompt_ids, num_generations, sampling)`, `turns.py`): the same prefill, then
+the decode in blocks of `check_every` steps from graphs of a step that keeps a stopped row's position, each
+reply prefilled into its row's cache after the row's last token (`_extend`) while the other rows decode on.
+
 Rows of one prompt have their own positions: prompts of different lengths need no left padding and
 get the positions and numerics of an unpadded forward.
 
