@@ -9,7 +9,8 @@ attention), sampled as the recipe samples (temperature 1, min_p 0.1):
   its end-of-turn, so a turn ends at any of a set of ordinary token ids: one id in `TURN_TOKENS` of the
   vocabulary, so turns of about that many tokens, each row's of its own length;
   - `in-place` (the product): `NativeEngine.turns`, each reply prefilled into its row's KV cache, rows at
-    their own pace; `in-place-check8` the same with the host looking every 8 decode steps (`check_every`);
+    their own pace (the host looks every `EngineTuning.turn_block`, 8, decode steps); `in-place-block16` the
+    same with blocks of 16;
   - `resent` (the reference): every turn one `generate` over each going row's whole context.
 What is timed is the whole call (`run_episodes`: host work, tool and environment replies, the chat template,
 included; single turn: `generate`), without the graphs' capture (warm-up round). Each record carries model
@@ -99,14 +100,14 @@ def _sampling(shape, **kw):
                     **kw)
 
 
-def _engine(policy, tokenizer, max_seq_len: int, check_every: int | None = None):
+def _engine(policy, tokenizer, max_seq_len: int, turn_block: int | None = None):
     """The engine as the trainer builds it (`build_engine`: auto attention, the adapter folded), with
-    `check_every` (decode steps between the host's looks) where given."""
+    `turn_block` (episodes' decode steps between the host's looks) where given."""
     from grpo.rollout.native import EngineTuning, NativeEngine
 
     tuning = EngineTuning(fold_adapter=True)
-    if check_every is not None:
-        tuning = EngineTuning(fold_adapter=True, check_every=check_every)
+    if turn_block is not None:
+        tuning = EngineTuning(fold_adapter=True, turn_block=turn_block)
     return NativeEngine(policy, max_seq_len=max_seq_len, max_batch=ROWS, pad_id=tokenizer.pad_token_id, tuning=tuning)
 
 
@@ -136,10 +137,10 @@ def _single_turn_tokens_per_s(bench_env, policy, tokenizer, prompts, shape) -> f
 
 @pytest.mark.bench_order(75)
 @pytest.mark.bench_cost(60)
-@pytest.mark.parametrize("path", ["in-place", "in-place-check8", "resent"])
+@pytest.mark.parametrize("path", ["in-place", "in-place-block16", "resent"])
 def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path):
-    """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`; `-check8`: the host looks every 8
-    decode steps, not every 16: a stopped row waits less, the device syncs twice as often) or every turn's
+    """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`; `-block16`: the host looks every 16
+    decode steps, not every 8: a stopped row waits longer, the device syncs half as often) or every turn's
     context re-sent to `generate` (the reference), beside single-turn sampling of the same rows and budget."""
     from grpo.agents.episodes import run_episodes
 
@@ -153,7 +154,7 @@ def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path
     # the reference's turns re-send contexts at the largest budget left: room for a context and a whole budget
     in_place = path.startswith("in-place")
     engine = _engine(policy, tokenizer, longest + shape.completion_len * (1 if in_place else 2),
-                     check_every=8 if path == "in-place-check8" else None)
+                     turn_block=16 if path == "in-place-block16" else None)
     played = engine if in_place else GenerateOnly(engine)
     sampling = _sampling(shape)
     runs = []
@@ -183,7 +184,7 @@ def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path
         "turns_per_episode": sum(e.turns for e in episodes) / len(episodes),
         "reply_tokens_per_row": float((spans.sum() - model_tokens) / shape.rows),
         "phases_s": {**phases, "host": phases["episodes"] - sum(v for k, v in phases.items() if k != "episodes")},
-        "decode_steps": rollout.timings.get("decode_steps"), "check_every": engine.tuning.check_every,
+        "decode_steps": rollout.timings.get("decode_steps"), "turn_block": engine.tuning.turn_block,
         "turn_tokens": TURN_TOKENS, "max_turns": MAX_TURNS,
         "shape": bs.asdict(shape),
     })

@@ -79,7 +79,7 @@ def play(turns, replies: dict[int, list[int] | None], budget: int) -> dict[int, 
 def test_rows_continued_in_place_end_their_turns_as_the_whole_context_resent_does():
     model = lively_llama(seed=0)
     engine = NativeEngine(model, max_seq_len=128, max_batch=6, pad_id=PAD,
-                          tuning=EngineTuning(kv_bucket=16, check_every=4))
+                          tuning=EngineTuning(kv_bucket=16, turn_block=4))
     sampling = Sampling(max_new_tokens=30, temperature=0.0, stop_token_ids=every(7, 1024))
     # two replies of different lengths, an empty one (the row goes on after its own last token), rows that end
     replies = {0: [100, 101, 102], 1: [200], 2: [], 3: None, 4: [7, 8, 9, 10, 11, 12, 13, 14], 5: [300, 301]}
@@ -135,7 +135,7 @@ def episodes_on(engine, tokenizer, sampling, max_turns=3):
 def test_greedy_episodes_in_place_equal_the_reference_ways_on_the_native_engine_and_transformers(tokenizer):
     model = lively_llama(seed=1, vocab=128256)
     engine = NativeEngine(model, max_seq_len=256, max_batch=6, pad_id=BIG_PAD,
-                          tuning=EngineTuning(kv_bucket=16, check_every=4))
+                          tuning=EngineTuning(kv_bucket=16, turn_block=4))
     sampling = Sampling(max_new_tokens=64, temperature=0.0, stop_token_ids=every(9, 128000))
     fast, fast_episodes = episodes_on(engine, tokenizer, sampling)
     assert "extend" in fast.timings and "episodes" in fast.timings
@@ -157,7 +157,7 @@ def test_in_place_episodes_record_the_logprobs_the_trainer_computes_on_the_whole
     policy = get_peft_model(lively_llama(seed=2, vocab=128256), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)).eval()
     engine = NativeEngine(policy, max_seq_len=160, max_batch=6, pad_id=BIG_PAD,
-                          tuning=EngineTuning(kv_bucket=16, check_every=3))
+                          tuning=EngineTuning(kv_bucket=16, turn_block=3))
     sampling = Sampling(max_new_tokens=60, temperature=1.0, seed=5, stop_token_ids=every(6, 128000))
     rollout, episodes = episodes_on(engine, tokenizer, sampling, max_turns=4)
     assert max(e.turns for e in episodes) >= 3
@@ -172,7 +172,7 @@ def test_a_stop_sequence_is_matched_within_a_turn_never_across_turns():
     model = lively_llama(seed=5)
     # a check after every step: a row goes on right after the step that stopped it, no padding in its window
     engine = NativeEngine(model, max_seq_len=96, max_batch=2, pad_id=PAD,
-                          tuning=EngineTuning(kv_bucket=16, check_every=1))
+                          tuning=EngineTuning(kv_bucket=16, turn_block=1))
     plain = Sampling(max_new_tokens=30, temperature=0.0, stop_token_ids=every(11, 1024))
     with engine.turns([PROMPTS[0]], 1, plain) as turns:
         first = play(turns, {0: [500, 501]}, plain.max_new_tokens)[0]
@@ -199,7 +199,7 @@ def test_generate_after_episodes_on_one_engine_gives_a_fresh_engines_rollout():
 
 def test_episodes_report_progress_up_to_every_rows_budget():
     model = lively_llama(seed=5)
-    engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(check_every=4))
+    engine = NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD, tuning=EngineTuning(turn_block=4))
     reports = []
     engine.progress = lambda done, total: reports.append((done, total))
     sampling = Sampling(max_new_tokens=24, temperature=0.0, stop_token_ids=every(7, 1024))
@@ -242,7 +242,7 @@ def test_in_place_episodes_in_cuda_graphs_equal_the_reference_way(gemm):
     sampling = Sampling(max_new_tokens=48, temperature=0.0, stop_token_ids=every(7, 1024))
     replies = {0: [100, 101, 102], 1: [200], 2: [], 3: None, 4: [7, 8, 9, 10, 11, 12, 13, 14], 5: [300, 301]}
     engine = NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, gemm=gemm,
-                          tuning=EngineTuning(kv_bucket=16, check_every=4))
+                          tuning=EngineTuning(kv_bucket=16, turn_block=4))
     with engine.turns(PROMPTS, 2, sampling) as turns:
         fast = play(turns, replies, sampling.max_new_tokens)
     with ResentTurns(GenerateOnly(engine), PROMPTS, 2, sampling) as turns:
@@ -251,7 +251,7 @@ def test_in_place_episodes_in_cuda_graphs_equal_the_reference_way(gemm):
         assert [(e.ids, e.finished) for e in fast[row]] == [(e.ids, e.finished) for e in reference[row]], row
     sampled = Sampling(max_new_tokens=48, temperature=1.0, seed=3, stop_token_ids=every(7, 1024))
     eager = NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, gemm=gemm,
-                         tuning=EngineTuning(kv_bucket=16, check_every=4, use_cuda_graph=False, compile=None))
+                         tuning=EngineTuning(kv_bucket=16, turn_block=4, use_cuda_graph=False, compile=None))
     runs = []
     for each in (engine, eager):
         with each.turns(PROMPTS, 2, sampled) as turns:
@@ -275,7 +275,7 @@ def test_in_place_episodes_with_the_adapter_folded_record_the_policys_logprobs_o
     policy = get_peft_model(lively_llama(seed=6), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS),
                                                              init_lora_weights=False)).cuda().eval()
     engine = NativeEngine(policy, max_seq_len=96, max_batch=6, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(kv_bucket=16, check_every=4, fold_adapter=True))
+                          tuning=EngineTuning(kv_bucket=16, turn_block=4, fold_adapter=True))
     sampling = Sampling(max_new_tokens=48, temperature=1.0, seed=2, stop_token_ids=every(6, 1024))
     replies = {r: [100 + r] * (r + 1) for r in range(6)}
     with engine.turns(PROMPTS, 2, sampling) as turns:

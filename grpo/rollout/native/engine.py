@@ -27,7 +27,7 @@ One `generate(prompt_ids, num_generations, sampling)`:
    (`fold.py`), taken out exactly when the decode ends.
 
 Episodes of several turns (`turns(prompt_ids, num_generations, sampling)`, `turns.py`): the same prefill, then
-the decode in blocks of `check_every` steps from graphs of a step that keeps a stopped row's position, each
+the decode in blocks of `turn_block` steps from graphs of a step that keeps a stopped row's position, each
 reply prefilled into its row's cache after the row's last token (`_extend`) while the other rows decode on.
 
 Rows of one prompt have their own positions: prompts of different lengths need no left padding and

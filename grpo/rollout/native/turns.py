@@ -4,7 +4,7 @@
 `grpo.rollout.base.Turns`) to the episode loop (`grpo.agents.episodes`), which decides what happens between
 turns. Here:
 
-- the decode runs every row at its own pace, `check_every` steps a block (`NativeEngine._step` with `turns`:
+- the decode runs every row at its own pace, `EngineTuning.turn_block` steps a block (`NativeEngine._step` with `turns`:
   replayed from CUDA graphs as the single-turn step is; a row that stops keeps its position, a row stops at its
   budget too); after each block the host reads what every row sampled and hands the turns that ended to the loop;
 - before it hands them over it queues the next block for the rows still decoding, so the device decodes while
@@ -13,7 +13,7 @@ turns. Here:
   (`NativeEngine._extend`: the replies' tokens alone, in one batch), after that block; the rows decode again
   from the block after it, while the others never stopped.
 
-So a row that stopped waits for the rest of its block and one more (fewer than 2 x `check_every` steps) before
+So a row that stopped waits for the rest of its block and one more (fewer than 2 x `turn_block` steps) before
 its reply goes in, and a reply costs one prefill of its own tokens: no decode step per reply token, no re-read of
 the context, no row waiting for the slowest of its turn, no device waiting for the host's replies (unless they
 take longer than a block).
@@ -50,7 +50,7 @@ class NativeTurns:
         self.decoding = set(range(self.rows))  # the rows the next block decodes
         self.in_flight: set[int] | None = None  # the rows of the block launched and not yet read, if one is
         self.waiting: set[int] = set()  # the rows whose turns the last `ended()` returned
-        self.block = min(engine.tuning.check_every, engine.max_seq_len)  # the output buffers' columns
+        self.block = min(engine.tuning.turn_block, engine.max_seq_len)  # the output buffers' columns
         # the KV length that holds every row's end: the graphs were captured up to it
         self.ceiling = engine._kv_bucket(max(self.prompt_lengths), sampling.max_new_tokens - 1)
         self.timings = {**timings, "decode": 0.0, "extend": 0.0, "decode_steps": 0.0}
@@ -75,7 +75,7 @@ class NativeTurns:
 
     def _launch(self) -> None:
         """The next block of decode steps for the decoding rows, queued without a host sync: as many steps as
-        check_every, or fewer where no row has that many left in its budget."""
+        turn_block, or fewer where no row has that many left in its budget."""
         steps = min(self.block, max(self.sampling.max_new_tokens - self.lengths[r] for r in self.decoding))
         top = max(p + n for p, n in zip(self.prompt_lengths, self.lengths))  # the highest position of a row
         self.engine._decode_turns(self.rows, steps, top, self.ceiling, self.sampling, self.stop, self.graphs,
