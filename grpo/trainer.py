@@ -197,9 +197,11 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
         vllm = VLLMOptions(model_path=str(model_dir), lora_rank=cfg.lora_rank, dtype=cfg.dtype, seed=cfg.seed,
                            work_dir=str(work_dir), gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            enforce_eager=cfg.vllm_enforce_eager)
-        engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id,
-                              max_seq_len=longest_prompt + max_completion_length, max_batch=rows,
-                              gemm=cfg.engine_gemm, attention=cfg.engine_attention,
+        max_seq_len = longest_prompt + max_completion_length
+        if cfg.tools or cfg.environment:  # an episode's prompt is not the dataset's (tool definitions, an
+            max_seq_len = max(max_seq_len, cfg.max_seq_length)  # environment's first observation): room for more
+        engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id, max_seq_len=max_seq_len,
+                              max_batch=rows, gemm=cfg.engine_gemm, attention=cfg.engine_attention,
                               fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p,

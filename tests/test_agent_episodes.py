@@ -364,12 +364,15 @@ def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_
     assert targets and all(header not in ids.tolist() for ids in targets)
 
 
-def test_a_run_with_the_number_guessing_environment_logs_its_reward_and_episodes(tool_llama_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("native", marks=pytest.mark.slow)])
+def test_a_run_with_the_number_guessing_environment_logs_its_reward_and_episodes(tool_llama_dir, tmp_path, engine):
+    # the environment's first observation makes each episode's prompt longer than the dataset's: the native
+    # engine's cache holds --max-seq-length for episodes, not the dataset's longest prompt and the budget
     data = tmp_path / "guess.jsonl"
     data.write_text("".join(json.dumps({"question": "Guess my number.", "answer": str(a)}) + "\n"
                             for a in (7, 31, 64, 90)))
     out = tmp_path / "run"
-    train(Config(model=str(tool_llama_dir), dataset=str(data), engine="hf", max_steps=1, prompts_per_step=2,
+    train(Config(model=str(tool_llama_dir), dataset=str(data), engine=engine, max_steps=1, prompts_per_step=2,
                  num_generations=2, max_completion_length=60, max_seq_length=1024, learning_rate=1e-3,
                  warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0, output_dir=str(out), seed=3,
                  environment="grpo.agents.number_guess:NumberGuess", max_turns=3))

@@ -321,7 +321,7 @@ def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     pytest.importorskip("bitsandbytes")
     tmp_path = tmp_path_factory.mktemp("smoke")
     selection = ("(bench_config and bf16) or (token_logprobs and forward_backward) or adamw or native_sampler "
-                 "or more_rows")
+                 "or more_rows or episodes_at")
     proc = _pytest_benchmarks(tmp_path, "--benchmark", "--bench-smoke", "-k", selection, cuda_visible="")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("*-smoke.json")
@@ -365,6 +365,23 @@ def test_the_sampler_sweep_and_the_step_at_more_rows_run_in_smoke_mode(smoke_run
     assert steps == ["bench", "rows256", "rows64"]
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("smoke_run")
+def test_the_episodes_benchmark_runs_in_smoke_mode_beside_single_turn(smoke_run):
+    """Episodes in place, in blocks of 8 and of 16 steps, and resent, each with its model tokens per second and its
+    share of the single-turn figure measured in the same run."""
+    records = [r for r in smoke_run[1]["records"] if r["group"] == "episodes"]
+    assert sorted(r["impl"] for r in records) == ["in-place", "in-place-block16", "resent"]
+    single = {r["extra_info"]["single_turn_tokens_per_s"] for r in records}
+    assert len(single) == 1 and single.pop() > 0
+    for r in records:
+        info = r["extra_info"]
+        assert 0 < info["model_tokens"] <= info["rows"] * info["shape"]["completion_len"]
+        assert info["of_single_turn"] == pytest.approx(info["tokens_per_s"] / info["single_turn_tokens_per_s"])
+    in_place = next(r["extra_info"] for r in records if r["impl"] == "in-place")
+    assert in_place["phases_s"]["decode"] > 0 and in_place["turn_block"] == 8
+
+
 def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_latest(bench_modules, tmp_path):
     bs, render = bench_modules
     first = bs.Results(tmp_path, "first")
@@ -378,7 +395,7 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 
 SCRIPT_PROBES = ["native_engine", "decode_gemm_tiles", "decode_gemm_sass", "train_pass", "engine_sampling",
-                 "step_profile", "fp8_host", "attention_tiles"]
+                 "step_profile", "fp8_host", "attention_tiles", "turn_blocks"]
 # Each probe run as a script (its folder first on the path, as `python probe.py` puts it) with --help, in one
 # process: a process a probe spent its seconds importing torch ten times over.
 HELP_EACH = """

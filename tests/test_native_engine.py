@@ -66,8 +66,8 @@ def test_engine_needs_no_importance_correction_and_keeps_its_kv_cache_on_standby
 
 
 def test_engine_tuning_refuses_values_it_cannot_run():
-    for bad in (dict(kv_bucket=0), dict(check_every=0), dict(attention="flash"), dict(kernel_rows=0),
-                dict(kernel_rows=65), dict(prefill_bucket=0)):
+    for bad in (dict(kv_bucket=0), dict(check_every=0), dict(turn_block=0), dict(attention="flash"),
+                dict(kernel_rows=0), dict(kernel_rows=65), dict(prefill_bucket=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineTuning(**bad)
     if os.environ.get("TRITON_INTERPRET") != "1":  # the attention kernel needs Triton on a GPU (or its interpreter)

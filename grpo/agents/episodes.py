@@ -3,8 +3,12 @@ reply enters its context, until the model stops calling, the environment says do
 
 `run_episodes` plays P prompts times n episodes on any `Engine` and returns them as one `Rollout` whose
 completions are whole transcripts after the prompt: the model's tokens and the replies' tokens in order,
-`mask` True only at the model's. It is the reference: an engine that continues its rows in place must give
-the same transcripts for the same sampled tokens.
+`mask` True only at the model's. What happens between turns (a tool run, an environment's step, the reply's
+tokens, the limits) is decided here, once, for every engine; the engine only continues the rows it is given
+with the tokens appended (`Turns`). On an engine with `turns` (the native engine: each reply prefilled into
+its row's KV cache, rows at their own pace) that is the engine's; on any other, `ResentTurns`, the reference:
+every turn re-sends each row's whole context to `generate`. Both give the same transcripts for the same
+sampled tokens.
 
 How a reply becomes tokens: the chat template renders the conversation with the new message(s) and the
 generation prompt; the text it adds after the model's own end-of-turn is the reply. The model's tokens are
@@ -26,7 +30,7 @@ import torch
 from grpo.agents.environments import Episode
 from grpo.agents.tools import Tool, parse_tool_calls, run_tool_call, tool_call_style, tool_schemas
 from grpo.data import render_chat
-from grpo.rollout.base import Engine, Rollout, Sampling, pad_rows
+from grpo.rollout.base import Engine, Rollout, Sampling, TurnEnd, pad_rows
 
 Message = dict[str, str]
 
@@ -85,28 +89,22 @@ def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Messa
         rows += group
 
     budget = sampling.max_new_tokens
-    for turn in range(1, max_turns + 1):
-        going = [i for i, row in enumerate(rows) if row.going]
-        if not going:
-            break
-        left = [budget - len(rows[i].ids) for i in going]
-        # One call for every row still going, at the largest budget left; each row is then cut to its own
-        # (`_model_turn`): its tokens up to its limit are drawn alike. Each turn its own seed, so that a seeded
-        # run does not replay the first turn's draws.
-        turn_sampling = dataclasses.replace(
-            sampling, max_new_tokens=max(left),
-            seed=None if sampling.seed is None else sampling.seed + turn - 1)
-        if turn == 1:
-            out = engine.generate(prompts, n, turn_sampling)
-        else:
-            contexts = [prompts[i // n] + rows[i].ids for i in going]
-            out = engine.generate(contexts, 1, turn_sampling)
-        for k, i in enumerate(going):
-            _model_turn(rows[i], out, k, left[k], tokenizer)
-        for i in going:
-            row = rows[i]
-            if row.going:
-                _answer(row, tools, style, environment is not None, tool_timeout_s, render, budget, turn == max_turns)
+    # The engine's own way to continue rows in place where it has one; else the whole context re-sent each turn
+    opened = (engine.turns(prompts, n, sampling) if callable(getattr(engine, "turns", None))
+              else ResentTurns(engine, prompts, n, sampling))
+    with opened as turns:
+        ended = turns.ended()
+        while ended:
+            replies = {}
+            for end in ended:
+                row = rows[end.row]
+                _model_turn(row, end, tokenizer)
+                reply = _answer(row, tools, style, environment is not None, tool_timeout_s, render, budget,
+                                row.record.turns == max_turns) if row.going else None
+                if reply is not None:
+                    replies[end.row] = reply
+            turns.continue_rows(replies)
+            ended = turns.ended()
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rollout = Rollout(
@@ -115,7 +113,7 @@ def run_episodes(engine: Engine, tokenizer, prompt_messages: Sequence[list[Messa
         mask=pad_rows([row.mask for row in rows], False, dtype=torch.bool),
         sampler_logp=pad_rows([row.logp for row in rows], 0.0, dtype=torch.float32),
         finished=torch.tensor([row.finished for row in rows], dtype=torch.bool),
-        num_generations=n, timings={"episodes": time.perf_counter() - t0})
+        num_generations=n, timings={**turns.timings, "episodes": time.perf_counter() - t0})
     return rollout, [row.record for row in rows]
 
 
@@ -127,25 +125,21 @@ def _new_row(messages: list[Message], environment: type | None, example: dict[st
     return _Row(Episode(messages), env, "")
 
 
-def _model_turn(row: _Row, out: Rollout, k: int, left: int, tokenizer) -> None:
-    """Row `row`'s tokens of this turn, from row `k` of the engine's `out`, cut to the row's own budget."""
-    tokens = out.completion_ids[k][out.mask[k]].tolist()
-    logp = out.sampler_logp[k][out.mask[k]].tolist()
-    stopped = bool(out.finished[k]) and len(tokens) <= left
-    tokens, logp = tokens[:left], logp[:left]
-    row.ids += tokens
-    row.mask += [True] * len(tokens)
-    row.logp += logp
-    row.record.messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
-    row.turn_tokens = tokens
-    if not stopped:  # the token budget ran out mid-turn
+def _model_turn(row: _Row, end: TurnEnd, tokenizer) -> None:
+    """Row `row`'s tokens of the turn that just ended (already cut to the row's budget)."""
+    row.ids += end.ids
+    row.mask += [True] * len(end.ids)
+    row.logp += end.logp
+    row.record.messages.append({"role": "assistant", "content": tokenizer.decode(end.ids, skip_special_tokens=True)})
+    row.turn_tokens = end.ids
+    if not end.finished:  # the token budget ran out mid-turn
         row.going, row.finished = False, False
 
 
 def _answer(row: _Row, tools: Sequence[Tool] | None, style: str | None, has_environment: bool,
-            timeout_s: float, render: "_Renderer", budget: int, last_turn: bool) -> None:
+            timeout_s: float, render: "_Renderer", budget: int, last_turn: bool) -> list[int] | None:
     """After a model turn that stopped: its tool calls run, or the environment steps; the reply's tokens are
-    appended, or the episode ends (finished) or is cut (turns or tokens spent)."""
+    appended and returned, or the episode ends (finished) or is cut (turns or tokens spent): None."""
     text = row.record.messages[-1]["content"]
     replies: list[Message] = []
     ended_turn = render.ends_turn(row.turn_tokens)  # a stop string closed the answer instead: no call runs
@@ -161,14 +155,14 @@ def _answer(row: _Row, tools: Sequence[Tool] | None, style: str | None, has_envi
         row.record.rewards.append(float(reward))
         if done:
             row.going, row.finished = False, True
-            return
+            return None
         replies.append({"role": "user", "content": str(observation)})
     if not calls and not has_environment:
         row.going, row.finished = False, True
-        return
+        return None
     if last_turn:  # the episode would go on: the turn limit cuts it
         row.going, row.finished, row.record.cut = False, False, True
-        return
+        return None
     before = row.rendered
     row.record.messages += replies
     row.rendered = render(row.record.messages)
@@ -176,10 +170,59 @@ def _answer(row: _Row, tools: Sequence[Tool] | None, style: str | None, has_envi
                                     row.turn_tokens))
     if len(row.ids) + len(reply) >= budget:  # no room left for the model to answer: cut
         row.going, row.finished = False, False
-        return
+        return None
     row.ids += reply
     row.mask += [False] * len(reply)
     row.logp += [0.0] * len(reply)
+    return reply
+
+
+class ResentTurns:
+    """The reference way to play turns (`Turns`) on any `Engine`: each turn one `generate` call for every row
+    that goes on, its whole context (its prompt and its transcript so far) sent again and prefilled again.
+
+    One call at the largest budget left; each row's tokens are then cut to its own: its tokens up to its limit
+    are drawn alike. Each call its own seed, so that a seeded run does not replay the first turn's draws."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], n: int, sampling: Sampling):
+        self.engine, self.prompts, self.n, self.sampling = engine, prompts, n, sampling
+        self.transcripts: list[list[int]] = [[] for _ in range(len(prompts) * n)]
+        self.going: list[int] | None = None  # rows continued after their last turn; None before the first
+        self.calls = 0
+        self.timings: dict[str, float] = {}
+
+    def __enter__(self) -> ResentTurns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def ended(self) -> list[TurnEnd]:
+        going = list(range(len(self.transcripts))) if self.going is None else self.going
+        if not going:
+            return []
+        left = [self.sampling.max_new_tokens - len(self.transcripts[i]) for i in going]
+        seed = self.sampling.seed
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=max(left),
+                                       seed=None if seed is None else seed + self.calls)
+        if self.going is None:
+            out = self.engine.generate(self.prompts, self.n, sampling)
+        else:
+            out = self.engine.generate([self.prompts[i // self.n] + self.transcripts[i] for i in going], 1, sampling)
+        self.calls += 1
+        self.going = []
+        ends = []
+        for k, (i, room) in enumerate(zip(going, left)):
+            ids = out.completion_ids[k][out.mask[k]].tolist()
+            logp = out.sampler_logp[k][out.mask[k]].tolist()
+            ends.append(TurnEnd(i, ids[:room], logp[:room], bool(out.finished[k]) and len(ids) <= room))
+            self.transcripts[i] += ids[:room]
+        return ends
+
+    def continue_rows(self, replies: dict[int, list[int]]) -> None:
+        for i, reply in sorted(replies.items()):
+            self.transcripts[i] += reply
+        self.going = sorted(replies)
 
 
 class _Renderer:

@@ -1,8 +1,9 @@
 """The seam between the trainer and every sampler: `Sampling`, `Rollout` and the `Engine` protocol.
 
 Engines take and give token ids; the tokenizer lives outside them. This module holds only the data
-types, the protocol and `pad_rows` (rows of different lengths into one padded tensor, as every engine and
-the step build them), no sampling code (that is `grpo/rollout/sampling.py`).
+types, the protocols (`Engine`, and `Turns` for an engine that continues episodes' rows in place) and
+`pad_rows` (rows of different lengths into one padded tensor, as every engine and the step build them), no
+sampling code (that is `grpo/rollout/sampling.py`).
 """
 
 from __future__ import annotations
@@ -123,9 +124,12 @@ class Engine(Protocol):
     not called (`--engine-standby auto` keeps an engine that holds little); None when it must release
     every time (vLLM sleeps to give its memory pool back).
 
-    Optional, and so not a member of the protocol: an attribute `progress`, a `GenerationProgress` or
+    Optional, and so not members of the protocol: an attribute `progress`, a `GenerationProgress` or
     None, that the engine calls as it generates (the trainer sets it; an engine without it shows no
-    progress within a generation).
+    progress within a generation); and a method `turns(prompt_ids, num_generations, sampling)`, a context
+    manager of `Turns`, where an engine can continue a row after a reply without re-reading its context (the
+    native engine appends the reply to the row's KV cache). Episodes of several turns take it where an engine
+    has it, else re-send each row's whole context to `generate` every turn (`grpo.agents.episodes`).
     """
 
     needs_importance_correction: bool
@@ -135,6 +139,34 @@ class Engine(Protocol):
     def release_memory(self) -> None: ...
 
     def standby_bytes(self) -> int | None: ...
+
+
+@dataclass
+class TurnEnd:
+    """A model turn that has just ended in row `row` of an episode: its tokens (cut to what the row's token
+    budget leaves), their sampler log-probs, and whether it stopped at a stop token or sequence (`finished`;
+    False where the budget cut it)."""
+
+    row: int
+    ids: list[int]
+    logp: list[float]
+    finished: bool
+
+
+class Turns(Protocol):
+    """The rows of P prompts times n episodes, decoded turn after turn; row i is prompt i // n.
+    `Sampling.max_new_tokens` bounds a row's whole transcript after its prompt: its turns and the replies between.
+
+    `ended()` decodes until at least one row's turn has ended and returns those turns, in row order ([] once no
+    row goes on). `continue_rows({row: reply_ids})` appends each reply's tokens after its row's last turn; that
+    row then goes on with its next turn, at its own pace. A row whose turn ended and is not continued has ended.
+    `timings`: seconds per phase, as `Rollout.timings`."""
+
+    timings: dict[str, float]
+
+    def ended(self) -> list[TurnEnd]: ...
+
+    def continue_rows(self, replies: dict[int, list[int]]) -> None: ...
 
 
 def pad_rows(rows: Sequence[Sequence[float]] | torch.Tensor, fill: float, *, width: int | None = None,

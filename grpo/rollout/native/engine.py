@@ -26,6 +26,10 @@ One `generate(prompt_ids, num_generations, sampling)`:
    `EngineTuning.fold_adapter` the prefill and the decode read the adapters folded into the base weights
    (`fold.py`), taken out exactly when the decode ends.
 
+Episodes of several turns (`turns(prompt_ids, num_generations, sampling)`, `turns.py`): the same prefill, then
+the decode in blocks of `turn_block` steps from graphs of a step that keeps a stopped row's position, each
+reply prefilled into its row's cache after the row's last token (`_extend`) while the other rows decode on.
+
 Rows of one prompt have their own positions: prompts of different lengths need no left padding and
 get the positions and numerics of an unpadded forward.
 
@@ -43,7 +47,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -52,10 +57,12 @@ from grpo.kernels import decode_gemm
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
 from grpo.rollout.native.packed import packs_for
-from grpo.rollout.native.layer import ModelDims, PackedLayer, StepFunctions, TokenRows, build_layer, causal_lm
+from grpo.rollout.native.layer import (ModelDims, PackedLayer, StepFunctions, TokenRows, build_layer, causal_lm,
+                                      extend_layer)
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
 from grpo.rollout.native.tuning import EngineTuning
+from grpo.rollout.native.turns import NativeTurns
 from grpo.rollout.sampling import sample_with_noise
 
 # A prefill of up to this many prompt tokens (prompts x width) replays a CUDA graph from the second time its
@@ -214,11 +221,11 @@ class NativeEngine:
         self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams, pack)
                         for layer, proj, pack in zip(layers, read, packs)]
 
-    def _forward(self, rows: int, kv_len: int) -> None:
-        """The tokens in state.tok through the decoder, reading the first kv_len cache positions, their logits
-        into state.logits (B, V)."""
+    def _forward(self, rows: int, kv_len: int, pos: torch.Tensor | None = None) -> None:
+        """The tokens in state.tok through the decoder at positions `pos` (B,) (None: state.pos), reading the
+        first kv_len cache positions, their logits into state.logits (B, V)."""
         st, decoder = self._state, self.lm.model
-        pos, kv_range = st.pos[:rows], st.kv_range[:kv_len]
+        pos, kv_range = st.pos[:rows] if pos is None else pos, st.kv_range[:kv_len]
         k_views = [c[:rows, :, :kv_len] for c in st.k_caches]
         v_views = [c[:rows, :, :kv_len] for c in st.v_caches]
         if self.tuning.compile is not None:  # one compiled step for every KV bucket, not one per bucket
@@ -235,8 +242,12 @@ class NativeEngine:
         else:
             logits.copy_(self._fns.head(decoder.norm, head, x))
 
-    def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> None:
-        """Sample from state.logits, record, update stop flags, forward the new token: all on device."""
+    def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule, turns: bool = False) -> None:
+        """Sample from state.logits, record, update stop flags, forward the new token: all on device.
+
+        `turns` (episodes, `turns.py`): a row stopped keeps its position, so that a reply continues it right
+        after its last token, and a row stops at its budget (state.end_pos) too; a stopped row's forward writes
+        at its own position (overwritten when it goes on), or at its last for a row without room."""
         st = self._state
         token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
                                    sampling.min_p, st.noise_rows(rows) if sampling.temperature > 0 else None)
@@ -244,14 +255,24 @@ class NativeEngine:
         token = torch.where(alive, token, self.pad_id)  # (B,)
         logp = torch.where(alive, logp, 0.0)
         st.record(rows, token, logp)
-        stop.apply(st, rows, token)
-        st.tok[:rows].copy_(token)
-        self._forward(rows, kv_len)
-        st.pos[:rows] += 1
+        if not turns:
+            stop.apply(st, rows, token)
+            st.tok[:rows].copy_(token)
+            self._forward(rows, kv_len)
+            st.pos[:rows] += 1
+        else:
+            moved = alive.clone()  # the rows this token belongs to, before the stops below
+            stop.apply(st, rows, token)
+            pos, end = st.pos[:rows], st.end_pos[:rows]
+            alive &= pos + 1 < end  # the row's last token of its budget
+            st.tok[:rows].copy_(token)
+            self._forward(rows, kv_len, torch.minimum(pos, end - 1))
+            pos += moved
         st.step += 1
 
-    def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> torch.cuda.CUDAGraph:
-        key = (rows, kv_len, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, stop)
+    def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule,
+                   turns: bool = False) -> torch.cuda.CUDAGraph:
+        key = (rows, kv_len, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, stop, turns)
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
@@ -260,8 +281,9 @@ class NativeEngine:
         # warm-up writes stay inside the cache.
         st = self._state
         st.pos[:rows] = 0
+        st.end_pos[:rows] = self.max_seq_len
         st.step.zero_()
-        graph = self._captured(lambda: self._step(rows, kv_len, sampling, stop), warmups=2)
+        graph = self._captured(lambda: self._step(rows, kv_len, sampling, stop, turns), warmups=2)
         self._graphs[key] = graph
         return graph
 
@@ -398,9 +420,11 @@ class NativeEngine:
                     break
         return steps
 
-    def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
-        t0 = time.perf_counter()
+    def _set_up(self, prompt_ids: list[list[int]], n: int, sampling: Sampling, turns: bool = False
+                ) -> tuple[StopRule, dict, torch.Generator]:
+        """The state allocated (once), the step planned for the rows, its graphs captured for every KV bucket
+        the decode can reach (`turns`: the episodes' step), the state reset after the captures: (the stop
+        rule, the graphs by KV length, the seeded noise generator)."""
         if self._state is None:
             self._state = DecodeState.allocate(self.dims, self.max_batch, self.max_seq_len, self.pad_id,
                                                self.lm.model.rotary_emb, self.lm.model.embed_tokens.weight)
@@ -419,11 +443,9 @@ class NativeEngine:
                 self._clear_graphs()
                 self._fingerprint = fingerprint
             for kv_len in sorted({self._kv_bucket(max_prompt, i) for i in range(max_new)}):
-                graphs[kv_len] = self._graph_for(rows, kv_len, sampling, stop)
-        sync()
-        t1 = time.perf_counter()
+                graphs[kv_len] = self._graph_for(rows, kv_len, sampling, stop, turns)
 
-        # reset the state the warm-up and capture wrote, then prefill
+        # reset the state the warm-up and capture wrote
         st.step.zero_()
         st.alive[:rows] = True
         st.finished[:rows] = False
@@ -434,18 +456,36 @@ class NativeEngine:
             st.tails[stop.window][:rows] = -1
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        return stop, graphs, generator
+
+    def _refresh_packs(self) -> None:
+        """The adapters' copies and the stacked weights of the packed layers, as this generate has them."""
+        for layer in self._layers:
+            if isinstance(layer, PackedLayer):
+                layer.pack.refresh()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
+        t0 = time.perf_counter()
+        rows, max_new = len(prompt_ids) * n, sampling.max_new_tokens
+        max_prompt = max(len(p) for p in prompt_ids)
+        stop, graphs, generator = self._set_up(prompt_ids, n, sampling)
+        st = self._state
+        self._sync()
+        t1 = time.perf_counter()
         # where self._fold the weights hold the adapters for the prefill and the decode both (the prefill's
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
         with fold.folded(self._projections) if self._fold else nullcontext():
-            for layer in self._layers:  # the adapters' copies and the stacked weights, as this generate has them
-                if isinstance(layer, PackedLayer):
-                    layer.pack.refresh()
+            self._refresh_packs()
             with fold.adapters_off(self.model) if self._fold else nullcontext():
                 self._prefill(prompt_ids, n)
-            sync()
+            self._sync()
             t2 = time.perf_counter()
             steps = self._decode(rows, max_new, max_prompt, sampling, stop, graphs, generator)
-            sync()
+            self._sync()
         t3 = time.perf_counter()
         if self.progress is not None:
             self.progress(rows * max_new, rows * max_new)
@@ -461,3 +501,84 @@ class NativeEngine:
             num_generations=n,
             timings={"capture": t1 - t0, "prefill": t2 - t1, "decode": t3 - t2, "decode_steps": float(steps)},
         )
+
+    # ----------------------------------------------------------------------------------------------
+    # episodes: rows continued in place after a reply
+    @contextmanager
+    def turns(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Iterator[NativeTurns]:
+        """P prompts times num_generations rows played turn after turn (`grpo.rollout.base.Turns`), each reply
+        prefilled into its row's KV cache after the row's last token, never its context again: see `turns.py`.
+        `sampling.max_new_tokens` bounds each row's whole transcript, so a prompt plus it must fit max_seq_len.
+        Inside, the model is in eval mode under no_grad (with the adapters folded in where the engine folds); the
+        engine serves nothing else until the block ends."""
+        for i, p in enumerate(prompt_ids):  # (before `_check`, whose words are a single completion's)
+            if isinstance(p, (list, tuple)) and len(p) + sampling.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"episode prompt {i} has {len(p)} tokens and its transcript (turns and replies) "
+                                 f"may take {sampling.max_new_tokens} more: {len(p) + sampling.max_new_tokens} "
+                                 f"exceed the engine's max_seq_len={self.max_seq_len}; fix: an engine whose "
+                                 "max_seq_len holds both (train.py: --max-seq-length), or a smaller completion "
+                                 "budget (--max-completion-length)")
+        self._check(prompt_ids, num_generations, sampling)
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                stop, graphs, generator = self._set_up(prompt_ids, num_generations, sampling, turns=True)
+                rows = len(prompt_ids) * num_generations
+                ends = [len(p) + sampling.max_new_tokens for p in prompt_ids for _ in range(num_generations)]
+                self._state.end_pos[:rows].copy_(torch.tensor(ends))
+                self._sync()
+                t1 = time.perf_counter()
+                with fold.folded(self._projections) if self._fold else nullcontext():
+                    self._refresh_packs()
+                    with fold.adapters_off(self.model) if self._fold else nullcontext():
+                        self._prefill(prompt_ids, num_generations)
+                    self._sync()
+                    timings = {"capture": t1 - t0, "prefill": time.perf_counter() - t1}
+                    yield NativeTurns(self, prompt_ids, num_generations, sampling, stop, graphs, generator, timings)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _decode_turns(self, rows: int, steps: int, top: int, ceiling: int, sampling: Sampling, stop: StopRule,
+                      graphs: dict, generator: torch.Generator) -> None:
+        """`steps` episodes' steps (`_step` with turns), without a host sync. `top` is the highest position of a
+        row now, so step i writes below top + i + 1; `ceiling` the KV length that holds every row's end (the
+        longest prompt's bucket with the budget: the last captured)."""
+        st = self._state
+        for i in range(steps):
+            if sampling.temperature > 0:
+                st.noise_rows(rows).exponential_(generator=generator)
+            kv_len = min(self._kv_bucket(top, i), ceiling)
+            if self.tuning.use_cuda_graph:
+                graphs[kv_len].replay()
+            else:
+                self._step(rows, kv_len, sampling, stop, turns=True)
+
+    def _extend(self, rows: list[int], replies: list[list[int]], starts: list[int]) -> None:
+        """Each reply's tokens into its row's cache from position `starts[j]` on, the last one's logits into
+        state.logits, and the row alive again at the position after it (its stop window cleared): a prefill of
+        the new tokens alone, each attending to its row's cache and the reply before it."""
+        st, decoder, device = self._state, self.lm.model, self.device
+        R, W = len(rows), max(len(r) for r in replies)
+        ids = pad_rows(replies, self.pad_id, dtype=torch.long).to(device)  # (R, W) right-padded
+        index = torch.tensor(rows, device=device)
+        lengths = torch.tensor([len(r) for r in replies], device=device)
+        start = torch.tensor(starts, device=device)
+        # padding slots sit after each reply, where the row's next tokens overwrite them; kept inside the cache
+        positions = (start[:, None] + torch.arange(W, device=device)).clamp(max=self.max_seq_len - 1)  # (R, W)
+        kv_len = min(max(starts) + W, self.max_seq_len)
+        valid = st.kv_range[:kv_len][None, None, :] <= positions[:, :, None]  # (R, W, S)
+        cos, sin = st.cos[positions][:, None], st.sin[positions][:, None]  # (R, 1, W, D)
+        x = decoder.embed_tokens(ids)
+        with fold.adapters_off(self.model) if self._fold else nullcontext():
+            for layer, k_cache, v_cache in zip(decoder.layers, st.k_caches, st.v_caches):
+                x = extend_layer(layer, x, cos, sin, index, positions, valid, k_cache, v_cache, self.dims)
+            last = x[torch.arange(R, device=device), lengths - 1]  # (R, H)
+            st.logits[index] = self.lm.lm_head(decoder.norm(last[:, None]))[:, 0]
+        st.pos[index] = start + lengths
+        st.alive[index] = True
+        st.finished[index] = False
+        for tail in st.tails.values():
+            tail[index] = -1

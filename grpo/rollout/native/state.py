@@ -34,6 +34,7 @@ class DecodeState:
     # `noise_rows` first needs it (greedy decoding never does)
     tok: torch.Tensor  # (max_batch,) long: the token the next forward consumes
     pos: torch.Tensor  # (max_batch,) long: its position
+    end_pos: torch.Tensor  # (max_batch,) long: an episode's row (`turns.py`) has no room from this position on
     step: torch.Tensor  # (1,) long: output column of the next sample
     alive: torch.Tensor  # (max_batch,) bool: the row has not stopped yet
     finished: torch.Tensor  # (max_batch,) bool: stopped by a stop token or sequence
@@ -59,7 +60,8 @@ class DecodeState:
             cos=cos[0].contiguous(), sin=sin[0].contiguous(), kv_range=positions[0],
             logits=torch.zeros(B, V, device=dev, dtype=dt), noise=None,
             tok=torch.full((B,), pad_id, device=dev, dtype=torch.long),
-            pos=torch.zeros(B, device=dev, dtype=torch.long), step=torch.zeros(1, device=dev, dtype=torch.long),
+            pos=torch.zeros(B, device=dev, dtype=torch.long), end_pos=torch.full((B,), S, device=dev, dtype=torch.long),
+            step=torch.zeros(1, device=dev, dtype=torch.long),
             alive=torch.ones(B, device=dev, dtype=torch.bool), finished=torch.zeros(B, device=dev, dtype=torch.bool),
             out_ids=torch.full((B, S), pad_id, device=dev, dtype=torch.long),
             out_logp=torch.zeros(B, S, device=dev), out_mask=torch.zeros(B, S, device=dev, dtype=torch.bool),
@@ -74,7 +76,7 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.tok,
-               self.pos, self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
+               self.pos, self.end_pos, self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
         noise = [] if self.noise is None else [self.noise]
         return out + noise + list(self.tails.values()) + list(self.consts.values())
 

@@ -44,6 +44,10 @@ class EngineTuning:
         most max_seq_len), so prompts of nearby lengths share a graph; the padding sits after every prompt's
         last token, where causal attention keeps it out of the prompt's K/V and logits.
     check_every: decode steps between host checks of "have all rows stopped": a sync costs a step's launches.
+    turn_block: episodes (`turns.py`): decode steps between the host's looks at which rows ended their turns. A
+        row that stops waits for the rest of its block and one more before its reply goes in: at 64 rows and turns
+        of 64 to 128 tokens, blocks of 8 took a fifth fewer decode steps than blocks of 16, and about as many as
+        blocks of 4, which sync twice as often (docs/internals.md, "Tools and environments").
     attention: "sdpa" (torch's fused attention over the KV bucket), "kernel" (`grpo.kernels.decode_attention`:
         Triton, each row's cache read to its own length in chunks) or "auto" (`auto_attention` for the
         engine's rows).
@@ -63,15 +67,16 @@ class EngineTuning:
     kv_bucket: int = 256
     prefill_bucket: int = 64
     check_every: int = 16
+    turn_block: int = 8
     attention: str = "auto"
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
     fold_adapter: bool = False
 
     def __post_init__(self) -> None:
-        if self.kv_bucket < 1 or self.check_every < 1 or self.prefill_bucket < 1:
+        if self.kv_bucket < 1 or self.check_every < 1 or self.prefill_bucket < 1 or self.turn_block < 1:
             raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}, prefill_bucket="
-                             f"{self.prefill_bucket}: each must be >= 1")
+                             f"{self.prefill_bucket}, turn_block={self.turn_block}: each must be >= 1")
         if self.attention not in ("auto", "sdpa", "kernel"):
             raise ValueError(f"attention={self.attention!r}: use 'auto', 'sdpa' or 'kernel'")
         if not 1 <= self.kernel_rows <= decode_gemm.MAX_ROWS:

@@ -1,0 +1,124 @@
+"""Which GGUF way keeps a fine-tune, judged by llama.cpp itself: held-out GSM8K accuracy of a trained adapter
+exported each way and served by `llama-server` (`python -m grpo.eval --gguf`), beside the merged model in our
+own engine.
+
+    # GPU: the packaged Qwen's adapter after 60 steps of --preset qwen1.5b-gsm8k, its 319 held-out problems
+    python benchmarks/probes/gguf_ways.py --adapter outputs/qwen1.5b-gsm8k/adapter --out /tmp/gguf-ways
+    # CPU smoke run: SmolLM2 with any adapter, 4 problems, 32 tokens
+    python benchmarks/probes/gguf_ways.py --smoke --adapter RUN/adapter --out /tmp/gguf-ways-smoke
+
+The ways (`--ways`, all by default): `merged` (the merged bf16 model, our engine), `f16`, `q8_0`, `q4_k_m` (the
+merged model in each type), `q4_k_m-imatrix` (q4_k_m weighted by the run's own importance matrix,
+`--gguf-imatrix auto`), `lora-on-base` (the trained adapter as a LoRA GGUF on `--base-gguf`, by default the
+packaged model's own Q4_K_M file, which the packaged model was converted from) and `base` (that base GGUF alone:
+the untrained figure through llama.cpp). Each way's result and per-problem file go to OUT; results.json holds
+them all, rewritten after each way so that a run cut short keeps what it measured. Every way is evaluated greedy
+with the qwen1.5b-gsm8k preset's prompts, stop string and lengths, 64 requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+WAYS = ("merged", "f16", "q8_0", "q4_k_m", "q4_k_m-imatrix", "lora-on-base", "base")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="Base model (as train.py's --model).")
+    parser.add_argument("--adapter", required=True, help="The trained adapter (a run's adapter/ or checkpoint-N).")
+    parser.add_argument("--out", required=True, help="Work folder: the exports, each way's evaluation, results.json.")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"Comma-separated, of: {', '.join(WAYS)}.")
+    parser.add_argument("--base-gguf", default=None, help="The base GGUF for lora-on-base and base (default: the "
+                        "packaged model's own GGUF file in the cache).")
+    parser.add_argument("--eval-size", type=int, default=319, help="Held-out problems (GSM8K holds out 319).")
+    parser.add_argument("--max-completion-length", type=int, default=384, help="The qwen1.5b-gsm8k preset's.")
+    parser.add_argument("--max-prompt-length", type=int, default=288, help="The qwen1.5b-gsm8k preset's.")
+    parser.add_argument("--llama-cpp", default=None, help="llama.cpp's bin folder (default: grpo.eval's).")
+    parser.add_argument("--smoke", action="store_true", help="smollm2-135m-instruct, 4 problems, 32 tokens.")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.eval_size, args.max_completion_length = "smollm2-135m-instruct", 4, 32
+    unknown = set(args.ways.split(",")) - set(WAYS)
+    if unknown:
+        parser.error(f"--ways: unknown {', '.join(sorted(unknown))}; choose from {', '.join(WAYS)}")
+    return args
+
+
+def base_gguf(args) -> Path:
+    """--base-gguf, else the GGUF file the packaged model was converted from."""
+    if args.base_gguf:
+        return Path(args.base_gguf)
+    from grpo.assets import cache_dir
+    from grpo.model.packaged import PACKAGED_MODELS
+
+    return cache_dir() / "assets" / PACKAGED_MODELS[args.model].gguf_name
+
+
+def exports(args, out: Path, ways: list[str]) -> dict[str, Path]:
+    """Each GGUF file the ways need, written once (a rerun reuses the folders already there)."""
+    from grpo.export.merge import export
+
+    files: dict[str, Path] = {}
+    plain = [t for t in ("f16", "q8_0", "q4_k_m") if t in ways]
+    folder = out / "export"
+    if plain or "lora-on-base" in ways:
+        if not (folder / "merged" / "config.json").is_file():
+            export(args.model, args.adapter, folder, gguf=plain, gguf_lora="lora-on-base" in ways, overwrite=True)
+        files.update({t: folder / f"gguf-{t}" / f"model-{t}.gguf" for t in plain})
+        files["lora"] = folder / "gguf-lora" / "adapter.gguf"
+    if "q4_k_m-imatrix" in ways:
+        weighted = out / "export-imatrix"
+        if not (weighted / "gguf-q4_k_m").is_dir():
+            export(args.model, args.adapter, weighted, gguf="q4_k_m", gguf_imatrix="auto", overwrite=True)
+        files["q4_k_m-imatrix"] = weighted / "gguf-q4_k_m" / "model-q4_k_m.gguf"
+    return files
+
+
+def eval_argv(args, way: str, files: dict[str, Path], per_problem: Path) -> list[str]:
+    """`python -m grpo.eval`'s flags for one way: greedy, the preset's prompts, stop and lengths."""
+    argv = ["--model", args.model, "--dataset", "gsm8k", "--eval-size", str(args.eval_size), "--samples", "0",
+            "--max-completion-length", str(args.max_completion_length),
+            "--max-prompt-length", str(args.max_prompt_length), "--stop", "</SOLUTION>", "--batch-rows", "64",
+            "--seed", "3407", "--per-problem", str(per_problem)]
+    if way == "merged":
+        return argv + ["--adapter", str(args.adapter)]
+    gguf = base_gguf(args) if way in ("lora-on-base", "base") else files[way]
+    argv += ["--gguf", str(gguf)] + (["--gguf-lora", str(files["lora"])] if way == "lora-on-base" else [])
+    return argv + (["--llama-cpp", args.llama_cpp] if args.llama_cpp else [])
+
+
+def main(argv=None) -> None:
+    from grpo.eval.cli import build_parser, eval_flag_problem, evaluate_from_flags
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ways = args.ways.split(",")
+    start = time.perf_counter()
+    files = exports(args, out, ways)
+    print(json.dumps({"exported_s": round(time.perf_counter() - start, 1)}), flush=True)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    for way in ways:
+        flags = build_parser().parse_args(eval_argv(args, way, files, out / f"eval-{way}.jsonl"))
+        problem = eval_flag_problem(flags)
+        if problem:
+            sys.exit(f"{way}: {problem}")
+        start = time.perf_counter()
+        result = evaluate_from_flags(flags)
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        gguf = files.get(way) or (base_gguf(args) if way in ("lora-on-base", "base") else None)
+        if gguf is not None:
+            result["bytes"] = gguf.stat().st_size + (files["lora"].stat().st_size if way == "lora-on-base" else 0)
+        results[way] = result
+        print(json.dumps({"way": way, **result}), flush=True)
+        results_path.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
