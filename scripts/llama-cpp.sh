@@ -62,7 +62,7 @@ build() {
 mkdir -p "$home"
 # One build at a time: a second caller waits here, then finds the stamp and reuses the first's build.
 exec 9>"$home/.lock"
-flock 9
+command -v flock >/dev/null && flock 9  # (no flock, as on macOS: one caller at a time is yours to keep)
 if [ -f "$stamp" ]; then
   say "reusing the build in $bin"
 else

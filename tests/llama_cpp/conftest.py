@@ -69,8 +69,9 @@ class LlamaCpp:
                             "--temp", "0", "--top-k", "1", "--repeat-penalty", "1", "--seed", "0",
                             "--no-display-prompt", "--verbose-prompt", "-c", "2048", "-t", self.threads,
                             "--no-warmup", "--log-colors", "off", *map(str, extra))
-        text = done.stdout.split(" [end of text]")[0]
-        text = text[:-2] if text.endswith("\n\n") else text  # the closing blank line llama-completion prints
+        # stdout: the text, then " [end of text]" where an end-of-turn token stopped it, then a blank line
+        text, ended, _ = done.stdout.partition(" [end of text]")
+        text = text if ended else text.removesuffix("\n\n")
         return Completion(text=text, prompt_ids=[int(i) for i in _PROMPT_TOKEN.findall(done.stderr)])
 
     def perplexity(self, model: Path, text_file: Path, n_ctx: int, *extra: str | Path) -> float:
