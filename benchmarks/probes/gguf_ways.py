@@ -50,46 +50,76 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def base_gguf(args) -> Path:
-    """--base-gguf, else the GGUF file the packaged model was converted from."""
+    """--base-gguf, else the GGUF file the packaged model was converted from (fetched and checked once)."""
     if args.base_gguf:
         return Path(args.base_gguf)
-    from grpo.assets import cache_dir
-    from grpo.model.packaged import PACKAGED_MODELS
+    from grpo.model.packaged import PACKAGED_MODELS, gguf_path
 
-    return cache_dir() / "assets" / PACKAGED_MODELS[args.model].gguf_name
+    if args.model not in PACKAGED_MODELS:
+        sys.exit(f"--model {args.model}: not a packaged model, so it has no GGUF of its own; pass --base-gguf FILE")
+    return gguf_path(PACKAGED_MODELS[args.model])
 
 
 def exports(args, out: Path, ways: list[str]) -> dict[str, Path]:
-    """Each GGUF file the ways need, written once (a rerun reuses the folders already there)."""
+    """Each GGUF file the ways need, by way (and "lora": the adapter as a LoRA GGUF), written once: a rerun
+    reuses an export folder whose files are all there."""
     from grpo.export.merge import export
 
     files: dict[str, Path] = {}
     plain = [t for t in ("f16", "q8_0", "q4_k_m") if t in ways]
-    folder = out / "export"
     if plain or "lora-on-base" in ways:
-        if not (folder / "merged" / "config.json").is_file():
-            export(args.model, args.adapter, folder, gguf=plain, gguf_lora="lora-on-base" in ways, overwrite=True)
-        files.update({t: folder / f"gguf-{t}" / f"model-{t}.gguf" for t in plain})
-        files["lora"] = folder / "gguf-lora" / "adapter.gguf"
+        files.update(reused_or_exported(out / "export", lambda folder: export(
+            args.model, args.adapter, folder, gguf=plain, gguf_lora="lora-on-base" in ways, overwrite=True),
+            [f"gguf-{t}" for t in plain] + (["gguf-lora"] if "lora-on-base" in ways else [])))
     if "q4_k_m-imatrix" in ways:
-        weighted = out / "export-imatrix"
-        if not (weighted / "gguf-q4_k_m").is_dir():
-            export(args.model, args.adapter, weighted, gguf="q4_k_m", gguf_imatrix="auto", overwrite=True)
-        files["q4_k_m-imatrix"] = weighted / "gguf-q4_k_m" / "model-q4_k_m.gguf"
-    return files
+        weighted = reused_or_exported(out / "export-imatrix", lambda folder: export(
+            args.model, args.adapter, folder, gguf="q4_k_m", gguf_imatrix="auto", overwrite=True), ["gguf-q4_k_m"])
+        files["gguf-q4_k_m-imatrix"] = weighted["gguf-q4_k_m"]
+    if "lora-on-base" in ways or "base" in ways:
+        files["gguf-base"] = base_gguf(args)
+    return {key.removeprefix("gguf-"): path for key, path in files.items()}
+
+
+def reused_or_exported(folder: Path, write, keys: list[str]) -> dict[str, Path]:
+    """{key: file} of an export into `folder`: the files a finished earlier export left there (listed in its
+    files.json), else `write(folder)`'s."""
+    listing = folder / "files.json"
+    if listing.is_file():
+        done = {k: Path(v) for k, v in json.loads(listing.read_text()).items()}
+        if all(k in done and done[k].is_file() for k in keys):
+            return {k: done[k] for k in keys}
+    written = write(folder)
+    listing.write_text(json.dumps({k: str(v) for k, v in written.items()}))
+    return {k: written[k] for k in keys}
 
 
 def eval_argv(args, way: str, files: dict[str, Path], per_problem: Path) -> list[str]:
-    """`python -m grpo.eval`'s flags for one way: greedy, the preset's prompts, stop and lengths."""
+    """`python -m grpo.eval`'s flags for one way: greedy, the run's system prompt, the preset's stop and lengths."""
+    from grpo.eval.cli import run_config
+    from grpo.export.merge import find_adapter
+
     argv = ["--model", args.model, "--dataset", "gsm8k", "--eval-size", str(args.eval_size), "--samples", "0",
             "--max-completion-length", str(args.max_completion_length),
             "--max-prompt-length", str(args.max_prompt_length), "--stop", "</SOLUTION>", "--batch-rows", "64",
             "--seed", "3407", "--per-problem", str(per_problem)]
+    # every way under the prompt training saw (the merged way would take it from the run's config by itself)
+    run = run_config(find_adapter(args.adapter))
+    if run is not None and run[1].get("system_prompt"):
+        argv += ["--system-prompt", run[1]["system_prompt"]]
     if way == "merged":
         return argv + ["--adapter", str(args.adapter)]
-    gguf = base_gguf(args) if way in ("lora-on-base", "base") else files[way]
-    argv += ["--gguf", str(gguf)] + (["--gguf-lora", str(files["lora"])] if way == "lora-on-base" else [])
+    argv += ["--gguf", str(files["base" if way in ("lora-on-base", "base") else way])]
+    argv += ["--gguf-lora", str(files["lora"])] if way == "lora-on-base" else []
     return argv + (["--llama-cpp", args.llama_cpp] if args.llama_cpp else [])
+
+
+def way_bytes(way: str, files: dict[str, Path]) -> int | None:
+    """The bytes a user of this way downloads: its GGUF file (and the LoRA GGUF on top); None for merged."""
+    if way == "merged":
+        return None
+    if way == "lora-on-base":
+        return files["base"].stat().st_size + files["lora"].stat().st_size
+    return files[way].stat().st_size
 
 
 def main(argv=None) -> None:
@@ -112,9 +142,8 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         result = evaluate_from_flags(flags)
         result["seconds"] = round(time.perf_counter() - start, 1)
-        gguf = files.get(way) or (base_gguf(args) if way in ("lora-on-base", "base") else None)
-        if gguf is not None:
-            result["bytes"] = gguf.stat().st_size + (files["lora"].stat().st_size if way == "lora-on-base" else 0)
+        if way_bytes(way, files) is not None:
+            result["bytes"] = way_bytes(way, files)
         results[way] = result
         print(json.dumps({"way": way, **result}), flush=True)
         results_path.write_text(json.dumps(results, indent=1))
