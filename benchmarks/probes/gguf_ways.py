@@ -10,8 +10,8 @@ own engine.
 The ways (`--ways`, all by default): `merged` (the merged bf16 model, our engine), `f16`, `q8_0`, `q4_k_m` (the
 merged model in each type), `q4_k_m-imatrix` (q4_k_m weighted by the run's own importance matrix,
 `--gguf-imatrix auto`), `lora-on-base` (the trained adapter as a LoRA GGUF on `--base-gguf`, by default the
-packaged model's own GGUF, which the packaged model was converted from: the Qwen's Q4_K_M, SmolLM2's Q4_1) and `base` (that base GGUF alone:
-the untrained figure through llama.cpp). Each way's result and per-problem file go to OUT; results.json holds
+packaged model's own GGUF, which the packaged model was converted from: the Qwen's Q4_K_M, SmolLM2's Q4_1) and
+`base` (that base GGUF alone: the untrained figure through llama.cpp). Each way's result and per-problem file go to OUT; results.json holds
 them all, rewritten after each way so that a run cut short keeps what it measured. Every way is evaluated greedy
 with the qwen1.5b-gsm8k preset's prompts, stop string and lengths, 64 requests in flight.
 """
