@@ -2,6 +2,7 @@
 (The server itself is exercised by `./dev test-gguf`.)"""
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,8 @@ def test_the_tools_are_looked_for_where_the_build_script_puts_them(monkeypatch, 
     assert default_bin_dir() == tmp_path / "bin"
 
 
-def test_a_server_that_fails_to_start_is_one_line_quoting_its_error_lines(tmp_path):
+def test_a_server_that_fails_to_start_is_one_line_quoting_its_error_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its log, kept for the error, goes here
     fake = tmp_path / "llama-server"  # prints a log as llama.cpp's does, then exits as it does on a bad file
     fake.write_text("#!/bin/sh\necho '0.00.001.000 I srv  main: loading'\n"
                     "echo \"0.00.004.833 E gguf_init_from_reader: invalid magic characters: 'JUNK', expected 'GGUF'\"\n"

@@ -68,7 +68,7 @@ class LlamaServer:
     """`llama-server` serving `model` (a GGUF file) with `lora` (a LoRA GGUF, applied at scale 1), `slots`
     sequences at once of up to `ctx_per_slot` tokens each, on a free local port, as a context manager.
     `gpu_layers`: layers offloaded (a CPU build ignores it). Its log goes to a file, named in every
-    error, whose own error lines the error quotes."""
+    error, whose own error lines the error quotes (and removed after a run without one)."""
 
     def __init__(self, model: str | Path, *, lora: str | Path | None = None, slots: int = 8,
                  ctx_per_slot: int = 2048, gpu_layers: int = 999, threads: int | None = None,
@@ -110,10 +110,10 @@ class LlamaServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # still loading (503) or not listening yet
             time.sleep(0.2)
-        self.__exit__(None, None, None)
+        self.__exit__(TimeoutError, None, None)  # stopped, its log kept for the error
         raise TimeoutError(self._failure(f"did not serve within {START_TIMEOUT_S:.0f} s"))
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type=None, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -121,13 +121,16 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if exc_type is None and self.log_path is not None:  # kept only where an error names it
+            self.log_path.unlink(missing_ok=True)
 
     def _failure(self, what: str) -> str:
-        """One line: llama-server `what`, serving which file, the first error lines of its log, and the log."""
+        """One line: llama-server `what`, serving which file, its log (before what may be cut short), and the first
+        error lines of the log."""
         text = self.log_path.read_text(errors="replace") if self.log_path else ""
         errors = [m.group(1).strip() for m in _LOG_ERROR.finditer(text)][:3]
         said = " | ".join(errors) or " | ".join(line.strip() for line in text.strip().splitlines()[-3:])
-        return f"llama-server {what} ({self.model}): {said or 'it printed nothing'} (log: {self.log_path})"
+        return f"llama-server {what} ({self.model}; log: {self.log_path}): {said or 'it printed nothing'}"
 
     def complete(self, body: dict) -> dict:
         """One /completion request; its JSON reply."""

@@ -6,6 +6,7 @@ two likeliest tokens lie within NEAR_TIE logits (as test_smollm2_export judges t
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 import torch
@@ -99,7 +100,9 @@ def test_eval_gguf_of_the_base_with_the_lora_gguf_gives_the_merged_models_greedy
     assert any(plain.generate(p, n, s).completions() != r.completions() for p, n, s, r in calls)
 
 
-def test_a_file_llama_cpp_cannot_load_is_one_line_naming_its_error(llama_cpp_tools, smollm2_dir, tmp_path, capsys):
+def test_a_file_llama_cpp_cannot_load_is_one_line_naming_its_error(llama_cpp_tools, smollm2_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the server's log, kept for the error, goes here
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file" * 100)
     status = eval_cli.main(["--model", str(smollm2_dir), "--gguf", str(junk), "--llama-cpp", str(llama_cpp_tools.bin),
@@ -107,3 +110,4 @@ def test_a_file_llama_cpp_cannot_load_is_one_line_naming_its_error(llama_cpp_too
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 1 and len(lines) == 1, lines
     assert "llama-server exited" in lines[0] and str(junk) in lines[0] and "invalid magic" in lines[0], lines[0]
+    assert str(tmp_path / "llama-server-") in lines[0]  # and names its log
