@@ -101,6 +101,32 @@ def test_rows_continued_in_place_end_their_turns_as_the_whole_context_resent_doe
     assert timings["replies"] > 0 and timings["decode_steps"] > 0
 
 
+def test_replies_go_in_through_one_token_steps_after_the_prompts_prefill():
+    """No prefill of a reply: after the prompts' prefill every forward is a step of one token a row (the reply's
+    tokens fed in place of the sampled ones), and the transcripts still equal the reference's."""
+    model = lively_llama(seed=3)
+    engine = NativeEngine(model, max_seq_len=96, max_batch=4, pad_id=PAD,
+                          tuning=EngineTuning(kv_bucket=16, turn_block=2))
+    sampling = Sampling(max_new_tokens=40, temperature=0.0, stop_token_ids=every(6, 1024))
+    replies = {0: [100, 9, 101, 102, 103], 1: [], 2: [200, 201], 3: [300]}  # 9 is a stop id: a fed token never stops
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
+    try:
+        with engine.turns(PROMPTS[:2], 2, sampling) as turns:
+            prefill = list(widths)
+            fast = play(turns, replies, sampling.max_new_tokens)
+    finally:
+        hook.remove()
+    steps = widths[len(prefill):]
+    assert len(prefill) == 1 and prefill[0][1] > 1 and len(steps) == turns.timings["decode_steps"]
+    assert set(steps) == {(4, 1)}
+    with ResentTurns(GenerateOnly(engine), PROMPTS[:2], 2, sampling) as turns:
+        reference = play(turns, replies, sampling.max_new_tokens)
+    assert max(len(e) for e in fast.values()) >= 2
+    assert {r: [(e.ids, e.finished) for e in ends] for r, ends in fast.items()} == \
+        {r: [(e.ids, e.finished) for e in ends] for r, ends in reference.items()}
+
+
 def rounds_env():
     class Rounds:
         """A deterministic environment whose episodes last 1, 2 or 4 turns (by the order they are made in: rows
