@@ -8,17 +8,18 @@ attention), sampled as the recipe samples (temperature 1, min_p 0.1):
   done) and a budget of 512 tokens a row, turns and replies together, up to 8 turns. A random model never writes
   its end-of-turn, so a turn ends at any of a set of ordinary token ids: one id in `TURN_TOKENS` of the
   vocabulary, so turns of about that many tokens, each row's of its own length;
-  - `in-place` (the product): `NativeEngine.turns`, each reply prefilled into its row's KV cache, rows at
-    their own pace (the host looks every `EngineTuning.turn_block`, 8, decode steps); `in-place-block16` the
-    same with blocks of 16;
+  - `in-place` (the product): `NativeEngine.turns`, each reply fed into its row's KV cache by the decode steps
+    (queued on the device, taken one a step in place of the sampled token), rows at their own pace (the host
+    looks every `EngineTuning.turn_block`, 4, decode steps); `in-place-block2` and `in-place-block8` the same
+    with blocks of 2 and 8;
   - `resent` (the reference): every turn one `generate` over each going row's whole context.
 What is timed is the whole call (`run_episodes`: host work, tool and environment replies, the chat template,
 included; single turn: `generate`), without the graphs' capture (warm-up round). Each record carries model
 tokens per second; the episodes' also their share of the single-turn figure measured in the same module
 (`of_single_turn`, the goal is >= 0.7 in place), turns per episode, reply tokens per row and time per phase:
-capture, prefill, decode (in place: the time in `Turns.ended()`, waiting for blocks, the replies' prefills
-among them), extend (queuing the replies' prefills), host (the rest: the environment, the chat template, while
-the next block decodes). `pytest benchmarks/ --benchmark -k episodes`.
+capture, prefill, decode (in place: the time in `Turns.ended()`, waiting for blocks), replies (queuing the
+replies' tokens), host (the rest: the environment, the chat template, while the next block decodes).
+`pytest benchmarks/ --benchmark -k episodes`.
 """
 
 from __future__ import annotations
@@ -137,11 +138,11 @@ def _single_turn_tokens_per_s(bench_env, policy, tokenizer, prompts, shape) -> f
 
 @pytest.mark.bench_order(75)
 @pytest.mark.bench_cost(60)
-@pytest.mark.parametrize("path", ["in-place", "in-place-block16", "resent"])
+@pytest.mark.parametrize("path", ["in-place", "in-place-block2", "in-place-block8", "resent"])
 def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path):
-    """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`; `-block16`: the host looks every 16
-    decode steps, not every 8: a stopped row waits longer, the device syncs half as often) or every turn's
-    context re-sent to `generate` (the reference), beside single-turn sampling of the same rows and budget."""
+    """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`; `-blockN`: the host looks every N
+    decode steps, not every 4: a stopped row waits less or longer, the host reads twice or half as often) or every
+    turn's context re-sent to `generate` (the reference), beside single-turn sampling of the same rows and budget."""
     from grpo.agents.episodes import run_episodes
 
     policy, tokenizer, examples, shape = episodes_setup
@@ -154,7 +155,7 @@ def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path
     # the reference's turns re-send contexts at the largest budget left: room for a context and a whole budget
     in_place = path.startswith("in-place")
     engine = _engine(policy, tokenizer, longest + shape.completion_len * (1 if in_place else 2),
-                     turn_block=16 if path == "in-place-block16" else None)
+                     turn_block=int(path.removeprefix("in-place-block")) if "-block" in path else None)
     played = engine if in_place else GenerateOnly(engine)
     sampling = _sampling(shape)
     runs = []
@@ -176,7 +177,7 @@ def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path
     model_tokens = int(rollout.mask.sum())
     spans = rollout.spans
     phases = {k: statistics.median(r.timings.get(k, 0.0) for _, r, _ in measured)
-              for k in ("capture", "prefill", "decode", "extend", "episodes")}
+              for k in ("capture", "prefill", "decode", "replies", "episodes")}
     tokens_per_s = statistics.median(int(r.mask.sum()) / s for s, r, _ in measured)
     benchmark.extra_info.update({
         "rows": shape.rows, "seconds": seconds, "model_tokens": model_tokens, "tokens_per_s": tokens_per_s,

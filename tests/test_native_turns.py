@@ -1,8 +1,10 @@
-"""NativeEngine.turns: episodes' rows continued in place (each reply prefilled into its row's KV cache, rows at
-their own pace) give the episodes of the reference way, every turn's whole context re-sent to `generate`, for
-the same sampled tokens; and the log-probs they record are the policy's on the whole transcript."""
+"""NativeEngine.turns: episodes' rows continued in place (each reply fed into its row's KV cache by the decode
+steps, rows at their own pace) give the episodes of the reference way, every turn's whole context re-sent to
+`generate`, for the same sampled tokens; and the log-probs they record are the policy's on the whole transcript."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -96,7 +98,33 @@ def test_rows_continued_in_place_end_their_turns_as_the_whole_context_resent_doe
     turns_per_row = [len(fast[r]) for r in range(6)]
     assert len(set(turns_per_row)) > 1 and max(turns_per_row) >= 3  # rows end at different turns
     assert any(not e[-1].finished for e in fast.values())  # a row that its budget cut
-    assert timings["extend"] > 0 and timings["decode_steps"] > 0
+    assert timings["replies"] > 0 and timings["decode_steps"] > 0
+
+
+def test_replies_go_in_through_one_token_steps_after_the_prompts_prefill():
+    """No prefill of a reply: after the prompts' prefill every forward is a step of one token a row (the reply's
+    tokens fed in place of the sampled ones), and the transcripts still equal the reference's."""
+    model = lively_llama(seed=3)
+    engine = NativeEngine(model, max_seq_len=96, max_batch=4, pad_id=PAD,
+                          tuning=EngineTuning(kv_bucket=16, turn_block=2))
+    sampling = Sampling(max_new_tokens=40, temperature=0.0, stop_token_ids=every(6, 1024))
+    replies = {0: [100, 9, 101, 102, 103], 1: [], 2: [200, 201], 3: [300]}  # 9 is a stop id: a fed token never stops
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(tuple(args[0].shape)))
+    try:
+        with engine.turns(PROMPTS[:2], 2, sampling) as turns:
+            prefill = list(widths)
+            fast = play(turns, replies, sampling.max_new_tokens)
+    finally:
+        hook.remove()
+    steps = widths[len(prefill):]
+    assert len(prefill) == 1 and prefill[0][1] > 1 and len(steps) == turns.timings["decode_steps"]
+    assert set(steps) == {(4, 1)}
+    with ResentTurns(GenerateOnly(engine), PROMPTS[:2], 2, sampling) as turns:
+        reference = play(turns, replies, sampling.max_new_tokens)
+    assert max(len(e) for e in fast.values()) >= 2
+    assert {r: [(e.ids, e.finished) for e in ends] for r, ends in fast.items()} == \
+        {r: [(e.ids, e.finished) for e in ends] for r, ends in reference.items()}
 
 
 def rounds_env():
@@ -138,7 +166,7 @@ def test_greedy_episodes_in_place_equal_the_reference_ways_on_the_native_engine_
                           tuning=EngineTuning(kv_bucket=16, turn_block=4))
     sampling = Sampling(max_new_tokens=64, temperature=0.0, stop_token_ids=every(9, 128000))
     fast, fast_episodes = episodes_on(engine, tokenizer, sampling)
-    assert "extend" in fast.timings and "episodes" in fast.timings
+    assert "replies" in fast.timings and "episodes" in fast.timings
     turns = [e.turns for e in fast_episodes]
     cut_by_turns = [e.cut for e in fast_episodes]
     cut_by_tokens = [not f and not c for f, c in zip(fast.finished.tolist(), cut_by_turns)]
@@ -236,15 +264,23 @@ def test_continue_rows_takes_only_the_rows_whose_turns_just_ended_and_replies_th
 @pytest.mark.parametrize("gemm", ["modules", "kernels"])
 def test_in_place_episodes_in_cuda_graphs_equal_the_reference_way(gemm):
     """On the GPU: the episodes' step replayed from CUDA graphs (compiled, the attention kernel where auto takes
-    it) gives the episodes of the reference way on the same engine, greedy, in float32; sampled, the graphed
-    step gives the eager step's tokens."""
+    it), the replies fed through it, gives the episodes of the reference way on the same engine, greedy, in
+    float32, with no more host syncs than blocks; sampled, the graphed step gives the eager step's tokens."""
     model = lively_llama(seed=0).cuda()
     sampling = Sampling(max_new_tokens=48, temperature=0.0, stop_token_ids=every(7, 1024))
     replies = {0: [100, 101, 102], 1: [200], 2: [], 3: None, 4: [7, 8, 9, 10, 11, 12, 13, 14], 5: [300, 301]}
     engine = NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, gemm=gemm,
                           tuning=EngineTuning(kv_bucket=16, turn_block=4))
     with engine.turns(PROMPTS, 2, sampling) as turns:
-        fast = play(turns, replies, sampling.max_new_tokens)
+        with warnings.catch_warnings(record=True) as caught:  # the host waits for the device once a block at most
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fast = play(turns, replies, sampling.max_new_tokens)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) <= turns.launched, [str(w.message) for w in syncs[:3]]
     with ResentTurns(GenerateOnly(engine), PROMPTS, 2, sampling) as turns:
         reference = play(turns, replies, sampling.max_new_tokens)
     for row in range(6):

@@ -1,8 +1,8 @@
 """How many decode steps episodes take on the native engine, by the block of steps between the host's looks
 (`EngineTuning.turn_block`), against turns played in lockstep.
 
-A row that stops waits for the rest of its block and one more before its reply goes in (`turns.py`); smaller
-blocks wait less and sync more. This counts steps, not seconds, so it runs anywhere (a CPU in a minute): a tiny
+A row that stops waits for the rest of its block and one more before its reply goes in (`turns.py`), and each
+reply token is a decode step of its row; smaller blocks wait less and have the host read more often. This counts steps, not seconds, so it runs anywhere (a CPU in a minute): a tiny
 random Llama whose greedy text does not repeat, `--rows` rows sampled at temperature 1, turns that end at one
 token id in `--turn-tokens` (turns of about that many tokens, each row's its own), replies of `--reply` tokens,
 `--budget` tokens a row, up to `--max-turns` turns. For each block size: the decode steps in place, the model

@@ -5,9 +5,9 @@ reply enters its context, until the model stops calling, the environment says do
 completions are whole transcripts after the prompt: the model's tokens and the replies' tokens in order,
 `mask` True only at the model's. What happens between turns (a tool run, an environment's step, the reply's
 tokens, the limits) is decided here, once, for every engine; the engine only continues the rows it is given
-with the tokens appended (`Turns`). On an engine with `turns` (the native engine: each reply prefilled into
-its row's KV cache, rows at their own pace) that is the engine's; on any other, `ResentTurns`, the reference:
-every turn re-sends each row's whole context to `generate`. Both give the same transcripts for the same
+with the tokens appended (`Turns`). On an engine with `turns` (the native engine: each reply fed into its
+row's KV cache by its decode steps, rows at their own pace) that is the engine's; on any other, `ResentTurns`,
+the reference: every turn re-sends each row's whole context to `generate`. Both give the same transcripts for the same
 sampled tokens.
 
 How a reply becomes tokens: the chat template renders the conversation with the new message(s) and the

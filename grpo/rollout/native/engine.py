@@ -27,8 +27,9 @@ One `generate(prompt_ids, num_generations, sampling)`:
    (`fold.py`), taken out exactly when the decode ends.
 
 Episodes of several turns (`turns(prompt_ids, num_generations, sampling)`, `turns.py`): the same prefill, then
-the decode in blocks of `turn_block` steps from graphs of a step that keeps a stopped row's position, each
-reply prefilled into its row's cache after the row's last token (`_extend`) while the other rows decode on.
+the decode in blocks of `turn_block` steps from graphs of the episodes' step (`_episode_step`: a stopped row keeps
+its position; a row fed the tokens of its reply, queued on the device by `_force`, takes them one a step in place
+of the sampled ones) while the other rows decode on.
 
 Rows of one prompt have their own positions: prompts of different lengths need no left padding and
 get the positions and numerics of an unpadded forward.
@@ -57,8 +58,7 @@ from grpo.kernels import decode_gemm
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
 from grpo.rollout.native.packed import packs_for
-from grpo.rollout.native.layer import (ModelDims, PackedLayer, StepFunctions, TokenRows, build_layer, causal_lm,
-                                      extend_layer)
+from grpo.rollout.native.layer import ModelDims, PackedLayer, StepFunctions, TokenRows, build_layer, causal_lm
 from grpo.rollout.native.plan import layer_projections
 from grpo.rollout.native.state import DecodeState, StopRule
 from grpo.rollout.native.tuning import EngineTuning
@@ -69,6 +69,18 @@ from grpo.rollout.sampling import sample_with_noise
 # shape is met: host time saved against the graph pool's memory, which keeps the largest graphed prefill's
 # working memory (benchmarks/RESULTS.md, "The measured defaults").
 PREFILL_GRAPH_TOKENS = 4096
+
+
+def feed_replies(token: torch.Tensor, logp: torch.Tensor, alive: torch.Tensor, at: torch.Tensor, end: torch.Tensor,
+                 queue: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """An episodes' step's token of each row (B,): the next of its reply's tokens (`queue` (B, Q), read at `at`
+    up to `end`) where it has some left, the sampled `token` where it samples, pad_id where it has stopped.
+    Returns (token, logp: 0 but where sampled, sampled, forcing: the rows fed a reply's token)."""
+    forcing = alive & (at < end)
+    sampled = alive & ~forcing
+    queued = queue.gather(1, at.clamp(max=queue.shape[1] - 1)[:, None])[:, 0]
+    token = torch.where(forcing, queued, torch.where(sampled, token, pad_id))
+    return token, torch.where(sampled, logp, 0.0), sampled, forcing
 
 
 class NativeEngine:
@@ -130,6 +142,7 @@ class NativeEngine:
         mode = self.tuning.compile
         self._fns = StepFunctions.build(mode)
         self._sample = sample_with_noise if mode is None else torch.compile(sample_with_noise, mode=mode)
+        self._feed = feed_replies if mode is None else torch.compile(feed_replies, mode=mode)  # one kernel, not 8
         self._state: DecodeState | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # prefill graphs by (prompts, n, width, folded), with the ids and lengths buffers each reads; a shape is
@@ -243,11 +256,10 @@ class NativeEngine:
             logits.copy_(self._fns.head(decoder.norm, head, x))
 
     def _step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule, turns: bool = False) -> None:
-        """Sample from state.logits, record, update stop flags, forward the new token: all on device.
-
-        `turns` (episodes, `turns.py`): a row stopped keeps its position, so that a reply continues it right
-        after its last token, and a row stops at its budget (state.end_pos) too; a stopped row's forward writes
-        at its own position (overwritten when it goes on), or at its last for a row without room."""
+        """Sample from state.logits, record, update stop flags, forward the new token: all on device
+        (`turns`: the episodes' step, `_episode_step`)."""
+        if turns:
+            return self._episode_step(rows, kv_len, sampling, stop)
         st = self._state
         token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
                                    sampling.min_p, st.noise_rows(rows) if sampling.temperature > 0 else None)
@@ -255,19 +267,36 @@ class NativeEngine:
         token = torch.where(alive, token, self.pad_id)  # (B,)
         logp = torch.where(alive, logp, 0.0)
         st.record(rows, token, logp)
-        if not turns:
-            stop.apply(st, rows, token)
-            st.tok[:rows].copy_(token)
-            self._forward(rows, kv_len)
-            st.pos[:rows] += 1
-        else:
-            moved = alive.clone()  # the rows this token belongs to, before the stops below
-            stop.apply(st, rows, token)
-            pos, end = st.pos[:rows], st.end_pos[:rows]
-            alive &= pos + 1 < end  # the row's last token of its budget
-            st.tok[:rows].copy_(token)
-            self._forward(rows, kv_len, torch.minimum(pos, end - 1))
-            pos += moved
+        stop.apply(st, rows, token)
+        st.tok[:rows].copy_(token)
+        self._forward(rows, kv_len)
+        st.pos[:rows] += 1
+        st.step += 1
+
+    def _episode_step(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule) -> None:
+        """The step of episodes (`turns.py`), all on device. A row with a reply queued (state.forced) takes its
+        next token instead of the sampled one: not counted (mask False, logp 0), never a stop, its K/V written as
+        any step's, its stop window emptied (a stop sequence lies within a turn); once the queue is spent the row
+        samples again, from the reply's last logits. A row that stops keeps its position, so that its reply
+        continues right after its last token, and a row stops at its budget (state.end_pos) too; a stopped row's
+        forward writes at its own position (overwritten when it goes on), or at its last for a row without room."""
+        st = self._state
+        token, logp = self._sample(st.logits[:rows], sampling.temperature, sampling.top_k, sampling.top_p,
+                                   sampling.min_p, st.noise_rows(rows) if sampling.temperature > 0 else None)
+        alive, at = st.alive[:rows], st.forced_at[:rows]
+        token, logp, sampled, forcing = self._feed(token, logp, alive, at, st.forced_end[:rows], st.forced[:rows],
+                                                   self.pad_id)
+        st.record(rows, token, logp, sampled)
+        moved = alive.clone()  # the rows this token belongs to, before the stops below
+        stop.apply(st, rows, token, sampled)
+        for tail in st.tails.values():
+            tail[:rows].masked_fill_(forcing[:, None], -1)
+        at += forcing
+        pos, end = st.pos[:rows], st.end_pos[:rows]
+        alive &= pos + 1 < end  # the row's last token of its budget
+        st.tok[:rows].copy_(token)
+        self._forward(rows, kv_len, torch.minimum(pos, end - 1))
+        pos += moved
         st.step += 1
 
     def _graph_for(self, rows: int, kv_len: int, sampling: Sampling, stop: StopRule,
@@ -282,6 +311,7 @@ class NativeEngine:
         st = self._state
         st.pos[:rows] = 0
         st.end_pos[:rows] = self.max_seq_len
+        st.forced_end[:rows] = 0
         st.step.zero_()
         graph = self._captured(lambda: self._step(rows, kv_len, sampling, stop, turns), warmups=2)
         self._graphs[key] = graph
@@ -452,6 +482,8 @@ class NativeEngine:
         st.out_ids[:rows] = self.pad_id
         st.out_logp[:rows] = 0.0
         st.out_mask[:rows] = False
+        st.forced_at[:rows] = 0
+        st.forced_end[:rows] = 0
         if stop.window:
             st.tails[stop.window][:rows] = -1
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -507,7 +539,8 @@ class NativeEngine:
     @contextmanager
     def turns(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Iterator[NativeTurns]:
         """P prompts times num_generations rows played turn after turn (`grpo.rollout.base.Turns`), each reply
-        prefilled into its row's KV cache after the row's last token, never its context again: see `turns.py`.
+        fed into its row's KV cache after the row's last token by the decode steps, never its context again: see
+        `turns.py`.
         `sampling.max_new_tokens` bounds each row's whole transcript, so a prompt plus it must fit max_seq_len.
         Inside, the model is in eval mode under no_grad (with the adapters folded in where the engine folds); the
         engine serves nothing else until the block ends."""
@@ -556,29 +589,20 @@ class NativeEngine:
             else:
                 self._step(rows, kv_len, sampling, stop, turns=True)
 
-    def _extend(self, rows: list[int], replies: list[list[int]], starts: list[int]) -> None:
-        """Each reply's tokens into its row's cache from position `starts[j]` on, the last one's logits into
-        state.logits, and the row alive again at the position after it (its stop window cleared): a prefill of
-        the new tokens alone, each attending to its row's cache and the reply before it."""
-        st, decoder, device = self._state, self.lm.model, self.device
-        R, W = len(rows), max(len(r) for r in replies)
-        ids = pad_rows(replies, self.pad_id, dtype=torch.long).to(device)  # (R, W) right-padded
-        index = torch.tensor(rows, device=device)
-        lengths = torch.tensor([len(r) for r in replies], device=device)
-        start = torch.tensor(starts, device=device)
-        # padding slots sit after each reply, where the row's next tokens overwrite them; kept inside the cache
-        positions = (start[:, None] + torch.arange(W, device=device)).clamp(max=self.max_seq_len - 1)  # (R, W)
-        kv_len = min(max(starts) + W, self.max_seq_len)
-        valid = st.kv_range[:kv_len][None, None, :] <= positions[:, :, None]  # (R, W, S)
-        cos, sin = st.cos[positions][:, None], st.sin[positions][:, None]  # (R, 1, W, D)
-        x = decoder.embed_tokens(ids)
-        with fold.adapters_off(self.model) if self._fold else nullcontext():
-            for layer, k_cache, v_cache in zip(decoder.layers, st.k_caches, st.v_caches):
-                x = extend_layer(layer, x, cos, sin, index, positions, valid, k_cache, v_cache, self.dims)
-            last = x[torch.arange(R, device=device), lengths - 1]  # (R, H)
-            st.logits[index] = self.lm.lm_head(decoder.norm(last[:, None]))[:, 0]
-        st.pos[index] = start + lengths
-        st.alive[index] = True
-        st.finished[index] = False
-        for tail in st.tails.values():
-            tail[index] = -1
+    def _force(self, rows: list[int], starts: list[int], replies: list[list[int]]) -> None:
+        """Each reply (non-empty) queued as its row's next tokens (`_episode_step` feeds them), the row alive
+        again from position `starts[j]`: one copy to the device and a few indexed writes, queued after the work
+        already queued, without a host sync."""
+        st = self._state
+        packed = pad_rows([[r, s, len(t), *t] for r, s, t in zip(rows, starts, replies)], self.pad_id,
+                          dtype=torch.long)  # (R, 3 + W): row, start, length, tokens
+        if self.device.type == "cuda":  # (from pinned memory the copy is queued, not waited for)
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        index, width = packed[:, 0], packed.shape[1] - 3
+        st.forced[:, :width].index_copy_(0, index, packed[:, 3:])
+        st.forced_end.index_copy_(0, index, packed[:, 2])
+        st.forced_at.index_fill_(0, index, 0)
+        st.pos.index_copy_(0, index, packed[:, 1])
+        st.alive.index_fill_(0, index, True)
+        st.finished.index_fill_(0, index, False)

@@ -19,8 +19,7 @@ embedding at each row's own position and writes the token's K/V into the engine'
 
 `build_layer` picks one per layer when the engine plans a generate; a step then calls
 `layer(x, at, k_cache, v_cache)` for each. `prefill_layer` runs a layer over right-padded prompts, eagerly
-(a graphed prefill replays it: `engine.py`); `extend_layer` over the new tokens that continue some rows of
-the cache (an episode's reply), eagerly. The model's shapes travel as one `ModelDims`; `StepFunctions`
+(a graphed prefill replays it: `engine.py`). The model's shapes travel as one `ModelDims`; `StepFunctions`
 holds the functions, compiled once.
 
 Not here: the engine's buffers, graphs and loop (`engine.py`), which projections the kernels can take
@@ -414,24 +413,3 @@ def prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
     x = x + attn.o_proj(out.transpose(1, 2).reshape(P, L, dims.n_heads * d))
     return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
 
-
-def extend_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                 positions: torch.Tensor, valid: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 dims: ModelDims) -> torch.Tensor:
-    """One decoder layer over new tokens x (R, W, H) that continue rows `rows` (R,) of the cache (an episode's
-    reply, `turns.py`): their K/V written at `positions` (R, W), each token attending to its row's cache where
-    `valid` (R, W, S) says (its row's earlier tokens and itself). cos, sin (R, 1, W, D). The new x."""
-    R, W, _ = x.shape
-    attn, d = layer.self_attn, dims.head_dim
-    h = layer.input_layernorm(x)
-    q, k = head_norms(attn, attn.q_proj(h).view(R, W, dims.n_heads, d), attn.k_proj(h).view(R, W, dims.n_kv_heads, d))
-    q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)  # (R, nh, W, D), (R, n_kv, W, D)
-    v = attn.v_proj(h).view(R, W, dims.n_kv_heads, d)
-    at = (rows[:, None], positions)  # the cache seen as (B, S, n_kv, D): each new token's slot
-    k_cache.transpose(1, 2)[at] = k.transpose(1, 2)
-    v_cache.transpose(1, 2)[at] = v
-    S = valid.shape[-1]
-    out = F.scaled_dot_product_attention(q, k_cache[rows, :, :S], v_cache[rows, :, :S], attn_mask=valid[:, None],
-                                         scale=d**-0.5, enable_gqa=dims.n_kv_heads != dims.n_heads)  # (R, nh, W, D)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(R, W, dims.n_heads * d))
-    return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -41,6 +41,10 @@ class DecodeState:
     out_ids: torch.Tensor  # (max_batch, max_seq_len) long
     out_logp: torch.Tensor  # (max_batch, max_seq_len) float32
     out_mask: torch.Tensor  # (max_batch, max_seq_len) bool
+    # an episode's replies (`turns.py`): each row's queue of tokens that its next steps take instead of sampling
+    forced: torch.Tensor  # (max_batch, max_seq_len) long: the queue, from column 0
+    forced_at: torch.Tensor  # (max_batch,) long: the queue's next token
+    forced_end: torch.Tensor  # (max_batch,) long: the queue's length; the row samples again once at reaches it
     tails: dict[int, torch.Tensor]  # window length -> (max_batch, W) long: last W sampled tokens
     consts: dict[tuple, torch.Tensor]  # stop ids and sequences as device tensors (graphs keep pointers)
 
@@ -65,6 +69,9 @@ class DecodeState:
             alive=torch.ones(B, device=dev, dtype=torch.bool), finished=torch.zeros(B, device=dev, dtype=torch.bool),
             out_ids=torch.full((B, S), pad_id, device=dev, dtype=torch.long),
             out_logp=torch.zeros(B, S, device=dev), out_mask=torch.zeros(B, S, device=dev, dtype=torch.bool),
+            forced=torch.full((B, S), pad_id, device=dev, dtype=torch.long),
+            forced_at=torch.zeros(B, device=dev, dtype=torch.long),
+            forced_end=torch.zeros(B, device=dev, dtype=torch.long),
             tails={}, consts={},
         )
 
@@ -76,16 +83,18 @@ class DecodeState:
 
     def tensors(self) -> list[torch.Tensor]:
         out = [*self.k_caches, *self.v_caches, self.cos, self.sin, self.kv_range, self.logits, self.tok,
-               self.pos, self.end_pos, self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask]
+               self.pos, self.end_pos, self.step, self.alive, self.finished, self.out_ids, self.out_logp, self.out_mask,
+               self.forced, self.forced_at, self.forced_end]
         noise = [] if self.noise is None else [self.noise]
         return out + noise + list(self.tails.values()) + list(self.consts.values())
 
-    def record(self, rows: int, token: torch.Tensor, logp: torch.Tensor) -> None:
-        """Write this step's token, logp and mask (the rows alive before it) into the output column."""
+    def record(self, rows: int, token: torch.Tensor, logp: torch.Tensor, sampled: torch.Tensor | None = None) -> None:
+        """Write this step's token, logp and mask into the output column: the mask True at the rows that sampled
+        this token (`sampled` (B,); None: the rows alive before it)."""
         column = self.step.expand(rows)[:, None]  # (B, 1)
         self.out_ids[:rows].scatter_(1, column, token[:, None])
         self.out_logp[:rows].scatter_(1, column, logp[:, None])
-        self.out_mask[:rows].scatter_(1, column, self.alive[:rows, None])
+        self.out_mask[:rows].scatter_(1, column, (self.alive[:rows] if sampled is None else sampled)[:, None])
 
 
 @dataclass(frozen=True)
@@ -123,12 +132,13 @@ class StopRule:
         if window and window not in st.tails:
             st.tails[window] = torch.full((max_batch, window), -1, device=device, dtype=torch.long)
 
-    def apply(self, st: DecodeState, rows: int, token: torch.Tensor) -> None:
-        """Mark the rows that `token` (B,) stops as finished and no longer alive, on the device."""
+    def apply(self, st: DecodeState, rows: int, token: torch.Tensor, sampled: torch.Tensor | None = None) -> None:
+        """Mark the rows that `token` (B,) stops as finished and no longer alive, on the device. Only rows that
+        sampled it can stop (`sampled` (B,); None: the rows alive), not a row fed a reply's token."""
         if not self.active:
             return
-        alive = st.alive[:rows]
-        stop = torch.zeros_like(alive)
+        may_stop = st.alive[:rows] if sampled is None else sampled
+        stop = torch.zeros_like(may_stop)
         if self.ids:
             stop = stop | (token[:, None] == st.consts[("ids", self.ids)][None, :]).any(-1)
         if self.seqs:
@@ -138,6 +148,6 @@ class StopRule:
             for length in sorted({len(seq) for seq in self.seqs}):  # one compare per length, not per sequence
                 want = st.consts[("seqs", self.seqs, length)]  # (S, length)
                 stop = stop | (tail[:, None, window - length:] == want[None]).all(-1).any(-1)
-        stop = stop & alive
+        stop = stop & may_stop
         st.finished[:rows] |= stop
         st.alive[:rows] &= ~stop

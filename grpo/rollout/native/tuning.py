@@ -45,9 +45,12 @@ class EngineTuning:
         last token, where causal attention keeps it out of the prompt's K/V and logits.
     check_every: decode steps between host checks of "have all rows stopped": a sync costs a step's launches.
     turn_block: episodes (`turns.py`): decode steps between the host's looks at which rows ended their turns. A
-        row that stops waits for the rest of its block and one more before its reply goes in: at 64 rows and turns
-        of 64 to 128 tokens, blocks of 8 took a fifth fewer decode steps than blocks of 16, and about as many as
-        blocks of 4, which sync twice as often (docs/internals.md, "Tools and environments").
+        row that stops waits for the rest of its block and one more before its reply goes in; the host's look
+        costs the device nothing while the host's work of a block (reading it, the replies) takes less than the
+        block's steps, since the next block is queued before it. At 64 rows, a 512-token budget, turns of about
+        128 tokens and replies of 15, blocks of 1, 2, 4, 8 and 16 took 519, 530, 554, 600 and 700 decode steps
+        (docs/internals.md, "Tools and environments"): 4 keeps within a tenth of every-step looks with a
+        block's host work of a few milliseconds hidden behind four steps.
     attention: "sdpa" (torch's fused attention over the KV bucket), "kernel" (`grpo.kernels.decode_attention`:
         Triton, each row's cache read to its own length in chunks) or "auto" (`auto_attention` for the
         engine's rows).
@@ -67,7 +70,7 @@ class EngineTuning:
     kv_bucket: int = 256
     prefill_bucket: int = 64
     check_every: int = 16
-    turn_block: int = 8
+    turn_block: int = 4
     attention: str = "auto"
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
