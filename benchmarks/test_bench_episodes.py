@@ -10,8 +10,8 @@ attention), sampled as the recipe samples (temperature 1, min_p 0.1):
   vocabulary, so turns of about that many tokens, each row's of its own length;
   - `in-place` (the product): `NativeEngine.turns`, each reply fed into its row's KV cache by the decode steps
     (queued on the device, taken one a step in place of the sampled token), rows at their own pace (the host
-    looks every `EngineTuning.turn_block`, 4, decode steps); `in-place-block2` and `in-place-block8` the same
-    with blocks of 2 and 8;
+    looks every `EngineTuning.turn_block`, 2, decode steps); `in-place-block4` and `in-place-block8` the same
+    with blocks of 4 and 8;
   - `resent` (the reference): every turn one `generate` over each going row's whole context.
 What is timed is the whole call (`run_episodes`: host work, tool and environment replies, the chat template,
 included; single turn: `generate`), without the graphs' capture (warm-up round). Each record carries model
@@ -138,7 +138,7 @@ def _single_turn_tokens_per_s(bench_env, policy, tokenizer, prompts, shape) -> f
 
 @pytest.mark.bench_order(75)
 @pytest.mark.bench_cost(60)
-@pytest.mark.parametrize("path", ["in-place", "in-place-block2", "in-place-block8", "resent"])
+@pytest.mark.parametrize("path", ["in-place", "in-place-block4", "in-place-block8", "resent"])
 def test_episodes_at_64_rows(benchmark, bench_env, results, episodes_setup, path):
     """Episodes at 64 rows, the rows continued in place (`NativeEngine.turns`; `-blockN`: the host looks every N
     decode steps, not every 4: a stopped row waits less or longer, the host reads twice or half as often) or every

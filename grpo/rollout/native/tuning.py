@@ -47,10 +47,8 @@ class EngineTuning:
     turn_block: episodes (`turns.py`): decode steps between the host's looks at which rows ended their turns. A
         row that stops waits for the rest of its block and one more before its reply goes in; the host's look
         costs the device nothing while the host's work of a block (reading it, the replies) takes less than the
-        block's steps, since the next block is queued before it. At 64 rows, a 512-token budget, turns of about
-        128 tokens and replies of 15, blocks of 1, 2, 4, 8 and 16 took 519, 530, 554, 600 and 700 decode steps
-        (docs/internals.md, "Tools and environments"): 4 keeps within a tenth of every-step looks with a
-        block's host work of a few milliseconds hidden behind four steps.
+        block's steps, since the next block is queued before it. Fewer steps a block, less idling, more looks:
+        2 measured fastest of 2, 4 and 8 (benchmarks/RESULTS.md, "The measured defaults").
     attention: "sdpa" (torch's fused attention over the KV bucket), "kernel" (`grpo.kernels.decode_attention`:
         Triton, each row's cache read to its own length in chunks) or "auto" (`auto_attention` for the
         engine's rows).
@@ -70,7 +68,7 @@ class EngineTuning:
     kv_bucket: int = 256
     prefill_bucket: int = 64
     check_every: int = 16
-    turn_block: int = 4
+    turn_block: int = 2
     attention: str = "auto"
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
