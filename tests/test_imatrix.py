@@ -143,4 +143,5 @@ def test_imatrix_options_that_cannot_work_are_refused_in_one_line(tmp_path, caps
     assert main([*args, "--out", str(tmp_path / "c"), "--gguf", "q4_k_m", "--gguf-imatrix", str(other)]) == 1
     assert "blk.0.attn_q.weight has 96 columns there, 64 in this model; fix: pass the imatrix of this model" in \
         error_line()
+    assert not (tmp_path / "c" / "merged").exists()  # refused before the merge, not after it
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

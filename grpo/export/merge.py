@@ -44,7 +44,7 @@ from grpo.config import DTYPES as FULL_DTYPE_NAMES
 from grpo.config import Config
 from grpo.export.gguf import (GGUF_TYPES, check_convertible, gguf_file_name, parse_gguf_types, tensor_name_map,
                               write_gguf)
-from grpo.export.imatrix import collect_imatrix, means, read_imatrix, run_texts, write_imatrix
+from grpo.export.imatrix import check_imatrix, collect_imatrix, means, read_imatrix, run_texts, write_imatrix
 from grpo.export.lora_gguf import write_lora_gguf
 from grpo.kernels.fp8 import FP8Linear
 from grpo.model.load import default_device, load_base_model, load_tokenizer
@@ -143,6 +143,8 @@ def export(model: str, adapter: str | Path, out: str | Path, dtype: str = "bf16"
     tokenizer = load_tokenizer(model_dir) if gguf_types else None
     if gguf_types:
         check_convertible(base.config, tokenizer)  # before the merge: a model GGUF cannot hold costs nothing
+    if importance is not None:  # a file of another model is refused now, not after the merge
+        check_imatrix(importance, linear_columns(base), str(gguf_imatrix))
     merged = merge_adapter(base, adapter_dir)
     written = {}
     if gguf_imatrix == "auto":  # from the merged model in float32, before its rounding to 16 bits
@@ -185,6 +187,18 @@ def check_imatrix_option(gguf_imatrix: str | Path | None, gguf_types: Sequence[s
     if not Path(gguf_imatrix).is_file():
         raise ValueError(f"--gguf-imatrix {gguf_imatrix}: no such file; fix: pass a llama-imatrix file, or auto")
     return read_imatrix(Path(gguf_imatrix))
+
+
+def linear_columns(model: nn.Module) -> dict[str, int]:
+    """{GGUF name: input columns} of the model's linear layers in its layers, as an imatrix names them."""
+    names = tensor_name_map(model.config)
+    columns = {}
+    for module_name, module in model.named_modules():
+        target = names.get_name(module_name + ".weight", try_suffixes=(".weight",))
+        if target and target.startswith("blk.") and isinstance(getattr(module, "weight", None), torch.Tensor) \
+                and module.weight.dim() == 2:
+            columns[target] = module.weight.shape[-1]
+    return columns
 
 
 def auto_imatrix(merged: nn.Module, tokenizer, adapter_dir: Path):
