@@ -411,7 +411,7 @@ _LLAMA3 = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{syst
            "<|start_header_id|>user<|end_header_id|>\n\n{user}<|eot_id|>"
            "<|start_header_id|>assistant<|end_header_id|>\n\n")
 # Llama 3.x templates print today's date unless given one: fixed, so prompts never change by the day.
-_DATE = "26 Jul 2024"
+CHAT_DATE = "26 Jul 2024"
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> str:
@@ -420,7 +420,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict
     (`grpo.agents.episodes`), so that the same conversation is the same text in both (Llama 3's date
     included)."""
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                         date_string=_DATE)
+                                         date_string=CHAT_DATE)
 
 
 def chat_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT,

@@ -1,6 +1,7 @@
 """The TRL peer of the side by side (benchmarks/probes/trl_same_recipe.py) on a CPU: our Config mapped onto TRL
 1.16's GRPOConfig value by value, what cannot be mapped refused, our prompts reaching TRL as our ids in our
-order, the metrics in our keys, and the smoke run stopping on its time budget and resuming to the end."""
+order, the metrics in our keys, and the smoke run stopping on its time budget and resuming to the end; the
+calculator preset's tools and turn limit given to TRL, its episodes scored as ours, and an environment refused."""
 
 from __future__ import annotations
 
@@ -120,3 +121,60 @@ def test_smoke_run_stops_on_its_time_budget_and_resumes_to_the_end(probe, tmp_pa
         assert {"reward", "rewards/format_exact", "rewards/answer_gsm8k", "accuracy", "format", "step_time"} <= set(r)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["max_steps"], saved["num_generations"], saved["reward_preset"]) == (2, 2, "gsm8k")
+
+
+def test_the_calculator_preset_gives_trl_its_turn_limit_and_llama_3s_date(probe):
+    trl = pytest.importorskip("trl")
+    cfg = parse_args(["--preset", "qwen1.5b-gsm8k-calculator"])
+    values = probe.grpo_config_values(cfg, output_dir="out", cuda=False, vllm_share=0.3)  # bf16 needs a GPU
+    # 5 model turns: the first generation and 4 tool rounds (our last turn runs no call)
+    assert values["max_tool_calling_iterations"] == cfg.max_turns - 1 == 4
+    assert values["chat_template_kwargs"] == {"date_string": "26 Jul 2024"}
+    assert trl.GRPOConfig(**values).max_tool_calling_iterations == 4
+    single = probe.grpo_config_values(parse_args(["--preset", "qwen1.5b-gsm8k"]), output_dir="o", cuda=True,
+                                      vllm_share=0.3)
+    assert "max_tool_calling_iterations" not in single and "chat_template_kwargs" not in single
+
+
+def test_an_environment_is_refused_in_one_line_before_the_model_loads(probe, tmp_path, capsys):
+    recipe = ["--", "--preset", "qwen1.5b-number-guess", "--output-dir", str(tmp_path / "trl")]
+    assert probe.main(recipe) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--environment grpo.agents.number_guess:NumberGuess" in err
+    assert "tool calls" in err and not (tmp_path / "trl").exists()
+
+
+def test_an_episodes_reward_reads_its_transcript_decoded_as_our_trainer_decodes_it(probe, llama_tokenizer):
+    from grpo import rewards
+
+    cfg = parse_args(["--preset", "qwen1.5b-gsm8k-calculator"])
+    answer_fn = next(f for f in probe.trl_reward_functions(cfg, llama_tokenizer) if f.__name__ == "answer_gsm8k")
+    ours = next(f for f in rewards.reward_functions("gsm8k") if f.__name__ == "answer_gsm8k")
+    transcripts = ["<tool_call>6*7</tool_call><|eot_id|>42<|eot_id|>then <SOLUTION>42</SOLUTION>",
+                   "<SOLUTION>41</SOLUTION>"]
+    ids = [llama_tokenizer(t, add_special_tokens=False)["input_ids"] for t in transcripts]
+    # TRL hands a tools run's completions over as messages, the right answer here in the wrong row's: the ids
+    # are what is scored, as ours scores an episode
+    messages = [[{"role": "assistant", "content": "<SOLUTION>41</SOLUTION>"}],
+                [{"role": "assistant", "content": "<SOLUTION>42</SOLUTION>"}]]
+    logged = {}
+    scores = answer_fn(messages, ["42", "42"], completion_ids=ids, log_metric=lambda k, v: logged.update({k: v}))
+    texts = llama_tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert scores == [float(v) for v in ours(texts, ["42", "42"])] and scores[0] > scores[1]
+    assert logged["accuracy"] == 0.5
+
+
+@pytest.mark.slow
+def test_smoke_run_of_the_calculator_preset_trains_with_trls_tools_and_logs_their_metrics(probe, tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "trl"
+    assert probe.main(["--smoke", "--", "--preset", "qwen1.5b-gsm8k-calculator", "--output-dir", str(out),
+                       "--cpu-threads", "1"]) == 0
+    args = json.loads((out / "trl_args.json").read_text())
+    assert args["max_tool_calling_iterations"] == 4
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:  # TRL's tool metrics, in our keys beside its own
+        assert r["episodes/tool_calls"] == r["trl/tools/call_frequency"] >= 0
+        assert {"episodes/tool_errors", "trl/tools/failure_frequency", "rewards/answer_gsm8k", "step_time"} <= set(r)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -3,6 +3,7 @@
     python benchmarks/probes/trl_same_recipe.py [--vllm-share 0.3] [--time-budget-s 540] -- \\
         --preset qwen1.5b-gsm8k --max-steps 60 --save-steps 10 --output-dir /tmp/trl-qwen
     python benchmarks/probes/trl_same_recipe.py --smoke -- --preset qwen1.5b-gsm8k --output-dir /tmp/trl-smoke
+    python benchmarks/probes/trl_same_recipe.py -- --preset qwen1.5b-gsm8k-calculator --max-steps 60  # TRL's tools
 
 The flags after `--` are train.py's, parsed into the same `Config`: the recipe has one source. TRL is told all
 of it that it can express (`grpo_config_values`); what it cannot is refused in one line naming the flag.
@@ -20,6 +21,10 @@ of it that it can express (`grpo_config_values`); what it cannot is refused in o
 | loss-norm sequence / token / constant | `loss_type` grpo / dapo / dr_grpo (per-row mean then batch mean; tokens of the generation batch; B x max-completion-length) |
 | is-correction, is-level, is-cap (the sampler-trainer correction, for samplers of other numerics) | `vllm_importance_sampling_correction`, `_mode` `<level>_<truncate or mask>`, `_clip_max` |
 | seed, max-steps, save-steps, max-grad-norm | the same; bf16 on CUDA |
+| --tools file.py:f,g | `tools=` the same functions (`grpo.agents.tools.load_tools`); the prompts become conversations (system, question) that TRL renders with the tools' definitions and `chat_template_kwargs` Llama 3's fixed date, checked to be our first prompts' text; a tool result enters as a tool message, its tokens masked out of the loss (TRL's `tool_mask`), as ours |
+| --max-turns T (model turns at most; a call in the last turn is not run) | `max_tool_calling_iterations = T - 1` (tool rounds after the first generation: TRL's turns are 1 + iterations) |
+| the reward functions on an episode | the same functions on the same text: each transcript's ids (model and tool tokens) decoded without special tokens, as our trainer decodes them |
+| episodes/tool_calls, episodes/tool_errors | TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` x it (TRL counts a tool that raised; ours also counts a call it could not parse) |
 
 Mismatches that remain, by TRL's design (the adapters' matmuls run in bf16 in both: TRL's Trainer autocasts with
 `bf16=True`, ours under --lora-compute base, the default): TRL's vLLM log-probs are "processed"
@@ -28,20 +33,28 @@ log(kept mass) on every token (huggingface/trl#6789; ours are exact, docs/intern
 TRL's `sampling/*` keys, never as our `gap/*`.
 Without sleep mode vLLM's KV cache comes from torch's allocator, so `peak_mem_gib` includes vLLM's share of
 the GPU: compare step times and learning, not memory.
+With --tools, the first turn's `<start_working_out>` (our first prompt ends with it) is not in TRL's prompt:
+TRL renders a conversation with the generation prompt and nothing after it, so its model opens the turn bare.
+Our --tool-timeout has no counterpart (TRL runs a call without a time limit), nor our `episodes/turns` and
+`episodes/frac_cut_by_max_turns`.
 Refused: dynamic sampling, loss types cispo and sapo (TRL's cispo caps another quantity), KL estimators other
-than k3, FP8 loading.
+than k3, FP8 loading, and --environment: TRL 1.16's environment (`environment_factory`) reaches the model only
+through tool calls (its public methods are the tools, `reset(**row)` appends to the question, `get_reward` scores
+the rollout, and the episode ends when a turn calls no tool), while ours reads the model's plain reply each turn
+and answers as a user turn until it says done; an adapter would change the game the model plays.
 
 Outputs in the run's --output-dir: config.json (our Config), trl_args.json, metrics.jsonl (a line per step in our
 keys where they mean the same: step, reward, reward_std, rewards/<name>, accuracy, format, completion_length,
-frac_finished, frac_zero_std, lr, grad_norm, loss, kl, clip_frac*, step_time, peak_mem_gib; TRL's own keys beside
-them as trl/<key>), checkpoint-N/ (PEFT adapter, optimizer, schedule; `--resume latest` continues), adapter/ at
+frac_finished, frac_zero_std, lr, grad_norm, loss, kl, clip_frac*, episodes/tool_*, step_time, peak_mem_gib;
+TRL's own keys beside them as trl/<key>), checkpoint-N/ (PEFT adapter, optimizer, schedule; `--resume latest` continues), adapter/ at
 the end. `python -m grpo.run.plots OUT/metrics.jsonl OUT/metrics.png` draws it; `python -m grpo.eval --adapter
 OUT/checkpoint-N --per-problem F.jsonl` evaluates it as ours is evaluated.
 
 `--time-budget-s S`: after a step, when less than 1.5 median steps of S (counted from the start) remain, save a
 checkpoint and stop; `--resume latest` continues, so a 10-minute command limit runs the schedule in parts.
 `--smoke`: on the CPU, transformers' generate (no vLLM), a tiny random Llama with the real Llama 3.2 tokenizer,
-2 steps of 2 prompts x 2 completions of 8 tokens; the plumbing, as CI runs it.
+2 steps of 2 prompts x 2 completions of 8 tokens; the plumbing, as CI runs it. With --tools the tokenizer gets
+Llama 3.2's own chat template (as TRL ships it): the packaged tokenizer has none.
 
 What it deliberately is not: a trainer of ours (the loop is TRL's, unpatched) or an evaluation. Nothing happens
 at import.
@@ -75,6 +88,10 @@ SMOKE = dict(max_steps=2, prompts_per_step=2, num_generations=2, max_completion_
 
 def refusal(cfg) -> str | None:
     """What of `cfg` TRL 1.16 cannot be told, as one line naming the flag; None when it can be told all."""
+    if cfg.environment:
+        return (f"--environment {cfg.environment}: TRL 1.16's environments reach the model only through tool calls "
+                "(an episode ends at a turn without one), ours reads each plain reply and answers as the user; "
+                "compare the --tools presets")
     if cfg.dynamic_sampling:
         return "--dynamic-sampling: TRL 1.16's GRPOTrainer has no dynamic sampling; run without it"
     if cfg.policy_term.name != "clip":
@@ -114,6 +131,10 @@ def grpo_config_values(cfg, *, output_dir: str, cuda: bool, vllm_share: float | 
         save_steps=cfg.save_steps or cfg.max_steps, report_to="none", disable_tqdm=True, log_completions=False,
         dataloader_num_workers=0,
     )
+    if cfg.tools:  # our last turn runs no call: T model turns are the first generation and T - 1 tool rounds
+        from grpo.data import CHAT_DATE
+
+        values.update(max_tool_calling_iterations=cfg.max_turns - 1, chat_template_kwargs={"date_string": CHAT_DATE})
     if vllm_share is None:
         values.update(use_vllm=False)
     else:
@@ -127,10 +148,12 @@ def grpo_config_values(cfg, *, output_dir: str, cuda: bool, vllm_share: float | 
     return values
 
 
-def trl_reward_functions(cfg) -> list:
+def trl_reward_functions(cfg, tokenizer=None) -> list:
     """Our reward functions as TRL calls them (the dataset's `answer` column as the answers), each under
     its own name; the answer and exact-format ones also log the share of strictly right and formatted
-    completions through TRL's `log_metric`, as our trainer logs `accuracy` and `format`."""
+    completions through TRL's `log_metric`, as our trainer logs `accuracy` and `format`. A conversational
+    completion (a tools run: TRL hands over its messages) is scored as ours scores an episode: its ids, tool
+    results included, decoded by `tokenizer` without special tokens."""
     from grpo import rewards as grpo_rewards
 
     checks = {"answer": ("accuracy", grpo_rewards.is_correct),
@@ -140,8 +163,10 @@ def trl_reward_functions(cfg) -> list:
         name = getattr(fn, "__name__", type(fn).__name__)
         metric = next((m for prefix, m in checks.items() if name.startswith(prefix)), None)
 
-        def reward(completions, answer, log_metric=None, **_):
+        def reward(completions, answer, completion_ids=None, log_metric=None, **_):
             completions, answers = list(completions), list(answer)
+            if completions and not isinstance(completions[0], str):  # messages: the transcript's text, as ours
+                completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             if metric is not None and log_metric is not None:
                 log_metric(metric[0], sum(bool(metric[1](c, a)) for c, a in zip(completions, answers)) / len(answers))
             return [float(v) for v in fn(completions, answers)]
@@ -153,16 +178,44 @@ def trl_reward_functions(cfg) -> list:
 
 
 def train_rows(cfg, tokenizer) -> list[dict]:
-    """The training prompts in the order our trainer draws them, P a step for max-steps steps."""
+    """The training prompts in the order our trainer draws them, P a step for max-steps steps; with --tools,
+    as the conversations TRL renders (`tool_prompt_rows`)."""
     from bench_setup import trl_prompt_rows
 
     from grpo import data as grpo_data
+    from grpo.agents.settings import EpisodeSettings
     from grpo.trainer import load_prompt_sets
 
-    prompts, _, _ = load_prompt_sets(dataclasses.replace(cfg, eval_size=0), tokenizer)
+    system_prompt = grpo_data.SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt  # as train.py's
+    episodes = EpisodeSettings.load(cfg.tools, None, cfg.max_turns, cfg.tool_timeout, system_prompt)
+    prompts, _, _ = load_prompt_sets(dataclasses.replace(cfg, eval_size=0), tokenizer, episodes=episodes)
     stream = grpo_data.PromptStream(len(prompts), cfg.prompts_per_step, seed=cfg.seed)
     order = [i for _ in range(cfg.max_steps) for i in next(stream)]
-    return trl_prompt_rows(tokenizer, prompts, order)
+    if episodes is None:
+        return trl_prompt_rows(tokenizer, prompts, order)
+    return tool_prompt_rows(tokenizer, prompts, order, episodes)
+
+
+def tool_prompt_rows(tokenizer, prompt_set, order: list[int], episodes) -> list[dict]:
+    """Rows of a tools run: each prompt as the conversation it opens with (TRL renders it with the tools), checked
+    to be our first prompt's text but for the first turn's prefill, which TRL cannot put after its generation
+    prompt (the module's docstring)."""
+    from grpo.agents.settings import opening_messages
+    from grpo.data import CHAT_DATE
+
+    rows, checked = [], set()
+    for i in order:
+        example = prompt_set.examples[i]
+        messages = opening_messages(example, episodes.system_prompt)
+        if i not in checked:
+            trl_text = tokenizer.apply_chat_template(messages, tools=list(episodes.tools), tokenize=False,
+                                                     add_generation_prompt=True, date_string=CHAT_DATE)
+            if trl_text + episodes.prefill != prompt_set.prompts[i]:
+                raise RuntimeError(f"prompt {i}: TRL would render another text than our first prompt, and the "
+                                   "comparison would be unfair; fix: a chat template that renders tools alike")
+            checked.add(i)
+        rows.append({"prompt": messages, "answer": example.answer})
+    return rows
 
 
 def our_record(step: int, logs: dict, clock: dict, stop_strings: bool = False) -> dict:
@@ -173,6 +226,9 @@ def our_record(step: int, logs: dict, clock: dict, stop_strings: bool = False) -
     for trl_key, ours in TRL_TO_OURS.items():
         if logs.get(trl_key) is not None:
             record[ours] = logs[trl_key]
+    if logs.get("tools/call_frequency") is not None:  # calls per completion; failures per call
+        record["episodes/tool_calls"] = logs["tools/call_frequency"]
+        record["episodes/tool_errors"] = logs["tools/call_frequency"] * logs.get("tools/failure_frequency", 0.0)
     for key, value in logs.items():
         if key.startswith("rewards/") and key.endswith("/mean"):
             record[key.removesuffix("/mean")] = value
@@ -236,6 +292,7 @@ def run(cfg, args, started: float) -> Path:
 
     from bench_setup import step_clock
 
+    from grpo.agents.tools import load_tools
     from grpo.model.load import default_device, load_policy
     from grpo.optim import make_optimizer, make_scheduler
 
@@ -257,9 +314,13 @@ def run(cfg, args, started: float) -> Path:
     (out / "trl_args.json").write_text(json.dumps({**values, "trl": trl.__version__}, indent=2, default=str) + "\n")
     clock = step_clock(cuda)
     recorder = run_recorder(out / "metrics.jsonl", clock, started, args.time_budget_s, stop_strings=bool(cfg.stop))
-    trainer = trl.GRPOTrainer(model=policy, reward_funcs=trl_reward_functions(cfg), args=trl.GRPOConfig(**values),
-                              train_dataset=train_set, processing_class=tokenizer, callbacks=[clock, recorder],
-                              optimizers=(optimizer, make_scheduler(cfg, optimizer)))
+    trainer = trl.GRPOTrainer(model=policy, reward_funcs=trl_reward_functions(cfg, tokenizer),
+                              args=trl.GRPOConfig(**values), train_dataset=train_set, processing_class=tokenizer,
+                              callbacks=[clock, recorder], optimizers=(optimizer, make_scheduler(cfg, optimizer)),
+                              tools=load_tools(cfg.tools) if cfg.tools else None)
+    if getattr(trainer, "chat_template", None) is not None:  # TRL would render prompts unlike `tool_prompt_rows`
+        raise ValueError(f"--tools {cfg.tools}: {cfg.model}'s chat template does not keep a conversation's prefix, so "
+                         "TRL renders its own training template; compare on a model whose template does")
     trainer.train(resume_from_checkpoint=resume)
     if recorder.stopped_early:
         print(f"stopped after step {trainer.state.global_step} of {cfg.max_steps} by --time-budget-s "
@@ -298,6 +359,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
 
         tiny = build_model_dir(Path(cfg.output_dir).with_name(Path(cfg.output_dir).name + "-tiny-model"), "tiny",
                                device="cpu")
+        if cfg.tools:  # the packaged Llama 3.2 tokenizer has no chat template: its own, as TRL ships it
+            import trl
+
+            template = Path(trl.__file__).parent / "chat_templates" / "llama3_2.jinja"
+            (tiny / "chat_template.jinja").write_text(template.read_text())
         cfg = dataclasses.replace(cfg, model=str(tiny), max_seq_length=(cfg.max_prompt_length or 512) + 8, **SMOKE)
     return args, cfg
 
