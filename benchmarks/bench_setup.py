@@ -208,6 +208,24 @@ def step_config(model_dir: str | Path, dataset: str | Path, shape: Shape, *, fp8
     return Config(**values)
 
 
+def policy_with_random_b(model_dir: str | Path, dataset: str | Path, shape: Shape, *, root: str | Path,
+                         cuda: bool):
+    """(policy, tokenizer): the bench model in bf16 with the recipe's rsLoRA adapter, its B matrices random
+    (seeded, N(0, 1e-3)) so that the adapter changes what is sampled."""
+    import torch
+
+    from grpo.model.load import load_policy
+
+    cfg = step_config(model_dir, dataset, shape, fp8=False, steps=1, output_dir=Path(root) / "unused", cuda=cuda)
+    policy, tokenizer, _ = load_policy(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_((torch.randn(p.shape, generator=gen) * 1e-3).to(p.device, p.dtype))
+    return policy, tokenizer
+
+
 @contextmanager
 def fixed_lengths() -> Iterator[None]:
     """Inside, `grpo.trainer.train` samples with EOS ignored (`Sampling.ignore_eos`, the engines' switch for

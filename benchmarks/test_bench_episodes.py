@@ -72,20 +72,11 @@ class GenerateOnly:
 def episodes_setup(bench_env):
     """(policy, tokenizer with TEMPLATE, the examples, the shape): the bench model in bf16 with the recipe's
     rsLoRA adapter, its B random."""
-    import torch
-
     from grpo.data import load_jsonl
-    from grpo.model.load import load_policy
 
     shape = bench_env.scale[ROWS]
-    cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=False, steps=1,
-                         output_dir=bench_env.root / "unused", cuda=bench_env.cuda)
-    policy, tokenizer, _ = load_policy(cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_((torch.randn(p.shape, generator=gen) * 1e-3).to(p.device, p.dtype))
+    policy, tokenizer = bs.policy_with_random_b(bench_env.model_dir(), bench_env.prompts(shape), shape,
+                                                root=bench_env.root, cuda=bench_env.cuda)
     tokenizer.chat_template = TEMPLATE
     examples = [{"question": ex.question, "answer": ex.answer}
                 for ex in load_jsonl(bench_env.prompts(shape))[:shape.prompts]]

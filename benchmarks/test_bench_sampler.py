@@ -29,20 +29,11 @@ SWEEP_ROWS = (16, 64, 256)
 def sampler_setup(bench_env):
     """(policy, tokenizer, prompt ids of the 128-token prompts): the bench model in bf16 with the recipe's
     rsLoRA adapter, its B matrices random so that the adapter changes what is sampled."""
-    import torch
-
     from grpo.data import build_prompts, load_jsonl
-    from grpo.model.load import load_policy
 
     shape = bench_env.scale[max(SWEEP_ROWS)]
-    cfg = bs.step_config(bench_env.model_dir(), bench_env.prompts(shape), shape, fp8=False, steps=1,
-                         output_dir=bench_env.root / "unused", cuda=bench_env.cuda)
-    policy, tokenizer, _ = load_policy(cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_((torch.randn(p.shape, generator=gen) * 1e-3).to(p.device, p.dtype))
+    policy, tokenizer = bs.policy_with_random_b(bench_env.model_dir(), bench_env.prompts(shape), shape,
+                                                root=bench_env.root, cuda=bench_env.cuda)
     prompts = build_prompts(tokenizer, load_jsonl(bench_env.prompts(shape)), shape.prompt_len).prompt_ids
     return policy, tokenizer, prompts
 
