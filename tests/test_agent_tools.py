@@ -181,6 +181,12 @@ def test_qwen_reads_a_call_cut_before_its_closing_tag():
     assert parse_tool_calls(text, "qwen") == [ToolCall("add", {"a": 1, "b": 2})]
 
 
+def test_qwen_reads_a_call_in_the_doubled_braces_its_template_shows():
+    text = '<tool_call>{{"name": "calculator", "arguments": {"expression": "7*0.5"}}}</tool_call>'
+    assert parse_tool_calls(text, "qwen") == [ToolCall("calculator", {"expression": "7*0.5"})]
+    assert parse_tool_calls('<tool_call>{{"name": "add"}</tool_call>', "qwen")[0].error is not None
+
+
 def test_a_completion_without_calls_parses_to_none():
     assert parse_tool_calls("The answer is 5.", "qwen") == []
     assert parse_tool_calls('The answer is 5, as in {"a": 5}.', "llama") == []

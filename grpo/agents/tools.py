@@ -102,7 +102,7 @@ def parse_tool_calls(text: str, style: str, names: Collection[str] | None = None
     parse, lacks a name or arguments object, or (when `names` is given) names no known tool carries an
     `error` instead of raising."""
     if style == "qwen":
-        calls = [_call(body, "arguments") for body in _QWEN_CALL.findall(text)]
+        calls = [_call(_single_braced(body), "arguments") for body in _QWEN_CALL.findall(text)]
     elif style == "llama":
         calls = _llama_calls(text)
     else:
@@ -134,6 +134,13 @@ def _llama_calls(text: str) -> list[ToolCall]:
         while at < len(body) and body[at] in "; \n\t":
             at += 1
     return calls
+
+
+def _single_braced(body: str) -> str:
+    """Qwen2.5's template shows a call's shape as `{{"name": ..., "arguments": ...}}` (its Jinja string literal
+    keeps both braces) and its models copy them; `{{` never opens JSON, so the outer pair is dropped."""
+    inner = body.strip()
+    return inner[1:-1] if inner.startswith("{{") and inner.endswith("}}") else body
 
 
 def _call(body: str, arguments_key: str) -> ToolCall:
