@@ -131,7 +131,9 @@ class Config:
                             "data", choices=["dapo", "gsm8k", "none"])
     reward: tuple[str, ...] = _f((), "Extra reward functions as module:function (a module of the current "
                                  "folder or on PYTHONPATH) or path/to/file.py:function, each "
-                                 "f(completions, answers, **columns) -> list[float].", "data", nargs="+")
+                                 "f(completions, answers, **columns) -> list[float]; with --tools, the columns "
+                                 "also hold each episode's tool_calls and tool_errors "
+                                 "(grpo.agents.episodes:tool_use pays 1 for a call that ran).", "data", nargs="+")
     max_seq_length: int = _f(2048, "Prompt plus completion tokens at most.", "data")
     max_prompt_length: int | None = _f(None, "Prompt tokens at most; longer prompts are dropped and "
                                        "counted. Default: the 90th percentile of the dataset's prompts.",
@@ -474,10 +476,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # rewards, sampling and schedule, each completion an episode of up to 5 model turns (the first opened with
     # <start_working_out> as the single-turn prompt is, so the same rewards read it alike; a turn that stops at
     # </SOLUTION> ends the episode). The prompts grow by the tool's definition (about 200 tokens in Qwen's template,
-    # hence 512), the transcripts by the calls and their results (hence 512 tokens). 60 steps, held-out eval at 0
+    # hence 512), the transcripts by the calls and their results (hence 512 tokens). One reward more: 1 for an
+    # episode with a call that ran (grpo.agents.episodes:tool_use); without it GRPO drove the model's rare calls
+    # (about 1 episode in 100) to none within 10 steps (docs/learning.md, "Agents"). 60 steps, held-out eval at 0
     # and at the end on the single-turn preset's 319 problems.
     "qwen1.5b-gsm8k-calculator": dict(
         model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
+        reward=("grpo.agents.episodes:tool_use",),
         system_prompt=CALCULATOR_SYSTEM_PROMPT, tools="grpo.agents.calculator:calculator", max_turns=5,
         num_generations=8, prompts_per_step=8, max_prompt_length=512, max_completion_length=512, max_seq_length=1024,
         learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",), micro_batch_size=16, gradient_checkpointing=False,
@@ -512,7 +517,8 @@ PRESET_SUMMARIES: dict[str, str] = {
                       "up to 384 tokens, held-out eval every 20 steps, the adapters folded in decode; about 24 GiB "
                       "of GPU memory at most. Held-out strict accuracy and speed: benchmarks/RESULTS.md.",
     "qwen1.5b-gsm8k-calculator": "Offline, one GPU: qwen1.5b-gsm8k's task with the calculator tool, each completion an "
-                                 "episode of up to 5 turns (tool calls and results in between); 60 steps of 8 x 8 "
+                                 "episode of up to 5 turns (tool calls and results in between), plus a reward of 1 "
+                                 "for an episode with a call that ran; 60 steps of 8 x 8 "
                                  "episodes up to 512 tokens, held-out strict accuracy and tool use at step 0 and "
                                  "at the end (docs/learning.md, \"Agents\").",
     "qwen1.5b-number-guess": "Offline, one GPU: the packaged Qwen plays the built-in number-guessing game (a secret "

@@ -185,12 +185,16 @@ def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generatio
     function. Advantages need only this rank's groups, but scale_rewards="batch" and the log use all.
     Reward functions get the dataset's columns and `completion_ids`, each completion's token ids (TRL's name:
     what a length-based reward such as --overlong-penalty reads). An episode's text and ids are its whole
-    transcript; with an environment, its reward is a column of its own (`rewards/environment`)."""
+    transcript, its tool calls and errors columns (`tool_calls`, `tool_errors`); with an environment, its reward
+    is a column of its own (`rewards/environment`)."""
     completion_ids = rollout.completions()
     texts = s.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     answers = [ex.answer for ex in examples for _ in range(num_generations)]
     columns = {**grpo_data.batch_columns(examples, repeat=num_generations), "completion_ids": completion_ids}
     funcs = s.reward_funcs
+    if s.episodes is not None:  # what an episode's reward functions may read beside the transcript
+        columns["tool_calls"] = [e.tool_calls for e in episodes]
+        columns["tool_errors"] = [e.tool_errors for e in episodes]
     if s.episodes is not None and s.episodes.environment is not None:
         columns["environment_reward"] = [e.reward for e in episodes]
         funcs = [*funcs, environment]

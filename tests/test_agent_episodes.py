@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_llama
 from grpo.agents.calculator import calculator
-from grpo.agents.episodes import run_episodes
+from grpo.agents.episodes import run_episodes, tool_use
 from grpo.agents.number_guess import NumberGuess
 from grpo.agents.tools import tool_schemas
 from grpo.batch import make_batch, sequence_logprobs
@@ -186,6 +186,11 @@ def test_a_call_closed_by_another_eos_than_the_templates_runs_and_the_template_c
     assert rollout.mask[0].tolist()[:len(call) + 1 + len(reply)] == [True] * (len(call) + 1) + [False] * len(reply)
 
 
+def test_tool_use_pays_an_episode_with_a_call_that_ran():
+    rewards = tool_use(["a", "b", "c", "d"], ["1"] * 4, tool_calls=[0, 1, 2, 2], tool_errors=[0, 1, 1, 0])
+    assert rewards == [0.0, 0.0, 1.0, 1.0]
+
+
 def test_a_prefilled_first_turn_keeps_the_transcript_a_continuation_of_the_prompt(tokenizer):
     from grpo.rewards import has_exact_format, is_correct
 
@@ -349,11 +354,13 @@ def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_
     train(Config(model=str(tool_llama_dir), dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,
                  num_generations=2, max_completion_length=120, max_seq_length=1024, learning_rate=1e-3,
                  warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0, output_dir=str(out), seed=3,
-                 reward=("test_train:text_signal",), tools="grpo.agents.calculator:calculator", max_turns=2))
+                 reward=("test_train:text_signal", "grpo.agents.episodes:tool_use"),
+                 tools="grpo.agents.calculator:calculator", max_turns=2))
     records = read_metrics(out)
     assert len(records) == 2
     for record in records:
         assert record["episodes/tool_calls"] == 1.0 and record["episodes/tool_errors"] == 0.0
+        assert record["rewards/tool_use"] == 1.0  # every episode's call ran: the trainer passed the columns
         assert record["episodes/turns"] == 2.0 and "episodes/frac_cut_by_max_turns" in record
     header = llama_tokenizer.convert_tokens_to_ids("<|start_header_id|>")  # in every reply, never the model's
     for rollout in rollouts:

@@ -178,3 +178,14 @@ def test_smoke_run_of_the_calculator_preset_trains_with_trls_tools_and_logs_thei
         assert r["episodes/tool_calls"] == r["trl/tools/call_frequency"] >= 0
         assert {"episodes/tool_errors", "trl/tools/failure_frequency", "rewards/answer_gsm8k", "step_time"} <= set(r)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_trl_tool_messages_become_the_tool_columns_our_rewards_read(probe):
+    conversations = [
+        [{"role": "assistant", "content": "no call"}],
+        [{"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "name": "calculator", "content": "42"},
+         {"role": "assistant", "content": "<tool_call>..."},
+         {"role": "tool", "name": "calculator", "content": str({"error": "bad expression"})}],
+    ]
+    columns = probe.tool_columns(conversations)
+    assert columns == {"tool_calls": [0, 2], "tool_errors": [0, 1]}

@@ -23,7 +23,7 @@ of it that it can express (`grpo_config_values`); what it cannot is refused in o
 | seed, max-steps, save-steps, max-grad-norm | the same; bf16 on CUDA |
 | --tools file.py:f,g | `tools=` the same functions (`grpo.agents.tools.load_tools`); the prompts become conversations (system, question) that TRL renders with the tools' definitions and `chat_template_kwargs` Llama 3's fixed date, checked to be our first prompts' text; a tool result enters as a tool message, its tokens masked out of the loss (TRL's `tool_mask`), as ours |
 | --max-turns T (model turns at most; a call in the last turn is not run) | `max_tool_calling_iterations = T - 1` (tool rounds after the first generation: TRL's turns are 1 + iterations) |
-| the reward functions on an episode | the same functions on the same text: each transcript's ids (model and tool tokens) decoded without special tokens, as our trainer decodes them |
+| the reward functions on an episode | the same functions on the same text: each transcript's ids (model and tool tokens) decoded without special tokens, as our trainer decodes them; `tool_calls` and `tool_errors` counted from TRL's tool messages (a failed call's is `{'error': ...}`) |
 | episodes/tool_calls, episodes/tool_errors | TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` x it (TRL counts a tool that raised; ours also counts a call it could not parse) |
 
 Mismatches that remain, by TRL's design (the adapters' matmuls run in bf16 in both: TRL's Trainer autocasts with
@@ -165,16 +165,26 @@ def trl_reward_functions(cfg, tokenizer=None) -> list:
 
         def reward(completions, answer, completion_ids=None, log_metric=None, **_):
             completions, answers = list(completions), list(answer)
+            columns = {}
             if completions and not isinstance(completions[0], str):  # messages: the transcript's text, as ours
+                columns = tool_columns(completions)
                 completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             if metric is not None and log_metric is not None:
                 log_metric(metric[0], sum(bool(metric[1](c, a)) for c, a in zip(completions, answers)) / len(answers))
-            return [float(v) for v in fn(completions, answers)]
+            return [float(v) for v in fn(completions, answers, **columns)]
 
         reward.__name__ = name
         return reward
 
     return [wrap(fn) for fn in grpo_rewards.reward_functions(cfg.reward_preset, cfg.reward)]
+
+
+def tool_columns(conversations: list[list[dict]]) -> dict[str, list[int]]:
+    """Each TRL completion's tool calls and failed ones, the columns our trainer gives an episode's reward
+    functions: TRL answers each call with a tool message, a failed one with the text of {"error": ...}."""
+    results = [[m for m in messages if m.get("role") == "tool"] for messages in conversations]
+    return {"tool_calls": [len(r) for r in results],
+            "tool_errors": [sum(str(m.get("content", "")).startswith("{'error'") for m in r) for r in results]}
 
 
 def train_rows(cfg, tokenizer) -> list[dict]:

@@ -281,6 +281,15 @@ def environment(completions: list[str], answers: list[str], *, environment_rewar
     return [float(r) for r in environment_reward]
 
 
+def tool_use(completions: list[str], answers: list[str], *, tool_calls: Sequence[int], tool_errors: Sequence[int],
+             **columns: Any) -> list[float]:
+    """1 for an episode with at least one tool call that ran without error, else 0: what pays a model for trying
+    its tools before it knows they help (`--reward grpo.agents.episodes:tool_use`; the trainer passes each
+    episode's `tool_calls` and `tool_errors` with --tools). It pays for any such call, a needless one too: held-out
+    accuracy beside it says whether the calls help."""
+    return [float(calls > errors) for calls, errors in zip(tool_calls, tool_errors)]
+
+
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """The step's log of its episodes: model turns, tool calls and tool errors per episode, and the share cut
     by the turn limit. {} without episodes (a single-turn run)."""
