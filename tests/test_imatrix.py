@@ -145,3 +145,24 @@ def test_imatrix_options_that_cannot_work_are_refused_in_one_line(tmp_path, caps
         error_line()
     assert not (tmp_path / "c" / "merged").exists()  # refused before the merge, not after it
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_batched_greedy_completions_are_each_prompts_own(tmp_path):
+    from test_gguf_export import tiny_qwen2_dir
+    from transformers import AutoModelForCausalLM
+
+    from grpo.export.imatrix import greedy_sequences
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir(tmp_path / "qwen2", layers=2), dtype=torch.float32)
+    prompts = [[5, 9, 17, 40, 41, 100], [7, 3], [11, 12, 13]]
+
+    def one_at_a_time():
+        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=12, do_sample=False, pad_token_id=1)[0].tolist() for p in prompts]
+
+    assert greedy_sequences(model, prompts, 12, pad_id=1) == one_at_a_time()
+    # an end id that one row writes early: that row stops there, the others run on
+    model.generation_config.eos_token_id = one_at_a_time()[1][len(prompts[1]) + 2]
+    want = one_at_a_time()
+    assert len(want[1]) == len(prompts[1]) + 3 and any(len(w) == len(p) + 12 for w, p in zip(want, prompts))
+    assert greedy_sequences(model, prompts, 12, pad_id=1) == want

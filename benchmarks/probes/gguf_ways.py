@@ -11,8 +11,9 @@ The ways (`--ways`, all by default): `merged` (the merged bf16 model, our engine
 merged model in each type), `q4_k_m-imatrix` (q4_k_m weighted by the run's own importance matrix,
 `--gguf-imatrix auto`), `lora-on-base` (the trained adapter as a LoRA GGUF on `--base-gguf`, by default the
 packaged model's own GGUF, which the packaged model was converted from: the Qwen's Q4_K_M, SmolLM2's Q4_1) and
-`base` (that base GGUF alone: the untrained figure through llama.cpp). Each way's result and per-problem file go to OUT; results.json holds
-them all, rewritten after each way so that a run cut short keeps what it measured. Every way is evaluated greedy
+`base` (that base GGUF alone: the untrained figure through llama.cpp), measured in the order given. Each way's
+files are exported when it comes, its result and per-problem file go to OUT; results.json holds them all,
+rewritten after each way so that a run cut short keeps what it measured. Every way is evaluated greedy
 with the qwen1.5b-gsm8k preset's prompts, stop string and lengths, 64 requests in flight.
 """
 
@@ -60,22 +61,27 @@ def base_gguf(args) -> Path:
     return gguf_path(PACKAGED_MODELS[args.model])
 
 
-def exports(args, out: Path, ways: list[str]) -> dict[str, Path]:
-    """Each GGUF file the ways need, by way (and "lora": the adapter as a LoRA GGUF), written once: a rerun
+PLAIN = ("f16", "q8_0", "q4_k_m")
+
+
+def export_for(args, out: Path, way: str, ways: list[str]) -> dict[str, Path]:
+    """The files `way` reads, by way (and "lora": the adapter as a LoRA GGUF, "base": the base GGUF), exported
+    when a way first needs them, so each way's figure comes as soon as its files exist: the plain types of all
+    `ways` and the LoRA GGUF from one export (one merge), the imatrix-weighted q4_k_m from its own. A rerun
     reuses an export folder whose files are all there."""
     from grpo.export.merge import export
 
     files: dict[str, Path] = {}
-    plain = [t for t in ("f16", "q8_0", "q4_k_m") if t in ways]
-    if plain or "lora-on-base" in ways:
+    if way in PLAIN or way == "lora-on-base":
+        plain = [t for t in PLAIN if t in ways]
         files.update(reused_or_exported(out / "export", lambda folder: export(
             args.model, args.adapter, folder, gguf=plain, gguf_lora="lora-on-base" in ways, overwrite=True),
             [f"gguf-{t}" for t in plain] + (["gguf-lora"] if "lora-on-base" in ways else [])))
-    if "q4_k_m-imatrix" in ways:
+    if way == "q4_k_m-imatrix":
         weighted = reused_or_exported(out / "export-imatrix", lambda folder: export(
             args.model, args.adapter, folder, gguf="q4_k_m", gguf_imatrix="auto", overwrite=True), ["gguf-q4_k_m"])
         files["gguf-q4_k_m-imatrix"] = weighted["gguf-q4_k_m"]
-    if "lora-on-base" in ways or "base" in ways:
+    if way in ("lora-on-base", "base"):
         files["gguf-base"] = base_gguf(args)
     return {key.removeprefix("gguf-"): path for key, path in files.items()}
 
@@ -129,12 +135,12 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ways = args.ways.split(",")
-    start = time.perf_counter()
-    files = exports(args, out, ways)
-    print(json.dumps({"exported_s": round(time.perf_counter() - start, 1)}), flush=True)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     for way in ways:
+        start = time.perf_counter()
+        files = export_for(args, out, way, ways)
+        print(json.dumps({"way": way, "exported_s": round(time.perf_counter() - start, 1)}), flush=True)
         flags = build_parser().parse_args(eval_argv(args, way, files, out / f"eval-{way}.jsonl"))
         problem = eval_flag_problem(flags)
         if problem:

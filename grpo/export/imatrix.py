@@ -190,13 +190,25 @@ def run_texts(model: nn.Module, tokenizer, adapter_dir: Path) -> tuple[list[list
     examples = load_examples(dataset, "train", seed=settings.get("seed", 0))[:AUTO_PROMPTS]
     system = settings.get("system_prompt") or SYSTEM_PROMPT
     budget = min(settings.get("max_completion_length") or AUTO_COMPLETION_TOKENS, AUTO_COMPLETION_TOKENS)
+    prompts = [tokenizer(chat_prompt(tokenizer, example.question, system), add_special_tokens=False).input_ids
+               for example in examples]
+    sequences = greedy_sequences(model, prompts, budget, pad_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return sequences, f"{len(examples)} {dataset} training prompts and their greedy completions"
+
+
+@torch.no_grad()
+def greedy_sequences(model: nn.Module, prompts: list[list[int]], budget: int, pad_id: int) -> list[list[int]]:
+    """Each prompt followed by the model's greedy completion (up to `budget` tokens, through its first end id),
+    all prompts in one left-padded batch: one generation of `budget` steps rather than one per prompt."""
     device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, pad_token_id=pad_id)
+    ends = model.generation_config.eos_token_id
+    ends = set(ends if isinstance(ends, list) else [ends] if ends is not None else [])
     sequences = []
-    for example in examples:
-        ids = tokenizer(chat_prompt(tokenizer, example.question, system), add_special_tokens=False,
-                        return_tensors="pt").input_ids.to(device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        sequences.append(out[0].tolist())
-    what = f"{len(examples)} {dataset} training prompts and their greedy completions"
-    return sequences, what
+    for prompt, row in zip(prompts, out[:, width:].tolist()):
+        stop = next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
+        sequences.append(prompt + row[:stop])
+    return sequences

@@ -29,7 +29,8 @@ def test_the_gguf_ways_probe_measures_every_way(llama_cpp_tools, smollm2_export,
                 "--llama-cpp", str(llama_cpp_tools.bin)])
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert list(results) == list(probe.WAYS) == [p["way"] for p in printed if "way" in p]
+    assert list(results) == list(probe.WAYS) == [p["way"] for p in printed if "eval/prompts" in p]
+    assert [p["way"] for p in printed if "exported_s" in p] == list(probe.WAYS)  # each way's export, then its figure
     for way, result in results.items():
         assert result["eval/prompts"] == 4 and 0 <= result["eval/greedy_accuracy"] <= 1, way
         assert len((tmp_path / "out" / f"eval-{way}.jsonl").read_text().splitlines()) == 4, way
