@@ -396,7 +396,7 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 
 SCRIPT_PROBES = ["native_engine", "decode_gemm_tiles", "decode_gemm_sass", "train_pass", "engine_sampling",
-                 "step_profile", "fp8_host", "attention_tiles", "turn_blocks", "gguf_ways"]
+                 "step_profile", "fp8_host", "attention_tiles", "turn_blocks", "gguf_ways", "unsloth_growth"]
 # Each probe run as a script (its folder first on the path, as `python probe.py` puts it) with --help, in one
 # process: a process a probe spent its seconds importing torch ten times over.
 HELP_EACH = """
@@ -686,6 +686,41 @@ def test_the_engine_probes_busy_time_counts_overlapping_kernels_once(monkeypatch
     assert probe.covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # 0-12 and 20-25
     assert probe.covered_us([(30, 40), (0, 10), (10, 15)]) == 25  # unordered, touching
     assert probe.covered_us([]) == 0
+
+
+def test_the_unsloth_growth_probe_reads_vllms_adapters_and_prefix_cache_where_v1_keeps_them(monkeypatch):
+    # A GPU session is spent on this probe: a wrong attribute path there would read None for every step.
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("unsloth_growth")
+    pool = SimpleNamespace(cached_block_hash_to_block=SimpleNamespace(_cache={"a": 1, "b": 2, "c": 3}),
+                           get_num_free_blocks=lambda: 10, blocks=[None] * 12)
+    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=pool)))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(list_loras=lambda: {7, 8},
+                                                     engine_core=SimpleNamespace(engine_core=core)))
+    state = probe.vllm_state(llm)
+    assert (state["loras_held"], state["prefix_cached_blocks"], state["free_blocks"], state["total_blocks"]) == (
+        2, 3, 10, 12)
+    pool.cached_block_hash_to_block = {"a": 1}  # older vLLM: a plain dict
+    assert probe.vllm_state(llm)["prefix_cached_blocks"] == 1
+    bare = probe.vllm_state(SimpleNamespace())  # another layout: nothing read, nothing raised
+    assert bare["loras_held"] is None and bare["prefix_cached_blocks"] is None and bare["free_blocks"] is None
+
+
+def test_the_unsloth_growth_probes_trends_leave_out_the_warm_up_and_put_the_step_time_first(monkeypatch):
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("unsloth_growth")
+    warmup = [{"step": s, "step_time": 30.0, "flat": 5.0, "grows": 99.0} for s in (1, 2)]  # would bend every slope
+    steady = [{"step": s, "step_time": 2.0 + 0.1 * (s - 3), "flat": 5.0, "grows": 100.0 + 4 * (s - 3),
+               "unread": None, "kind": "step", "t": 10.0 * s} for s in range(3, 9)]
+    trends = probe.trends(warmup + steady, warmup=2)
+    by = {t["quantity"]: t for t in trends}
+    assert trends[0]["quantity"] == "step_time" and set(by) == {"step_time", "flat", "grows"}
+    assert by["step_time"]["slope_per_step"] == pytest.approx(0.1)
+    assert by["grows"]["slope_per_step"] == pytest.approx(4.0) and by["flat"]["slope_per_step"] == pytest.approx(0.0)
+    assert (by["grows"]["first"], by["grows"]["last"]) == (100.0, 120.0)
+    assert [t["quantity"] for t in trends[1:]] == ["grows", "flat"]  # by growth per step as a share, largest first
 
 
 def test_the_memory_probe_groups_the_peak_by_grpo_frame_and_autograd_node(monkeypatch):
