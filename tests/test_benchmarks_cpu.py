@@ -314,7 +314,7 @@ def test_render_puts_the_markers_under_an_existing_heading_and_lists_earlier_run
     assert "| 2026-11-01 | NVIDIA H200 | bench | ours | bf16 | 2.50 | 3.00 | 2026-11-01-h200.json |" in text
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist interleaves modules on a worker, and each return re-ran it
 def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     """One --bench-smoke run of the suite on the CPU for the tests below (a run pays a minute of imports
     and set-up): (the process, its results file)."""
@@ -418,7 +418,7 @@ print(json.dumps(said))
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a worker, as smoke_run
 def probes_help() -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", HELP_EACH, str(PROBES), *SCRIPT_PROBES], cwd=ROOT, env=env,
