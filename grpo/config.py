@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import shlex
@@ -698,7 +699,9 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
         if term_flags:
             values["policy_term"] = policy_term_from_flags(values.get("policy_term"), term_flags)
         config = Config(**values)
-        reward_functions(config.reward_preset, config.reward)  # imported and found now, before any model loads
+        funcs = reward_functions(config.reward_preset, config.reward)  # imported and found now, before any model loads
+        if not (config.tools or config.environment):
+            refuse_episode_columns(config.reward, funcs[len(funcs) - len(config.reward):])
         if config.tools:
             load_tools(config.tools)
         if config.environment:
@@ -707,6 +710,23 @@ def parse_command_line(argv: list[str] | None = None) -> CommandLine:
     except ValueError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits
+
+
+EPISODE_COLUMNS = ("tool_calls", "tool_errors")  # what grpo.groups.score passes reward functions for episodes
+
+
+def refuse_episode_columns(specs: tuple[str, ...], funcs: list) -> None:
+    """A --reward function that needs an episode's columns, in a run without episodes: one line now, not a
+    TypeError at the first step's scoring."""
+    for spec, fn in zip(specs, funcs):
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a callable without a signature Python can read
+            continue
+        needed = [c for c in EPISODE_COLUMNS if c in params and params[c].default is inspect.Parameter.empty]
+        if needed:
+            raise ValueError(f"--reward {spec}: reads each episode's {' and '.join(needed)}, which only runs with "
+                             "--tools or --environment have; fix: add --tools (or drop this reward)")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

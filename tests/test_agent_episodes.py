@@ -393,8 +393,16 @@ def test_a_run_with_the_number_guessing_environment_logs_its_reward_and_episodes
     (["--environment", "grpo.agents.calculator:calculator"], "not a class"),
     (["--max-turns", "0"], "--max-turns 0: must be 1 or more"),
     (["--tool-timeout", "0"], "--tool-timeout 0.0: must be above 0"),
+    (["--reward", "grpo.agents.episodes:tool_use"], "reads each episode's tool_calls and tool_errors, which only runs "
+                                                    "with --tools or --environment have; fix: add --tools"),
 ])
 def test_bad_agent_flags_are_one_line_before_any_model_loads(flags, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model", "no/such-model", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_the_tool_reward_with_tools_parses():
+    cfg = parse_args(["--model", "m", "--reward", "grpo.agents.episodes:tool_use", "--tools",
+                      "grpo.agents.calculator:calculator"])
+    assert cfg.reward == ("grpo.agents.episodes:tool_use",)
