@@ -195,9 +195,9 @@ def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generatio
     if s.episodes is not None:  # what an episode's reward functions may read beside the transcript
         columns["tool_calls"] = [e.tool_calls for e in episodes]
         columns["tool_errors"] = [e.tool_errors for e in episodes]
-    if s.episodes is not None and s.episodes.environment is not None:
-        columns["environment_reward"] = [e.reward for e in episodes]
-        funcs = [*funcs, environment]
+        if s.episodes.environment is not None:
+            columns["environment_reward"] = [e.reward for e in episodes]
+            funcs = [*funcs, environment]
     rewards, names = grpo_rewards.score(texts, answers, funcs, columns)  # (P*G, R)
     judged = [[grpo_rewards.is_correct(c, a), grpo_rewards.has_exact_format(c)] for c, a in zip(texts, answers)]
     judged = torch.tensor(judged, dtype=rewards.dtype).view(-1, 2)  # (P*G, 2) correct, formatted
