@@ -189,3 +189,44 @@ def test_trl_tool_messages_become_the_tool_columns_our_rewards_read(probe):
     ]
     columns = probe.tool_columns(conversations)
     assert columns == {"tool_calls": [0, 2], "tool_errors": [0, 1]}
+
+
+def test_a_converted_templates_tool_calls_are_parsed_by_the_family_our_parser_reads(probe, llama_tokenizer):
+    pytest.importorskip("trl")
+    import copy
+
+    # TRL knows a chat template by its exact text; a converted model's differs (whitespace), so the probe sets the
+    # parser of the family that `tool_call_style` reads
+    tokenizer = copy.deepcopy(llama_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                               "{% if tools %}Call a tool in <tool_call></tool_call> tags.{% endif %}")
+    tokenizer.response_template = None
+    probe.response_parser(tokenizer)
+    import inspect
+
+    reply = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
+    newer = "prefix" in inspect.signature(tokenizer.parse_response).parameters  # newer transformers ask for it
+    parsed = tokenizer.parse_response(reply, **({"prefix": "<|im_start|>assistant\n"} if newer else {}))
+    assert parsed["tool_calls"] == [{"type": "function",
+                                     "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]
+    tokenizer.response_template = kept = {"fields": {}}  # a template the tokenizer ships is left alone
+    probe.response_parser(tokenizer)
+    assert tokenizer.response_template is kept
+
+
+def test_a_step_that_leaves_a_trained_weight_not_finite_stops_the_peer_naming_it(probe, tmp_path, capsys):
+    import torch
+    from transformers import TrainerControl, TrainerState
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    model[0].weight.data[0, 0] = float("nan")  # a frozen weight is not the run's to judge
+    recorder = probe.run_recorder(tmp_path / "metrics.jsonl", clock=type("Clock", (), {"records": []})(),
+                                  started=0.0, budget_s=None)
+    state, control = TrainerState(global_step=1, max_steps=10), TrainerControl()
+    recorder.on_step_end(None, state, control, model=model)
+    assert not control.should_training_stop
+    model[1].bias.data[1] = float("inf")
+    recorder.on_step_end(None, state, control, model=model)
+    assert control.should_training_stop
+    assert "step 1 left 1.bias not finite" in capsys.readouterr().out

@@ -251,13 +251,21 @@ def our_record(step: int, logs: dict, clock: dict, stop_strings: bool = False) -
 
 def run_recorder(metrics: Path, clock, started: float, budget_s: float | None, stop_strings: bool = False):
     """A TrainerCallback that appends each logged step to `metrics` (our keys, `our_record`) and, with a
-    budget, saves and stops after the step that leaves less than 1.5 median steps of it."""
+    budget, saves and stops after the step that leaves less than 1.5 median steps of it. A step that leaves a
+    trained weight not finite stops the run, naming the step and the weight: what TRL measures after it is no run."""
+    import torch
     from transformers import TrainerCallback
 
     class RunRecorder(TrainerCallback):
         stopped_early = False
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            broken = next((name for name, p in model.named_parameters() if p.requires_grad
+                           and not bool(torch.isfinite(p).all())), None) if model is not None else None
+            if broken is not None:
+                print(f"[peer] step {state.global_step} left {broken} not finite; stopped", flush=True)
+                control.should_training_stop = True
+                return
             times = [r["step_time"] for r in clock.records]
             if budget_s is None or not times or state.global_step >= state.max_steps:
                 return
@@ -294,6 +302,19 @@ def resume_point(cfg) -> str | None:
     return last
 
 
+def response_parser(tokenizer) -> None:
+    """TRL parses a tools run's replies with the tokenizer's `response_template`, which it sets only for chat templates
+    it knows by their exact text; a converted model's template (ours from the GGUF) differs in whitespace, so TRL
+    refuses it. Set the parser of the family our own parser reads (`tool_call_style`): the same calls count."""
+    from trl import chat_template_utils as known
+
+    from grpo.agents.tools import tool_call_style
+
+    if getattr(tokenizer, "response_template", None) is None:
+        style = tool_call_style(tokenizer.chat_template)
+        tokenizer.response_template = known.qwen3_template if style == "qwen" else known.llama3_template
+
+
 def run(cfg, args, started: float) -> Path:
     """Train with TRL on `cfg`; returns the output folder."""
     import datasets
@@ -322,6 +343,8 @@ def run(cfg, args, started: float) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg.save(out)
     (out / "trl_args.json").write_text(json.dumps({**values, "trl": trl.__version__}, indent=2, default=str) + "\n")
+    if cfg.tools:
+        response_parser(tokenizer)
     clock = step_clock(cuda)
     recorder = run_recorder(out / "metrics.jsonl", clock, started, args.time_budget_s, stop_strings=bool(cfg.stop))
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=trl_reward_functions(cfg, tokenizer),
