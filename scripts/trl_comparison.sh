@@ -26,11 +26,6 @@
 # (issue 26 part 4), evaluated at 0, STEPS/2 and STEPS with greedy and 4 samples a problem. No vLLM: the status
 # calls follow call 23 (~2.5 min of carrying; convert 2.5, 200 steps ~11-13, three evaluations ~5).
 #
-# CHAIN=gguf (STEPS=60 suggested) runs `gguf` instead: issue 29's measurement. STEPS steps of the preset, then
-# benchmarks/probes/gguf_quality.py on their adapter: the merge and f16, each k-quant type written on all
-# 16 cores, then every type evaluated on GSM8K's 319 held-out problems (results: gguf/results.json; about 22
-# minutes after the carrying).
-#
 # CHAIN=speed (STEPS=60) runs `speed`: issue 31's levers on the preset's training pass. A run's widths are
 # new every step, and cuDNN's attention planned each new one, so the trainer leaves it out
 # (`grpo.model.load.attention_without_cudnn`). First benchmarks/probes/train_pass.py on new widths:
@@ -104,7 +99,7 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   local f list=()
   for f in $CMP/ours/metrics.jsonl $CMP/ours/metrics.png $CMP/trl/metrics.jsonl $CMP/trl/metrics.png \
            $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt \
-           $CMP/gguf/results.json $CMP/asis/metrics.jsonl $CMP/lever/metrics.jsonl $CMP/probe/*.jsonl; do
+           $CMP/asis/metrics.jsonl $CMP/lever/metrics.jsonl $CMP/probe/*.jsonl; do
     if [ -f "$f" ]; then list+=("${f#$CMP/}"); fi
   done
   mkdir -p $CMP/tails
@@ -155,19 +150,6 @@ full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule
   begin_chain
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-steps $(( STEPS / 2 )) \
     --eval-samples 4 --output-dir $CMP/ours
-  echo "$(date -u +%T) chain done" >> $CMP/stages.log
-}
-
-gguf() {  # CHAIN=gguf: issue 29's measurement, each GGUF type of a trained adapter on GSM8K's 319 held-out
-  begin_chain
-  stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-size 0 --output-dir $CMP/ours
-  local probe=(python3 benchmarks/probes/gguf_quality.py --adapter $CMP/ours/adapter --out $CMP/gguf)
-  stage gguf-merge "${probe[@]}" --types f16 --write-only   # timed apart: the merge and f16
-  local t
-  for t in q8_0 q5_k_m q4_k_m; do   # one at a time, each on every core
-    stage gguf-write-$t "${probe[@]}" --types $t --write-only
-  done
-  stage gguf-eval "${probe[@]}" --types f16,q8_0,q5_k_m,q4_k_m
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
@@ -276,7 +258,6 @@ print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t)
     collect ;;
   chain) chain ;;
   full) full ;;
-  gguf) gguf ;;
   speed) speed ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -595,43 +595,6 @@ def test_probe_timer_takes_the_median_and_the_recorder_keeps_rows_on_disk_as_the
     assert rec.path.name.startswith("probe-") and rec.path.suffix == ".jsonl"
 
 
-def test_the_gguf_probe_evaluates_through_grpo_evals_own_flags(monkeypatch, char_llama_dir):
-    """The probe once built grpo.eval's flags by hand and missed two it reads (a 5-minute GPU call lost)."""
-    monkeypatch.syspath_prepend(str(PROBES))
-    gguf_quality = importlib.import_module("gguf_quality")
-    from grpo.eval.cli import evaluate_from_flags
-
-    args = gguf_quality.parse_args(["--out", "unused", "--dataset", "arithmetic", "--eval-size", "2",
-                                    "--max-completion-length", "4", "--max-prompt-length", "4096"])
-    flags = gguf_quality.eval_flags(char_llama_dir, args)
-    assert (flags.samples, flags.stop, flags.batch_rows, flags.max_prompt_length) == (0, ["</SOLUTION>"], 64, 4096)
-    assert gguf_quality.parse_args(["--out", "unused"]).max_prompt_length == 288  # the preset's, by default
-    result = evaluate_from_flags(flags)
-    assert result["eval/prompts"] == 2 and 0 <= result["eval/greedy_accuracy"] <= 1
-
-
-def test_the_gguf_probe_batches_greedy_completions_as_one_prompt_at_a_time_would(monkeypatch, char_llama_dir):
-    monkeypatch.syspath_prepend(str(PROBES))
-    gguf_quality = importlib.import_module("gguf_quality")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(char_llama_dir)
-    model = AutoModelForCausalLM.from_pretrained(char_llama_dir, dtype=torch.float32).eval()
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21]]
-    # A row that ends at once: its first greedy token made the end token
-    with torch.no_grad():
-        end = int(model(torch.tensor([prompts[0]])).logits[0, -1].argmax())
-    model.generation_config.eos_token_id = end
-    batched = gguf_quality.greedy_completions(model, tokenizer, prompts, 12)
-    ends = [end, tokenizer.eos_token_id]  # the model's end token and the tokenizer's
-    one_by_one = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=ends,
-                                 pad_token_id=tokenizer.pad_token_id)[0, len(p):].tolist() for p in prompts]
-    cut = [row[:min([row.index(e) + 1 for e in ends if e in row], default=len(row))] for row in one_by_one]
-    assert batched == cut
-    assert batched[0] == [end] and max(len(row) for row in batched) > 1
-
-
 def test_the_unsloth_benchmarks_skip_without_importing_unsloth(monkeypatch, tmp_path):
     """Importing unsloth turns the CUDA allocator's expandable segments on unless UNSLOTH_VLLM_STANDBY is
     set, and standby then refuses to start (H200, 2026-12-02): only the loaders, after setting it, import it."""
