@@ -328,14 +328,18 @@ def test_run_does_not_change_the_calls_arguments():
 
 @pytest.mark.parametrize("expression, value", [("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("7 / 2", 3.5),
                                                ("6 / 3", 2), ("7 // 2", 3), ("7 % 4", 3), ("-2 ** 2", -4),
-                                               ("+1.5e3", 1500), (" 2 ** 10 ", 1024)])
+                                               ("+1.5e3", 1500), (" 2 ** 10 ", 1024),
+                                               # as a word problem writes numbers
+                                               ("$1,200 * 3", 3600), ("1,234,567 - 7", 1234560),
+                                               ("3 \u00d7 4 \u00f7 2", 6), ("\u22122 + 5", 3)])
 def test_calculator_evaluates_arithmetic(expression, value):
     result = calculator(expression)
     assert result == value and type(result) is type(value)
 
 
 @pytest.mark.parametrize("expression", ["__import__('os').system('true')", "x + 1", "abs(-1)", "(1).real",
-                                        "[1, 2]", "True + 1", "'a' * 3", "1 if 1 else 2", "2 +"])
+                                        "[1, 2]", "True + 1", "'a' * 3", "1 if 1 else 2", "2 +",
+                                        "1, 2", "1,20 + 1", "1,2345"])
 def test_calculator_refuses_anything_but_numbers_and_operators(expression):
     with pytest.raises(ValueError):
         calculator(expression)

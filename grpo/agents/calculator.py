@@ -1,7 +1,8 @@
 """The built-in example tool: arithmetic on numbers, evaluated by walking Python's syntax tree.
 
 What it deliberately is not: `eval`. Only numbers, + - * / // % ** and parentheses are read; a name, a call,
-an attribute or anything else is refused, and so is a power whose result would be too large to compute.
+an attribute or anything else is refused, and so is a power whose result would be too large to compute. Numbers
+are read as a word problem writes them ("$1,200", "3 × 4"): Python would read "1,200 * 3" as a pair.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_DIGITS = 1000  # a power whose result would have more digits is refused: 9**9**9 would stall the tool
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # the comma of 1,200 (not of "1, 2")
+_SIGNS = str.maketrans({"$": None, "\u00d7": "*", "\u00f7": "/", "\u2212": "-"})  # $, times, divide, minus
 
 
 def calculator(expression: str) -> int | float:
@@ -26,7 +30,7 @@ def calculator(expression: str) -> int | float:
         The value of the expression.
     """
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = ast.parse(_THOUSANDS.sub("", expression.translate(_SIGNS)).strip(), mode="eval")
     except SyntaxError:
         raise ValueError(f"{expression!r} is not an arithmetic expression") from None
     value = _evaluate(tree.body)
