@@ -479,8 +479,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # </SOLUTION> ends the episode). The prompts grow by the tool's definition (about 200 tokens in Qwen's template,
     # hence 512), the transcripts by the calls and their results (hence 512 tokens). One reward more: 1 for an
     # episode with a call that ran (grpo.agents.episodes:tool_use); without it GRPO drove the model's rare calls
-    # (about 1 episode in 100) to none within 10 steps (docs/learning.md, "Agents"). 60 steps, held-out eval at 0
-    # and at the end on the single-turn preset's 319 problems.
+    # (about 1 episode in 100) to none within 10 steps, and with it too in its one run so far (docs/learning.md,
+    # "Agents"). 60 steps, held-out eval at 0 and at the end on the single-turn preset's 319 problems.
     "qwen1.5b-gsm8k-calculator": dict(
         model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
         reward=("grpo.agents.episodes:tool_use",),
