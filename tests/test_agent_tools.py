@@ -187,6 +187,44 @@ def test_qwen_reads_a_call_in_the_doubled_braces_its_template_shows():
     assert parse_tool_calls('<tool_call>{{"name": "add"}</tool_call>', "qwen")[0].error is not None
 
 
+CODER_CALL = '{\n  "name": "calculator",\n  "arguments": {\n    "expression": "(5 * 25 * 4) + (2 * 60 * 3)"\n  }\n}'
+
+
+@pytest.mark.parametrize("text", [
+    f"```json\n{CODER_CALL}\n```",                            # what Qwen2.5-Coder writes for the tags
+    f"First the first four weeks.\n\n```json\n{CODER_CALL}\n```\n<|im_end|>",  # after prose, its end token kept
+    f"```\n{CODER_CALL}\n```",
+    CODER_CALL,                                               # bare, the whole reply
+])
+def test_qwen_reads_an_untagged_call_that_ends_the_reply(text):
+    assert parse_tool_calls(text, "qwen", names={"calculator"}) == [
+        ToolCall("calculator", {"expression": "(5 * 25 * 4) + (2 * 60 * 3)"})]
+
+
+def test_qwen_reads_a_list_of_untagged_calls_and_checks_their_names():
+    text = '```json\n[{"name": "add", "arguments": {"a": 1}}, {"name": "sub", "arguments": {}}]\n```'
+    add, sub = parse_tool_calls(text, "qwen", names={"add"})
+    assert add == ToolCall("add", {"a": 1}) and sub.name == "sub" and "unknown tool" in sub.error
+
+
+@pytest.mark.parametrize("text", [
+    f"```json\n{CODER_CALL}\n```\nSo the total is 860 km.",    # the model went on: it answered itself
+    f"The call would be {CODER_CALL}",                          # bare JSON after prose
+    '```json\n{"name": "Ann", "age": 30}\n```',                 # JSON that is not a call
+    '```python\nprint({"name": "f", "arguments": {}})\n```',
+    "```json\n[1, 2]\n```", "```", "``````", '{"name": "f"',
+])
+def test_qwen_reads_no_call_where_the_reply_does_not_end_with_a_call_object(text):
+    assert parse_tool_calls(text, "qwen") == []
+
+
+def test_qwen_tags_take_precedence_and_a_broken_untagged_call_is_an_error():
+    tagged = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert parse_tool_calls(f"{tagged}\n```json\n{CODER_CALL}\n```", "qwen") == [ToolCall("add", {"a": 1})]
+    (broken,) = parse_tool_calls('```json\n{"name": "calculator", "arguments": {"expression": "1+1"\n```', "qwen")
+    assert broken.name is None and "not valid JSON" in broken.error
+
+
 def test_a_completion_without_calls_parses_to_none():
     assert parse_tool_calls("The answer is 5.", "qwen") == []
     assert parse_tool_calls('The answer is 5, as in {"a": 5}.', "llama") == []

@@ -8,7 +8,10 @@ for the conversation.
 
 The formats parsed (style names as `tool_call_style` returns them):
 - "qwen" (Qwen2.5): one or several `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks,
-  anywhere in the completion.
+  anywhere in the completion. Without tags, a reply that ends with the call object (or a list of them) in a
+  Markdown code block, or is that object bare: what Qwen2.5-Coder writes, since it was not trained on the tags its
+  template asks for (vllm-project/vllm#32926; docs/learning.md, "Agents"). Such an object needs both "name" and
+  "arguments": other JSON a reply ends with is no call.
 - "llama" (Llama 3.1/3.2): the whole reply is the JSON call `{"name": ..., "parameters": {...}}`, optionally
   after `<|python_tag|>`; several calls are separated by `;`.
 
@@ -35,6 +38,8 @@ Tool = Callable[..., Any]
 STYLES = ("qwen", "llama")
 
 _QWEN_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_QWEN_ENDS = ("<|im_end|>", "<|endoftext|>")
+_FENCE = "```"
 _LLAMA_TAG = "<|python_tag|>"
 _LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
 
@@ -103,6 +108,7 @@ def parse_tool_calls(text: str, style: str, names: Collection[str] | None = None
     `error` instead of raising."""
     if style == "qwen":
         calls = [_call(_single_braced(body), "arguments") for body in _QWEN_CALL.findall(text)]
+        calls = calls or _untagged_qwen_calls(text)
     elif style == "llama":
         calls = _llama_calls(text)
     else:
@@ -134,6 +140,31 @@ def _llama_calls(text: str) -> list[ToolCall]:
         while at < len(body) and body[at] in "; \n\t":
             at += 1
     return calls
+
+
+def _untagged_qwen_calls(text: str) -> list[ToolCall]:
+    """The call objects a tagless reply ends with, in a code block or bare (the module's docstring)."""
+    body = text.strip()
+    for end in _QWEN_ENDS:
+        body = body.removesuffix(end).rstrip()
+    if body.endswith(_FENCE) and len(body) > len(_FENCE):
+        opening = body.rfind(_FENCE, 0, len(body) - len(_FENCE))
+        if opening < 0:
+            return []
+        block = body[opening + len(_FENCE):-len(_FENCE)]
+        first_line, _, rest = block.partition("\n")
+        body = (rest if first_line.strip().lower() in ("json", "") else block).strip()
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as err:
+        looks_like_a_call = '"name"' in body and '"arguments"' in body
+        return [ToolCall(None, error=f"the tool call is not valid JSON ({err.msg})")] if looks_like_a_call else []
+    objects = obj if isinstance(obj, list) else [obj]
+    if not objects or not all(isinstance(o, dict) and "name" in o and "arguments" in o for o in objects):
+        return []
+    return [_from_object(o, "arguments") for o in objects]
 
 
 def _single_braced(body: str) -> str:
