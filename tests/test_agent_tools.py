@@ -195,6 +195,7 @@ CODER_CALL = '{\n  "name": "calculator",\n  "arguments": {\n    "expression": "(
     f"First the first four weeks.\n\n```json\n{CODER_CALL}\n```\n<|im_end|>",  # after prose, its end token kept
     f"```\n{CODER_CALL}\n```",
     CODER_CALL,                                               # bare, the whole reply
+    "{" + CODER_CALL + "}",                                   # in the doubled braces its template shows
 ])
 def test_qwen_reads_an_untagged_call_that_ends_the_reply(text):
     assert parse_tool_calls(text, "qwen", names={"calculator"}) == [

@@ -156,6 +156,7 @@ def _untagged_qwen_calls(text: str) -> list[ToolCall]:
         body = (rest if first_line.strip().lower() in ("json", "") else block).strip()
     if not body.startswith(("{", "[")):
         return []
+    body = _single_braced(body)
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as err:
