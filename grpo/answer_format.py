@@ -30,13 +30,13 @@ QUICKSTART_SYSTEM_PROMPT = (
     f"{REASONING_START}a + b = c{REASONING_END}{SOLUTION_START}c{SOLUTION_END}"
 )
 
-# The recipe's system prompt with the calculator tool (the qwen1.5b-gsm8k-calculator preset): the same format, and
-# where the tool fits in it. The tool's definition itself comes from the chat template.
+# The calculator preset's instructions (qwen1.5b-gsm8k-calculator), said after the question in the user's turn
+# (--system-prompt-turn user): the tool's definition comes from the chat template, under its own system prompt,
+# where Qwen2.5-Coder calls it; asked for the working-out format, it works the arithmetic out in words instead
+# (docs/learning.md, "Agents"). Only the answer's tags are asked for.
 CALCULATOR_SYSTEM_PROMPT = (
-    f"{SYSTEM_PROMPT}\n"
-    "You may call the calculator tool for any arithmetic while you work; its result comes back in the next message, "
-    f"and you go on working from there. Once you know the answer, close with {REASONING_END}{SOLUTION_START}the "
-    f"number{SOLUTION_END}."
+    f"Use the calculator tool for the arithmetic. Then give your final answer between {SOLUTION_START} and "
+    f"{SOLUTION_END}."
 )
 
 # The number-guessing game's system prompt (the qwen1.5b-number-guess preset): no answer format, one guess a turn;

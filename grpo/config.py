@@ -147,6 +147,10 @@ class Config:
     system_prompt: str | None = _f(None, "The system prompt of every training and held-out prompt. Default: the "
                                    "recipe's, which describes the answer format in words "
                                    "(grpo.answer_format.SYSTEM_PROMPT).", "data")
+    system_prompt_turn: str = _f("system", "Where --system-prompt's text goes: the system turn, or the user's turn "
+                                 "after the question, the system turn left to the chat template's own (a model "
+                                 "that calls tools only under its own system prompt: the calculator preset).",
+                                 "data", choices=["system", "user"])
 
     # --- grpo --------------------------------------------------------------------------------
     num_generations: int = _f(4, "G: completions sampled per prompt (at least 2).", "grpo")
@@ -474,17 +478,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
     # The single-turn preset's task with the calculator tool (issue 64's first agent): the same model, problems,
-    # rewards, sampling and schedule, each completion an episode of up to 5 model turns (the first opened with
-    # <start_working_out> as the single-turn prompt is, so the same rewards read it alike; a turn that stops at
-    # </SOLUTION> ends the episode). The prompts grow by the tool's definition (about 200 tokens in Qwen's template,
-    # hence 512), the transcripts by the calls and their results (hence 512 tokens). One reward more: 1 for an
-    # episode with a call that ran (grpo.agents.episodes:tool_use); without it GRPO drove the model's rare calls
-    # (about 1 episode in 100) to none within 10 steps, and with it too in its one run so far (docs/learning.md,
-    # "Agents"). 60 steps, held-out eval at 0 and at the end on the single-turn preset's 319 problems.
+    # sampling and schedule, each completion an episode of up to 5 model turns (a turn that stops at </SOLUTION>
+    # ends it). The instructions follow the question, under the chat template's system prompt (the model calls
+    # tools there, and not under the recipe's: answer_format.CALCULATOR_SYSTEM_PROMPT), and ask for the answer's
+    # tags only, so the rewards are the answer's (the single-turn preset's, less the working-out format) and 1 for
+    # an episode with a call that ran (grpo.agents.episodes:tool_use: under the recipe's prompt GRPO drove the
+    # model's rare calls to none, docs/learning.md, "Agents"). The prompts grow by the tool's definition (about 200
+    # tokens in Qwen's template, hence 512), the transcripts by the calls and their results (hence 512 tokens).
+    # 60 steps, held-out eval at 0 and at the end on the single-turn preset's 319 problems.
     "qwen1.5b-gsm8k-calculator": dict(
-        model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
-        reward=("grpo.agents.episodes:tool_use",),
-        system_prompt=CALCULATOR_SYSTEM_PROMPT, tools="grpo.agents.calculator:calculator", max_turns=5,
+        model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="none",
+        reward=("grpo.rewards:answer_gsm8k", "grpo.rewards:number_gsm8k", "grpo.agents.episodes:tool_use"),
+        system_prompt=CALCULATOR_SYSTEM_PROMPT, system_prompt_turn="user",
+        tools="grpo.agents.calculator:calculator", max_turns=5,
         num_generations=8, prompts_per_step=8, max_prompt_length=512, max_completion_length=512, max_seq_length=1024,
         learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",), micro_batch_size=16, gradient_checkpointing=False,
         warmup_ratio=0.05, max_steps=60, save_steps=10, eval_steps=0, eval_size=319, eval_samples=1,
@@ -518,8 +524,9 @@ PRESET_SUMMARIES: dict[str, str] = {
                       "up to 384 tokens, held-out eval every 20 steps, the adapters folded in decode; about 24 GiB "
                       "of GPU memory at most. Held-out strict accuracy and speed: benchmarks/RESULTS.md.",
     "qwen1.5b-gsm8k-calculator": "Offline, one GPU: qwen1.5b-gsm8k's task with the calculator tool, each completion an "
-                                 "episode of up to 5 turns (tool calls and results in between), plus a reward of 1 "
-                                 "for an episode with a call that ran; 60 steps of 8 x 8 "
+                                 "episode of up to 5 turns (tool calls and results in between), the instructions after "
+                                 "the question; the answer's rewards and 1 for an episode with a call that ran; 60 "
+                                 "steps of 8 x 8 "
                                  "episodes up to 512 tokens, held-out strict accuracy and tool use at step 0 and "
                                  "at the end (docs/learning.md, \"Agents\").",
     "qwen1.5b-number-guess": "Offline, one GPU: the packaged Qwen plays the built-in number-guessing game (a secret "

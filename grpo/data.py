@@ -423,14 +423,25 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict
                                          date_string=CHAT_DATE)
 
 
+def task_messages(question: str, system_prompt: str, turn: str = "system") -> list[dict[str, str]]:
+    """The conversation a question opens: the system prompt in the system turn, or (`turn="user"`) after the
+    question in the user's turn, where the chat template then puts its own system prompt."""
+    if turn == "user":
+        return [{"role": "user", "content": f"{question}\n\n{system_prompt}"}]
+    if turn != "system":
+        raise ValueError(f"system prompt turn {turn!r}: expected system or user")
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+
+
 def chat_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, turn: str = "system") -> str:
     """The prompt text: system prompt and question in the tokenizer's chat template (a built-in
-    Llama 3 one when it has none), with the tools' definitions where given and the generation prompt, then
-    `<start_working_out>`."""
+    Llama 3 one when it has none), the system prompt in its `turn` (`task_messages`), with the tools'
+    definitions where given and the generation prompt, then `<start_working_out>`."""
+    messages = task_messages(question, system_prompt, turn)
     if not getattr(tokenizer, "chat_template", None):
-        return _LLAMA3.format(system=system_prompt, user=question) + REASONING_START
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+        system = messages[0]["content"] if len(messages) == 2 else ""
+        return _LLAMA3.format(system=system, user=messages[-1]["content"]) + REASONING_START
     try:
         text = render_chat(tokenizer, messages, tools)
     except Exception:  # templates without a system role (Gemma): put the instructions in the user turn
@@ -488,18 +499,20 @@ def prompt_room(max_seq_length: int, max_completion_length: int | None, model_po
 
 def build_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_length: int | None = None,
                   system_prompt: str = SYSTEM_PROMPT, *, room: PromptRoom | None = None,
-                  prompt_text: Callable[[Example], str] | None = None) -> PromptSet:
+                  prompt_text: Callable[[Example], str] | None = None, system_prompt_turn: str = "system"
+                  ) -> PromptSet:
     """Tokenize every prompt and keep those of at most `max_prompt_length` tokens (default: the 90th
     percentile of the lengths, as in the reference recipe), and never more than `room` leaves (a longer
     prompt cannot be held with its completion). The text already holds the template's special tokens
     (BOS included), so none are added. `prompt_text(example)` is each prompt's text (an episode's first
-    prompt, with the tools' definitions: `grpo.agents.settings`); default `chat_prompt` with `system_prompt`."""
+    prompt, with the tools' definitions: `grpo.agents.settings`); default `chat_prompt` with `system_prompt` in
+    its `system_prompt_turn`."""
     if not examples:
         raise ValueError("build_prompts: no examples; fix: check the dataset and --num-train-examples")
     if max_prompt_length is not None and max_prompt_length < 1:
         raise ValueError(f"--max-prompt-length {max_prompt_length}: use 1 or more (or none for the 90th percentile)")
     if prompt_text is None:
-        texts = [chat_prompt(tokenizer, e.question, system_prompt) for e in examples]
+        texts = [chat_prompt(tokenizer, e.question, system_prompt, turn=system_prompt_turn) for e in examples]
     else:
         texts = [prompt_text(e) for e in examples]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]

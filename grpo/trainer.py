@@ -188,7 +188,8 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
     rows = max(cfg.batch_size, cfg.eval_samples)  # the most rows the engine generates at once
     policy, tokenizer, model_dir, engine = load_model(cfg, device, work_dir, rows)
     episodes = EpisodeSettings.load(cfg.tools, cfg.environment, cfg.max_turns, cfg.tool_timeout,
-                                    SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt)
+                                    SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt,
+                                    cfg.system_prompt_turn)
     prompts, held_out, max_completion_length = load_prompt_sets(cfg, tokenizer, model_positions(policy), episodes)
     engine_name = resolve_engine_name(cfg.engine, policy)
     if engine is None:  # sized for the longest prompt of either set and its completion
@@ -309,7 +310,7 @@ def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None, episo
     room = grpo_data.prompt_room(cfg.max_seq_length, cfg.max_completion_length, positions)
     prompt_text = None if episodes is None else (lambda example: first_prompt(tokenizer, example, episodes))
     prompts = grpo_data.build_prompts(tokenizer, examples, cfg.max_prompt_length, system_prompt, room=room,
-                                      prompt_text=prompt_text)
+                                      prompt_text=prompt_text, system_prompt_turn=cfg.system_prompt_turn)
     sequence = room.tokens + (cfg.max_completion_length or 1)  # --max-seq-length, or the model's positions
     max_completion_length = (cfg.max_completion_length if cfg.max_completion_length is not None
                              else sequence - prompts.max_prompt_length)
@@ -317,7 +318,7 @@ def load_prompt_sets(cfg: Config, tokenizer, positions: int | None = None, episo
     if cfg.eval_size > 0:  # every held-out prompt that fits the sequence budget, none dropped by percentile
         held_out = grpo_data.load_examples(cfg.dataset, split="test", seed=cfg.seed)[:cfg.eval_size]
         eval_prompts = grpo_data.build_prompts(tokenizer, held_out, sequence - max_completion_length, system_prompt,
-                                               prompt_text=prompt_text)
+                                               prompt_text=prompt_text, system_prompt_turn=cfg.system_prompt_turn)
     return prompts, eval_prompts, max_completion_length
 
 

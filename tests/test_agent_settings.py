@@ -13,8 +13,9 @@ from grpo.agents.calculator import calculator
 from grpo.agents.number_guess import NumberGuess
 from grpo.agents.settings import EpisodeSettings, first_prompt, play_episodes
 from grpo.agents.tools import tool_schemas
-from grpo.answer_format import REASONING_START, SYSTEM_PROMPT
+from grpo.answer_format import CALCULATOR_SYSTEM_PROMPT, REASONING_START, SYSTEM_PROMPT
 from grpo.config import PRESETS, Config, parse_args
+from grpo.rewards import PRESETS as PRESET_REWARDS
 from grpo.rollout.base import Sampling
 from grpo.trainer import load_prompt_sets, train
 from test_agent_episodes import EOT, Scripted, tool_llama_dir  # noqa: F401  (the fixture, used by name)
@@ -56,6 +57,19 @@ def test_an_episodes_first_prompt_is_the_single_turn_prompt_with_the_tools_and_l
     assert rollout.prompt_ids == [tok.encode(text, add_special_tokens=False)]  # what the engine was given
 
 
+def test_instructions_in_the_users_turn_follow_the_question_and_ask_for_no_opening_tag(dated_tokenizer):
+    tok = dated_tokenizer
+    agent = EpisodeSettings((calculator,), None, max_turns=3, tool_timeout_s=5.0,
+                            system_prompt=CALCULATOR_SYSTEM_PROMPT, system_prompt_turn="user")
+    asked = [{"role": "user", "content": f"{QUESTION.question}\n\n{CALCULATOR_SYSTEM_PROMPT}"}]
+    assert agent.prefill == "" and settings().prefill == REASONING_START  # the recipe's prompt asks for the tag
+    assert first_prompt(tok, QUESTION, agent) == grpo_data.render_chat(tok, asked, tool_schemas([calculator]))
+    single = grpo_data.build_prompts(tok, [QUESTION], system_prompt=CALCULATOR_SYSTEM_PROMPT, system_prompt_turn="user")
+    assert single.prompts == [grpo_data.render_chat(tok, asked) + REASONING_START]
+    with pytest.raises(ValueError, match="system prompt turn 'assistant'"):
+        grpo_data.task_messages("q", "s", "assistant")
+
+
 def test_an_environments_first_prompt_holds_its_first_observation_and_opens_bare(dated_tokenizer):
     llama_tokenizer = dated_tokenizer
     game = grpo_data.Example(grpo_data.NUMBER_GUESS_QUESTION, "42")
@@ -90,8 +104,11 @@ def test_the_agent_presets_name_their_tool_or_environment_and_no_answer_format_f
     calculator_run = parse_args(["--preset", "qwen1.5b-gsm8k-calculator"])
     single = parse_args(["--preset", "qwen1.5b-gsm8k"])
     assert calculator_run.tools == "grpo.agents.calculator:calculator" and calculator_run.environment is None
-    for same in ("model", "dataset", "reward_preset", "stop", "learning_rate", "num_generations", "prompts_per_step"):
+    for same in ("model", "dataset", "stop", "learning_rate", "num_generations", "prompts_per_step"):
         assert getattr(calculator_run, same) == getattr(single, same), same
+    answer_rewards = [f"grpo.rewards:{fn.__name__}" for fn in PRESET_REWARDS[single.reward_preset][2:]]
+    assert calculator_run.reward == (*answer_rewards, "grpo.agents.episodes:tool_use")  # the format's are not asked
+    assert calculator_run.system_prompt_turn == "user" and REASONING_START not in calculator_run.system_prompt
     game = parse_args(["--preset", "qwen1.5b-number-guess"])
     assert game.environment == "grpo.agents.number_guess:NumberGuess" and game.reward_preset == "none"
     assert game.max_turns == NumberGuess.max_turns and game.dataset == "number-guess"

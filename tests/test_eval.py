@@ -303,7 +303,7 @@ def test_eval_help_shows_every_default_and_the_sizes_on_a_cpu_and_a_gpu():
     helps = {a.dest: " ".join(a.help.split()) for a in takes_a_value}
     assert "(default: 64 on a GPU, 16 on a CPU)" in helps["eval_size"]
     assert "(default: 4 on a GPU, 1 on a CPU)" in helps["samples"]
-    for dest in ("max_completion_length", "stop", "system_prompt"):
+    for dest in ("max_completion_length", "stop", "system_prompt", "system_prompt_turn"):
         assert "the run's when --adapter is in a run's folder" in helps[dest]
     text = " ".join(parser.format_help().split())
     assert "(default: 64 on a GPU, 16 on a CPU)" in text and "(default: 3407)" in text
@@ -313,21 +313,22 @@ def test_unset_flags_take_the_runs_stop_and_length_and_the_devices_size(tmp_path
     from grpo.config import Config
 
     run = tmp_path / "run"
-    Config(model="m", system_prompt="Own.", stop=("</SOLUTION>",), max_completion_length=48,
-           output_dir=str(run)).save(run)
+    Config(model="m", system_prompt="Own.", system_prompt_turn="user", stop=("</SOLUTION>",),
+           max_completion_length=48, output_dir=str(run)).save(run)
     (run / "checkpoint-4").mkdir()
     found = cli.run_config(run / "checkpoint-4")
     assert found is not None and found[0] == run / "config.json"
     unset = cli.build_parser().parse_args(["--model", "m"])
     on_cpu = cli.with_run_defaults(unset, found, torch.device("cpu"))
     assert (on_cpu.stop, on_cpu.max_completion_length, on_cpu.system_prompt) == (["</SOLUTION>"], 48, "Own.")
-    assert (on_cpu.eval_size, on_cpu.samples) == (16, 1)
-    assert f"the run's settings, from {run / 'config.json'}: --stop '</SOLUTION>', --max-completion-length 48" \
-        in capsys.readouterr().err
+    assert (on_cpu.eval_size, on_cpu.samples, on_cpu.system_prompt_turn) == (16, 1, "user")
+    err = capsys.readouterr().err
+    assert f"the run's settings, from {run / 'config.json'}: --stop '</SOLUTION>', --max-completion-length 48" in err
+    assert "--system-prompt-turn user" in err
     assert unset.stop is None and unset.eval_size is None  # the flags as parsed are left as they were
     on_gpu = cli.with_run_defaults(unset, None, torch.device("cuda"))
     assert (on_gpu.stop, on_gpu.max_completion_length, on_gpu.eval_size, on_gpu.samples) == ([], 256, 64, 4)
-    assert on_gpu.system_prompt == cli.SYSTEM_PROMPT
+    assert (on_gpu.system_prompt, on_gpu.system_prompt_turn) == (cli.SYSTEM_PROMPT, "system")
     given = cli.build_parser().parse_args(["--model", "m", "--stop", "--max-completion-length", "9",
                                           "--eval-size", "2", "--samples", "0"])
     mine = cli.with_run_defaults(given, found, torch.device("cpu"))

@@ -111,7 +111,8 @@ def eval_argv(args, way: str, files: dict[str, Path], per_problem: Path) -> list
     # every way under the prompt training saw (the merged way would take it from the run's config by itself)
     run = run_config(find_adapter(args.adapter))
     if run is not None and run[1].get("system_prompt"):
-        argv += ["--system-prompt", run[1]["system_prompt"]]
+        argv += ["--system-prompt", run[1]["system_prompt"],
+                 "--system-prompt-turn", run[1].get("system_prompt_turn") or "system"]
     if way == "merged":
         return argv + ["--adapter", str(args.adapter)]
     argv += ["--gguf", str(files["base" if way in ("lora-on-base", "base") else way])]

@@ -197,7 +197,8 @@ def train_rows(cfg, tokenizer) -> list[dict]:
     from grpo.trainer import load_prompt_sets
 
     system_prompt = grpo_data.SYSTEM_PROMPT if cfg.system_prompt is None else cfg.system_prompt  # as train.py's
-    episodes = EpisodeSettings.load(cfg.tools, None, cfg.max_turns, cfg.tool_timeout, system_prompt)
+    episodes = EpisodeSettings.load(cfg.tools, None, cfg.max_turns, cfg.tool_timeout, system_prompt,
+                                    cfg.system_prompt_turn)
     prompts, _, _ = load_prompt_sets(dataclasses.replace(cfg, eval_size=0), tokenizer, episodes=episodes)
     stream = grpo_data.PromptStream(len(prompts), cfg.prompts_per_step, seed=cfg.seed)
     order = [i for _ in range(cfg.max_steps) for i in next(stream)]
@@ -216,7 +217,7 @@ def tool_prompt_rows(tokenizer, prompt_set, order: list[int], episodes) -> list[
     rows, checked = [], set()
     for i in order:
         example = prompt_set.examples[i]
-        messages = opening_messages(example, episodes.system_prompt)
+        messages = opening_messages(example, episodes)
         if i not in checked:
             trl_text = tokenizer.apply_chat_template(messages, tools=list(episodes.tools), tokenize=False,
                                                      add_generation_prompt=True, date_string=CHAT_DATE)

@@ -83,6 +83,8 @@ def build_parser():
                         f"(default: {RUN_DEFAULT} none).")
     parser.add_argument("--system-prompt", default=None, help="The system prompt of every held-out prompt, as "
                         f"train.py's --system-prompt (default: {RUN_DEFAULT} the recipe's).")
+    parser.add_argument("--system-prompt-turn", default=None, choices=["system", "user"], help="Where the system "
+                        f"prompt goes, as train.py's --system-prompt-turn (default: {RUN_DEFAULT} system).")
     parser.add_argument("--tools", default=None, metavar="FILE.py:f,g", help="Tools the model may call, as "
                         "train.py's --tools: each held-out problem is then an episode (none: single completions) "
                         f"(default: {RUN_DEFAULT} none).")
@@ -206,6 +208,10 @@ def with_run_defaults(args: argparse.Namespace, run: tuple[Path, dict] | None,
         values["system_prompt"] = settings.get("system_prompt") or SYSTEM_PROMPT
         if settings.get("system_prompt") is not None:
             taken.append("--system-prompt (its own)")
+    if args.system_prompt_turn is None:
+        values["system_prompt_turn"] = settings.get("system_prompt_turn") or "system"
+        if settings.get("system_prompt_turn") not in (None, "system"):
+            taken.append(f"--system-prompt-turn {values['system_prompt_turn']}")
     for name, plain in (("tools", None), ("environment", None), ("max_turns", Config.max_turns),
                         ("tool_timeout", Config.tool_timeout)):
         if values[name] is None:
@@ -236,11 +242,11 @@ def evaluate_from_flags(args: argparse.Namespace) -> dict:
     base, model_dir = load_base_model(cfg, device)
     tokenizer = load_tokenizer(model_dir)
     episodes = EpisodeSettings.load(args.tools, args.environment, args.max_turns, args.tool_timeout,
-                                    args.system_prompt)
+                                    args.system_prompt, args.system_prompt_turn)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
     prompt_text = None if episodes is None else (lambda example: first_prompt(tokenizer, example, episodes))
     prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, args.system_prompt,
-                                         prompt_text=prompt_text)
+                                         prompt_text=prompt_text, system_prompt_turn=args.system_prompt_turn)
     sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
                         stop_token_ids=stop_token_ids(tokenizer, base.generation_config),
                         stop_sequences=stop_string_sequences(tokenizer, args.stop))
@@ -264,7 +270,8 @@ def evaluate_gguf(args: argparse.Namespace, device: torch.device) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     examples = grpo_data.load_examples(args.dataset, split="test", seed=args.seed)[:args.eval_size]
-    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, args.system_prompt)
+    prompt_set = grpo_data.build_prompts(tokenizer, examples, args.max_prompt_length, args.system_prompt,
+                                         system_prompt_turn=args.system_prompt_turn)
     generation_config = GenerationConfig.from_pretrained(model_dir) \
         if (model_dir / "generation_config.json").is_file() else None
     sampling = Sampling(max_new_tokens=args.max_completion_length, temperature=args.temperature, min_p=args.min_p,
