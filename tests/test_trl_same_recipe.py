@@ -214,6 +214,29 @@ def test_a_converted_templates_tool_calls_are_parsed_by_the_family_our_parser_re
     assert tokenizer.response_template is kept
 
 
+def test_trls_trainer_reads_the_calls_ours_reads_code_blocks_included(probe, llama_tokenizer, monkeypatch):
+    pytest.importorskip("trl")
+    import copy
+
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    monkeypatch.setattr(trl_grpo, "parse_response", trl_grpo.parse_response)  # put back after the test
+    tokenizer = copy.deepcopy(llama_tokenizer)
+    tokenizer.chat_template = "{% if tools %}Call a tool in <tool_call></tool_call> tags.{% endif %}"
+    probe.read_calls_as_ours(tokenizer, ["calculator"])
+    parse = trl_grpo.parse_response
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    block = '```json\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n```'
+    assert parse(tokenizer, ids(block))["tool_calls"] == [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]
+    assert "tool_calls" not in parse(tokenizer, ids("The answer is <SOLUTION>5</SOLUTION>"))
+    (unread,) = parse(tokenizer, ids('<tool_call>{"name": </tool_call>'))["tool_calls"]
+    assert unread["function"]["name"] == "unreadable call"  # TRL answers it with an error, as ours does
+
+
 def test_a_step_that_leaves_a_trained_weight_not_finite_stops_the_peer_naming_it(probe, tmp_path, capsys):
     import torch
     from transformers import TrainerControl, TrainerState

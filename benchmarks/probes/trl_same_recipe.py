@@ -24,7 +24,7 @@ of it that it can express (`grpo_config_values`); what it cannot is refused in o
 | --tools file.py:f,g | `tools=` the same functions (`grpo.agents.tools.load_tools`); the prompts become conversations (system, question) that TRL renders with the tools' definitions and `chat_template_kwargs` Llama 3's fixed date, checked to be our first prompts' text; a tool result enters as a tool message, its tokens masked out of the loss (TRL's `tool_mask`), as ours |
 | --max-turns T (model turns at most; a call in the last turn is not run) | `max_tool_calling_iterations = T - 1` (tool rounds after the first generation: TRL's turns are 1 + iterations) |
 | the reward functions on an episode | the same functions on the same text: each transcript's ids (model and tool tokens) decoded without special tokens, as our trainer decodes them; `tool_calls` and `tool_errors` counted from TRL's tool messages (a failed call's is `{'error': ...}`) |
-| episodes/tool_calls, episodes/tool_errors | TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` x it (TRL counts a tool that raised; ours also counts a call it could not parse) |
+| episodes/tool_calls, episodes/tool_errors | TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency` x it (a tool that raised, and a call neither could read: `read_calls_as_ours`) |
 
 Mismatches that remain, by TRL's design (the adapters' matmuls run in bf16 in both: TRL's Trainer autocasts with
 `bf16=True`, ours under --lora-compute base, the default): TRL's vLLM log-probs are "processed"
@@ -33,8 +33,10 @@ log(kept mass) on every token (huggingface/trl#6789; ours are exact, docs/intern
 TRL's `sampling/*` keys, never as our `gap/*`.
 Without sleep mode vLLM's KV cache comes from torch's allocator, so `peak_mem_gib` includes vLLM's share of
 the GPU: compare step times and learning, not memory.
-With --tools, the first turn's `<start_working_out>` (our first prompt ends with it) is not in TRL's prompt:
-TRL renders a conversation with the generation prompt and nothing after it, so its model opens the turn bare.
+With --tools, where our first prompt ends with `<start_working_out>` (the recipe's system prompt asks for it), TRL's
+does not: TRL renders a conversation with the generation prompt and nothing after it, so its model opens the turn
+bare. TRL's trainer reads a reply's tool calls with our parser (`read_calls_as_ours`): its own reads only tags, and
+Qwen2.5-Coder writes its calls in code blocks, which ours runs.
 Our --tool-timeout has no counterpart (TRL runs a call without a time limit), nor our `episodes/turns` and
 `episodes/frac_cut_by_max_turns`.
 Refused: dynamic sampling, loss types cispo and sapo (TRL's cispo caps another quantity), KL estimators other
@@ -316,6 +318,31 @@ def response_parser(tokenizer) -> None:
         tokenizer.response_template = known.qwen3_template if style == "qwen" else known.llama3_template
 
 
+def read_calls_as_ours(tokenizer, tool_names: list[str]) -> None:
+    """TRL's trainer finds a reply's tool calls with the tokenizer's response template, which reads `<tool_call>`
+    tags only; ours also runs Qwen2.5-Coder's calls in code blocks (`grpo.agents.tools`). So that both runs run the
+    same calls, TRL's trainer parses replies with our parser. Only the message TRL runs its tools from changes: it
+    builds the next turn from the generated ids themselves. A call ours cannot read reaches TRL under a name no tool
+    has, so TRL answers it with an error, as ours does."""
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    from grpo.agents.tools import parse_tool_calls, tool_call_style
+
+    style = tool_call_style(tokenizer.chat_template)
+
+    def parse_response(tokenizer, ids, prefix=None, tools=None) -> dict:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text}
+        calls = parse_tool_calls(text, style, tool_names)
+        if calls:
+            message["tool_calls"] = [{"type": "function", "function": {"name": call.name or "unreadable call",
+                                                                       "arguments": call.arguments}}
+                                     for call in calls]
+        return message
+
+    trl_grpo.parse_response = parse_response
+
+
 def run(cfg, args, started: float) -> Path:
     """Train with TRL on `cfg`; returns the output folder."""
     import datasets
@@ -344,14 +371,16 @@ def run(cfg, args, started: float) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg.save(out)
     (out / "trl_args.json").write_text(json.dumps({**values, "trl": trl.__version__}, indent=2, default=str) + "\n")
-    if cfg.tools:
+    tools = load_tools(cfg.tools) if cfg.tools else None
+    if tools:
         response_parser(tokenizer)
+        read_calls_as_ours(tokenizer, [fn.__name__ for fn in tools])
     clock = step_clock(cuda)
     recorder = run_recorder(out / "metrics.jsonl", clock, started, args.time_budget_s, stop_strings=bool(cfg.stop))
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=trl_reward_functions(cfg, tokenizer),
                               args=trl.GRPOConfig(**values), train_dataset=train_set, processing_class=tokenizer,
                               callbacks=[clock, recorder], optimizers=(optimizer, make_scheduler(cfg, optimizer)),
-                              tools=load_tools(cfg.tools) if cfg.tools else None)
+                              tools=tools)
     if getattr(trainer, "chat_template", None) is not None:  # TRL would render prompts unlike `tool_prompt_rows`
         raise ValueError(f"--tools {cfg.tools}: {cfg.model}'s chat template does not keep a conversation's prefix, so "
                          "TRL renders its own training template; compare on a model whose template does")
