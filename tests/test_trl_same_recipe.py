@@ -191,9 +191,14 @@ def test_trl_tool_messages_become_the_tool_columns_our_rewards_read(probe):
     assert columns == {"tool_calls": [0, 2], "tool_errors": [0, 1]}
 
 
-def test_a_converted_templates_tool_calls_are_parsed_by_the_family_our_parser_reads(probe, llama_tokenizer):
+def test_a_converted_templates_tool_calls_are_parsed_by_the_family_our_parser_reads(probe, llama_tokenizer,
+                                                                                     monkeypatch):
     pytest.importorskip("trl")
     import copy
+
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    monkeypatch.setattr(trl_grpo, "parse_response", trl_grpo.parse_response)  # put back after the test
 
     # TRL knows a chat template by its exact text; a converted model's differs (whitespace), so the probe sets the
     # parser of the family that `tool_call_style` reads
@@ -201,7 +206,7 @@ def test_a_converted_templates_tool_calls_are_parsed_by_the_family_our_parser_re
     tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                                "{% if tools %}Call a tool in <tool_call></tool_call> tags.{% endif %}")
     tokenizer.response_template = None
-    probe.response_parser(tokenizer)
+    probe.read_calls_as_ours(tokenizer, ["calculator"])
     import inspect
 
     reply = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
@@ -210,7 +215,7 @@ def test_a_converted_templates_tool_calls_are_parsed_by_the_family_our_parser_re
     assert parsed["tool_calls"] == [{"type": "function",
                                      "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]
     tokenizer.response_template = kept = {"fields": {}}  # a template the tokenizer ships is left alone
-    probe.response_parser(tokenizer)
+    probe.read_calls_as_ours(tokenizer, ["calculator"])
     assert tokenizer.response_template is kept
 
 

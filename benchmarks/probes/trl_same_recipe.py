@@ -263,8 +263,9 @@ def run_recorder(metrics: Path, clock, started: float, budget_s: float | None, s
         stopped_early = False
 
         def on_step_end(self, args, state, control, model=None, **kw):
-            broken = next((name for name, p in model.named_parameters() if p.requires_grad
-                           and not bool(torch.isfinite(p).all())), None) if model is not None else None
+            trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if model is not None else []
+            finite = torch.stack([torch.isfinite(p).all() for _, p in trained]).tolist() if trained else []
+            broken = next((name for (name, _), ok in zip(trained, finite) if not ok), None)  # one sync a step
             if broken is not None:
                 print(f"[peer] step {state.global_step} left {broken} not finite; stopped", flush=True)
                 control.should_training_stop = True
@@ -305,30 +306,22 @@ def resume_point(cfg) -> str | None:
     return last
 
 
-def response_parser(tokenizer) -> None:
-    """TRL parses a tools run's replies with the tokenizer's `response_template`, which it sets only for chat templates
-    it knows by their exact text; a converted model's template (ours from the GGUF) differs in whitespace, so TRL
-    refuses it. Set the parser of the family our own parser reads (`tool_call_style`): the same calls count."""
-    from trl import chat_template_utils as known
-
-    from grpo.agents.tools import tool_call_style
-
-    if getattr(tokenizer, "response_template", None) is None:
-        style = tool_call_style(tokenizer.chat_template)
-        tokenizer.response_template = known.qwen3_template if style == "qwen" else known.llama3_template
-
-
 def read_calls_as_ours(tokenizer, tool_names: list[str]) -> None:
     """TRL's trainer finds a reply's tool calls with the tokenizer's response template, which reads `<tool_call>`
     tags only; ours also runs Qwen2.5-Coder's calls in code blocks (`grpo.agents.tools`). So that both runs run the
     same calls, TRL's trainer parses replies with our parser. Only the message TRL runs its tools from changes: it
     builds the next turn from the generated ids themselves. A call ours cannot read reaches TRL under a name no tool
-    has, so TRL answers it with an error, as ours does."""
+    has, so TRL answers it with an error, as ours does.
+    TRL still asks the tokenizer for a response template, and sets one only for chat templates it knows by their
+    exact text (a converted model's differs in whitespace): where there is none, the one of our parser's family."""
     import trl.trainer.grpo_trainer as trl_grpo
+    from trl import chat_template_utils as known
 
     from grpo.agents.tools import parse_tool_calls, tool_call_style
 
     style = tool_call_style(tokenizer.chat_template)
+    if getattr(tokenizer, "response_template", None) is None:
+        tokenizer.response_template = known.qwen3_template if style == "qwen" else known.llama3_template
 
     def parse_response(tokenizer, ids, prefix=None, tools=None) -> dict:
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -373,7 +366,6 @@ def run(cfg, args, started: float) -> Path:
     (out / "trl_args.json").write_text(json.dumps({**values, "trl": trl.__version__}, indent=2, default=str) + "\n")
     tools = load_tools(cfg.tools) if cfg.tools else None
     if tools:
-        response_parser(tokenizer)
         read_calls_as_ours(tokenizer, [fn.__name__ for fn in tools])
     clock = step_clock(cuda)
     recorder = run_recorder(out / "metrics.jsonl", clock, started, args.time_budget_s, stop_strings=bool(cfg.stop))
