@@ -263,7 +263,8 @@ def run_recorder(metrics: Path, clock, started: float, budget_s: float | None, s
         stopped_early = False
 
         def on_step_end(self, args, state, control, model=None, **kw):
-            trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if model is not None else []
+            parameters = model.named_parameters() if model is not None else ()
+            trained = [(name, p) for name, p in parameters if p.requires_grad]
             finite = torch.stack([torch.isfinite(p).all() for _, p in trained]).tolist() if trained else []
             broken = next((name for (name, _), ok in zip(trained, finite) if not ok), None)  # one sync a step
             if broken is not None:
