@@ -55,13 +55,14 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = _plain_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    rows = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # the MLP's projections get the tokens as rows already (lean_activations): no view either way
+    rows = x if flat else x.reshape(-1, x.shape[-1])
     y = self.base_layer(rows)  # (rows, out): a tensor of its own for nn.Linear, and for FP8Linear unless its
     if y._base is not None:  # rows were padded to 16 for cuBLAS; a view: adding in place would make autograd
         y = y.clone()  # copy the gradient back through it, so one copy here (peft's way made two tensors)
     down = self.lora_A[name](self.lora_dropout[name](rows))  # (rows, r) in the activations' dtype
     y.addmm_(down, self.lora_B[name].weight.to(y.dtype).t(), alpha=self.scaling[name])
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return y if flat else y.view(*x.shape[:-1], y.shape[-1])
 
 
 def install(model: nn.Module) -> int:
