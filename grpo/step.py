@@ -27,6 +27,7 @@ from grpo.batch import (Batch, batch_logprobs, finished_rows, make_batch, micro_
 from grpo.config import Config
 from grpo.groups import SamplingReport, Scores, sample_groups
 from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
+from grpo.model.load import adapters_off
 from grpo.step_setup import StepSetup
 
 
@@ -146,7 +147,7 @@ def reference_and_old_logprobs(s: StepSetup, batch: Batch, slices: list[slice]
     t = s.clock()
     ref_logp = old_logp = None
     if cfg.beta > 0:
-        with torch.no_grad(), policy.disable_adapter():
+        with torch.no_grad(), adapters_off(policy):
             ref_logp = batch_logprobs(policy, batch, slices, cfg.temperature)
     times = {"reference": s.clock() - t}
     t = s.clock()

@@ -287,3 +287,41 @@ def test_a_transcript_with_a_masked_middle_trains_only_its_model_tokens_as_a_han
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_reference_pass_is_the_base_models_without_walking_pefts_model_status(monkeypatch):
+    # peft's disable_adapter() asks for the model's status on entry: every module walked many times over and each
+    # adapter layer formatted as text, host work between the step's phases. The reference pass switches the
+    # adapters off and on itself: the same log-probs, the same adapters after, and no status asked for.
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+
+    from grpo.batch import batch_logprobs
+    from grpo.config import Config
+    from grpo.model.load import adapters_off
+    from grpo.step import reference_and_old_logprobs
+
+    policy = small_policy().eval()
+    batch, _, slices = micro_batches(make_batch(ragged_rollout(), PAD, torch.device("cpu")), torch.zeros(6), 2)
+    with torch.no_grad():
+        with policy.disable_adapter():
+            expected = batch_logprobs(policy, batch, slices, 0.7)
+        with_adapters = batch_logprobs(policy, batch, slices, 0.7)
+    assert (with_adapters - expected).abs().max() > 1e-3  # the adapters change what the reference must not see
+    adapters = [(name, p.requires_grad) for name, p in policy.named_parameters() if "lora_" in name]
+    assert adapters and all(grad for _, grad in adapters)
+
+    def no_status(self):
+        raise AssertionError("the reference pass asked for peft's model status")
+
+    monkeypatch.setattr(PeftModel, "get_model_status", no_status)
+    setup = SimpleNamespace(cfg=Config(beta=0.04, temperature=0.7), policy=policy, clock=lambda: 0.0)
+    ref_logp, old_logp, _ = reference_and_old_logprobs(setup, batch, slices)
+    assert torch.equal(ref_logp, expected) and old_logp is None
+    on_again = [(name, p.requires_grad) for name, p in policy.named_parameters() if "lora_" in name]
+    assert on_again == adapters and not any(m.disable_adapters for m in policy.modules() if hasattr(m, "lora_A"))
+    with pytest.raises(RuntimeError), adapters_off(policy):  # however the block ends, the adapters come back
+        raise RuntimeError("a failing reference pass")
+    with torch.no_grad():
+        assert torch.equal(batch_logprobs(policy, batch, slices, 0.7), with_adapters)

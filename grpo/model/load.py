@@ -100,6 +100,21 @@ def attention_without_cudnn() -> Iterator[None]:
             torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 
+@contextmanager
+def adapters_off(policy) -> Iterator[None]:
+    """Within the block `policy` (a PeftModel with LoRA adapters, all on) computes as its base model: the reference
+    policy of the KL term. peft's `disable_adapter()` less its model status, which on every entry walks every module
+    many times over and formats each adapter layer as text: Python calls by the ten thousand for the bench's 112
+    adapted projections, on the host between the step's phases (benchmarks/probes/train_ops.py counts them). The
+    same switch as peft's context: its adapter layers off, then on again when the block ends, however it ends."""
+    lora = policy.base_model  # peft's LoraModel: the tuner that owns the adapter layers
+    lora.disable_adapter_layers()
+    try:
+        yield
+    finally:
+        lora.enable_adapter_layers()
+
+
 def load_tokenizer(model_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
