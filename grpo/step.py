@@ -258,21 +258,24 @@ def no_stats() -> dict[str, float]:
 
 def accumulate_stats(agg: dict, stats: dict[str, torch.Tensor], share: torch.Tensor | float, passes: int) -> None:
     """Adds one micro-batch's stats into `agg`: means weighted by its share of the step's batch over
-    the passes, but true extremes of the ratio. On the stats' device, in float64 (`host_stats` reads them)."""
-    for k, v in stats.items():
-        v = torch.as_tensor(v).detach().double()
-        if k not in agg:
-            agg[k] = v if k in ("ratio_min", "ratio_max") else v * share / passes
-        elif k == "ratio_min":
-            agg[k] = torch.minimum(agg[k], v)
-        elif k == "ratio_max":
-            agg[k] = torch.maximum(agg[k], v)
-        else:
-            agg[k] = agg[k] + v * share / passes
+    the passes, but true extremes of the ratio. On the stats' device, in float64, every key in one stacked tensor:
+    a handful of ops a micro-batch for the host to issue, where a tensor a key took four or five each (`host_stats`
+    reads them). The stats come detached (`clipped_surrogate`'s, and the loss detached)."""
+    keys = tuple(stats)  # the same keys every micro-batch: STAT_KEYS and the loss
+    values = torch.stack([torch.as_tensor(v) for v in stats.values()]).double()  # (K,)
+    weighted = values * share / passes
+    low, high = values[keys.index("ratio_min")], values[keys.index("ratio_max")]
+    if "sums" not in agg:
+        agg.update(keys=keys, sums=weighted, ratio_min=low, ratio_max=high)
+        return
+    agg.update(sums=agg["sums"] + weighted, ratio_min=torch.minimum(agg["ratio_min"], low),
+               ratio_max=torch.maximum(agg["ratio_max"], high))
 
 
 def host_stats(agg: dict) -> dict[str, float]:
-    """`accumulate_stats`' sums as Python floats, read from the device at once."""
-    keys = [k for k, v in agg.items() if isinstance(v, torch.Tensor)]
-    values = torch.stack([agg[k].reshape(()) for k in keys]).tolist() if keys else []  # one copy, one wait
-    return {**agg, **dict(zip(keys, values))}
+    """`accumulate_stats`' sums as Python floats, read from the device at once (a dict of floats, as `no_stats`
+    gives, as it stands)."""
+    if "sums" not in agg:
+        return dict(agg)
+    values = torch.cat([agg["sums"], agg["ratio_min"][None], agg["ratio_max"][None]]).tolist()  # one copy, one wait
+    return {**dict(zip(agg["keys"], values)), "ratio_min": values[-2], "ratio_max": values[-1]}

@@ -128,3 +128,50 @@ def test_the_finished_progress_bar_says_elapsed_not_zero_time_left():
     bar.stop()
     last = text.getvalue().strip().splitlines()[-1]
     assert "2/2" in last and last.endswith("elapsed") and "left" not in last, last
+
+
+def _stats_one_key_at_a_time(micro_batches, passes):
+    """The statistics' sums as the step made them before they were stacked: four or five ops a key."""
+    agg = {}
+    for stats, share in micro_batches:
+        for k, v in stats.items():
+            v = torch.as_tensor(v).detach().double()
+            if k not in agg:
+                agg[k] = v if k in ("ratio_min", "ratio_max") else v * share / passes
+            elif k == "ratio_min":
+                agg[k] = torch.minimum(agg[k], v)
+            elif k == "ratio_max":
+                agg[k] = torch.maximum(agg[k], v)
+            else:
+                agg[k] = agg[k] + v * share / passes
+    return {k: float(v) for k, v in agg.items()}
+
+
+def test_the_steps_statistics_sum_every_key_at_once_to_the_same_floats_in_a_few_ops():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo.loss import STAT_KEYS
+    from grpo.step import accumulate_stats, host_stats, no_stats
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    keys = (*STAT_KEYS, "loss")
+    # three micro-batches: a token share (a float32 tensor, --loss-norm token) or a row share (a float)
+    micro_batches = [({k: torch.randn((), generator=gen) for k in keys}, share)
+                     for share in (torch.tensor(0.3), 1 / 3, torch.tensor(0.45))]
+    expected = _stats_one_key_at_a_time(micro_batches, passes=2)
+    agg = {}
+    with Ops():
+        for stats, share in micro_batches:
+            accumulate_stats(agg, stats, share, 2)
+    got = host_stats(agg)
+    assert got == expected and list(got) == list(keys)  # bit for bit, in the stats' order
+    assert got["ratio_min"] == min(float(s["ratio_min"]) for s, _ in micro_batches)
+    assert Ops.count <= 3 * 9, Ops.count  # one key at a time took 52 ops a micro-batch
+    assert host_stats(no_stats()) == no_stats()
