@@ -94,6 +94,7 @@ def test_adapters_off_runs_the_base_layers_and_gives_peft_s_switches_and_require
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
+    from grpo.model.load import adapters_off
     from test_native_engine import small_llama
 
     lora = get_peft_model(small_llama(seed=1), LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
@@ -105,7 +106,7 @@ def test_adapters_off_runs_the_base_layers_and_gives_peft_s_switches_and_require
         with lora.disable_adapter():
             base = lora(ids).logits
         assert not torch.allclose(adapted, base)  # the adapters change the output
-        with fold.adapters_off(lora):
+        with adapters_off(lora):
             assert torch.equal(lora(ids).logits, base)
         assert torch.equal(lora(ids).logits, adapted)
     assert {name: p.requires_grad for name, p in lora.named_parameters()} == grads

@@ -101,18 +101,25 @@ def attention_without_cudnn() -> Iterator[None]:
 
 
 @contextmanager
-def adapters_off(policy) -> Iterator[None]:
-    """Within the block `policy` (a PeftModel with LoRA adapters, all on) computes as its base model: the reference
-    policy of the KL term. peft's `disable_adapter()` less its model status, which on every entry walks every module
-    many times over and formats each adapter layer as text: Python calls by the ten thousand for the bench's 112
-    adapted projections, on the host between the step's phases (benchmarks/probes/train_ops.py counts them). The
-    same switch as peft's context: its adapter layers off, then on again when the block ends, however it ends."""
-    lora = policy.base_model  # peft's LoraModel: the tuner that owns the adapter layers
-    lora.disable_adapter_layers()
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within the block the LoRA layers of `model` (peft's) compute their base layer alone, and after it, however it
+    ends, they come back as they were, requires_grad included (peft's switch sets the adapters' requires_grad): the
+    reference policy of the KL term, and the native engine's folded prefill (its weights hold the adapters, which
+    peft's layers must not add again). Each layer is switched by itself, not through peft's `disable_adapter()`,
+    which on every entry asks for the model's status (every module walked many times over, each adapter layer
+    formatted as text: Python calls by the ten thousand for the bench's 112 adapted projections, on the host
+    between the step's phases; benchmarks/probes/train_ops.py counts them)."""
+    layers = [m for m in model.modules() if getattr(m, "disable_adapters", None) is False]
+    grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
     try:
+        for m in layers:
+            m.enable_adapters(False)
         yield
     finally:
-        lora.enable_adapter_layers()
+        for m in layers:
+            m.enable_adapters(True)
+        for p, requires_grad in grads:
+            p.requires_grad_(requires_grad)
 
 
 def load_tokenizer(model_dir: Path):

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm
+from grpo.model.load import adapters_off
 from grpo.rollout.base import GenerationProgress, Rollout, Sampling, pad_rows
 from grpo.rollout.native import fold
 from grpo.rollout.native.packed import packs_for
@@ -512,7 +513,7 @@ class NativeEngine:
         # modules with peft's adapters off, the decode's plan reads none); they come out exactly after
         with fold.folded(self._projections) if self._fold else nullcontext():
             self._refresh_packs()
-            with fold.adapters_off(self.model) if self._fold else nullcontext():
+            with adapters_off(self.model) if self._fold else nullcontext():
                 self._prefill(prompt_ids, n)
             self._sync()
             t2 = time.perf_counter()
@@ -565,7 +566,7 @@ class NativeEngine:
                 t1 = time.perf_counter()
                 with fold.folded(self._projections) if self._fold else nullcontext():
                     self._refresh_packs()
-                    with fold.adapters_off(self.model) if self._fold else nullcontext():
+                    with adapters_off(self.model) if self._fold else nullcontext():
                         self._prefill(prompt_ids, num_generations)
                     self._sync()
                     timings = {"capture": t1 - t0, "prefill": time.perf_counter() - t1}

@@ -2,7 +2,7 @@
 
 With W <- W + scale * B A (rounded once into W's dtype) a decode step reads only the base weights: no
 lora_down launches and no B products in the GEMM kernels; and the prefill runs the base layers with peft's
-adapters off (`adapters_off`): one GEMM a projection instead of peft's four ops, mostly host time
+adapters off (`grpo.model.load.adapters_off`): one GEMM a projection instead of peft's four ops, mostly host time
 (benchmarks/RESULTS.md, "The measured defaults"). TRL's colocated vLLM and Unsloth's merged rollouts fold
 the adapter too; here it is done in place, without a second copy of the weights.
 
@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
-from torch import nn
 
 from grpo.kernels import decode_gemm
 from grpo.kernels.decode_gemm import DecodeProj
@@ -141,24 +140,6 @@ def kernel_folds(ds: Sequence[DecodeProj]) -> bool:
     """Whether `folded` takes the Triton kernel: triton runs on the weights' device (CUDA, or the CPU under
     the interpreter in tests) and the weights are contiguous."""
     return bool(ds) and decode_gemm.can_run(ds[0].weight.device) and all(d.weight.is_contiguous() for d in ds)
-
-
-@contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """peft's LoRA layers in `model` compute their base layer alone (its weight holds the adapter while
-    folded: the modules' prefill would add it twice), and come back as they were, requires_grad included
-    (peft's switch sets the adapters' requires_grad)."""
-    layers = [m for m in model.modules() if getattr(m, "disable_adapters", None) is False]
-    grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
-    try:
-        for m in layers:
-            m.enable_adapters(False)
-        yield
-    finally:
-        for m in layers:
-            m.enable_adapters(True)
-        for p, requires_grad in grads:
-            p.requires_grad_(requires_grad)
 
 
 @contextmanager
