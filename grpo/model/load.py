@@ -109,7 +109,7 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     which on every entry asks for the model's status (every module walked many times over, each adapter layer
     formatted as text: Python calls by the ten thousand for the bench's 112 adapted projections, on the host
     between the step's phases; benchmarks/probes/train_ops.py counts them)."""
-    layers = [m for m in model.modules() if getattr(m, "disable_adapters", None) is False]
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters]
     grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
     try:
         for m in layers:
