@@ -4,6 +4,10 @@
 linear, cosine or constant schedule that counts finished optimizer steps. The trainer steps the
 scheduler after each GRPO step and reads the learning rate from it for the log.
 
+8-bit AdamW steps the adapters as one flat buffer in one call (`grpo.flat_params`) where that is bit for bit
+the update of one call per tensor (`flat_refusal` says why not elsewhere); `optimizer_line` says which for the
+run's banner, and `clip_grad_norm_` clips either way.
+
 What it deliberately is not: the update. Gradients, clipping and `optimizer.step()` are the step's
 (`grpo.step.update_policy`); saving and restoring their state is the checkpoint's.
 """
@@ -15,6 +19,7 @@ import math
 import torch
 
 from grpo.config import Config
+from grpo.flat_params import MIN_8BIT_SIZE, FlatOptimizer, FlatParams, flat_refusal
 
 
 def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -25,8 +30,29 @@ def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim
         except ImportError:
             raise ImportError("--optim adamw_8bit needs bitsandbytes: pip install bitsandbytes "
                               "(or use --optim adamw_torch)") from None
-        return bnb.optim.AdamW8bit(params, **kwargs)
+        if flat_refusal(params) is None:
+            flat = FlatParams(params)
+            return FlatOptimizer(flat, bnb.optim.AdamW8bit([flat.param], min_8bit_size=MIN_8BIT_SIZE, **kwargs))
+        return bnb.optim.AdamW8bit(params, min_8bit_size=MIN_8BIT_SIZE, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
+
+
+def optimizer_line(cfg: Config, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> str:
+    """How the optimizer steps the adapters, in the words of the run's banner."""
+    if isinstance(optimizer, FlatOptimizer):
+        return f"{cfg.optim}: one bitsandbytes call a step over a flat buffer of {len(params)} adapter tensors"
+    if cfg.optim == "adamw_8bit":
+        return f"{cfg.optim}: one bitsandbytes call per adapter tensor ({flat_refusal(params)})"
+    return f"{cfg.optim}: torch's AdamW over {len(params)} adapter tensors"
+
+
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                    max_norm: float) -> torch.Tensor:
+    """The adapters' gradient norm before clipping, their gradients scaled to at most `max_norm`: torch's
+    clip_grad_norm_, on the flat gradient where the optimizer keeps one (the same floats either way)."""
+    if isinstance(optimizer, FlatOptimizer):
+        return optimizer.flat.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

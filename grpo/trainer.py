@@ -43,7 +43,7 @@ from grpo.distributed import World, init_world
 from grpo.eval.accuracy import evaluate, log_eval
 from grpo.kernels.fp8 import FP8Linear
 from grpo.model.load import attention_without_cudnn, default_device, load_policy, model_positions, model_summary
-from grpo.optim import make_optimizer, make_scheduler
+from grpo.optim import make_optimizer, make_scheduler, optimizer_line
 from grpo.rollout import (Engine, Sampling, UnslothOptions, VLLMOptions, auto_refusal, build_engine,
                           loads_its_own_policy, resolve_engine_name)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
@@ -222,6 +222,7 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                       max_completion_length=max_completion_length, prompts=prompts, stream=stream,
                       reward_funcs=reward_funcs, clock=synced_clock(device), episodes=episodes)
     print_banner(console, setup, engine_name)
+    console.print(optimizer_line(cfg, optimizer, params))  # one call a step over a flat buffer, or one per tensor
     return setup, scheduler, held_out
 
 
