@@ -2,8 +2,11 @@
 
 bitsandbytes' optimizers update one tensor per call: for each of Llama-3.2-1B's 224 LoRA matrices a kernel
 call, its Python work and, on CUDA, a device synchronize. Here every adapter's data is a view into one flat
-buffer and its `.grad` a view into one flat gradient buffer, so bitsandbytes steps a single `nn.Parameter` over
-the whole buffer: one call a step. Zeroing is one op on the flat gradient, and so is clipping's multiply.
+buffer, so bitsandbytes steps a single `nn.Parameter` over the whole buffer: one call a step. Its gradient is the
+adapters' own gradients gathered into one tensor for the step (`FlatParams.gather_grads`, one copy) and dropped
+after it: autograd keeps filling each adapter's `.grad` as it always does, so the training pass holds no gradient
+it would not hold anyway (gradients kept as views of a second buffer would all be held, zeros, from the pass's
+first op, through its peak).
 
 Bit for bit the per-parameter update: bitsandbytes quantizes its 8-bit state in blocks of `BLOCK` elements and
 nothing in its update crosses a block. Where every adapter holds a multiple of `BLOCK` elements, each starts on
@@ -11,11 +14,8 @@ a block boundary of the flat buffer and its blocks are the ones it has on its ow
 `min_8bit_size` elements, each has 8-bit state on its own too (smaller tensors keep 32-bit state).
 `flat_refusal` says why a set of adapters does not qualify; `grpo.optim` then keeps one call per tensor.
 
-Autograd accumulates into an existing `.grad` in place only when backward builds no graph (torch's
-AccumulateGrad); a `.grad` set to None would come back as a new tensor outside the buffer. So the gradients are
-zeroed in place, never set to None, and every clip and step first checks that each adapter's `.grad` and data
-are still the views (`FlatParams.check`): an adapter that left the buffer would silently stop learning, so it
-is an error.
+Every clip and step first checks that each adapter's data is still its view of the buffer (`FlatParams.check`):
+an adapter moved or reloaded after the optimizer was built would silently stop learning, so it is an error.
 
 Checkpoints keep the per-parameter format: `FlatOptimizer.state_dict` splits the flat state into each adapter's
 and `load_state_dict` joins per-adapter state, so optimizer.pt moves between this and the per-parameter
@@ -60,56 +60,55 @@ def flat_refusal(params: Sequence[torch.Tensor], min_8bit_size: int = MIN_8BIT_S
 
 
 class FlatParams:
-    """`params` moved into two flat buffers: each one's data and `.grad` become views of them (its values and
-    any gradient it had are copied in). `param` is the one `nn.Parameter` over the data buffer, with the flat
-    gradient as its `.grad`: what the optimizer steps."""
+    """`params` moved into one flat buffer: each one's data becomes a view of it (its values copied in). `param`
+    is the one `nn.Parameter` over the buffer, what the optimizer steps; its `.grad` is the adapters' gradients
+    gathered for a step (`gather_grads`), None between steps."""
 
     def __init__(self, params: Sequence[nn.Parameter]):
         self.params = list(params)
         numels = [p.numel() for p in self.params]
-        self.offsets = list(accumulate(numels, initial=0))[:-1]  # each one's first element in the buffers
+        self.offsets = list(accumulate(numels, initial=0))[:-1]  # each one's first element in the buffer
         first = self.params[0]
         data = torch.empty(sum(numels), dtype=first.dtype, device=first.device)
-        grad = torch.zeros_like(data)
         with torch.no_grad():
             for p, at, n in zip(self.params, self.offsets, numels):
                 data[at:at + n].copy_(p.reshape(-1))
-                if p.grad is not None:
-                    grad[at:at + n].copy_(p.grad.reshape(-1))
                 p.data = data[at:at + n].view_as(p)
-                p.grad = grad[at:at + n].view_as(p)
-        self.param = nn.Parameter(data, requires_grad=False)  # never in a graph: autograd fills the views
-        self.param.grad = grad
-        self._grads = [p.grad for p in self.params]  # the views, as `check` expects to find them
+        self.param = nn.Parameter(data, requires_grad=False)  # never in a graph: the adapters are
         self._data_ptrs = [p.data_ptr() for p in self.params]
 
     @property
-    def grad(self) -> torch.Tensor:
+    def grad(self) -> torch.Tensor | None:
         return self.param.grad
 
-    def zero_grad(self) -> None:
-        self.param.grad.zero_()
-
     def check(self) -> None:
-        """Raises where an adapter's `.grad` or data is no longer its view of the buffers (a `.grad` assigned or
-        set to None, a backward with create_graph, a model moved or reloaded with assign=True): the optimizer
-        would not see it."""
-        for i, (p, grad, ptr) in enumerate(zip(self.params, self._grads, self._data_ptrs)):
-            if p.grad is not grad or p.data_ptr() != ptr:
-                what = "gradient" if p.grad is not grad else "data"
+        """Raises where an adapter's data is no longer its view of the buffer (a model moved, or reloaded with
+        assign=True, after the optimizer was built): the optimizer would not update it."""
+        for i, (p, ptr) in enumerate(zip(self.params, self._data_ptrs)):
+            if p.data_ptr() != ptr:
                 raise RuntimeError(
-                    f"adapter {i} of shape {tuple(p.shape)}: its {what} is no longer a view of the flat buffer, so the "
-                    "optimizer would not update it; fix: zero gradients with the optimizer's zero_grad (never assign "
-                    ".grad), call backward without create_graph, and move or reload the model before building the "
-                    "optimizer")
+                    f"adapter {i} of shape {tuple(p.shape)}: its data is no longer a view of the flat buffer, so the "
+                    "optimizer would not update it; fix: move or reload the model before building the optimizer")
+
+    def gather_grads(self) -> None:
+        """The adapters' gradients, in the buffer's order, as the flat parameter's `.grad` (one copy). An adapter
+        without one is an error: a per-tensor optimizer would leave it as it is, and one flat step cannot."""
+        self.check()
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            p = self.params[missing[0]]
+            raise RuntimeError(f"adapter {missing[0]} of shape {tuple(p.shape)}: no gradient ({len(missing)} of "
+                               f"{len(self.params)} have none): one flat step updates every adapter, so each needs one; "
+                               "fix: run backward through every adapter before the step, or zero the missing ones")
+        self.param.grad = torch.cat([p.grad.reshape(-1) for p in self.params])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the adapters, bit for bit: the 2-norm of the per-adapter norms (one
-        foreach call over the views, as torch's; one norm over the flat buffer would sum in another order and round
-        otherwise), then the flat gradient scaled by torch's own coefficient in one multiply. Returns the norm."""
-        self.check()
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._grads, 2.0)), 2.0)
+        foreach call, as torch's; one norm over the flat gradient would sum in another order and round otherwise),
+        then the gathered gradient scaled by torch's own coefficient in one multiply. Returns the norm."""
+        self.gather_grads()
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in self.params], 2.0)), 2.0)
         torch.nn.utils.clip_grads_with_norm_([self.param], max_norm, total)
         return total
 
@@ -138,13 +137,24 @@ class FlatOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure=None):
-        self.flat.check()
-        return self.optimizer.step(closure)
+        """One bitsandbytes call over the buffer, with the gradients `clip_grad_norm_` gathered (gathered here
+        where no clip did); the gathered copy is dropped after."""
+        if self.flat.grad is None:
+            self.flat.gather_grads()
+        try:
+            return self.optimizer.step(closure)
+        finally:
+            self.flat.param.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes the flat gradient in place whatever `set_to_none` says: a gradient set to None would come back
-        outside the buffer."""
-        self.flat.zero_grad()
+        """The adapters' gradients set to None (or zeroed), as torch's optimizers do, and any gathered copy dropped."""
+        for p in self.flat.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self.flat.param.grad = None
 
     def state_dict(self) -> dict:
         """The state that bitsandbytes' optimizer over the adapters one by one would have, each adapter's cut

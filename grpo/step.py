@@ -197,7 +197,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     grad_norm = None
     for n_pass in range(cfg.num_iterations):
         t = s.clock()
-        optimizer.zero_grad()  # None, or zeros in place where the adapters' gradients are views of one buffer
+        optimizer.zero_grad(set_to_none=True)
         bad_loss = torch.zeros((), dtype=torch.bool, device=batch.mask.device)  # a non-finite loss in this pass
         for sl in slices:
             mb = batch.rows(sl)
@@ -222,8 +222,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
         if len(batch) == 0:  # this rank kept no group: it adds nothing, and steps as the others do
             agg = no_stats()
             for p in s.params:
-                if p.grad is None:  # (a flat buffer's views are zeros already, and must stay its views)
-                    p.grad = torch.zeros_like(p)
+                p.grad = torch.zeros_like(p)
         # the pass's one wait for the device; a bad loss on any rank skips the step on all
         nonfinite = world.sum_grads_(s.params, bool(bad_loss))
         train_s += s.clock() - t
@@ -240,7 +239,7 @@ def update_policy(s: StepSetup, batch: Batch, slices: list[slice], adv: torch.Te
     gap_stats = gap.over_ranks(world)  # every rank leaves the passes at the same point
     agg = host_stats(agg)
     if nonfinite:  # every rank agrees on it, so none enters reduce_stats alone
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)
         return PolicyUpdate(agg, None, True, train_s, optimizer_s, gap_stats)
     return PolicyUpdate(world.reduce_stats(agg), float(grad_norm), False, train_s, optimizer_s, gap_stats)
 
