@@ -481,14 +481,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # sampling and schedule, each completion an episode of up to 5 model turns (a turn that stops at </SOLUTION>
     # ends it). The instructions follow the question, under the chat template's system prompt (the model calls
     # tools there, and not under the recipe's: answer_format.CALCULATOR_SYSTEM_PROMPT), and ask for the answer's
-    # tags only, so the rewards are the answer's (the single-turn preset's, less the working-out format) and 1 for
-    # an episode with a call that ran (grpo.agents.episodes:tool_use: under the recipe's prompt GRPO drove the
-    # model's rare calls to none, docs/learning.md, "Agents"). The prompts grow by the tool's definition (about 200
-    # tokens in Qwen's template, hence 512), the transcripts by the calls and their results (hence 512 tokens).
-    # 60 steps, held-out eval at 0 and at the end on the single-turn preset's 319 problems.
+    # tags only. Rewards: recipe A's answer points, which charge an episode without an answer more than a wrong
+    # one (under the single-turn preset's, where no answer costs nothing, GRPO paid for calling the tool until the
+    # turn limit and never answering: docs/learning.md, "Agents"), and 1 for an episode with a call that ran
+    # (grpo.agents.episodes:tool_use: without it, under the recipe's prompt, GRPO drove the model's rare calls to
+    # none). The prompts grow by the tool's definition (about 200 tokens in Qwen's template, hence 512), the
+    # transcripts by the calls and their results (hence 512 tokens). 60 steps, held-out eval at 0 and at the end on
+    # the single-turn preset's 319 problems.
     "qwen1.5b-gsm8k-calculator": dict(
         model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="none",
-        reward=("grpo.rewards:answer_gsm8k", "grpo.rewards:number_gsm8k", "grpo.agents.episodes:tool_use"),
+        reward=("grpo.rewards:answer_dapo", "grpo.rewards:number_dapo", "grpo.agents.episodes:tool_use"),
         system_prompt=CALCULATOR_SYSTEM_PROMPT, system_prompt_turn="user",
         tools="grpo.agents.calculator:calculator", max_turns=5,
         num_generations=8, prompts_per_step=8, max_prompt_length=512, max_completion_length=512, max_seq_length=1024,
@@ -525,8 +527,8 @@ PRESET_SUMMARIES: dict[str, str] = {
                       "of GPU memory at most. Held-out strict accuracy and speed: benchmarks/RESULTS.md.",
     "qwen1.5b-gsm8k-calculator": "Offline, one GPU: qwen1.5b-gsm8k's task with the calculator tool, each completion an "
                                  "episode of up to 5 turns (tool calls and results in between), the instructions after "
-                                 "the question; the answer's rewards and 1 for an episode with a call that ran; 60 "
-                                 "steps of 8 x 8 "
+                                 "the question; recipe A's answer rewards (no answer costs more than a wrong one) and 1 "
+                                 "for an episode with a call that ran; 60 steps of 8 x 8 "
                                  "episodes up to 512 tokens, held-out strict accuracy and tool use at step 0 and "
                                  "at the end (docs/learning.md, \"Agents\").",
     "qwen1.5b-number-guess": "Offline, one GPU: the packaged Qwen plays the built-in number-guessing game (a secret "

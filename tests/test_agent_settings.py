@@ -15,7 +15,7 @@ from grpo.agents.settings import EpisodeSettings, first_prompt, play_episodes
 from grpo.agents.tools import tool_schemas
 from grpo.answer_format import CALCULATOR_SYSTEM_PROMPT, REASONING_START, SYSTEM_PROMPT
 from grpo.config import PRESETS, Config, parse_args
-from grpo.rewards import PRESETS as PRESET_REWARDS
+from grpo.rewards import reward_functions
 from grpo.rollout.base import Sampling
 from grpo.trainer import load_prompt_sets, train
 from test_agent_episodes import EOT, Scripted, tool_llama_dir  # noqa: F401  (the fixture, used by name)
@@ -106,14 +106,28 @@ def test_the_agent_presets_name_their_tool_or_environment_and_no_answer_format_f
     assert calculator_run.tools == "grpo.agents.calculator:calculator" and calculator_run.environment is None
     for same in ("model", "dataset", "stop", "learning_rate", "num_generations", "prompts_per_step"):
         assert getattr(calculator_run, same) == getattr(single, same), same
-    answer_rewards = [f"grpo.rewards:{fn.__name__}" for fn in PRESET_REWARDS[single.reward_preset][2:]]
-    assert calculator_run.reward == (*answer_rewards, "grpo.agents.episodes:tool_use")  # the format's are not asked
+    assert calculator_run.reward[-1] == "grpo.agents.episodes:tool_use" and not any(
+        "format" in spec for spec in calculator_run.reward)  # the format's are not asked
     assert calculator_run.system_prompt_turn == "user" and REASONING_START not in calculator_run.system_prompt
     game = parse_args(["--preset", "qwen1.5b-number-guess"])
     assert game.environment == "grpo.agents.number_guess:NumberGuess" and game.reward_preset == "none"
     assert game.max_turns == NumberGuess.max_turns and game.dataset == "number-guess"
     for cfg in (calculator_run, game):
         assert (cfg.max_steps, cfg.eval_steps) == (60, 0) and cfg.eval_size > 0 and cfg.save_steps > 0
+
+
+@pytest.mark.parametrize("calls, errors", [(0, 0), (1, 0), (4, 1)])
+def test_the_calculator_preset_pays_an_answer_over_none_at_the_same_calls(calls, errors):
+    # Under answer points where no answer cost nothing and a wrong one cost, tool_use made calling the tool until
+    # the turn limit, never answering, the best a model could do without knowing the answers.
+    cfg = parse_args(["--preset", "qwen1.5b-gsm8k-calculator"])
+    funcs = reward_functions(cfg.reward_preset, cfg.reward)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "10 + 5"}}</tool_call>'
+    episodes = {"right": "<SOLUTION>15</SOLUTION>", "wrong": "<SOLUTION>7</SOLUTION>", "none": call}
+
+    paid = {name: sum(f([text], ["15"], tool_calls=[calls], tool_errors=[errors])[0] for f in funcs)
+            for name, text in episodes.items()}
+    assert paid["right"] > paid["wrong"] > paid["none"]
 
 
 def test_no_reward_preset_without_a_reward_or_an_environment_is_one_line(capsys):

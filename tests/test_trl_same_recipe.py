@@ -148,8 +148,8 @@ def test_an_episodes_reward_reads_its_transcript_decoded_as_our_trainer_decodes_
     from grpo import rewards
 
     cfg = parse_args(["--preset", "qwen1.5b-gsm8k-calculator"])
-    answer_fn = next(f for f in probe.trl_reward_functions(cfg, llama_tokenizer) if f.__name__ == "answer_gsm8k")
-    ours = next(f for f in rewards.reward_functions("gsm8k") if f.__name__ == "answer_gsm8k")
+    answer_fn = next(f for f in probe.trl_reward_functions(cfg, llama_tokenizer) if f.__name__ == "answer_dapo")
+    ours = rewards.answer_dapo
     transcripts = ["<tool_call>6*7</tool_call><|eot_id|>42<|eot_id|>then <SOLUTION>42</SOLUTION>",
                    "<SOLUTION>41</SOLUTION>"]
     ids = [llama_tokenizer(t, add_special_tokens=False)["input_ids"] for t in transcripts]
@@ -176,7 +176,7 @@ def test_smoke_run_of_the_calculator_preset_trains_with_trls_tools_and_logs_thei
     assert [r["step"] for r in records] == [1, 2]
     for r in records:  # TRL's tool metrics, in our keys beside its own
         assert r["episodes/tool_calls"] == r["trl/tools/call_frequency"] >= 0
-        assert {"episodes/tool_errors", "trl/tools/failure_frequency", "rewards/answer_gsm8k", "step_time"} <= set(r)
+        assert {"episodes/tool_errors", "trl/tools/failure_frequency", "rewards/answer_dapo", "step_time"} <= set(r)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
