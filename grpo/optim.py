@@ -6,7 +6,8 @@ scheduler after each GRPO step and reads the learning rate from it for the log.
 
 8-bit AdamW steps the adapters as one flat buffer in one call (`grpo.flat_params`) where that is bit for bit
 the update of one call per tensor (`flat_refusal` says why not elsewhere); `optimizer_line` says which for the
-run's banner, and `clip_grad_norm_` clips either way.
+run's banner, and `clip_grad_norm_` clips either way. It trades one gradient copy a step for the per-tensor calls'
+host time (the bench step's A/B: benchmarks/RESULTS.md).
 
 What it deliberately is not: the update. Gradients, clipping and `optimizer.step()` are the step's
 (`grpo.step.update_policy`); saving and restoring their state is the checkpoint's.
