@@ -84,6 +84,21 @@ def char_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def aligned_char_llama_dir(tmp_path_factory):
+    """A tiny Llama over the character tokenizer whose rank-32 adapters each hold whole 256-element blocks of at
+    least 4096 elements: a run on it takes the flat optimizer buffer (grpo.flat_params)."""
+    tok = char_tokenizer()
+    path = tmp_path_factory.mktemp("aligned-char-llama")
+    model = tiny_llama(vocab_size=128, hidden=256, intermediate=512, layers=1, heads=4, kv_heads=2, max_pos=1024)
+    for config in (model.config, model.generation_config):
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_token_id, tok.eos_token_id, \
+            tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def char_llama_dir(tmp_path_factory):
     """A tiny random Llama over the character tokenizer (vocab 128), saved with it."""
     tok = char_tokenizer()

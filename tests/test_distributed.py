@@ -162,15 +162,26 @@ def test_default_device_is_the_local_ranks_gpu_under_torchrun(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 # Two ranks over gloo
 # --------------------------------------------------------------------------------------------------
+def flat_cfg(model_dir, out) -> Config:
+    """dist_cfg on a model whose adapters take the flat buffer of 8-bit AdamW (grpo.flat_params)."""
+    return dist_cfg(model_dir, out, optim="adamw_8bit", lora_rank=32, lora_alpha=64)
+
+
+PER_TENSOR = "forced per tensor by test_distributed"  # the last run's reason, in its optimizer line
+
+
 @pytest.fixture(scope="module")
-def two_rank_run(char_llama_dir, tmp_path_factory) -> Path:
+def two_rank_run(char_llama_dir, aligned_char_llama_dir, tmp_path_factory) -> Path:
     """One torchrun launch (its start and its workers' imports cost more than a step), whose workers run in turn:
     the collectives into `collectives/`; 2 steps on 2 ranks into `run/`, P=2 per rank, checkpoints after each
-    step; then a resume of that run's checkpoint-1 into `resumed/`."""
+    step; a resume of that run's checkpoint-1 into `resumed/`; 2 steps of 8-bit AdamW on the flat buffer into `flat/`,
+    and the same one tensor at a time into `per_tensor/`."""
     out = tmp_path_factory.mktemp("two-ranks")
     dist_cfg(char_llama_dir, out / "run").save(out / "configs" / "run")
     resumed = dist_cfg(char_llama_dir, out / "resumed", resume=str(out / "run" / "checkpoint-1"))
     resumed.save(out / "configs" / "resumed")
+    for run in ("flat", "per_tensor"):
+        flat_cfg(aligned_char_llama_dir, out / run).save(out / "configs" / run)
     result = torchrun("suite", out)
     (out / "stdout.txt").write_text(result.stdout)
     return out
@@ -213,11 +224,25 @@ def test_two_ranks_train_the_adapter_that_one_process_trains_on_the_same_prompts
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), (r2["step"], key)
 
 
+def test_two_ranks_step_the_flat_optimizer_bit_for_bit_as_the_per_tensor_one(two_rank_run):
+    # Each rank sums the adapters' own gradients over the ranks, then gathers them into the flat buffer's: the
+    # same update as bitsandbytes one tensor at a time (the launch's last run, forced per tensor).
+    stdout = (two_rank_run / "stdout.txt").read_text()
+    assert "over a flat buffer of 14 adapter tensors" in stdout and f"per adapter tensor ({PER_TENSOR})" in stdout
+    flat, per_tensor = (adapter_tensors(two_rank_run / run / "adapter") for run in ("flat", "per_tensor"))
+    after_one_step = adapter_tensors(two_rank_run / "flat" / "checkpoint-1")
+    assert flat.keys() == per_tensor.keys() and any(not torch.equal(flat[k], after_one_step[k]) for k in flat)
+    for k in flat:
+        assert torch.equal(flat[k], per_tensor[k]), k
+    assert [r["grad_norm"] for r in records(two_rank_run / "flat")] == [
+        r["grad_norm"] for r in records(two_rank_run / "per_tensor")]
+
+
 def test_rank_zero_alone_prints_logs_and_saves_with_every_ranks_rng(two_rank_run):
     run = two_rank_run / "run"
     assert [r["step"] for r in records(run)] == [1, 2]  # not once per rank
     stdout = (two_rank_run / "stdout.txt").read_text()
-    assert stdout.count("step 2/2 ") == 2 and stdout.count("done") == 2  # once for each of the launch's two runs
+    assert stdout.count("step 2/2 ") == 4 and stdout.count("done") == 4  # once for each of the launch's four runs
     assert sorted(p.name for p in run.iterdir()) == [".claim", "adapter", "checkpoint-1", "checkpoint-2", "config.json",
                                                      "metrics.jsonl", "metrics.png"]
     assert (run / ".claim").read_text() == ""  # rank 0's claim, released at the end
@@ -273,18 +298,21 @@ def _collectives(out: Path) -> None:
 
 if __name__ == "__main__":
     mode, arg = sys.argv[1], Path(sys.argv[2])
-    from grpo import trainer
+    from grpo import optim, trainer
 
     trainer.build_engine = prompt_hash_engine  # the stand-in sampler, in this worker only
     if mode == "suite":  # two_rank_run's: the runs in turn, in one process group made here, which each of them
         # finds and leaves open (World.owns_group): a default group made again after one was destroyed reads the
-        # old group's addresses from torchrun's store, and gloo's ranks then failed to connect (2026-12-05)
+        # old group's addresses from torchrun's store, and gloo's ranks then failed to connect
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
         _collectives(arg / "collectives")
         trainer.train(Config.load(arg / "configs" / "run" / "config.json"))
         trainer.train(Config.load(arg / "configs" / "resumed" / "config.json"))
+        trainer.train(Config.load(arg / "configs" / "flat" / "config.json"))
+        optim.flat_refusal = lambda params: PER_TENSOR
+        trainer.train(Config.load(arg / "configs" / "per_tensor" / "config.json"))
         dist.destroy_process_group()
     else:
         trainer.train(Config.load(arg))

@@ -295,22 +295,6 @@ def test_a_checkpoint_for_other_adapters_is_refused_in_one_line():
 # --------------------------------------------------------------------------------------------------
 # A run: train.py's loop on the flat buffer
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def aligned_char_llama_dir(tmp_path_factory):
-    """The aligned tiny Llama over the character tokenizer, saved: a model whose run takes the flat path."""
-    from conftest import char_tokenizer
-
-    tok = char_tokenizer()
-    path = tmp_path_factory.mktemp("aligned-char-llama")
-    model = tiny_llama(vocab_size=128, hidden=256, intermediate=512, layers=1, heads=4, kv_heads=2, max_pos=1024)
-    for config in (model.config, model.generation_config):
-        config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_token_id, tok.eos_token_id, \
-            tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def test_a_run_on_the_flat_buffer_says_so_learns_and_resumes_bit_for_bit(aligned_char_llama_dir, tmp_path, capsys):
     from safetensors.torch import load_file
 
