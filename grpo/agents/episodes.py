@@ -286,7 +286,8 @@ def tool_use(completions: list[str], answers: list[str], *, tool_calls: Sequence
     """1 for an episode with at least one tool call that ran without error, else 0: what pays a model for trying
     its tools before it knows they help (`--reward grpo.agents.episodes:tool_use`; the trainer passes each
     episode's `tool_calls` and `tool_errors` with --tools). It pays for any such call, a needless one too: held-out
-    accuracy beside it says whether the calls help."""
+    accuracy beside it says whether the calls help. Beside answer rewards under which no answer costs less than a
+    wrong one, it pays a model for calling until the turn limit and never answering (docs/learning.md, "Agents")."""
     return [float(calls > errors) for calls, errors in zip(tool_calls, tool_errors)]
 
 
