@@ -40,6 +40,12 @@
 # TOGETHER=stagger: no probes; the preset as it is alone (its step time clean: issue 31's 2.5-s goal), then the
 # lever's run beside that run's evaluation (~10.5 minutes after the carrying).
 #
+# CHAIN=peers (STEPS=10) runs `peers`: speed beside TRL (issue 65's Qwen-preset goal, issue 64's tools run).
+# Ours on the single-turn and calculator presets, then, once the vLLM kit is in, TRL 1.16 on the same two;
+# STEPS steps each, no evaluation: each run's median step time after its second step (`status` prints them).
+# UGROW=1 adds benchmarks/probes/unsloth_growth.py on FP8 (Unsloth's site): whether ours on its engine slows down.
+# Carried in the other order (wheels, the kit's 11 calls, then the Qwen's 22), the chain never waits for the kit.
+#
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
 #   convert     the GGUF to bf16 (138 s measured)                                                   ~2.5
 #   eval-base   grpo.eval of the untrained model, per problem (step 0 of both runs)                 ~2
@@ -99,7 +105,7 @@ collect() {  # what the chain has written so far, to $OUT as one results.tgz (a 
   local f list=()
   for f in $CMP/ours/metrics.jsonl $CMP/ours/metrics.png $CMP/trl/metrics.jsonl $CMP/trl/metrics.png \
            $CMP/stages.log $CMP/trl/trl_args.json $CMP/eval-*.json* $CMP/compare-*.txt \
-           $CMP/asis/metrics.jsonl $CMP/lever/metrics.jsonl $CMP/probe/*.jsonl; do
+           $CMP/asis/metrics.jsonl $CMP/lever/metrics.jsonl $CMP/probe/*.jsonl $CMP/*-qwen*/metrics.jsonl; do
     if [ -f "$f" ]; then list+=("${f#$CMP/}"); fi
   done
   mkdir -p $CMP/tails
@@ -150,6 +156,26 @@ full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule
   begin_chain
   stage ours python3 train.py --preset qwen1.5b-gsm8k --max-steps $STEPS --eval-steps $(( STEPS / 2 )) \
     --eval-samples 4 --output-dir $CMP/ours
+  echo "$(date -u +%T) chain done" >> $CMP/stages.log
+}
+
+peers() {  # CHAIN=peers: ours and TRL, STEPS steps each of the two presets, then Unsloth's growth (UGROW=1)
+  begin_chain
+  local presets=(qwen1.5b-gsm8k qwen1.5b-gsm8k-calculator) p
+  for p in "${presets[@]}"; do
+    stage ours-$p python3 train.py --preset $p --max-steps $STEPS --eval-size 0 --save-steps $STEPS \
+      --output-dir $CMP/ours-$p || true
+  done
+  while [ ! -f $CMP/vllm.ready ]; do sleep 5; done
+  for p in "${presets[@]}"; do
+    (source $CMP/kit.sh env > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site &&
+     stage trl-$p python3 benchmarks/probes/trl_same_recipe.py -- --preset $p --max-steps $STEPS \
+       --save-steps $STEPS --output-dir $CMP/trl-$p) || true
+  done
+  if [ "${UGROW:-0}" = 1 ]; then  # last: importing unsloth patches the process, so a process of its own
+    (source $CMP/kit.sh env unsloth > /dev/null &&
+     stage unsloth-growth python3 benchmarks/probes/unsloth_growth.py --dtype fp8 --out $CMP/probe) || true
+  fi
   echo "$(date -u +%T) chain done" >> $CMP/stages.log
 }
 
@@ -248,7 +274,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt $end ] && ! grep -q "chain stopped" $CMP/stages.log 2>/dev/null; do sleep 5; done
     cat $CMP/stages.log
-    for run in ours trl asis lever; do
+    for run in ours trl asis lever $(cd $CMP 2>/dev/null && ls -d *-qwen* 2>/dev/null); do
       if [ -f $CMP/$run/metrics.jsonl ]; then python3 -c 'import json, sys, statistics
 rs = [json.loads(l) for l in open(sys.argv[1]) if "reward" in l and "eval/" not in l]
 t = [r["step_time"] for r in rs if r["step"] > 2]
@@ -258,6 +284,7 @@ print(sys.argv[2], "steps", len(rs), "median step %.2f s" % statistics.median(t)
     collect ;;
   chain) chain ;;
   full) full ;;
+  peers) peers ;;
   speed) speed ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
