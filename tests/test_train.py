@@ -61,8 +61,10 @@ def interrupt_on_third_call(completions, answers, **columns):
 
 
 def tiny_cfg(model_dir, out, **kw) -> Config:
-    base = dict(model=str(model_dir), dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,
-                num_generations=2, max_completion_length=8, max_prompt_length=None, max_seq_length=1024,
+    # 64 problems: a run reads a few, and tokenizing all 5000 is a good part of a short run's set-up
+    base = dict(model=str(model_dir), dataset="arithmetic", num_train_examples=64, engine="hf", max_steps=2,
+                prompts_per_step=2, num_generations=2, max_completion_length=8, max_prompt_length=None,
+                max_seq_length=1024,
                 learning_rate=1e-3, warmup_ratio=0.0, save_steps=0, log_completions_steps=1,
                 output_dir=str(out), seed=11)
     base.update(kw)
@@ -285,7 +287,7 @@ def test_stop_strings_end_completions_right_after_the_string(char_llama_dir, tmp
     _seen.clear()
     train(tiny_cfg(char_llama_dir, tmp_path / "run", max_steps=1, prompts_per_step=4, num_generations=4,
                    max_completion_length=24, min_p=0.0, stop=("e",), reward=("test_train:record_completions",),
-                   log_completions_steps=0, engine=engine))
+                   log_completions_steps=0, engine=engine, num_train_examples=None))  # prompts seen to write "e"
     assert len(_seen) == 16
     stopped = [c for c in _seen if "e" in c]
     assert stopped, "no completion wrote the stop string; the test proves nothing"

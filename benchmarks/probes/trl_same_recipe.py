@@ -55,7 +55,7 @@ OUT/checkpoint-N --per-problem F.jsonl` evaluates it as ours is evaluated.
 `--time-budget-s S`: after a step, when less than 1.5 median steps of S (counted from the start) remain, save a
 checkpoint and stop; `--resume latest` continues, so a 10-minute command limit runs the schedule in parts.
 `--smoke`: on the CPU, transformers' generate (no vLLM), a tiny random Llama with the real Llama 3.2 tokenizer,
-2 steps of 2 prompts x 2 completions of 8 tokens; the plumbing, as CI runs it. With --tools the tokenizer gets
+2 steps of 1 prompt x 2 completions of 8 tokens; the plumbing, as CI runs it. With --tools the tokenizer gets
 Llama 3.2's own chat template (as TRL ships it): the packaged tokenizer has none.
 
 What it deliberately is not: a trainer of ours (the loop is TRL's, unpatched) or an evaluation. Nothing happens
@@ -84,7 +84,7 @@ TRL_TO_OURS = {
     "accuracy": "accuracy", "format": "format",
 }
 LOSS_TYPES = {"sequence": "grpo", "token": "dapo", "constant": "dr_grpo"}  # our --loss-norm -> TRL's loss_type
-SMOKE = dict(max_steps=2, prompts_per_step=2, num_generations=2, max_completion_length=8, micro_batch_size=None,
+SMOKE = dict(max_steps=2, prompts_per_step=1, num_generations=2, max_completion_length=8, micro_batch_size=None,
              eval_size=0, num_train_examples=16, save_steps=1)
 
 
@@ -397,7 +397,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     parser = OneLineParser(prog="trl_same_recipe.py", description=__doc__.splitlines()[0],
                            epilog="Then --, then train.py's flags (the recipe), e.g. -- --preset qwen1.5b-gsm8k")
     parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: a tiny random Llama, "
-                        "transformers' generate, 2 steps of 2 prompts x 2 completions of 8 tokens.")
+                        "transformers' generate, 2 steps of 1 prompt x 2 completions of 8 tokens.")
     parser.add_argument("--vllm-share", type=float, default=0.3, help="Share of the GPU's memory vLLM holds, "
                         "colocated in this process (TRL's vllm_gpu_memory_utilization).")
     parser.add_argument("--vllm-sleep", action="store_true", help="Let vLLM sleep while training (frees its "
