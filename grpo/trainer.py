@@ -25,6 +25,7 @@ N*P prompts per step sees the same prompts and takes the same steps.
 
 from __future__ import annotations
 
+import gc
 import random
 import signal
 import time
@@ -100,6 +101,13 @@ def run(cfg: Config, world: World) -> Path:
     stop: StopOnSignal | None = None
     in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
     stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
+    # An engine that collects all of this process's objects every step (Unsloth's: vLLM's sleep and wake) would
+    # walk set-up's, alive till the run ends: they are frozen out of its reach. Not for other engines, where a
+    # collection and its undoing only lengthen a short run (benchmarks/RESULTS.md, "The measured defaults")
+    freeze_setup = getattr(setup.engine, "full_gc_each_step", False)
+    if freeze_setup:
+        gc.collect()
+        gc.freeze()
     try:
         progress.start()
         if state.step == 0 and cfg.eval_size > 0:
@@ -144,6 +152,8 @@ def run(cfg: Config, world: World) -> Path:
             recover(err, out, cfg, state, parts, in_flight, saved, console, progress)
         raise
     finally:
+        if freeze_setup:
+            gc.unfreeze()  # the rest of the process collects them again
         progress.stop()
         if stop is not None:
             stop.restore()

@@ -361,6 +361,29 @@ def test_a_run_trains_without_cudnns_attention_and_gives_it_back_after(tiny_llam
         torch.backends.cuda.enable_cudnn_sdp(was)
 
 
+@pytest.mark.parametrize("collects", [True, False])
+def test_set_up_is_frozen_out_of_the_collectors_reach_only_for_an_engine_that_collects_every_step(
+        tiny_llama_dir, tmp_path, monkeypatch, collects):
+    import gc
+
+    from grpo import trainer
+    from grpo.rollout.hf import HFEngine
+
+    during = []
+    original = trainer.grpo_step
+
+    def recording(setup, index, in_flight):
+        during.append((gc.get_freeze_count(), any(o is setup.policy for o in gc.get_objects())))
+        return original(setup, index, in_flight)
+
+    monkeypatch.setattr(trainer, "grpo_step", recording)
+    monkeypatch.setattr(HFEngine, "full_gc_each_step", collects, raising=False)  # as Unsloth's engine says
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, log_completions_steps=0))
+    frozen, policy_scanned = during[0]
+    assert (frozen > 0, policy_scanned) == ((True, False) if collects else (False, True))
+    assert gc.get_freeze_count() == 0  # after the run, the process collects as before
+
+
 def test_padding_to_a_multiple_changes_the_widths_run_and_nothing_learned(tiny_llama_dir, tmp_path):
     runs = {}
     for multiple in (1, 16):

@@ -313,6 +313,18 @@ def test_release_memory_is_a_no_op_on_cpu(fake_vllm, tmp_path):
     assert [c[0] for c in fake_vllm[0].calls] == ["generate"]
 
 
+@pytest.mark.parametrize("sleeps, in_process_pool, collects", [(True, 2**30, True), (True, 0, False),
+                                                                (False, 2**30, False)])
+def test_the_engine_says_it_collects_every_step_only_where_it_sleeps_in_this_process(
+        fake_vllm, tmp_path, monkeypatch, sleeps, in_process_pool, collects):
+    from grpo.rollout import vllm as vllm_engines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: sleeps)  # sleep mode is CUDA's
+    monkeypatch.setattr(vllm_engines, "in_process_vllm_pool_bytes", lambda: in_process_pool)
+    engine, _ = make_engine(tmp_path)
+    assert engine.full_gc_each_step is collects  # vLLM's sleep and wake run gc.collect() where they run
+
+
 def test_bad_inputs_raise_one_line_value_errors(fake_vllm, tmp_path):
     engine, _ = make_engine(tmp_path)
     with pytest.raises(ValueError, match="at least one prompt"):

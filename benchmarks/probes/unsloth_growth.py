@@ -20,9 +20,9 @@ and last value; the step time's first.
 
 A/B arms, each a run of its own: --remove-lora (the previous adapter removed from vLLM before each generate, as
 `VLLMEngine` does), --deep-gemm-warmup (vLLM's own DeepGEMM warm-up instead of the suite's skip, under which a
-shape first met mid-run is compiled inside that step), --gc-freeze (every object alive before a step moved out of
-gc's reach, `gc.freeze()`, so that the full collections Unsloth runs in each sleep and wake scan only what the
-step made: if the growth goes with it, the cost is collecting a growing heap).
+shape first met mid-run is compiled inside that step). What it found, the figures in benchmarks/RESULTS.md: nothing
+grows, and each of Unsloth's sleep and wake collected every object of the process, which the trainer now freezes
+after set-up (`gc.freeze()`; `gc_objects` counts what is left to collect).
 
 On the H200 machine (vLLM kit installed, benchmarks/README.md), each run in its own process (importing unsloth
 patches the process):
@@ -222,7 +222,7 @@ def model_dirs(root: Path, dtype: str) -> tuple[Path, Path]:
     return path, prompts
 
 
-def run(cfg, rec, gpu: GpuSampler, remove_lora: bool, gc_freeze: bool) -> list[dict]:
+def run(cfg, rec, gpu: GpuSampler, remove_lora: bool) -> list[dict]:
     """Trains `cfg` (fixed lengths), recording a `step` row after each step; returns the rows."""
     import bench_setup as bs
     import grpo.trainer as trainer
@@ -248,8 +248,6 @@ def run(cfg, rec, gpu: GpuSampler, remove_lora: bool, gc_freeze: bool) -> list[d
         if seen["setup"] is None:
             seen["setup"] = setup
             watch_adapters(setup.engine)
-        if gc_freeze:
-            gc.freeze()  # inside the step's time, and next to nothing: it only moves gc's lists
         t0 = time.perf_counter()
         try:
             return inner_step(setup, index, in_flight)
@@ -289,9 +287,6 @@ def main() -> None:
     parser.add_argument("--deep-gemm-warmup", action="store_true",
                         help="leave VLLM_DEEP_GEMM_WARMUP to vLLM (it compiles every shape at start-up) instead of "
                              "the suite's skip")
-    parser.add_argument("--gc-freeze", action="store_true",
-                        help="gc.freeze() before each step, so that Unsloth's full collections scan only the step's "
-                             "objects")
     add_out_argument(parser)
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -306,19 +301,17 @@ def main() -> None:
 
     arm = "-remove-lora" if args.remove_lora else ""
     arm += "-deep-gemm-warmup" if args.deep_gemm_warmup else ""
-    arm += "-gc-freeze" if args.gc_freeze else ""
     rec = Recorder(f"unsloth_growth-{args.dtype}{arm}", args.out)
     root = Path(tempfile.mkdtemp(prefix="unsloth-growth-"))
     model_dir, prompts = model_dirs(root, args.dtype)
     cfg = bs.step_config(model_dir, prompts, bs.BENCH, fp8=False, steps=args.steps, output_dir=root / "run",
                          cuda=True, engine="unsloth", vllm_gpu_memory_utilization=args.share)
     rec.record("run", dtype=args.dtype, steps=args.steps, warmup=args.warmup, remove_lora=args.remove_lora,
-               gc_freeze=args.gc_freeze,
                deep_gemm_warmup=os.environ.get("VLLM_DEEP_GEMM_WARMUP", "vLLM's default"), **bs.environment())
     gpu = GpuSampler()
     gpu.start()
     try:
-        rows = run(cfg, rec, gpu, args.remove_lora, args.gc_freeze)
+        rows = run(cfg, rec, gpu, args.remove_lora)
     finally:
         gpu.stop()
     for trend in trends(rows, args.warmup):

@@ -129,7 +129,10 @@ class Engine(Protocol):
     progress within a generation); and a method `turns(prompt_ids, num_generations, sampling)`, a context
     manager of `Turns`, where an engine can continue a row after a reply without re-reading its context (the
     native engine appends the reply to the row's KV cache). Episodes of several turns take it where an engine
-    has it, else re-send each row's whole context to `generate` every turn (`grpo.agents.episodes`).
+    has it, else re-send each row's whole context to `generate` every turn (`grpo.agents.episodes`). And an
+    attribute `full_gc_each_step`, True where the engine runs full garbage collections of this process every
+    step (vLLM's sleep and wake where its engine runs in this process): the trainer then freezes its set-up's
+    objects out of their reach.
     """
 
     needs_importance_correction: bool

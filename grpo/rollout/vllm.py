@@ -312,6 +312,12 @@ class VLLMRollout:
         share = getattr(cache, "gpu_memory_utilization", None) or self.gpu_memory_utilization
         return int(share * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
+    @property
+    def full_gc_each_step(self) -> bool:
+        """True where vLLM's sleep-mode allocator runs in this process (Unsloth's engine): its sleep and wake each
+        collect every object of the process, the trainer's too (`gc.collect()` in vLLM's CuMemAllocator)."""
+        return self.sleep_mode and in_process_vllm_pool_bytes() > 0
+
     def pool_bytes_in_torch(self) -> int:
         """The bytes of vLLM's pool that this process's torch counts as allocated, so that the trainer can
         leave them out of its own peak: all of vLLM's sleep-mode allocations (weights, KV cache) when the
