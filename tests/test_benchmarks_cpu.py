@@ -397,7 +397,7 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 SCRIPT_PROBES = ["native_engine", "decode_gemm_tiles", "decode_gemm_sass", "train_pass", "engine_sampling",
                  "step_profile", "fp8_host", "attention_tiles", "turn_blocks", "gguf_ways", "unsloth_growth",
-                 "train_ops", "reference_compile"]
+                 "train_ops"]
 # Each probe run as a script (its folder first on the path, as `python probe.py` puts it) with --help, in one
 # process: a process a probe spent its seconds importing torch ten times over.
 HELP_EACH = """
