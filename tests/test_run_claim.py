@@ -19,15 +19,15 @@ from grpo.run.claim import CLAIM_FILE, FolderInUse, RunClaim
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A run that claims the folder, writes what a first step writes, says so and waits.
+# A run that claims the folder as claim_output_dir does first (RunClaim alone: no torch to import), writes what
+# its set-up and first step write, says so and waits.
 HOLDER = """
-import sys
+import json, sys
 from pathlib import Path
-from grpo.run.checkpoint import claim_output_dir
-from grpo.config import Config
-from grpo.distributed import World
+from grpo.run.claim import RunClaim
 out = Path(sys.argv[1])
-claim_output_dir(Config(output_dir=str(out), seed=1), World())
+claim = RunClaim.take(out)
+(out / "config.json").write_text(json.dumps({"seed": 1}))
 (out / "metrics.jsonl").write_text('{"step": 1}\\n')
 print("held", flush=True)
 sys.stdin.read()
