@@ -38,7 +38,8 @@ does not: TRL renders a conversation with the generation prompt and nothing afte
 bare. TRL's trainer reads a reply's tool calls with our parser (`read_calls_as_ours`): its own reads only tags, and
 Qwen2.5-Coder writes its calls in code blocks, which ours runs.
 Our --tool-timeout has no counterpart (TRL runs a call without a time limit), nor our `episodes/turns` and
-`episodes/frac_cut_by_max_turns`.
+`episodes/frac_cut_by_max_turns`. A reply closed by a stop string (the answer's) ends our episode without running
+its calls; TRL runs every call it reads in a reply and generates again.
 Refused: dynamic sampling, loss types cispo and sapo (TRL's cispo caps another quantity), KL estimators other
 than k3, FP8 loading, and --environment: TRL 1.16's environment (`environment_factory`) reaches the model only
 through tool calls (its public methods are the tools, `reset(**row)` appends to the question, `get_reward` scores
