@@ -351,8 +351,9 @@ def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_
     monkeypatch.setattr(grpo.groups, "play_episodes", recording_episodes)
     monkeypatch.setattr(grpo.batch, "token_logprobs", recording_logprobs)
     out = tmp_path / "run"
-    train(Config(model=str(tool_llama_dir), dataset="arithmetic", engine="hf", max_steps=2, prompts_per_step=2,
-                 num_generations=2, max_completion_length=120, max_seq_length=1024, learning_rate=1e-3,
+    train(Config(model=str(tool_llama_dir), dataset="arithmetic", num_train_examples=16, engine="hf", max_steps=2,
+                 prompts_per_step=2, num_generations=2, max_completion_length=120, max_seq_length=1024,
+                 learning_rate=1e-3,
                  warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0, output_dir=str(out), seed=3,
                  reward=("test_train:text_signal", "grpo.agents.episodes:tool_use"),
                  tools="grpo.agents.calculator:calculator", max_turns=2))
