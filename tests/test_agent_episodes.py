@@ -353,8 +353,8 @@ def test_a_run_with_the_calculator_trains_on_episodes_and_no_tool_token_reaches_
     out = tmp_path / "run"
     train(Config(model=str(tool_llama_dir), dataset="arithmetic", num_train_examples=16, engine="hf", max_steps=2,
                  prompts_per_step=2, num_generations=2, max_completion_length=120, max_seq_length=1024,
-                 learning_rate=1e-3,
-                 warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0, output_dir=str(out), seed=3,
+                 learning_rate=1e-3, warmup_ratio=0.0, save_steps=0, eval_steps=0, log_completions_steps=0,
+                 output_dir=str(out), seed=3,
                  reward=("test_train:text_signal", "grpo.agents.episodes:tool_use"),
                  tools="grpo.agents.calculator:calculator", max_turns=2))
     records = read_metrics(out)

@@ -302,10 +302,9 @@ def test_a_run_on_the_flat_buffer_says_so_learns_and_resumes_bit_for_bit(aligned
 
     def cfg(out, **kw) -> Config:
         return Config(model=str(aligned_char_llama_dir), dataset="arithmetic", num_train_examples=16, engine="hf",
-                      max_steps=3,
-                      prompts_per_step=2, num_generations=2, max_completion_length=8, max_prompt_length=None,
-                      max_seq_length=1024, learning_rate=1e-3, warmup_ratio=0.34, weight_decay=0.1,
-                      log_completions_steps=0, eval_size=0, output_dir=str(out), seed=11,
+                      max_steps=3, prompts_per_step=2, num_generations=2, max_completion_length=8,
+                      max_prompt_length=None, max_seq_length=1024, learning_rate=1e-3, warmup_ratio=0.34,
+                      weight_decay=0.1, log_completions_steps=0, eval_size=0, output_dir=str(out), seed=11,
                       reward=("test_train:text_signal",), **kw)
 
     train(cfg(tmp_path / "a", save_steps=2))

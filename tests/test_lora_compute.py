@@ -81,8 +81,8 @@ def test_a_bf16_run_with_base_compute_trains_and_saves_a_float32_adapter(tiny_ll
 
     out = tmp_path / "run"
     train(Config(model=str(tiny_llama_dir), dataset="arithmetic", num_train_examples=16, engine="native", dtype="bf16",
-                 lora_compute="base",
-                 max_steps=2, prompts_per_step=2, num_generations=2, max_completion_length=8, learning_rate=1e-3,
+                 lora_compute="base", max_steps=2, prompts_per_step=2, num_generations=2, max_completion_length=8,
+                 learning_rate=1e-3,
                  warmup_ratio=0.0, save_steps=0, log_completions_steps=0, reward=("test_train:text_signal",),
                  output_dir=str(out), seed=11))
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

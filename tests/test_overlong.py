@@ -145,8 +145,8 @@ def first_step(model_dir, out, monkeypatch, *, zero_cut_advantages: bool = False
         monkeypatch.setattr(step_module, "group_advantages", zeroed)
     cfg = Config(model=str(model_dir), dataset="arithmetic", num_train_examples=16, engine="hf", max_steps=1,
                  prompts_per_step=2, num_generations=2, max_completion_length=8, max_seq_length=1024,
-                 learning_rate=1e-3,
-                 warmup_ratio=0.0, save_steps=0, log_completions_steps=0, output_dir=str(out), seed=11, beta=0.0,
+                 learning_rate=1e-3, warmup_ratio=0.0, save_steps=0, log_completions_steps=0, output_dir=str(out),
+                 seed=11, beta=0.0,
                  reward=("test_overlong:differs_by_text",), **kw)
     train(cfg)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -427,8 +427,8 @@ def test_a_run_that_converts_its_packaged_model_trains_as_one_that_finds_it_conv
         converted = (cache / "models" / "tiny-qwen2-bf16").is_dir()
         assert converted == (name != "converts")
         cfg = Config(model="tiny-qwen2", dataset="arithmetic", num_train_examples=16, engine="hf", max_steps=2,
-                     prompts_per_step=2,
-                     num_generations=2, max_completion_length=8, max_seq_length=256, learning_rate=1e-3,
+                     prompts_per_step=2, num_generations=2, max_completion_length=8, max_seq_length=256,
+                     learning_rate=1e-3,
                      warmup_ratio=0.0, save_steps=0, log_completions_steps=0, reward=("test_train:text_signal",),
                      system_prompt="Answer.", output_dir=str(tmp_path / name), seed=5)  # fits its 256 positions
         adapter = train(cfg)

@@ -120,9 +120,8 @@ def _known_warnings_in(stderr: str) -> list[str]:
 # held-out eval (greedy: the top_k note) and gradient checkpointing (the transformers renames) are on
 CLI_RUN = ["--dataset", "arithmetic", "--num-train-examples", "64", "--engine", "hf", "--max-steps", "2",
            "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8", "--eval-size", "2",
-           "--eval-samples", "1",
-           "--log-completions-steps", "0", "--gradient-checkpointing", "true", "--beta", "0.04",
-           "--micro-batch-size", "2"]
+           "--eval-samples", "1", "--log-completions-steps", "0", "--gradient-checkpointing", "true", "--beta",
+           "0.04", "--micro-batch-size", "2"]
 
 
 @pytest.fixture(scope="module")
