@@ -39,7 +39,7 @@ class LinearInInputDtype(nn.Linear):
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
-def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
+def plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
     """The adapter whose product `_forward` adds, where this call is the plain case it reproduces; else None."""
     if args or kwargs or not torch.is_grad_enabled() or layer.disable_adapters or layer.merged:
         return None
@@ -52,7 +52,7 @@ def _plain_adapter(layer, args: tuple, kwargs: dict) -> str | None:
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    name = _plain_adapter(self, args, kwargs)
+    name = plain_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     flat = x.dim() == 2  # the MLP's projections get the tokens as rows already (lean_activations): no view either way
