@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from grpo.kernels.logprobs import token_logprobs
 from grpo.rollout.base import Rollout, completion_spans
@@ -34,9 +35,10 @@ class Batch:
     # transcript's turns included; its padding comes after), kept on the host so that cutting a micro-batch
     # to its longest row never waits for the device. None: read once from `start` and `mask`.
     lengths: tuple[int, ...] | None = None
-    # `rows` rounds a micro-batch's width up to a multiple of this (--pad-to-multiple-of): more padding, but
-    # widths that repeat from step to step, for kernels that plan per shape (cuDNN's attention, which the
-    # trainer leaves out: `grpo.model.load.attention_without_cudnn`)
+    # `rows` rounds a micro-batch's width up to a multiple of this (--pad-to-multiple-of; 8 more where the layers
+    # are compiled): more padding, but widths that repeat from step to step, for kernels that plan or compile per
+    # shape (cuDNN's attention, which the trainer leaves out: `grpo.model.load.attention_without_cudnn`; inductor's
+    # aligned kernels: `grpo.model.compiled_layers.width_multiple`)
     width_multiple: int = 1
     # The mask on the host (make_batch keeps one), from which `counted` finds the counted tokens without waiting
     # for the device: a pass over the batch then never stops the host from queueing the work after it. None:
@@ -114,7 +116,11 @@ def micro_batches(batch: Batch, adv: torch.Tensor, micro: int, pad_to_multiple_o
     none of them.
     `pad_to_multiple_of`: each micro-batch's width rounded up to a multiple of it (`Batch.width_multiple`)."""
     if pad_to_multiple_of != batch.width_multiple:
-        batch = dataclasses.replace(batch, width_multiple=pad_to_multiple_of)
+        # the batch itself as wide as a multiple too, for the micro-batch of its longest row: the positions added
+        # come after every row's end, read by no counted token (causal), so any id will do
+        extra = -batch.input_ids.shape[1] % pad_to_multiple_of
+        batch = dataclasses.replace(batch, input_ids=F.pad(batch.input_ids, (0, extra)),
+                                    width_multiple=pad_to_multiple_of)
     slices = [slice(i, i + micro) for i in range(0, len(batch), micro)]
     if len(slices) > 1:
         order = sorted(range(len(batch)), key=batch.lengths.__getitem__)  # stable

@@ -127,7 +127,7 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
         if int(s.world.sum(torch.tensor(len(batch)))) == 0:  # every completion of the step was cut: no update
             return result
     batch, adv, slices = micro_batches(batch, adv, cfg.micro_batch_size or cfg.batch_size,  # like lengths together
-                                       cfg.pad_to_multiple_of)
+                                       s.width_multiple)
     ref_logp, old_logp, logp_times = reference_and_old_logprobs(s, batch, slices)
 
     # 4. mu passes of clipped-surrogate steps over the rollout, in micro-batches; clip; optimizer step.

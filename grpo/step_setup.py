@@ -44,3 +44,6 @@ class StepSetup:
     reward_funcs: list[Callable]
     clock: Callable[[], float]  # seconds, after the device has finished its queued work
     episodes: EpisodeSettings | None = None  # --tools or --environment: each completion is an episode; None: single turn
+    # The training passes' widths rounded up to a multiple of this: --pad-to-multiple-of, and 8 where the layers
+    # are compiled (`grpo.model.compiled_layers.width_multiple`)
+    width_multiple: int = 1

@@ -26,6 +26,7 @@ N*P prompts per step sees the same prompts and takes the same steps.
 from __future__ import annotations
 
 import gc
+import math
 import random
 import signal
 import time
@@ -43,6 +44,7 @@ from grpo.config import Config
 from grpo.distributed import World, init_world
 from grpo.eval.accuracy import evaluate, log_eval
 from grpo.kernels.fp8 import FP8Linear
+from grpo.model import compiled_layers
 from grpo.model.load import attention_without_cudnn, default_device, load_policy, model_positions, model_summary
 from grpo.optim import make_optimizer, make_scheduler, optimizer_line
 from grpo.rollout import (Engine, Sampling, UnslothOptions, VLLMOptions, auto_refusal, build_engine,
@@ -230,7 +232,8 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                       tokenizer=tokenizer, engine=engine, engine_rows=rows,
                       keep_engine=keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
                       max_completion_length=max_completion_length, prompts=prompts, stream=stream,
-                      reward_funcs=reward_funcs, clock=synced_clock(device), episodes=episodes)
+                      reward_funcs=reward_funcs, clock=synced_clock(device), episodes=episodes,
+                      width_multiple=math.lcm(cfg.pad_to_multiple_of, compiled_layers.width_multiple(policy)))
     print_banner(console, setup, engine_name)
     console.print(optimizer_line(cfg, optimizer, params))  # one call a step over a flat buffer, or one per tensor
     return setup, scheduler, held_out

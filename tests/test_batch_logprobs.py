@@ -189,13 +189,13 @@ def test_widths_rounded_up_to_a_multiple_leave_the_logprobs_as_they_are():
     rounded, rounded_adv, same_slices = micro_batches(batch, adv, 2, pad_to_multiple_of=4)
     assert same_slices == slices and rounded.lengths == exact.lengths and torch.equal(rounded_adv, exact_adv)
     assert [exact.rows(sl).input_ids.shape[1] for sl in slices] == [3, 7, 11]
-    assert [rounded.rows(sl).input_ids.shape[1] for sl in slices] == [4, 8, 11]  # never past the batch's width
+    assert [rounded.rows(sl).input_ids.shape[1] for sl in slices] == [4, 8, 12]  # the batch padded to a multiple too
     assert rounded.take([1, 0, 2, 3, 4, 5]).width_multiple == 4
     with torch.no_grad():
         for sl in slices:
             torch.testing.assert_close(sequence_logprobs(policy, rounded.rows(sl), 0.7),
                                        sequence_logprobs(policy, exact.rows(sl), 0.7), rtol=0, atol=1e-5)
-    assert real_token_share(rounded, slices) == 39 / (2 * (4 + 8 + 11)) < real_token_share(exact, slices)
+    assert real_token_share(rounded, slices) == 39 / (2 * (4 + 8 + 12)) < real_token_share(exact, slices)
 
 
 def test_models_whose_logits_are_not_the_output_layers_product_are_refused_at_load(tmp_path, llama_tokenizer):
