@@ -35,6 +35,7 @@
 # time and phases from the two metrics files, accuracy within noise or not from compare.log. No vLLM.
 # This chain takes ~16 minutes after the carrying (~2 min). FLAGS=--no-engine-fold-adapter is the A/B of the
 # adapters folded in decode (benchmarks/RESULTS.md, "The measured defaults").
+# PROBES=0: the two runs without the probes before them.
 # TOGETHER=1 (on the qwen-part calls, as CHAIN): no probes, and the two runs (then their evaluations) at once
 # on the one GPU, for a learning A/B whose step times are not the question (~9 minutes after the carrying).
 # TOGETHER=stagger: no probes; the preset as it is alone (its step time clean: issue 31's 2.5-s goal), then the
@@ -184,7 +185,7 @@ speed() {  # CHAIN=speed: issue 31's levers on the preset, side by side in one h
   begin_chain
   local probe=(timeout 120 python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base
                --out $CMP/probe)
-  if [ "${TOGETHER:-0}" = 0 ]; then
+  if [ "${TOGETHER:-0}" = 0 ] && [ "${PROBES:-1}" = 1 ]; then
     stage train-pass-vary "${probe[@]}" --vary || true                    # new widths every pass, as in a run
     stage train-pass-torch "${probe[@]}" --vary --sdpa torch || true      # cuDNN's attention back in
     stage train-pass-trainer "${probe[@]}" --vary --trainer || true

@@ -30,6 +30,7 @@ micro-batch, the non-finite checks, clipping and the 8-bit AdamW step). Measured
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -49,7 +50,8 @@ GENERATIONS = 8
 MAX_PROMPT_LENGTH, MAX_COMPLETION_LENGTH = 288, 384  # the preset's --max-prompt-length, --max-completion-length
 
 
-def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: torch.device):
+def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: torch.device,
+                 compile_layers: str = "auto"):
     """The preset's policy on a random model of its shapes (a tiny Qwen2 with --smoke)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -71,7 +73,7 @@ def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: to
         torch.set_default_dtype(previous)
     model.requires_grad_(False)
     cfg = Config(lora_rank=32, lora_alpha=64, lora_compute=lora_compute, gradient_checkpointing=checkpointing,
-                 beta=0.0)  # the preset's: no reference model
+                 compile_layers=compile_layers, beta=0.0)  # the preset's: no reference model
     policy = add_lora(model, cfg)
     with torch.no_grad():  # B non-zero, as after some training
         for name, p in policy.named_parameters():
@@ -174,6 +176,9 @@ def main() -> None:
     parser.add_argument("--trainer", action="store_true",
                         help="time the trainer's update (grpo.step.update_policy, its optimizer step included) "
                              "instead of the bare forward and backward")
+    parser.add_argument("--no-compile-layers", action="store_true",
+                        help="the decoder layers' modules instead of the compiled layer (the trainer's "
+                             "--compile-layers off)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per size (median)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and short rows on the CPU: plumbing only")
     add_out_argument(parser)
@@ -182,24 +187,28 @@ def main() -> None:
         parser.error(f"--bucket {args.bucket}: a width multiple, 1 or more")
 
     from grpo.batch import micro_batches, real_token_share
+    from grpo.model import compiled_layers
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     rec = Recorder("train_pass", args.out)
-    policy, vocab, cfg = build_policy(args.smoke, args.lora_compute, not args.no_checkpointing, device)
+    policy, vocab, cfg = build_policy(args.smoke, args.lora_compute, not args.no_checkpointing, device,
+                                      "off" if args.no_compile_layers else "auto")
     scale = 16.0 if args.smoke else 1.0
     batch = qwen_batch(vocab, device, scale)
     rec.record("batch", rows=len(batch), real_tokens=sum(batch.lengths), longest=max(batch.lengths),
                mean_length=round(statistics.mean(batch.lengths), 1), device=str(device),
                lora_compute=args.lora_compute, checkpointing=not args.no_checkpointing, vary=args.vary,
-               sdpa=args.sdpa, bucket=args.bucket, trainer=args.trainer,
+               sdpa=args.sdpa, bucket=args.bucket, trainer=args.trainer, compile_layers=not args.no_compile_layers,
                timed=not args.vary)  # with --vary: the template, each timed pass a new step's lengths
     update = trainer_update(policy, cfg, device) if args.trainer else None
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(0)).to(device)
     seeds = iter(range(1, 10**6))
+    # as the trainer: widths rounded up to 8 more where the layers are compiled (grpo.step_setup's width_multiple)
+    bucket = math.lcm(args.bucket, compiled_layers.width_multiple(policy))
     for micro in args.micro:
         # the timed passes' batches, each cut into its micro-batches (--vary: a new step's lengths each)
         cut = [micro_batches(qwen_batch(vocab, device, scale, next(seeds)) if args.vary else batch, adv, micro,
-                             args.bucket) for _ in range(1 + args.repeats)]
+                             bucket) for _ in range(1 + args.repeats)]
         passes = iter(cut)
 
         def one_pass() -> None:
