@@ -58,13 +58,15 @@ def test_one_quickstart_step_runs_offline_and_records_the_preset_it_ran(tmp_path
     except (ValueError, FileNotFoundError) as err:  # no network and no cached package
         pytest.skip(f"SmolLM2 package unavailable: {err}")
     out = tmp_path / "run"
-    # one prompt of two completions of up to 16 tokens, not the preset's 2 x 4 of 48: a minute less of CPU
+    # one prompt of two completions of up to 16 tokens, not the preset's 2 x 4 of 48: a minute less of CPU; 16
+    # problems read, not 500 tokenized
     result = _run_cli(["--preset", "quickstart", "--max-steps", "1", "--prompts-per-step", "1",
-                       "--num-generations", "2", "--max-completion-length", "16", "--output-dir", str(out)])
+                       "--num-generations", "2", "--max-completion-length", "16", "--num-train-examples", "16",
+                       "--output-dir", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((out / "config.json").read_text())
     ran = dict(preset="quickstart", max_steps=1, prompts_per_step=1, num_generations=2, max_completion_length=16,
-               output_dir=str(out))
+               num_train_examples=16, output_dir=str(out))
     assert saved == json.loads(Config(**{**PRESETS["quickstart"], **ran}).to_json())
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1]
