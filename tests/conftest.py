@@ -114,3 +114,9 @@ def char_llama_dir(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked slow first, the rest in their order: the two workers then end together, where a long test
+    that one of them took last kept the other idle (xdist hands out tests, and groups, in this order)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

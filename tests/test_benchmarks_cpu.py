@@ -469,6 +469,7 @@ def test_the_train_pass_probe_gives_each_pass_new_widths_and_runs_the_trainers_u
     assert any(not torch.equal(b, p) for b, p in zip(before, lora_b))
 
 
+@pytest.mark.slow
 def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path):
     # every variant at once (the trainer's update, bucketed widths, torch's attention backends): one process
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -34,6 +34,7 @@ def test_dev_python_runs_in_the_callers_folder(tmp_path):
     assert done.stdout.strip() == str(tmp_path)
 
 
+@pytest.mark.slow
 def test_dev_train_writes_a_relative_output_dir_in_the_callers_folder(tmp_path):
     missing = tmp_path / "no-such-model"
     done = _dev(["train", "--model", str(missing), "--output-dir", "myrun", "--max-steps", "1"], tmp_path)

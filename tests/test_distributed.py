@@ -187,6 +187,7 @@ def two_rank_run(char_llama_dir, aligned_char_llama_dir, tmp_path_factory) -> Pa
     return out
 
 
+@pytest.mark.slow
 def test_collectives_on_two_gloo_ranks_sum_gather_and_agree_on_a_nonfinite_step(two_rank_run):
     results = [json.loads((two_rank_run / "collectives" / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(results):

@@ -268,6 +268,7 @@ def test_resume_after_steps_of_three_rounds_equals_the_uninterrupted_run(char_ll
 TWO_RANK_PATTERN = "itit" + "tiii"
 
 
+@pytest.mark.slow
 def test_two_ranks_keep_and_train_what_one_process_keeps_and_trains(char_llama_dir, tmp_path, monkeypatch):
     from grpo import trainer
 

@@ -116,6 +116,7 @@ def quantize_and_return(model):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["fp8_block_checkpoint", "load_in_fp8"])
 def test_export_of_an_fp8_base_merges_onto_the_dequantized_weights(tiny_llama_dir, tmp_path, source, monkeypatch):
     from grpo.model.fp8_checkpoint import load_fp8_block_model
@@ -180,6 +181,7 @@ def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(
     assert dequantize_fp8_linears_(model) == 0
 
 
+@pytest.mark.slow
 def test_cli_exports_and_reports_both_folders(tiny_llama_dir, tmp_path):
     policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
     expected = logits(policy)

@@ -240,6 +240,7 @@ def test_bad_inputs_are_refused_in_one_line_before_anything_is_written(bpe_llama
     assert paths["gguf-f16"].is_file() and json.loads((out / "merged" / "config.json").read_text())
 
 
+@pytest.mark.slow
 def test_k_quants_written_by_a_pool_equal_one_process_and_an_unguarded_script_gets_one_line(tmp_path):
     import subprocess
     import sys

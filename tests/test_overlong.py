@@ -154,6 +154,7 @@ def first_step(model_dir, out, monkeypatch, *, zero_cut_advantages: bool = False
     return grads[-1], lines[-1], engines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_norm", ["token", "sequence"])
 def test_cut_completions_add_no_gradient_and_count_in_their_groups_advantages(tiny_llama_dir, tmp_path, monkeypatch,
                                                                             loss_norm):

@@ -136,6 +136,7 @@ def quiet_cli_run(tiny_llama_dir, tmp_path_factory) -> tuple[subprocess.Complete
     return result, out
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("quiet_cli_run")
 def test_train_cli_runs_two_steps_offline_and_saves_a_peft_adapter(quiet_cli_run, tiny_llama_dir):
     _, out = quiet_cli_run

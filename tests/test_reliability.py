@@ -428,6 +428,7 @@ def kill_results(char_llama_dir, tmp_path_factory) -> dict:
     return {**json.loads((work / "summary.json").read_text()), "work": work}
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_of_checkpoint_writes_and_appends_always_leaves_a_resumable_run(kill_results):
     # After each kill: `find_checkpoint("latest")` loads whole, its adapters are the ones written for
     # its step, no step already saved was lost, and metrics.jsonl reads back as steps 1..latest.

@@ -48,6 +48,7 @@ def holder(tmp_path):
         process.wait()
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_folder_a_live_run_holds_is_refused_in_one_line_naming_it(holder):
     process, out = holder
     second = subprocess.run([sys.executable, "train.py", "--model", "/nonexistent", "--output-dir", str(out),

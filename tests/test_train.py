@@ -157,6 +157,7 @@ def test_a_config_json_with_the_loss_knobs_as_flat_fields_loads_its_own_term(tmp
     assert repr(cfg.policy_term) == term and cfg.learning_rate == 2e-5
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny_llama_dir, tmp_path):
     straight = tiny_cfg(tiny_llama_dir, tmp_path / "a", max_steps=4, save_steps=2, save_total_limit=3,
                         num_iterations=2, beta=0.04)
@@ -248,6 +249,7 @@ def test_a_reward_function_that_raises_is_named_with_the_completion(tiny_llama_d
         train(cfg)
 
 
+@pytest.mark.slow
 def test_an_unreachable_model_id_suggests_a_local_path(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = subprocess.run([sys.executable, "train.py", "--model", "nobody/no-such-model", "--output-dir",
@@ -319,6 +321,7 @@ def test_engine_standby_releases_the_native_engine_after_each_generation_or_keep
     assert len(calls) == releases
 
 
+@pytest.mark.slow
 def test_engine_attention_and_fold_reach_the_trainers_engine(tiny_llama_dir, tmp_path, monkeypatch):
     from grpo.rollout.native import NativeEngine
 

@@ -399,6 +399,7 @@ def test_engine_without_vllm_says_which_extra_to_install(monkeypatch, tmp_path):
         rv.VLLMEngine(FakePolicy(), "m", lora_rank=8, max_model_len=64, dtype="bf16", seed=0, work_dir=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_importing_the_engines_imports_neither_vllm_nor_unsloth():
     import subprocess
 
