@@ -122,15 +122,16 @@ class Config:
                                 "trains Unsloth's own modules). On CUDA the RMSNorms run as one Triton launch each "
                                 "way (grpo.kernels.rmsnorm: values within a rounding of the module's); elsewhere "
                                 "values and gradients are the modules' bit for bit.", "model")
-    compile_layers: str = _f("auto", "The training pass's decoder layers as one function compiled by torch.compile "
-                             "(grpo.model.compiled_layers; CUDA only; Llama, Mistral, Qwen2 and Qwen3 layers with bf16 "
-                             "or fp32 projections, FP8 base layers keep the modules): fused kernels and far less host "
-                             "work a layer, for a compile of some seconds at the first training pass, widths rounded up "
-                             "to a multiple of 8, and values within a rounding of the modules'. auto: on where the "
-                             "layers keep their activations (no gradient checkpointing); under checkpointing the "
-                             "compiled layer saves more for backward than --lean-activations, for less time saved "
-                             "(benchmarks/RESULTS.md, \"The measured defaults\"). on: under checkpointing too. off: "
-                             "the modules everywhere.", "model", choices=["auto", "on", "off"])
+    compile_layers: str = _f("auto", "The training pass's decoder layers as one function compiled by "
+                             "torch.compile (grpo.model.compiled_layers; CUDA only; Llama, Mistral, Qwen2 and Qwen3 "
+                             "layers with bf16 or fp32 projections, FP8 base layers keep the modules): fused kernels "
+                             "and far less host work a layer, for a compile of some seconds at the first training "
+                             "pass, widths rounded up to a multiple of 8, and values within a rounding of the "
+                             "modules'. auto: on where the layers keep their activations (no gradient "
+                             "checkpointing); under checkpointing the compiled layer saves more for backward than "
+                             "--lean-activations, for less time saved (benchmarks/RESULTS.md, \"The measured "
+                             "defaults\"). on: under checkpointing too. off: the modules everywhere.", "model",
+                             choices=["auto", "on", "off"])
 
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), number-guess (games "
@@ -171,8 +172,8 @@ class Config:
     pad_to_multiple_of: int = _f(1, "Round each training pass's width (prompt and completion positions) up to a "
                                  "multiple of this: more padding, which no counted token reads, but widths that "
                                  "repeat from step to step, for kernels that plan per shape (the trainer leaves "
-                                 "cuDNN's attention out for that). 1: each pass as wide as its longest row (rounded up to 8 where "
-                                 "--compile-layers compiles the layers).", "grpo")
+                                 "cuDNN's attention out for that). 1: each pass as wide as its longest row "
+                                 "(rounded up to 8 where --compile-layers compiles the layers).", "grpo")
     num_iterations: int = _f(1, "mu: optimizer passes over each rollout; >1 needs old log-probs.", "grpo")
     beta: float = _f(0.04, "KL coefficient to the reference (adapters disabled); 0 skips the reference.",
                      "grpo")
