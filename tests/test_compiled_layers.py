@@ -145,6 +145,20 @@ def test_gradient_checkpointing_recomputes_the_compiled_layers_to_the_same_gradi
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_a_compile_that_fails_is_one_line_naming_the_flag_that_turns_it_off(monkeypatch):
+    model = tiny_model("qwen2")
+    compiled_layers.install(model.get_base_model(), backend="aot_eager")
+
+    def failing(*_):
+        def call(*_):
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda: None, RuntimeError("no Triton for this GPU"), None)
+        return call
+
+    monkeypatch.setattr(compiled_layers, "compiled", failing)
+    with pytest.raises(RuntimeError, match=r"\(RuntimeError: no Triton for this GPU\); run with --compile-layers off"):
+        model.get_base_model().model(input_ids=torch.randint(1, DIMS["vocab_size"], (2, 9)), use_cache=False)
+
+
 def test_layers_it_does_not_reproduce_keep_their_modules():
     from grpo.kernels.fp8 import quantize_linears_
 

@@ -215,7 +215,13 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     cos, sin = position_embeddings
     if not hidden_states.requires_grad:  # the first layer's (the embedding is frozen): given a gradient it runs the
         hidden_states = hidden_states.detach().requires_grad_()  # others' graph, for one layer's input GEMMs
-    return compiled(self.compiled_shape, self.compiled_backend)(hidden_states, cos, sin, weights)
+    try:
+        return compiled(self.compiled_shape, self.compiled_backend)(hidden_states, cos, sin, weights)
+    except torch._dynamo.exc.TorchDynamoException as err:  # a torch or Triton this compile does not work with
+        cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where it failed
+        said = (str(cause).strip().splitlines() or [""])[0]
+        raise RuntimeError(f"--compile-layers: torch.compile could not compile the training pass's decoder layer "
+                           f"({type(cause).__name__}: {said}); run with --compile-layers off") from err
 
 
 def width_multiple(model: nn.Module) -> int:
