@@ -18,12 +18,13 @@ recorded step's, shuffled and moved by up to 30 tokens), and three variants pric
 cost: `--sdpa torch` torch's own attention backends (cuDNN's first on sm90, which plans every new shape:
 what the trainer ran before it left cuDNN out), `--bucket` widths rounded up so that they repeat,
 `--trainer` the trainer's own update (`grpo.step.update_policy`: the loss, its statistics read per
-micro-batch, the non-finite checks, clipping and the 8-bit AdamW step). Measured: benchmarks/RESULTS.md,
-"The measured defaults".
+micro-batch, the non-finite checks, clipping and the 8-bit AdamW step), `--no-compile-layers` the layers' modules
+where the trainer compiles them (on CUDA without checkpointing: `grpo.model.compiled_layers`, widths rounded up to
+8 as the trainer rounds them). Measured: benchmarks/RESULTS.md, "The measured defaults".
 
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 64 32 16 8
     PYTHONPATH=$PWD python3 benchmarks/probes/train_pass.py --micro 16 --no-checkpointing --lora-compute base \
-        --vary [--sdpa torch] [--bucket 64] [--trainer]
+        --vary [--sdpa torch] [--bucket 64] [--trainer] [--no-compile-layers]
     python benchmarks/probes/train_pass.py --smoke        (a tiny model on the CPU: the plumbing only)
 """
 
