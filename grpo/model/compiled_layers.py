@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
+from grpo.kernels.decode_gemm import rope
+from grpo.kernels.rmsnorm import rms_norm_ref
 from grpo.model.lora_addmm import plain_adapter
 
 # Decoder layers whose forward `decoder_layer` reproduces: pre-norm attention with rotary positions, then a gated
@@ -79,12 +81,6 @@ class LayerShape(NamedTuple):
     lora_scales: tuple[float, ...]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: in float32, the product with the weight in the input's dtype."""
-    x32 = x.to(torch.float32)
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def project(x: torch.Tensor, p: Projection, scale: float) -> torch.Tensor:
     """(rows, out): x (rows, in) through the base weight and the adapter, the adapter's product added in the GEMM."""
     y = F.linear(x, p.weight, p.bias)
@@ -93,30 +89,24 @@ def project(x: torch.Tensor, p: Projection, scale: float) -> torch.Tensor:
     return torch.addmm(y, x @ p.lora_a.to(x.dtype).t(), p.lora_b.to(x.dtype).t(), alpha=scale)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding as transformers applies it: x cos + rotate_half(x) sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def decoder_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights,
                   shape: LayerShape) -> torch.Tensor:
     """One decoder layer over causal rows: h (B, T, hidden) -> (B, T, hidden); cos, sin (1 or B, T, head_dim)."""
     B, T, hidden = h.shape
     q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = (
         functools.partial(project, p=p, scale=s) for p, s in zip(w.projections, shape.lora_scales))
-    x = rms_norm(h, w.input_norm, shape.eps).view(B * T, hidden)
+    x = rms_norm_ref(h, w.input_norm, shape.eps).view(B * T, hidden)
     q = q_proj(x).view(B, T, shape.heads, shape.head_dim)
     k = k_proj(x).view(B, T, shape.kv_heads, shape.head_dim)
     v = v_proj(x).view(B, T, shape.kv_heads, shape.head_dim)
     if w.q_norm is not None:
-        q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
+        q, k = rms_norm_ref(q, w.q_norm, shape.eps), rms_norm_ref(k, w.k_norm, shape.eps)
     cos, sin = cos[:, None], sin[:, None]  # (1 or B, 1, T, head_dim): broadcast over the heads
-    q, k, v = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+    q, k, v = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
     attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.attention_scale,
                                               enable_gqa=shape.kv_heads != shape.heads)  # (B, heads, T, head_dim)
     h = h + o_proj(attended.transpose(1, 2).reshape(B * T, -1)).view(B, T, hidden)
-    x = rms_norm(h, w.post_norm, shape.eps).view(B * T, hidden)
+    x = rms_norm_ref(h, w.post_norm, shape.eps).view(B * T, hidden)
     y = down_proj(F.silu(gate_proj(x)) * up_proj(x))
     return h + y.view(B, T, hidden)
 
@@ -147,7 +137,7 @@ def projection_weights(module: nn.Module) -> Projection | None:
     if type(module) is nn.Linear:
         return Projection(module.weight, module.bias, None, None)
     name = plain_adapter(module, (), {})
-    if name is None or len(module.lora_A) != 1 or type(module.base_layer) is not nn.Linear:
+    if name is None or len(module.lora_A) != 1:  # (the base layer's type `refusal` checked at install)
         return None
     return Projection(module.base_layer.weight, module.base_layer.bias, module.lora_A[name].weight,
                       module.lora_B[name].weight)
