@@ -29,7 +29,7 @@ def _skip_without_unsloth() -> None:
 def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: str, standby: str = "auto",
               micro_batch: int | None = None, lora_compute: str | None = None, impl: str = "ours",
               engine: str = "native", attention: str = "auto", vllm_share: float | None = None,
-              fold_adapter: bool = True, fp8_gemm: str = "auto") -> dict:
+              fold_adapter: bool = True, fp8_gemm: str = "auto", sample_ahead: bool = False) -> dict:
     pytest.importorskip("bitsandbytes", reason="the recipe's 8-bit AdamW needs bitsandbytes: pip install bitsandbytes")
     import torch
 
@@ -46,6 +46,7 @@ def _run_ours(benchmark, bench_env, results, tmp_path, config_name: str, dtype: 
                          steps=steps, output_dir=out, cuda=bench_env.cuda, engine_standby=standby,
                          micro_batch_size=micro_batch, engine=engine, engine_attention=attention,
                          vllm_gpu_memory_utilization=vllm_share, engine_fold_adapter=fold_adapter, fp8_gemm=fp8_gemm,
+                         sample_ahead=sample_ahead,
                          **({} if lora_compute is None else {"lora_compute": lora_compute}))  # None: the product's
     baseline = torch.cuda.memory_allocated() / bs.GiB if bench_env.cuda else 0.0
 
@@ -85,6 +86,14 @@ def test_grpo_step_on_the_fp8_tensor_cores(benchmark, bench_env, results, tmp_pa
     activations quantized per 1x128 group; a Python autograd node a projection), beside the product's dense
     bf16 products from the FP8 weights (--fp8-gemm auto with checkpointing)."""
     _run_ours(benchmark, bench_env, results, tmp_path, "bench", "fp8", impl="ours-fp8-gemm", fp8_gemm="fp8")
+
+
+@pytest.mark.bench_order(31)
+@pytest.mark.bench_cost(15)
+def test_grpo_step_sampling_ahead(benchmark, bench_env, results, tmp_path):
+    """bf16 at the bench config with --sample-ahead: each step's completions generated while the step before
+    trains, on a copy of the adapted weights with the adapters folded (one step off the policy)."""
+    _run_ours(benchmark, bench_env, results, tmp_path, "bench", "bf16", sample_ahead=True, impl="ours-ahead")
 
 
 @pytest.mark.bench_order(31)

@@ -271,6 +271,13 @@ class Config:
                                    "difference. The run's evaluations "
                                    "sample folded too; grpo.eval of a saved adapter does not fold. "
                                    "--no-engine-fold-adapter samples through the adapters as they are.", "sampling")
+    sample_ahead: bool = _f(False, "Generate each step's completions while the step before trains, on a stream "
+                            "of their own (grpo.rollout.ahead): the decode, bound by memory, shares the GPU with the "
+                            "training pass, bound by compute. The sampler then samples a copy of the adapted weights "
+                            "with the adapters folded in, as they were before the previous step's update (one step "
+                            "off the policy; the importance weights correct for it), and holds that copy (the "
+                            "adapted projections' weights once more). The native or hf engine, bf16 or float32 base "
+                            "weights, one sampling round, single-turn.", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: sized "
@@ -404,12 +411,24 @@ class Config:
             raise ValueError(f"--max-prompt-length {self.max_prompt_length} leaves no room for a completion "
                              f"within --max-seq-length {self.max_seq_length}; fix: raise --max-seq-length above "
                              "--max-prompt-length plus the completion's tokens")
+        if self.sample_ahead:
+            self._check_sample_ahead()
         share = self.vllm_gpu_memory_utilization
         if share is not None and not 0.0 < share < 1.0:
             raise ValueError(f"--vllm-gpu-memory-utilization {share}: a share of the GPU in (0, 1), or none for a "
                              "KV cache sized for the run")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads {self.cpu_threads}: use 1 or more, or none for torch's default")
+
+    def _check_sample_ahead(self) -> None:
+        if self.engine not in ("auto", "native", "hf"):
+            raise ValueError(f"--sample-ahead samples a copy of the policy in this process, and --engine "
+                             f"{self.engine} samples its own: drop --sample-ahead or use --engine native")
+        for on, name in ((self.dynamic_sampling, "--dynamic-sampling"), (self.tools, "--tools"),
+                         (self.environment, "--environment")):
+            if on:
+                raise ValueError(f"--sample-ahead starts one sampling round of single-turn completions ahead, and "
+                                 f"{name} needs more: drop one of the two")
 
     @property
     def batch_size(self) -> int:

@@ -578,6 +578,14 @@ class PromptStream:
 
     next = __next__
 
+    def peek(self) -> list[int]:
+        """The P indices `next()` will give, without moving the stream (a step's prompts sampled ahead of it)."""
+        state = (self.epoch, self.position, self._order)
+        try:
+            return self.next()
+        finally:
+            self.epoch, self.position, self._order = state
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n_items": self.n_items,
                 "per_step": self.per_step}

@@ -21,7 +21,7 @@ from grpo.agents.environments import Episode
 from grpo.agents.episodes import environment, episode_metrics
 from grpo.agents.settings import play_episodes
 from grpo.data import Example
-from grpo.rollout.base import Rollout, pad_rows
+from grpo.rollout.base import Rollout, Sampling, pad_rows
 from grpo.run.log import NOT_APPLIED
 from grpo.step_setup import StepSetup
 
@@ -160,13 +160,10 @@ def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 
     the engine's own phases as generate/*) and, with --tools or --environment, the episodes that the
     completions are (`grpo.agents.episodes`; [] otherwise). The sampling seed is the step's, the rank's and
     the round's."""
-    cfg, world = s.cfg, s.world
-    P = cfg.prompts_per_step
-    idx = s.stream.next()[world.rank * P:(world.rank + 1) * P]
+    idx = rank_prompts(s, s.stream.next())
     examples = [s.prompts.examples[i] for i in idx]
     t = s.clock()
-    seed = cfg.seed * 100_003 + step + 1_000_003 * world.rank + 15_485_863 * sampling_round
-    sampling = dataclasses.replace(s.sampling, seed=seed)
+    sampling = round_sampling(s, step, sampling_round)
     episodes: list[Episode] = []
     if s.episodes is not None:
         rollout, episodes = play_episodes(s.engine, s.tokenizer, examples, num_generations, sampling, s.episodes)
@@ -177,6 +174,25 @@ def sample(s: StepSetup, step: int, num_generations: int, sampling_round: int = 
     times = {"generate": s.clock() - t}
     times.update({f"generate/{k}": v for k, v in rollout.timings.items() if k != "decode_steps"})
     return examples, rollout, times, episodes
+
+
+def rank_prompts(s: StepSetup, indices: list[int]) -> list[int]:
+    """This rank's P of a round's N*P prompt indices."""
+    P = s.cfg.prompts_per_step
+    return indices[s.world.rank * P:(s.world.rank + 1) * P]
+
+
+def round_sampling(s: StepSetup, step: int, sampling_round: int) -> Sampling:
+    """The run's sampling seeded for this step, rank and sampling round."""
+    seed = s.cfg.seed * 100_003 + step + 1_000_003 * s.world.rank + 15_485_863 * sampling_round
+    return dataclasses.replace(s.sampling, seed=seed)
+
+
+def sample_ahead(s: StepSetup, step: int, num_generations: int) -> None:
+    """With --sample-ahead: starts the generate of step `step`'s prompts (the stream's next, not taken yet) from
+    the policy as it is now; that step's `sample` receives it (`grpo.rollout.ahead`)."""
+    idx = rank_prompts(s, s.stream.peek())
+    s.engine.prefetch([s.prompts.prompt_ids[i] for i in idx], num_generations, round_sampling(s, step, 0))
 
 
 def score(s: StepSetup, examples: list[Example], rollout: Rollout, num_generations: int,

@@ -25,7 +25,7 @@ import torch
 from grpo.batch import (Batch, batch_logprobs, finished_rows, make_batch, micro_batches, real_token_share,
                         sequence_logprobs)
 from grpo.config import Config
-from grpo.groups import SamplingReport, Scores, sample_groups
+from grpo.groups import SamplingReport, Scores, sample_ahead, sample_groups
 from grpo.loss import STAT_KEYS, SamplerGap, clipped_surrogate, group_advantages, importance_weights
 from grpo.model.load import adapters_off
 from grpo.optim import clip_grad_norm_
@@ -107,6 +107,8 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     #    them (every rank gathers all N*P*G rows). With --dynamic-sampling, the groups whose rewards
     #    tie are dropped and the next prompts sampled, round after round, until N*P groups are kept.
     groups = sample_groups(s, step, num_generations)
+    if cfg.sample_ahead and step + 1 < cfg.max_steps:  # the next step's completions generate while this one trains
+        sample_ahead(s, step + 1, num_generations)
     result = StepResult(scores=groups.scores, texts=groups.texts, answers=groups.answers,
                         num_generations=num_generations, frac_zero_std=groups.frac_zero_std, loss_stats={},
                         grad_norm=None, skipped=False, timings=groups.timings, sampling=groups.report,

@@ -47,7 +47,7 @@ from grpo.kernels.fp8 import FP8Linear
 from grpo.model import compiled_layers
 from grpo.model.load import attention_without_cudnn, default_device, load_policy, model_positions, model_summary
 from grpo.optim import make_optimizer, make_scheduler, optimizer_line
-from grpo.rollout import (Engine, Sampling, UnslothOptions, VLLMOptions, auto_refusal, build_engine,
+from grpo.rollout import (Engine, SampleAhead, Sampling, UnslothOptions, VLLMOptions, auto_refusal, build_engine,
                           loads_its_own_policy, resolve_engine_name)
 from grpo.rollout.stops import stop_string_sequences, stop_token_ids
 from grpo.run.checkpoint import (CheckpointWriteError, Resumable, RunState, checkpoint_path, claim_output_dir,
@@ -213,9 +213,13 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
         max_seq_len = longest_prompt + max_completion_length
         if cfg.tools or cfg.environment:  # an episode's prompt is not the dataset's (tool definitions, an
             max_seq_len = max(max_seq_len, cfg.max_seq_length)  # environment's first observation): room for more
-        engine = build_engine(engine_name, policy, pad_id=tokenizer.pad_token_id, max_seq_len=max_seq_len,
-                              max_batch=rows, gemm=cfg.engine_gemm, attention=cfg.engine_attention,
-                              fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
+
+        def build(model) -> Engine:
+            return build_engine(engine_name, model, pad_id=tokenizer.pad_token_id, max_seq_len=max_seq_len,
+                                max_batch=rows, gemm=cfg.engine_gemm, attention=cfg.engine_attention,
+                                fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
+
+        engine = SampleAhead(policy, build) if cfg.sample_ahead else build(policy)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p,
                         stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
@@ -276,10 +280,11 @@ def print_banner(console, setup: StepSetup, engine_name: str) -> None:
     # (--engine-attention auto picks it by the rows)
     native = engine_name == "native"
     folds = (native and engine.tuning.fold_adapter and device.type == "cuda"  # FP8 weights never fold
-             and not any(isinstance(m, FP8Linear) for m in setup.policy.modules()))
+             and not any(isinstance(m, FP8Linear) for m in setup.policy.modules()) and not cfg.sample_ahead)
     notes = [*(["kept between steps"] if setup.keep_engine else []),
              *([f"{engine.tuning.attention} attention"] if native else []),
-             *(["adapters folded where it decodes on its kernels"] if folds else [])]
+             *(["adapters folded where it decodes on its kernels"] if folds else []),
+             *(["a step ahead, on a copy with the adapters folded"] if cfg.sample_ahead else [])]
     engine_notes = f" ({', '.join(notes)})" if notes else ""
     if cfg.engine == "auto" and device.type == "cuda" and engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(setup.policy)}")

@@ -130,9 +130,10 @@ def train_pass(policy, batch, slices) -> None:
     policy.zero_grad(set_to_none=True)
 
 
-def trainer_update(policy, cfg, device: torch.device):
+def trainer_update(policy, cfg, device: torch.device, clock=None):
     """`grpo.step.update_policy` as the trainer calls it with one rank, beta 0 and one pass (no reference
-    or old log-probs), on this policy with a fresh optimizer of `cfg`'s kind: fn(batch, adv, slices)."""
+    or old log-probs), on this policy with a fresh optimizer of `cfg`'s kind: fn(batch, adv, slices). `clock`:
+    the phases' clock (the trainer's, which waits for the device, unless given)."""
     from types import SimpleNamespace
 
     from grpo.distributed import World
@@ -145,7 +146,7 @@ def trainer_update(policy, cfg, device: torch.device):
     setup = SimpleNamespace(cfg=cfg, world=World(device=device), policy=policy, params=params,
                             optimizer=make_optimizer(cfg, params),
                             engine=SimpleNamespace(needs_importance_correction=False),
-                            clock=synced_clock(device), max_completion_length=MAX_COMPLETION_LENGTH)
+                            clock=clock or synced_clock(device), max_completion_length=MAX_COMPLETION_LENGTH)
     return lambda batch, adv, slices: update_policy(setup, batch, slices, adv, None, None, InFlight({}))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from grpo.rollout.ahead import SampleAhead
 from grpo.rollout.base import Engine, Rollout, Sampling
 from grpo.rollout.hf import HFEngine
 from grpo.rollout.native import EngineTuning, NativeEngine
@@ -16,7 +17,7 @@ from grpo.rollout.native.layer import refusal
 from grpo.rollout.unsloth import UnslothEngine, UnslothOptions, load_unsloth
 from grpo.rollout.vllm import VLLMEngine, VLLMOptions, kv_cache_bytes_for
 
-__all__ = ["ENGINES", "Engine", "Rollout", "Sampling", "UnslothOptions", "VLLMOptions", "auto_refusal",
+__all__ = ["ENGINES", "Engine", "Rollout", "SampleAhead", "Sampling", "UnslothOptions", "VLLMOptions", "auto_refusal",
            "build_engine", "loads_its_own_policy", "resolve_engine_name"]
 
 # Every engine by its --engine name ("auto" resolves to native or hf: `resolve_engine_name`).

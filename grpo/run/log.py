@@ -244,9 +244,10 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def synced_clock(device: torch.device) -> Callable[[], float]:
-    """A clock that first waits for the device, so each phase is charged with its own GPU work."""
+    """A clock that first waits for the work queued on this thread's stream, so each phase is charged with its
+    own GPU work (and not with a generate that runs ahead on a stream of its own: `grpo.rollout.ahead`)."""
     def now() -> float:
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
         return time.perf_counter()
     return now

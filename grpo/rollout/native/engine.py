@@ -332,7 +332,9 @@ class NativeEngine:
                 run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
+        # thread_local: a capture checks this thread's calls only, so a training pass that another thread runs
+        # meanwhile (grpo.rollout.ahead) neither breaks it nor is broken by it
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side, capture_error_mode="thread_local"):
             run()
         return graph
 
@@ -498,8 +500,10 @@ class NativeEngine:
                 layer.pack.refresh()
 
     def _sync(self) -> None:
+        """Waits for this generate's work: the current stream's (the layers' side streams join it), not the
+        device's, so that work another thread queued on another stream does not hold the generate up."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Rollout:
         t0 = time.perf_counter()

@@ -1,0 +1,161 @@
+"""Generation beside training on one GPU: does the next step's decode hide in this step's training pass?
+
+The decode is bound by memory and the training pass by compute (and partly by the host), so on one GPU the two
+might share the step's time: step n+1's completions sampled from the policy before step n's update (one step off
+the policy) while step n trains. This times the two apart and together, with the trainer's own pieces on the
+qwen1.5b-gsm8k preset's shapes (random weights): the sampler (`NativeEngine`, the trainer's tuning) on a model of
+its own without adapters, as a folded copy of the policy would be, 8 prompts x 8 completions of 384 tokens
+(ignoring EOS: the preset's longest rows reach its 384); the update (`grpo.step.update_policy` as in
+`train_pass.py --trainer`: micro-batches of 16, layers kept and compiled, new widths each pass). Together: the
+generate in a thread on a stream of its own (`--priority high`: a high-priority stream), the update in this
+thread on the default stream, each waiting only for its own stream. Median seconds of each alone, of the two one
+after the other, and of the two together (the wall time until both are done); the ratio together / apart is
+what an overlapped step could save at best.
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/overlap.py [--priority high] [--repeats 3]
+    python benchmarks/probes/overlap.py --smoke        (a tiny model on the CPU: the plumbing only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from timing import Recorder, add_out_argument  # noqa: E402  (beside this file)
+
+import train_pass  # noqa: E402  (beside this file)
+
+
+def stream_clock(device: torch.device):
+    """A clock that waits for this thread's stream only (the trainer's synced_clock waits for the device)."""
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+    return now
+
+
+def build_sampler(smoke: bool, device: torch.device):
+    """The engine on a random model of the preset's shapes without adapters (a folded copy's decode)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpo.rollout.native import NativeEngine
+    from native_engine import qwen_1_5b_config  # beside this file
+
+    config = (Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+              if smoke else qwen_1_5b_config())
+    torch.manual_seed(1)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if smoke else torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    new = 8 if smoke else train_pass.MAX_COMPLETION_LENGTH
+    engine = NativeEngine(model, max_seq_len=train_pass.MAX_PROMPT_LENGTH + new, max_batch=64, pad_id=0)
+    return engine, config.vocab_size, new
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--priority", choices=["normal", "high"], default="normal",
+                        help="the sampler's stream priority when the two run together")
+    parser.add_argument("--stop", action="store_true",
+                        help="a stop token (never sampled here): the decode looks every 16 steps whether all rows "
+                             "stopped, as the preset's does, instead of queuing all its steps at once")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="Python's thread switch interval in seconds (sys.setswitchinterval; its default 0.005)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: plumbing only")
+    add_out_argument(parser)
+    args = parser.parse_args()
+
+    from grpo.batch import micro_batches
+    from grpo.model import compiled_layers
+    from grpo.rollout.base import Sampling
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    rec = Recorder("overlap", args.out)
+    policy, vocab, cfg = train_pass.build_policy(args.smoke, "base", False, device)
+    clock = stream_clock(device)
+    update = train_pass.trainer_update(policy, cfg, device, clock)
+    engine, sampler_vocab, new = build_sampler(args.smoke, device)
+    scale = 16.0 if args.smoke else 1.0
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, sampler_vocab, (max(1, int(n / scale)),), generator=gen).tolist()
+               for n in train_pass.QWEN_PROMPTS[::train_pass.GENERATIONS]]
+    stops = dict(stop_token_ids=(sampler_vocab - 1,), ignore_eos=False) if args.stop else dict(ignore_eos=True)
+    sampling = Sampling(max_new_tokens=new, temperature=1.0, min_p=0.1, seed=0, **stops)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    adv = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(device)
+    width = compiled_layers.width_multiple(policy)
+    seeds = iter(range(1, 10**6))
+
+    def train() -> float:
+        step_batch, step_adv, slices = micro_batches(train_pass.qwen_batch(vocab, device, scale, next(seeds)), adv,
+                                                     16, width)
+        t = clock()
+        update(step_batch, step_adv, slices)
+        return clock() - t
+
+    def sample() -> float:
+        t = clock()
+        engine.generate(prompts, train_pass.GENERATIONS, sampling)
+        return clock() - t
+
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device, priority=-1 if args.priority == "high" else 0) if cuda else None
+    done: dict = {}
+
+    def sample_on_side() -> None:
+        with torch.cuda.stream(side) if cuda else _nothing():
+            done["sample"] = sample()
+
+    def together() -> float:
+        t = clock()
+        thread = threading.Thread(target=sample_on_side)
+        thread.start()
+        done["train"] = train()
+        thread.join()
+        return clock() - t
+
+    rec.record("setup", device=str(device), priority=args.priority, stop=args.stop,
+               switch_interval=sys.getswitchinterval(), rows=64, new_tokens=new,
+               compiled_layers=width > 1)
+    sample_on_side(), train(), train()  # compiles, captures (on the side stream, as together), warms
+    runs = {"sample": [], "train": [], "apart": [], "together": [], "sample_in_together": [], "train_in_together": []}
+    for _ in range(args.repeats):
+        s, tr = sample(), train()
+        runs["sample"].append(s)
+        runs["train"].append(tr)
+        runs["apart"].append(s + tr)
+        runs["together"].append(together())
+        runs["sample_in_together"].append(done["sample"])
+        runs["train_in_together"].append(done["train"])
+        rec.record("run", **{k: round(v[-1], 4) for k, v in runs.items()})
+    medians = {k: round(statistics.median(v), 4) for k, v in runs.items()}
+    rec.record("median", **medians, together_over_apart=round(medians["together"] / medians["apart"], 3),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()

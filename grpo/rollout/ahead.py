@@ -1,0 +1,207 @@
+"""Sampling one step ahead: step n+1's completions generated while step n trains, on one GPU.
+
+The decode is bound by memory and the training pass by compute and the host, so the two can share the GPU's
+time (benchmarks/RESULTS.md, "The measured defaults", has the figure). `SampleAhead` is an engine around
+another: `prefetch(prompts, n, sampling)` folds the adapters as they are now into a copy of the adapted
+projections' weights (W + scale * B A, rounded into W's dtype, the other tensors shared with the policy) and
+starts the generate on that copy, in a thread and on a CUDA stream of its own; the `generate` that asks for the
+same prompts, n and sampling later returns that rollout. So step n+1 trains on completions of the policy before
+step n's update: one step off the policy, its tokens weighted by pi_trainer / pi_sampler like every folded
+sampler's (`needs_importance_correction`), and the sampler-trainer gap in the log measures the difference.
+
+Any other `generate` (an evaluation, the first step, a resumed run's) waits for the one in flight, folds the
+adapters as they are and samples at once; the rollout in flight stays for the generate that asks for it. A run
+that stops drops it: a resumed run samples its first step from the policy it resumes.
+
+What it deliberately is not: a second process or an asynchronous trainer. One rollout at most is ahead, and the
+loop stays one step at a time (`grpo.step`); the copy costs the adapted weights once more (about 2.6 GB for a
+1.5B model's seven projections a layer).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grpo.rollout.base import Engine, Rollout, Sampling
+
+
+def refusal(policy: nn.Module) -> str | None:
+    """Why the adapters of `policy` (a PeftModel) cannot be folded into a copy, or None: every LoRA layer one
+    plain adapter on an nn.Linear of floating-point weights (FP8 weights would need a new quantization)."""
+    layers = [m for m in policy.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    if not layers:
+        return "the policy has no LoRA layers to fold"
+    for layer in layers:
+        if type(layer.base_layer) is not nn.Linear:
+            return f"{type(layer.base_layer).__name__} base layers (FP8 weights) do not fold into a copy"
+        if len([a for a in layer.active_adapters if a in layer.lora_A]) != 1:
+            return "each LoRA layer needs exactly one active adapter"
+        if layer.lora_variant or any(getattr(layer, "lora_bias", {}).values()):
+            return "DoRA and other LoRA variants do not fold as scale * B A"
+    return None
+
+
+@dataclass
+class _Folded:
+    """One adapted projection: the copy's weight and where the policy keeps the base weight and adapter."""
+
+    weight: torch.Tensor  # (out, in) the copy's, written by each fold
+    base: torch.Tensor  # (out, in) the policy's base weight
+    lora_a: torch.Tensor  # (r, in)
+    lora_b: torch.Tensor  # (out, r)
+    scale: float
+
+    def fold(self) -> None:
+        """weight <- base + scale * B A, in float32, rounded once (as `grpo.rollout.native.fold` folds)."""
+        summed = torch.addmm(self.base.float(), self.lora_b.float(), self.lora_a.float(), alpha=self.scale)
+        self.weight.copy_(summed)
+
+
+def folded_copy(policy: nn.Module) -> tuple[nn.Module, list[_Folded]]:
+    """(a model that samples like `policy` with its adapters folded, its projections to fold): the base model
+    copied with every tensor shared except the adapted projections' weights, each LoRA layer an nn.Linear of its
+    own weight, and none of the training's bound forwards (`compiled_layers`, `lean_activations`, `lora_addmm`)."""
+    why = refusal(policy)
+    if why is not None:
+        raise ValueError(f"--sample-ahead: {why}; fix: train a bf16 base without it")
+    base = policy.get_base_model()
+    shared = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    model = copy.deepcopy(base, memo=shared)  # the module tree anew, every tensor the policy's own
+    folds = []
+    for name, module in list(model.named_modules()):
+        module.__dict__.pop("forward", None)  # a training-only forward bound on the instance: the class's again
+        if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
+            continue
+        linear, adapter = module.base_layer, next(a for a in module.active_adapters if a in module.lora_A)
+        plain = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          device="meta", dtype=linear.weight.dtype)
+        plain.weight = nn.Parameter(torch.empty_like(linear.weight), requires_grad=False)
+        plain.bias = linear.bias  # shared: folding leaves it as it is
+        folds.append(_Folded(plain.weight.data, linear.weight, module.lora_A[adapter].weight,
+                             module.lora_B[adapter].weight, float(module.scaling[adapter])))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, plain)
+    model.requires_grad_(False)
+    return model.eval(), folds
+
+
+@dataclass
+class _InFlight:
+    """A generate running in the background, and what it was asked."""
+
+    request: tuple
+    thread: threading.Thread
+    done: torch.cuda.Event | None  # recorded on the sampler's stream when the rollout is written (CUDA)
+    rollout: Rollout | None = None
+    error: BaseException | None = None
+
+
+class SampleAhead:
+    """An engine (`grpo.rollout.base.Engine`) that samples a copy of the policy with its adapters folded, and
+    can start a generate ahead of the step that reads it. See the module docstring.
+
+    policy: the PeftModel being trained (bf16 or float32 nn.Linear base layers, one adapter each).
+    build: the engine that samples, built over the model it is given (the folded copy).
+    """
+
+    needs_importance_correction = True  # one step off the policy, and the adapters rounded into the weights
+
+    def __init__(self, policy: nn.Module, build: Callable[[nn.Module], Engine]) -> None:
+        self.model, self._folds = folded_copy(policy)
+        self.engine = build(self.model)
+        device = self._folds[0].weight.device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._in_flight: _InFlight | None = None
+
+    @property
+    def progress(self):
+        return getattr(self.engine, "progress", None)
+
+    @progress.setter
+    def progress(self, progress) -> None:
+        self.engine.progress = progress
+
+    def __getattr__(self, name: str):  # the engine's own (tuning, kv_cache_bytes, ...): what it says of itself
+        if name == "engine":  # not yet set (in __init__): no recursion through the lookup below
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def fold(self) -> None:
+        """The adapters as they are now into the copy, queued on this thread's stream."""
+        with torch.no_grad():
+            for folded in self._folds:
+                folded.fold()
+
+    def prefetch(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> None:
+        """Starts the generate of these prompts from the policy as it is now; the `generate` that asks for the same
+        returns it. The fold is queued on this thread's stream before anything after this call (the optimizer's
+        update), so the update cannot reach the weights the generate reads."""
+        self.wait()
+        self.fold()
+        request = ([list(p) for p in prompt_ids], num_generations, sampling)
+        cuda = self._stream is not None
+        folded = torch.cuda.Event() if cuda else None
+        if cuda:
+            folded.record()
+        job = _InFlight(request, threading.Thread(target=lambda: self._run(job, folded), daemon=True),
+                        torch.cuda.Event() if cuda else None)
+        self._in_flight = job
+        job.thread.start()
+
+    def _run(self, job: _InFlight, folded: torch.cuda.Event | None) -> None:
+        progress, self.engine.progress = self.engine.progress, None  # the bar shows the step in the foreground
+        try:
+            if self._stream is None:
+                job.rollout = self.engine.generate(*job.request)
+                return
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(folded)
+                job.rollout = self.engine.generate(*job.request)
+                job.done.record()
+        except BaseException as err:  # raised in the thread that asks for the rollout
+            job.error = err
+        finally:
+            self.engine.progress = progress
+
+    def wait(self) -> None:
+        """Until the generate in flight (if any) has finished; its rollout stays for the generate that asks."""
+        job = self._in_flight
+        if job is not None:
+            job.thread.join()
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
+        """The rollout started ahead for exactly these arguments, else one sampled now from the policy as it is."""
+        request = ([list(p) for p in prompt_ids], num_generations, sampling)
+        job = self._in_flight
+        self.wait()
+        if job is not None and job.request == request:
+            self._in_flight = None
+            if job.error is not None:
+                raise job.error
+            return self._received(job)
+        self.fold()
+        return self.engine.generate(prompt_ids, num_generations, sampling)
+
+    def _received(self, job: _InFlight) -> Rollout:
+        """The background rollout's tensors, copied on this thread's stream after the sampler's stream wrote them
+        (freed later here, they leave the sampler's memory to the sampler)."""
+        rollout = job.rollout
+        if job.done is not None:
+            torch.cuda.current_stream().wait_event(job.done)
+        tensors = {f.name: getattr(rollout, f.name).clone() for f in dataclasses.fields(rollout)
+                   if isinstance(getattr(rollout, f.name), torch.Tensor)}
+        return dataclasses.replace(rollout, **tensors)
+
+    def release_memory(self) -> None:
+        self.wait()
+        self.engine.release_memory()
+
+    def standby_bytes(self) -> int | None:
+        return self.engine.standby_bytes()

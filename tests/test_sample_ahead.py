@@ -1,0 +1,201 @@
+"""Sampling one step ahead (grpo.rollout.ahead): a copy with the adapters folded, a rollout started before an
+update that samples the policy before it, other generates in between, errors, refusals, and the trainer's run."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from grpo.config import Config
+from grpo.model import compiled_layers
+from grpo.rollout.ahead import SampleAhead, folded_copy, refusal
+from grpo.rollout.base import Engine, Sampling
+from grpo.rollout.native import NativeEngine
+from test_native_engine import PAD, PROMPTS, small_llama
+from test_train import tiny_cfg
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SAMPLING = Sampling(max_new_tokens=10, temperature=1.0, min_p=0.1, ignore_eos=True, seed=5)
+
+
+def adapted(seed: int = 1, dtype=torch.float32):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(small_llama(seed=seed).to(dtype),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    for name, p in policy.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return policy
+
+
+def native(model) -> NativeEngine:
+    return NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD)
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+
+
+def move_adapters(policy, by: float = 0.5) -> None:
+    """What an optimizer step would do to the adapters, larger."""
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * by)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_copy_holds_the_rounded_fold_and_shares_every_other_tensor(dtype):
+    policy = adapted(dtype=dtype)
+    model, folds = folded_copy(policy)
+    for f in folds:
+        f.fold()
+    originals = lora_layers(policy)
+    assert len(folds) == len(originals) == 2 * 7
+    names = dict(policy.get_base_model().named_modules())
+    for name, module in model.named_modules():
+        if name in names and names[name] in originals:
+            lora = names[name]
+            assert type(module) is nn.Linear
+            a, b = lora.lora_A["default"].weight, lora.lora_B["default"].weight
+            expect = (lora.base_layer.weight.float() + lora.scaling["default"] * (b.float() @ a.float())).to(dtype)
+            torch.testing.assert_close(module.weight, expect, rtol=0, atol=1e-6)
+            assert module.weight.data_ptr() != lora.base_layer.weight.data_ptr()
+    copy_ptrs = {t.data_ptr() for t in model.parameters()}
+    folded_ptrs = {f.weight.data_ptr() for f in folds}
+    base_ptrs = {t.data_ptr() for n, t in policy.named_parameters() if "lora_" not in n and "base_layer" not in n}
+    assert copy_ptrs - folded_ptrs == base_ptrs  # embeddings, norms, head: the policy's own tensors
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_the_copy_has_none_of_the_trainings_own_forwards():
+    policy = adapted()
+    assert compiled_layers.install(policy, backend="aot_eager") == 2
+    model, _ = folded_copy(policy)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all("forward" in layer.__dict__ for layer in policy.get_base_model().model.layers)  # the policy keeps its
+
+
+def test_a_rollout_started_ahead_samples_the_policy_before_the_update():
+    policy = adapted()
+    before = copy.deepcopy(policy)
+    ahead = SampleAhead(policy, native)
+    assert isinstance(ahead, Engine) and ahead.needs_importance_correction
+    ahead.prefetch(PROMPTS, 2, SAMPLING)
+    move_adapters(policy)  # the update runs while the rollout generates
+    got = ahead.generate(PROMPTS, 2, SAMPLING)
+    want = SampleAhead(before, native).generate(PROMPTS, 2, SAMPLING)
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    torch.testing.assert_close(got.sampler_logp, want.sampler_logp, rtol=0, atol=1e-6)
+    now = ahead.generate(PROMPTS, 2, SAMPLING)  # nothing in flight: the policy as it is now
+    assert not torch.equal(now.sampler_logp, got.sampler_logp)
+    moved = copy.deepcopy(policy)
+    torch.testing.assert_close(now.sampler_logp, SampleAhead(moved, native).generate(PROMPTS, 2, SAMPLING).sampler_logp,
+                               rtol=0, atol=1e-6)
+
+
+def test_another_generate_waits_for_the_one_in_flight_and_leaves_it_for_its_step():
+    policy = adapted()
+    ahead = SampleAhead(policy, native)
+    ahead.prefetch(PROMPTS, 2, SAMPLING)
+    move_adapters(policy)
+    other = ahead.generate(PROMPTS[:1], 3, SAMPLING)  # an evaluation in between: from the policy as it is now
+    assert other.completion_ids.shape[0] == 3
+    taken = ahead.generate(PROMPTS, 2, SAMPLING)
+    fresh = ahead.generate(PROMPTS, 2, SAMPLING)
+    assert not torch.equal(taken.sampler_logp, fresh.sampler_logp)  # the first was the one started ahead
+    ahead.release_memory()
+    assert ahead.held_bytes() == 0  # the engine's own, through the wrapper
+
+
+def test_an_error_in_the_background_is_raised_by_the_generate_that_asks_for_it():
+    ahead = SampleAhead(adapted(), native)
+
+    def fails(*args):
+        raise RuntimeError("out of memory in the decode")
+
+    ahead.engine.generate = fails
+    ahead.prefetch(PROMPTS, 2, SAMPLING)
+    with pytest.raises(RuntimeError, match="out of memory in the decode"):
+        ahead.generate(PROMPTS, 2, SAMPLING)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_rollout_ahead_runs_beside_training_and_still_samples_the_policy_before():
+    policy = adapted(dtype=torch.bfloat16).cuda()
+    before = copy.deepcopy(policy)
+
+    def engine(model):
+        return NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD)  # kernels, graphs, compiled pieces
+
+    ahead = SampleAhead(policy, engine)
+    sampling = Sampling(max_new_tokens=40, temperature=1.0, min_p=0.1, ignore_eos=True, seed=5)
+    ahead.generate(PROMPTS, 2, sampling)  # captures
+    ahead.prefetch(PROMPTS, 2, sampling)
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):  # the training pass's work on the default stream meanwhile, and its update
+        x = torch.tanh(x @ x / 64)
+    move_adapters(policy)
+    got = ahead.generate(PROMPTS, 2, sampling)
+    want = SampleAhead(before, engine).generate(PROMPTS, 2, sampling)
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    torch.testing.assert_close(got.sampler_logp, want.sampler_logp, rtol=0, atol=1e-5)
+    assert torch.isfinite(x).all()
+
+
+def test_base_layers_that_do_not_fold_are_refused_in_one_line():
+    class Coarse(nn.Linear):  # a stand-in for FP8Linear
+        pass
+
+    policy = adapted()
+    layer = lora_layers(policy)[0]
+    old = layer.base_layer
+    layer.base_layer = Coarse(old.in_features, old.out_features, bias=False)
+    assert "Coarse base layers" in refusal(policy)
+    with pytest.raises(ValueError, match="--sample-ahead: Coarse base layers"):
+        SampleAhead(policy, native)
+    assert refusal(small_llama()) == "the policy has no LoRA layers to fold"
+
+
+@pytest.mark.parametrize("kw, named", [(dict(engine="vllm"), "--engine vllm"),
+                                       (dict(dynamic_sampling=True), "--dynamic-sampling"),
+                                       (dict(environment="number-guess"), "--environment")])
+def test_flags_it_cannot_serve_are_refused(kw, named):
+    with pytest.raises(ValueError, match=named):
+        Config(sample_ahead=True, **kw)
+
+
+@pytest.mark.slow
+def test_a_run_sampling_ahead_trains_each_step_on_the_rollout_started_in_the_step_before(tiny_llama_dir, tmp_path,
+                                                                                        monkeypatch):
+    started, received = [], []
+    prefetch, generate = SampleAhead.prefetch, SampleAhead.generate
+
+    def spy_prefetch(self, prompt_ids, n, sampling):
+        started.append(sampling.seed)
+        prefetch(self, prompt_ids, n, sampling)
+
+    def spy_generate(self, prompt_ids, n, sampling):
+        received.append((sampling.seed, self._in_flight is not None and self._in_flight.request[2] == sampling))
+        return generate(self, prompt_ids, n, sampling)
+
+    monkeypatch.setattr(SampleAhead, "prefetch", spy_prefetch)
+    monkeypatch.setattr(SampleAhead, "generate", spy_generate)
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", sample_ahead=True, max_steps=3))
+    assert len(started) == 2  # steps 2 and 3, each started in the step before; the last starts none
+    assert [ahead for _, ahead in received] == [False, True, True]
+    assert [seed for seed, _ in received][1:] == started
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all("gap/logp_abs_mean" in r and not r["skipped"] for r in records)
+
+
+def train(cfg):
+    from grpo.trainer import train as run
+
+    return run(cfg)
