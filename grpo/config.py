@@ -277,7 +277,8 @@ class Config:
                             "with the adapters folded in, as they were before the previous step's update (one step "
                             "off the policy; the importance weights correct for it), and holds that copy (the "
                             "adapted projections' weights once more). The native or hf engine, bf16 or float32 base "
-                            "weights, one sampling round, single-turn.", "sampling")
+                            "weights, one sampling round, single-turn. Off by default; the qwen1.5b-gsm8k preset "
+                            "turns it on (benchmarks/RESULTS.md, \"The measured defaults\").", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: sized "
@@ -423,12 +424,12 @@ class Config:
     def _check_sample_ahead(self) -> None:
         if self.engine not in ("auto", "native", "hf"):
             raise ValueError(f"--sample-ahead samples a copy of the policy in this process, and --engine "
-                             f"{self.engine} samples its own: drop --sample-ahead or use --engine native")
+                             f"{self.engine} samples its own: pass --no-sample-ahead or --engine native")
         for on, name in ((self.dynamic_sampling, "--dynamic-sampling"), (self.tools, "--tools"),
                          (self.environment, "--environment")):
             if on:
                 raise ValueError(f"--sample-ahead starts one sampling round of single-turn completions ahead, and "
-                                 f"{name} needs more: drop one of the two")
+                                 f"{name} needs more: drop {name} or pass --no-sample-ahead")
 
     @property
     def batch_size(self) -> int:
@@ -500,11 +501,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Sized for one large GPU (a CPU step takes many minutes), checkpointing every few minutes so a run can go
     # in pieces with --resume latest: 64 completions a step, stopped at </SOLUTION>, no KL term. Its training
     # pass keeps activations in four length-sorted micro-batches: a faster step for about twice the peak memory,
-    # at the same held-out accuracy (benchmarks/RESULTS.md, "The measured defaults").
+    # at the same held-out accuracy; each step's completions generate while the step before trains (--sample-ahead:
+    # a faster step for a copy of the adapted weights, same accuracy; benchmarks/RESULTS.md, "The measured defaults").
     "qwen1.5b-gsm8k": dict(model="qwen2.5-coder-1.5b-instruct", dataset="gsm8k", reward_preset="gsm8k",
                            num_generations=8, prompts_per_step=8, max_prompt_length=288, max_completion_length=384,
                            max_seq_length=672, learning_rate=1e-5, beta=0.0, stop=("</SOLUTION>",),
-                           micro_batch_size=16, gradient_checkpointing=False,
+                           micro_batch_size=16, gradient_checkpointing=False, sample_ahead=True,
                            warmup_ratio=0.05, max_steps=200, save_steps=10, eval_steps=20, eval_size=319,
                            eval_samples=1, log_completions_steps=25, output_dir="outputs/qwen1.5b-gsm8k"),
     # The single-turn preset's task with the calculator tool (issue 64's first agent): the same model, problems,

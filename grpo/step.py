@@ -106,6 +106,8 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     # 1. Sample P prompts x G completions with the current policy (this rank's P of the N*P) and score
     #    them (every rank gathers all N*P*G rows). With --dynamic-sampling, the groups whose rewards
     #    tie are dropped and the next prompts sampled, round after round, until N*P groups are kept.
+    #    With --sample-ahead the completions were generated during the step before, from the policy before
+    #    its update, and the next step's start here, to generate while this one trains.
     groups = sample_groups(s, step, num_generations)
     if cfg.sample_ahead and step + 1 < cfg.max_steps:  # the next step's completions generate while this one trains
         sample_ahead(s, step + 1, num_generations)

@@ -397,7 +397,7 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 SCRIPT_PROBES = ["native_engine", "decode_gemm_tiles", "decode_gemm_sass", "train_pass", "engine_sampling",
                  "step_profile", "fp8_host", "attention_tiles", "turn_blocks", "gguf_ways", "unsloth_growth",
-                 "train_ops"]
+                 "train_ops", "overlap"]
 # Each probe run as a script (its folder first on the path, as `python probe.py` puts it) with --help, in one
 # process: a process a probe spent its seconds importing torch ten times over.
 HELP_EACH = """
@@ -484,6 +484,21 @@ def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path):
     assert [(r["micro"], r["passes"]) for r in passes] == [(64, 1), (16, 4)]
     assert all(r["ms"] > 0 and 0 < r["real_token_frac"] <= 1 for r in passes)
     assert passes[1]["real_token_frac"] > passes[0]["real_token_frac"]  # sorted micro-batches pad less
+
+
+@pytest.mark.slow
+def test_the_overlap_probe_times_the_decode_and_the_update_apart_and_together_on_a_tiny_model(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(PROBES / "overlap.py"), "--smoke", "--stop", "--repeats", "2",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("overlap-*.jsonl")
+    setup, *runs, median = [json.loads(line) for line in path.read_text().splitlines()]
+    assert setup["stop"] and len(runs) == 2 and median["kind"] == "median"
+    for r in runs:
+        assert r["sample"] > 0 and r["train"] > 0 and r["apart"] == pytest.approx(r["sample"] + r["train"], abs=2e-4)
+        # together ends when both have: no sooner than either of them in it
+        assert r["together"] >= max(r["sample_in_together"], r["train_in_together"]) - 1e-3
 
 
 def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):

@@ -156,7 +156,7 @@ def test_base_layers_that_do_not_fold_are_refused_in_one_line():
     layer = lora_layers(policy)[0]
     old = layer.base_layer
     layer.base_layer = Coarse(old.in_features, old.out_features, bias=False)
-    assert "Coarse base layers" in refusal(policy)
+    assert refusal(policy).startswith("Coarse base layers do not fold")
     with pytest.raises(ValueError, match="--sample-ahead: Coarse base layers"):
         SampleAhead(policy, native)
     assert refusal(small_llama()) == "the policy has no LoRA layers to fold"
@@ -181,16 +181,21 @@ def test_a_run_sampling_ahead_trains_each_step_on_the_rollout_started_in_the_ste
         prefetch(self, prompt_ids, n, sampling)
 
     def spy_generate(self, prompt_ids, n, sampling):
-        received.append((sampling.seed, self._in_flight is not None and self._in_flight.request[2] == sampling))
+        if n == 2:  # the steps' (the evaluations' take 1 a prompt)
+            received.append((sampling.seed, self._in_flight is not None and self._in_flight.request[2] == sampling))
         return generate(self, prompt_ids, n, sampling)
 
     monkeypatch.setattr(SampleAhead, "prefetch", spy_prefetch)
     monkeypatch.setattr(SampleAhead, "generate", spy_generate)
-    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", sample_ahead=True, max_steps=3))
+    # an evaluation after every step: it samples while the next step's rollout is in flight
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", sample_ahead=True, max_steps=3, eval_size=2,
+                   eval_samples=1, eval_steps=1))
     assert len(started) == 2  # steps 2 and 3, each started in the step before; the last starts none
     assert [ahead for _, ahead in received] == [False, True, True]
     assert [seed for seed, _ in received][1:] == started
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/greedy_accuracy" in r] == [0, 1, 2, 3]
+    records = [r for r in records if "step_time" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all("gap/logp_abs_mean" in r and not r["skipped"] for r in records)
 

@@ -64,7 +64,7 @@ def test_grpo_config_of_trl_1_16_accepts_every_mapped_value(probe, tmp_path):
 
 def test_what_trl_cannot_be_told_is_refused_in_one_line_naming_the_flag(probe):
     cfg = parse_args(["--preset", "qwen1.5b-gsm8k"])
-    for change, flag in ((dict(dynamic_sampling=True), "--dynamic-sampling"),
+    for change, flag in ((dict(dynamic_sampling=True, sample_ahead=False), "--dynamic-sampling"),
                          (dict(policy_term=Cispo()), "--loss-type"), (dict(kl_estimator="k1"), "--kl-estimator"),
                          (dict(micro_batch_size=24), "--micro-batch-size")):
         with pytest.raises(ValueError) as err:

@@ -10,7 +10,8 @@ its own without adapters, as a folded copy of the policy would be, 8 prompts x 8
 generate in a thread on a stream of its own (`--priority high`: a high-priority stream), the update in this
 thread on the default stream, each waiting only for its own stream. Median seconds of each alone, of the two one
 after the other, and of the two together (the wall time until both are done); the ratio together / apart is
-what an overlapped step could save at best.
+what an overlapped step could save at best. Measured: benchmarks/RESULTS.md, "The measured defaults"
+(`--sample-ahead`).
 
     PYTHONPATH=$PWD python3 benchmarks/probes/overlap.py [--priority high] [--repeats 3]
     python benchmarks/probes/overlap.py --smoke        (a tiny model on the CPU: the plumbing only)
@@ -23,8 +24,8 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -73,8 +74,6 @@ def main() -> None:
     parser.add_argument("--stop", action="store_true",
                         help="a stop token (never sampled here): the decode looks every 16 steps whether all rows "
                              "stopped, as the preset's does, instead of queuing all its steps at once")
-    parser.add_argument("--switch-interval", type=float, default=None,
-                        help="Python's thread switch interval in seconds (sys.setswitchinterval; its default 0.005)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: plumbing only")
     add_out_argument(parser)
@@ -96,8 +95,7 @@ def main() -> None:
                for n in train_pass.QWEN_PROMPTS[::train_pass.GENERATIONS]]
     stops = dict(stop_token_ids=(sampler_vocab - 1,), ignore_eos=False) if args.stop else dict(ignore_eos=True)
     sampling = Sampling(max_new_tokens=new, temperature=1.0, min_p=0.1, seed=0, **stops)
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
+
     adv = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(device)
     width = compiled_layers.width_multiple(policy)
     seeds = iter(range(1, 10**6))
@@ -119,7 +117,7 @@ def main() -> None:
     done: dict = {}
 
     def sample_on_side() -> None:
-        with torch.cuda.stream(side) if cuda else _nothing():
+        with torch.cuda.stream(side) if cuda else nullcontext():
             done["sample"] = sample()
 
     def together() -> float:
@@ -130,8 +128,7 @@ def main() -> None:
         thread.join()
         return clock() - t
 
-    rec.record("setup", device=str(device), priority=args.priority, stop=args.stop,
-               switch_interval=sys.getswitchinterval(), rows=64, new_tokens=new,
+    rec.record("setup", device=str(device), priority=args.priority, stop=args.stop, rows=64, new_tokens=new,
                compiled_layers=width > 1)
     sample_on_side(), train(), train()  # compiles, captures (on the side stream, as together), warms
     runs = {"sample": [], "train": [], "apart": [], "together": [], "sample_in_together": [], "train_in_together": []}
@@ -147,14 +144,6 @@ def main() -> None:
     medians = {k: round(statistics.median(v), 4) for k, v in runs.items()}
     rec.record("median", **medians, together_over_apart=round(medians["together"] / medians["apart"], 3),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from grpo.rollout.native.layer import refusal
 from grpo.rollout.unsloth import UnslothEngine, UnslothOptions, load_unsloth
 from grpo.rollout.vllm import VLLMEngine, VLLMOptions, kv_cache_bytes_for
 
-__all__ = ["ENGINES", "Engine", "Rollout", "SampleAhead", "Sampling", "UnslothOptions", "VLLMOptions", "auto_refusal",
-           "build_engine", "loads_its_own_policy", "resolve_engine_name"]
+__all__ = ["ENGINES", "Engine", "Rollout", "SampleAhead", "Sampling", "UnslothOptions", "VLLMOptions",
+           "auto_refusal", "build_engine", "loads_its_own_policy", "resolve_engine_name"]
 
 # Every engine by its --engine name ("auto" resolves to native or hf: `resolve_engine_name`).
 ENGINES: dict[str, type] = {"native": NativeEngine, "hf": HFEngine, "vllm": VLLMEngine, "unsloth": UnslothEngine}

@@ -9,9 +9,10 @@ same prompts, n and sampling later returns that rollout. So step n+1 trains on c
 step n's update: one step off the policy, its tokens weighted by pi_trainer / pi_sampler like every folded
 sampler's (`needs_importance_correction`), and the sampler-trainer gap in the log measures the difference.
 
-Any other `generate` (an evaluation, the first step, a resumed run's) waits for the one in flight, folds the
-adapters as they are and samples at once; the rollout in flight stays for the generate that asks for it. A run
-that stops drops it: a resumed run samples its first step from the policy it resumes.
+The step's `time/generate` is then the time it waited for the rollout, and `time/generate/decode` the decode's
+own, in the background. Any other `generate` (an evaluation, the first step, a resumed run's) waits for the one
+in flight, folds the adapters as they are and samples at once; the rollout in flight stays for the generate that
+asks for it. A run that stops drops it: a resumed run samples its first step from the policy it resumes.
 
 What it deliberately is not: a second process or an asynchronous trainer. One rollout at most is ahead, and the
 loop stays one step at a time (`grpo.step`); the copy costs the adapted weights once more (about 2.6 GB for a
@@ -40,7 +41,8 @@ def refusal(policy: nn.Module) -> str | None:
         return "the policy has no LoRA layers to fold"
     for layer in layers:
         if type(layer.base_layer) is not nn.Linear:
-            return f"{type(layer.base_layer).__name__} base layers (FP8 weights) do not fold into a copy"
+            return (f"{type(layer.base_layer).__name__} base layers do not fold into a copy (nn.Linear's dense "
+                    "weights do; FP8 weights would need a new quantization)")
         if len([a for a in layer.active_adapters if a in layer.lora_A]) != 1:
             return "each LoRA layer needs exactly one active adapter"
         if layer.lora_variant or any(getattr(layer, "lora_bias", {}).values()):
@@ -70,7 +72,7 @@ def folded_copy(policy: nn.Module) -> tuple[nn.Module, list[_Folded]]:
     own weight, and none of the training's bound forwards (`compiled_layers`, `lean_activations`, `lora_addmm`)."""
     why = refusal(policy)
     if why is not None:
-        raise ValueError(f"--sample-ahead: {why}; fix: train a bf16 base without it")
+        raise ValueError(f"--sample-ahead: {why}; fix: pass --no-sample-ahead, or train a bf16 base")
     base = policy.get_base_model()
     shared = {id(t): t for t in (*base.parameters(), *base.buffers())}
     model = copy.deepcopy(base, memo=shared)  # the module tree anew, every tensor the policy's own
@@ -156,7 +158,8 @@ class SampleAhead:
         job.thread.start()
 
     def _run(self, job: _InFlight, folded: torch.cuda.Event | None) -> None:
-        progress, self.engine.progress = self.engine.progress, None  # the bar shows the step in the foreground
+        progress = getattr(self.engine, "progress", None)
+        self.engine.progress = None  # the bar shows what the foreground does
         try:
             if self._stream is None:
                 job.rollout = self.engine.generate(*job.request)
