@@ -200,6 +200,30 @@ def test_a_run_sampling_ahead_trains_each_step_on_the_rollout_started_in_the_ste
     assert all("gap/logp_abs_mean" in r and not r["skipped"] for r in records)
 
 
+_answers: list[list[str]] = []
+
+
+def record_answers(completions, answers, **columns):
+    """A reward that differs between completions, keeping each step's reference answers (one call a step)."""
+    _answers.append(list(answers))
+    return [(len(text) % 7) / 7 for text in completions]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_trains_on_the_prompts_the_uninterrupted_one_did(tiny_llama_dir, tmp_path):
+    # The checkpoint of step 2 is written while step 3's rollout is in flight; the resumed run drops nothing: its
+    # step 3 samples the same prompts (from the policy it resumes), because sampling ahead only peeks at the stream
+    kw = dict(engine="native", sample_ahead=True, max_steps=4, save_steps=2, log_completions_steps=0,
+              reward=("test_sample_ahead:record_answers",))
+    _answers.clear()
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "a", **kw))
+    straight = list(_answers)
+    _answers.clear()
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-2"), **kw))
+    assert len(straight) == 4 and len({tuple(a) for a in straight}) == 4
+    assert _answers == straight[2:]
+
+
 def train(cfg):
     from grpo.trainer import train as run
 
