@@ -276,8 +276,9 @@ class Config:
                             "training pass, bound by compute. The sampler then samples a copy of the adapted weights "
                             "with the adapters folded in, as they were before the previous step's update (one step "
                             "off the policy; the importance weights correct for it), and holds that copy (the "
-                            "adapted projections' weights once more). The native or hf engine, bf16 or float32 base "
-                            "weights, one sampling round, single-turn. Off by default; the qwen1.5b-gsm8k preset "
+                            "adapted projections' weights once more) and its KV cache between steps. The native "
+                            "engine (elsewhere it samples in the step, and says so), bf16 or float32 base weights, one "
+                            "sampling round, single-turn. Off by default; the qwen1.5b-gsm8k preset "
                             "turns it on (benchmarks/RESULTS.md, \"The measured defaults\").", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
@@ -422,14 +423,21 @@ class Config:
             raise ValueError(f"--cpu-threads {self.cpu_threads}: use 1 or more, or none for torch's default")
 
     def _check_sample_ahead(self) -> None:
-        if self.engine not in ("auto", "native", "hf"):
-            raise ValueError(f"--sample-ahead samples a copy of the policy in this process, and --engine "
-                             f"{self.engine} samples its own: pass --no-sample-ahead or --engine native")
+        if self.engine not in ("auto", "native"):
+            raise ValueError(f"--sample-ahead samples with the native engine, on a copy of the policy, and --engine "
+                             f"{self.engine} cannot: pass --no-sample-ahead or --engine native")
         for on, name in ((self.dynamic_sampling, "--dynamic-sampling"), (self.tools, "--tools"),
                          (self.environment, "--environment")):
             if on:
                 raise ValueError(f"--sample-ahead starts one sampling round of single-turn completions ahead, and "
                                  f"{name} needs more: drop {name} or pass --no-sample-ahead")
+        for on, name, why in (
+                (self.load_in_fp8, "--load-in-fp8", "FP8 weights do not fold into its copy"),
+                (not self.engine_fold_adapter, "--no-engine-fold-adapter", "its copy holds the adapters folded"),
+                (self.is_correction == "none", "--is-correction none", "its tokens need the importance weights"),
+                (self.engine_standby == "release", "--engine-standby release", "its engine generates again at once")):
+            if on:
+                raise ValueError(f"--sample-ahead with {name}: {why}; pass --no-sample-ahead or drop {name}")
 
     @property
     def batch_size(self) -> int:
@@ -555,8 +563,9 @@ PRESET_SUMMARIES: dict[str, str] = {
                     "DAPO-Math-17k, 100 steps of 4 prompts x 4 completions up to 2048 tokens. One GPU.",
     "qwen1.5b-gsm8k": "Offline, one GPU: the packaged Qwen2.5-Coder-1.5B-Instruct on GSM8K (offline: the packaged test "
                       "split, 319 problems held out) with recipe B's rewards; 200 steps of 8 prompts x 8 completions "
-                      "up to 384 tokens, held-out eval every 20 steps, the adapters folded in decode; about 24 GiB "
-                      "of GPU memory at most. Held-out strict accuracy and speed: benchmarks/RESULTS.md.",
+                      "up to 384 tokens, held-out eval every 20 steps, each step's completions generated while the "
+                      "step before trains; about 27 GiB of GPU memory at most. Held-out strict accuracy and speed: "
+                      "benchmarks/RESULTS.md.",
     "qwen1.5b-gsm8k-calculator": "Offline, one GPU: qwen1.5b-gsm8k's task with the calculator tool, each completion an "
                                  "episode of up to 5 turns (tool calls and results in between), the instructions after "
                                  "the question; recipe A's answer rewards (no answer costs more than a wrong one) and 1 "

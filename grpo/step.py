@@ -109,7 +109,7 @@ def grpo_step(s: StepSetup, step: int, in_flight: InFlight) -> StepResult:
     #    With --sample-ahead the completions were generated during the step before, from the policy before
     #    its update, and the next step's start here, to generate while this one trains.
     groups = sample_groups(s, step, num_generations)
-    if cfg.sample_ahead and step + 1 < cfg.max_steps:  # the next step's completions generate while this one trains
+    if s.sample_ahead and step + 1 < cfg.max_steps:  # the next step's completions generate while this one trains
         sample_ahead(s, step + 1, num_generations)
     result = StepResult(scores=groups.scores, texts=groups.texts, answers=groups.answers,
                         num_generations=num_generations, frac_zero_std=groups.frac_zero_std, loss_stats={},

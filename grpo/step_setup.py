@@ -47,3 +47,4 @@ class StepSetup:
     # The training passes' widths rounded up to a multiple of this: --pad-to-multiple-of, and 8 where the layers
     # are compiled (`grpo.model.compiled_layers.width_multiple`)
     width_multiple: int = 1
+    sample_ahead: bool = False  # --sample-ahead where the engine can: each step starts the next one's generate

@@ -219,7 +219,7 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                                 max_batch=rows, gemm=cfg.engine_gemm, attention=cfg.engine_attention,
                                 fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
 
-        engine = SampleAhead(policy, build) if cfg.sample_ahead else build(policy)
+        engine = SampleAhead(policy, build) if cfg.sample_ahead and engine_name == "native" else build(policy)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p,
                         stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),
@@ -232,9 +232,10 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
     params, optimizer, scheduler = make_optimizer_over_adapters(cfg, world, policy)
     # One global stream of N*P prompts per step, the same on every rank; rank r takes the r-th P of them.
     stream = grpo_data.PromptStream(len(prompts), world.size * cfg.prompts_per_step, seed=cfg.seed)
+    ahead = isinstance(engine, SampleAhead)  # its engine generates again right after each step's: it keeps
     setup = StepSetup(cfg=cfg, world=world, device=device, policy=policy, params=params, optimizer=optimizer,
-                      tokenizer=tokenizer, engine=engine, engine_rows=rows,
-                      keep_engine=keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
+                      tokenizer=tokenizer, engine=engine, engine_rows=rows, sample_ahead=ahead,
+                      keep_engine=ahead or keeps_memory_between_steps(cfg.engine_standby, engine), sampling=sampling,
                       max_completion_length=max_completion_length, prompts=prompts, stream=stream,
                       reward_funcs=reward_funcs, clock=synced_clock(device), episodes=episodes,
                       width_multiple=math.lcm(cfg.pad_to_multiple_of, compiled_layers.width_multiple(policy)))
@@ -280,14 +281,17 @@ def print_banner(console, setup: StepSetup, engine_name: str) -> None:
     # (--engine-attention auto picks it by the rows)
     native = engine_name == "native"
     folds = (native and engine.tuning.fold_adapter and device.type == "cuda"  # FP8 weights never fold
-             and not any(isinstance(m, FP8Linear) for m in setup.policy.modules()) and not cfg.sample_ahead)
+             and not any(isinstance(m, FP8Linear) for m in setup.policy.modules()) and not setup.sample_ahead)
     notes = [*(["kept between steps"] if setup.keep_engine else []),
              *([f"{engine.tuning.attention} attention"] if native else []),
              *(["adapters folded where it decodes on its kernels"] if folds else []),
-             *(["a step ahead, on a copy with the adapters folded"] if cfg.sample_ahead else [])]
+             *(["a step ahead, on a copy with the adapters folded"] if setup.sample_ahead else [])]
     engine_notes = f" ({', '.join(notes)})" if notes else ""
     if cfg.engine == "auto" and device.type == "cuda" and engine_name == "hf":  # slow: say why
         console.print(f"[yellow]--engine auto took hf[/]: {auto_refusal(setup.policy)}")
+    if cfg.sample_ahead and not setup.sample_ahead:  # --engine auto took hf: its sampling reseeds torch's RNGs
+        console.print(f"[yellow]--sample-ahead is not used[/]: it samples with the native engine, and this run "
+                      f"samples with {engine_name}: each step samples its own completions")
     if cfg.engine_attention != "auto" and engine_name != "native":  # a choice that would do nothing
         console.print(f"[yellow]--engine-attention {cfg.engine_attention} is not used[/]: it picks the native "
                       f"engine's attention, and this run samples with {engine_name}")

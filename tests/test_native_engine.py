@@ -718,7 +718,7 @@ def test_the_run_banner_says_why_auto_took_transformers_generate_on_a_gpu():
 
     def banner(engine_name: str, device: str = "cpu", cfg: Config = Config(engine="auto"), **setup) -> str:
         fields = dict(cfg=cfg, world=World(), device=torch.device(device), policy=small_decoder("granite"),
-                      prompts=prompts, keep_engine=False, engine=None, max_completion_length=32)
+                      prompts=prompts, keep_engine=False, engine=None, max_completion_length=32, sample_ahead=False)
         console = Console(record=True, width=300)
         print_banner(console, types.SimpleNamespace(**{**fields, **setup}), engine_name)
         return console.export_text()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from test_native_engine import PAD, PROMPTS, small_llama
 from test_train import tiny_cfg
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = Sampling(max_new_tokens=10, temperature=1.0, min_p=0.1, ignore_eos=True, seed=5)
 
 
@@ -110,6 +114,7 @@ def test_another_generate_waits_for_the_one_in_flight_and_leaves_it_for_its_step
     assert not torch.equal(taken.sampler_logp, fresh.sampler_logp)  # the first was the one started ahead
     ahead.release_memory()
     assert ahead.held_bytes() == 0  # the engine's own, through the wrapper
+    assert hasattr(ahead.engine, "turns") and not hasattr(ahead, "turns")  # episodes: through generate
 
 
 def test_an_error_in_the_background_is_raised_by_the_generate_that_asks_for_it():
@@ -128,17 +133,20 @@ def test_an_error_in_the_background_is_raised_by_the_generate_that_asks_for_it()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_rollout_ahead_runs_beside_training_and_still_samples_the_policy_before():
     policy = adapted(dtype=torch.bfloat16).cuda()
-    before = copy.deepcopy(policy)
 
     def engine(model):
         return NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD)  # kernels, graphs, compiled pieces
 
     ahead = SampleAhead(policy, engine)
     sampling = Sampling(max_new_tokens=40, temperature=1.0, min_p=0.1, ignore_eos=True, seed=5)
-    ahead.generate(PROMPTS, 2, sampling)  # captures
-    ahead.prefetch(PROMPTS, 2, sampling)
+    ahead.generate(PROMPTS, 2, sampling)  # captures; the copy now holds these adapters
+    move_adapters(policy)  # a step's update: the next fold writes other values into the copy
+    before = copy.deepcopy(policy)
     x = torch.randn(2048, 2048, device="cuda")
-    for _ in range(20):  # the training pass's work on the default stream meanwhile, and its update
+    for _ in range(20):  # work queued ahead of the fold on the default stream: a generate that did not wait for
+        x = torch.tanh(x @ x / 64)  # the fold would read the copy's old values
+    ahead.prefetch(PROMPTS, 2, sampling)
+    for _ in range(20):  # the training pass's work meanwhile, and its update
         x = torch.tanh(x @ x / 64)
     move_adapters(policy)
     got = ahead.generate(PROMPTS, 2, sampling)
@@ -162,19 +170,46 @@ def test_base_layers_that_do_not_fold_are_refused_in_one_line():
     assert refusal(small_llama()) == "the policy has no LoRA layers to fold"
 
 
-@pytest.mark.parametrize("kw, named", [(dict(engine="vllm"), "--engine vllm"),
+@pytest.mark.parametrize("kw, named", [(dict(engine="vllm"), "--engine vllm"), (dict(engine="hf"), "--engine hf"),
                                        (dict(dynamic_sampling=True), "--dynamic-sampling"),
-                                       (dict(environment="number-guess"), "--environment")])
-def test_flags_it_cannot_serve_are_refused(kw, named):
-    with pytest.raises(ValueError, match=named):
+                                       (dict(environment="number-guess"), "--environment"),
+                                       (dict(load_in_fp8=True), "--load-in-fp8"),
+                                       (dict(engine_fold_adapter=False), "--no-engine-fold-adapter"),
+                                       (dict(is_correction="none"), "--is-correction none"),
+                                       (dict(engine_standby="release"), "--engine-standby release")])
+def test_flags_it_cannot_serve_are_refused_in_one_line_naming_the_flag(kw, named):
+    with pytest.raises(ValueError, match=named) as err:
         Config(sample_ahead=True, **kw)
+    assert "--no-sample-ahead" in str(err.value) and "\n" not in str(err.value)
+    Config(sample_ahead=False, **kw)  # each alone is fine
+
+
+def test_a_run_whose_engine_is_not_native_says_so_and_samples_in_each_step(tiny_llama_dir, tmp_path, capsys):
+    # --engine auto on a CPU takes hf, whose sampling reseeds torch's RNGs: no thread of its own for it
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="auto", sample_ahead=True, max_steps=1))
+    assert "--sample-ahead is not used" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_process_that_ends_with_a_rollout_in_flight_exits_with_its_own_status():
+    # the thread is joined at exit: killed inside a torch call, it would abort the process (status 134)
+    code = (f"import sys; sys.path[:0] = {[str(ROOT / 'tests'), str(ROOT)]!r}\n"
+            "from test_sample_ahead import adapted, PAD, PROMPTS\n"
+            "from grpo.rollout.ahead import SampleAhead\n"
+            "from grpo.rollout.base import Sampling\n"
+            "from grpo.rollout.native import NativeEngine\n"
+            "ahead = SampleAhead(adapted(), lambda m: NativeEngine(m, max_seq_len=1024, max_batch=6, pad_id=PAD))\n"
+            "ahead.prefetch(PROMPTS, 2, Sampling(max_new_tokens=300, ignore_eos=True, seed=1))  # a second\n"
+            "raise SystemExit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_a_run_sampling_ahead_trains_each_step_on_the_rollout_started_in_the_step_before(tiny_llama_dir, tmp_path,
                                                                                         monkeypatch):
-    started, received = [], []
-    prefetch, generate = SampleAhead.prefetch, SampleAhead.generate
+    started, received, taken = [], [], []
+    prefetch, generate, received_ahead = SampleAhead.prefetch, SampleAhead.generate, SampleAhead._received
 
     def spy_prefetch(self, prompt_ids, n, sampling):
         started.append(sampling.seed)
@@ -185,14 +220,20 @@ def test_a_run_sampling_ahead_trains_each_step_on_the_rollout_started_in_the_ste
             received.append((sampling.seed, self._in_flight is not None and self._in_flight.request[2] == sampling))
         return generate(self, prompt_ids, n, sampling)
 
+    def spy_received(self, job):
+        taken.append(job.request[2].seed)
+        return received_ahead(self, job)
+
     monkeypatch.setattr(SampleAhead, "prefetch", spy_prefetch)
     monkeypatch.setattr(SampleAhead, "generate", spy_generate)
+    monkeypatch.setattr(SampleAhead, "_received", spy_received)
     # an evaluation after every step: it samples while the next step's rollout is in flight
     train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", sample_ahead=True, max_steps=3, eval_size=2,
                    eval_samples=1, eval_steps=1))
     assert len(started) == 2  # steps 2 and 3, each started in the step before; the last starts none
     assert [ahead for _, ahead in received] == [False, True, True]
     assert [seed for seed, _ in received][1:] == started
+    assert taken == started  # steps 2 and 3 trained on the rollouts started ahead, not on new ones
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/greedy_accuracy" in r] == [0, 1, 2, 3]
     records = [r for r in records if "step_time" in r]

@@ -45,7 +45,8 @@ def test_the_qwen_preset_maps_onto_grpo_config_value_by_value(probe):
     assert (v["vllm_importance_sampling_mode"], v["vllm_importance_sampling_clip_max"]) == ("token_truncate", 2.0)
     assert not v["gradient_checkpointing"] and v["optim"] == "adamw_8bit"  # the preset keeps activations
     whole = probe.grpo_config_values(dataclasses.replace(cfg, micro_batch_size=None, loss_norm="token",
-                                                         is_correction="none", gradient_checkpointing=True),
+                                                         is_correction="none", gradient_checkpointing=True,
+                                                         sample_ahead=False),
                                      output_dir="out", cuda=False, vllm_share=None)
     assert (whole["per_device_train_batch_size"], whole["gradient_accumulation_steps"]) == (64, 1)
     assert (whole["loss_type"], whole["use_vllm"], whole["use_cpu"], whole["gradient_checkpointing"]) == (

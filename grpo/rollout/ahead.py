@@ -110,7 +110,9 @@ class SampleAhead:
     can start a generate ahead of the step that reads it. See the module docstring.
 
     policy: the PeftModel being trained (bf16 or float32 nn.Linear base layers, one adapter each).
-    build: the engine that samples, built over the model it is given (the folded copy).
+    build: the engine that samples, built over the model it is given (the folded copy): the native engine, which
+        samples from a generator of its own (transformers' generate reseeds torch's global generators, which the
+        training thread draws from).
     """
 
     needs_importance_correction = True  # one step off the policy, and the adapters rounded into the weights
@@ -131,7 +133,9 @@ class SampleAhead:
         self.engine.progress = progress
 
     def __getattr__(self, name: str):  # the engine's own (tuning, kv_cache_bytes, ...): what it says of itself
-        if name == "engine":  # not yet set (in __init__): no recursion through the lookup below
+        # not `engine` before __init__ sets it (no recursion), nor the engine's episodes, which would neither wait
+        # for the generate in flight nor fold (episodes then go turn by turn through `generate`)
+        if name in ("engine", "turns"):
             raise AttributeError(name)
         return getattr(self.engine, name)
 
@@ -152,7 +156,9 @@ class SampleAhead:
         folded = torch.cuda.Event() if cuda else None
         if cuda:
             folded.record()
-        job = _InFlight(request, threading.Thread(target=lambda: self._run(job, folded), daemon=True),
+        # not a daemon: a process that ends (a run stopped between steps) waits for the generate rather than killing
+        # it inside a torch call, which aborts the process
+        job = _InFlight(request, threading.Thread(target=lambda: self._run(job, folded), daemon=False),
                         torch.cuda.Event() if cuda else None)
         self._in_flight = job
         job.thread.start()
@@ -174,10 +180,13 @@ class SampleAhead:
             self.engine.progress = progress
 
     def wait(self) -> None:
-        """Until the generate in flight (if any) has finished; its rollout stays for the generate that asks."""
+        """Until the generate in flight (if any) has finished, and this thread's stream after its work (what is
+        queued here next may free or write what it read); its rollout stays for the generate that asks."""
         job = self._in_flight
         if job is not None:
             job.thread.join()
+            if job.done is not None and job.error is None:
+                torch.cuda.current_stream().wait_event(job.done)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
         """The rollout started ahead for exactly these arguments, else one sampled now from the policy as it is."""
@@ -193,11 +202,9 @@ class SampleAhead:
         return self.engine.generate(prompt_ids, num_generations, sampling)
 
     def _received(self, job: _InFlight) -> Rollout:
-        """The background rollout's tensors, copied on this thread's stream after the sampler's stream wrote them
-        (freed later here, they leave the sampler's memory to the sampler)."""
-        rollout = job.rollout
-        if job.done is not None:
-            torch.cuda.current_stream().wait_event(job.done)
+        """The background rollout's tensors, copied on this thread's stream (freed later here, they leave the
+        sampler's memory to the sampler)."""
+        rollout = job.rollout  # (`wait` has ordered this thread's stream after the sampler's)
         tensors = {f.name: getattr(rollout, f.name).clone() for f in dataclasses.fields(rollout)
                    if isinstance(getattr(rollout, f.name), torch.Tensor)}
         return dataclasses.replace(rollout, **tensors)
