@@ -488,13 +488,29 @@ def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path):
 
 def test_the_overlap_probe_times_the_decode_and_the_update_apart_and_together_on_a_tiny_model(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(PROBES))  # in this process: a new one pays seconds of imports
-    monkeypatch.setattr(sys, "argv", ["overlap.py", "--smoke", "--stop", "--repeats", "2", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["overlap.py", "--smoke", "--stop", "--repeats", "2", "--profile",
+                                      "--out", str(tmp_path)])
     importlib.import_module("overlap").main()
     (path,) = tmp_path.glob("overlap-*.jsonl")
+    assert json.loads(path.with_suffix(".trace.json").read_text())["traceEvents"]  # a CPU trace: no stream rows
     setup, *runs, median = [json.loads(line) for line in path.read_text().splitlines()]  # plumbing: all were timed
     assert setup["stop"] and [r["kind"] for r in runs] == ["run", "run"] and median["kind"] == "median"
     keys = ("sample", "train", "together", "sample_in_together", "train_in_together")
     assert all(r[k] > 0 for r in [*runs, median] for k in keys)
+
+
+def test_the_overlap_probe_reads_each_streams_kernels_busy_time_and_gaps_from_a_trace(monkeypatch):
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("overlap")
+
+    def kernel(stream, ts, dur):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [kernel(7, 0, 10), kernel(7, 5, 10), kernel(7, 115, 5),  # overlap, then a 100 us gap
+                             kernel(9, 50, 30), kernel(9, 90, 30), {"cat": "cpu_op", "ts": 0, "dur": 999}]}
+    got = probe.stream_kernels(trace, gap_us=20)
+    assert got == {7: dict(kernels=3, busy_us=20, span_us=120, gaps=1, gap_us=100),
+                   9: dict(kernels=2, busy_us=60, span_us=70, gaps=0, gap_us=0)}
 
 
 def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):

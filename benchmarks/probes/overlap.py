@@ -13,13 +13,19 @@ after the other, and of the two together (the wall time until both are done); th
 what an overlapped step could save at best. Measured: benchmarks/RESULTS.md, "The measured defaults"
 (`--sample-ahead`).
 
-    PYTHONPATH=$PWD python3 benchmarks/probes/overlap.py [--priority high] [--repeats 3]
+`--profile` runs one more together under torch's profiler, writes its trace beside the records and, per CUDA stream,
+what its kernels show: the time they covered, from the stream's first kernel to its last, and the gaps between
+them (how long the stream sat without a kernel: a decode the host queues too slowly shows gaps; one that waits for
+the training's kernels to leave the SMs shows long kernels and few gaps).
+
+    PYTHONPATH=$PWD python3 benchmarks/probes/overlap.py [--priority high] [--stop] [--repeats 3] [--profile]
     python benchmarks/probes/overlap.py --smoke        (a tiny model on the CPU: the plumbing only)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import threading
@@ -30,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from timing import Recorder, add_out_argument  # noqa: E402  (beside this file)
+from timing import Recorder, add_out_argument, covered_us  # noqa: E402  (beside this file)
 
 import train_pass  # noqa: E402  (beside this file)
 
@@ -75,6 +81,9 @@ def main() -> None:
                         help="a stop token (never sampled here): the decode looks every 16 steps whether all rows "
                              "stopped, as the preset's does, instead of queuing all its steps at once")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more together under torch's profiler: its trace, and each stream's kernels' "
+                             "busy time and gaps")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: plumbing only")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -144,6 +153,36 @@ def main() -> None:
     medians = {k: round(statistics.median(v), 4) for k, v in runs.items()}
     rec.record("median", **medians, together_over_apart=round(medians["together"] / medians["apart"], 3),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+    if args.profile:
+        trace = rec.path.with_suffix(".trace.json")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            wall = together()
+        prof.export_chrome_trace(str(trace))
+        for stream, row in stream_kernels(json.loads(trace.read_text())).items():
+            rec.record("stream", stream=stream, together_s=round(wall, 4), **row)
+
+
+def stream_kernels(trace: dict, gap_us: float = 20.0) -> dict[int, dict]:
+    """Per CUDA stream of a chrome trace: kernels, the microseconds they covered, the span from the first kernel's
+    start to the last's end, and the gaps between kernels longer than `gap_us` (their count and total)."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") == "kernel" and "dur" in event:
+            stream = int(event.get("args", {}).get("stream", -1))
+            spans.setdefault(stream, []).append((float(event["ts"]), float(event["ts"]) + float(event["dur"])))
+    out = {}
+    for stream, kernels in sorted(spans.items()):
+        kernels.sort()
+        gaps, reached = [], kernels[0][1]
+        for start, end in kernels[1:]:
+            if start - reached > gap_us:
+                gaps.append(start - reached)
+            reached = max(reached, end)
+        span = reached - kernels[0][0]
+        out[stream] = dict(kernels=len(kernels), busy_us=round(covered_us(kernels)), span_us=round(span),
+                           gaps=len(gaps), gap_us=round(sum(gaps)))
+    return out
 
 
 if __name__ == "__main__":
