@@ -503,14 +503,15 @@ def test_the_overlap_probe_reads_each_streams_kernels_busy_time_and_gaps_from_a_
     monkeypatch.syspath_prepend(str(PROBES))
     probe = importlib.import_module("overlap")
 
-    def kernel(stream, ts, dur):
-        return {"cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}
+    def kernel(stream, ts, dur, name="gemm"):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
     trace = {"traceEvents": [kernel(7, 0, 10), kernel(7, 5, 10), kernel(7, 115, 5),  # overlap, then a 100 us gap
-                             kernel(9, 50, 30), kernel(9, 90, 30), {"cat": "cpu_op", "ts": 0, "dur": 999}]}
+                             kernel(9, 50, 30, "decode"), kernel(9, 90, 30, "decode"),
+                             {"cat": "cpu_op", "ts": 0, "dur": 999}]}
     got = probe.stream_kernels(trace, gap_us=20)
-    assert got == {7: dict(kernels=3, busy_us=20, span_us=120, gaps=1, gap_us=100),
-                   9: dict(kernels=2, busy_us=60, span_us=70, gaps=0, gap_us=0)}
+    assert got == {7: dict(kernels=3, busy_us=20, span_us=120, gaps=1, gap_us=100, most="gemm"),
+                   9: dict(kernels=2, busy_us=60, span_us=70, gaps=0, gap_us=0, most="decode")}
 
 
 def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):

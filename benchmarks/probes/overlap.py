@@ -25,6 +25,7 @@ the training's kernels to leave the SMs shows long kernels and few gaps).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -165,12 +166,15 @@ def main() -> None:
 
 def stream_kernels(trace: dict, gap_us: float = 20.0) -> dict[int, dict]:
     """Per CUDA stream of a chrome trace: kernels, the microseconds they covered, the span from the first kernel's
-    start to the last's end, and the gaps between kernels longer than `gap_us` (their count and total)."""
+    start to the last's end, the gaps between kernels longer than `gap_us` (their count and total), and its most
+    frequent kernel's name (which stream is the decode's)."""
     spans: dict[int, list[tuple[float, float]]] = {}
+    names: dict[int, collections.Counter] = {}
     for event in trace.get("traceEvents", []):
         if event.get("cat") == "kernel" and "dur" in event:
             stream = int(event.get("args", {}).get("stream", -1))
             spans.setdefault(stream, []).append((float(event["ts"]), float(event["ts"]) + float(event["dur"])))
+            names.setdefault(stream, collections.Counter())[str(event.get("name", ""))[:60]] += 1
     out = {}
     for stream, kernels in sorted(spans.items()):
         kernels.sort()
@@ -181,7 +185,7 @@ def stream_kernels(trace: dict, gap_us: float = 20.0) -> dict[int, dict]:
             reached = max(reached, end)
         span = reached - kernels[0][0]
         out[stream] = dict(kernels=len(kernels), busy_us=round(covered_us(kernels)), span_us=round(span),
-                           gaps=len(gaps), gap_us=round(sum(gaps)))
+                           gaps=len(gaps), gap_us=round(sum(gaps)), most=names[stream].most_common(1)[0][0])
     return out
 
 
