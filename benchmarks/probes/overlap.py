@@ -53,25 +53,12 @@ def stream_clock(device: torch.device):
 
 def build_sampler(smoke: bool, device: torch.device):
     """The engine on a random model of the preset's shapes without adapters (a folded copy's decode)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     from grpo.rollout.native import NativeEngine
-    from native_engine import qwen_1_5b_config  # beside this file
 
-    config = (Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-              if smoke else qwen_1_5b_config())
-    torch.manual_seed(1)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32 if smoke else torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = train_pass.random_model(smoke, device, seed=1).eval()
     new = 8 if smoke else train_pass.MAX_COMPLETION_LENGTH
     engine = NativeEngine(model, max_seq_len=train_pass.MAX_PROMPT_LENGTH + new, max_batch=64, pad_id=0)
-    return engine, config.vocab_size, new
+    return engine, model.config.vocab_size, new
 
 
 def main() -> None:

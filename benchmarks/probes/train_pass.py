@@ -51,28 +51,33 @@ GENERATIONS = 8
 MAX_PROMPT_LENGTH, MAX_COMPLETION_LENGTH = 288, 384  # the preset's --max-prompt-length, --max-completion-length
 
 
-def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: torch.device,
-                 compile_layers: str = "auto"):
-    """The preset's policy on a random model of its shapes (a tiny Qwen2 with --smoke)."""
+def random_model(smoke: bool, device: torch.device, seed: int = 0):
+    """A random model of the preset's shapes in bf16 (a tiny float32 Qwen2 with --smoke), frozen."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from grpo.config import Config
-    from grpo.model.load import add_lora
     from native_engine import qwen_1_5b_config  # beside this file
 
     config = (Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
               if smoke else qwen_1_5b_config())
-    torch.manual_seed(0)
-    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(seed)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(torch.float32 if smoke else torch.bfloat16)
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
-    model.requires_grad_(False)
+    return model.requires_grad_(False)
+
+
+def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: torch.device,
+                 compile_layers: str = "auto"):
+    """The preset's policy on a random model of its shapes (a tiny Qwen2 with --smoke)."""
+    from grpo.config import Config
+    from grpo.model.load import add_lora
+
+    model = random_model(smoke, device)
     cfg = Config(lora_rank=32, lora_alpha=64, lora_compute=lora_compute, gradient_checkpointing=checkpointing,
                  compile_layers=compile_layers, beta=0.0)  # the preset's: no reference model
     policy = add_lora(model, cfg)
@@ -81,7 +86,7 @@ def build_policy(smoke: bool, lora_compute: str, checkpointing: bool, device: to
             if "lora_B" in name:
                 p.normal_(0, 0.01)
     policy.train()
-    return policy, config.vocab_size, cfg
+    return policy, model.config.vocab_size, cfg
 
 
 def step_lengths(seed: int) -> tuple[list[int], list[int]]:
