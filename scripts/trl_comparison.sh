@@ -45,6 +45,7 @@
 # Ours on the single-turn and calculator presets, then, once the vLLM kit is in, TRL 1.16 on the same two;
 # STEPS steps each, no evaluation: each run's median step time after its second step (`status` prints them).
 # UGROW=1 adds benchmarks/probes/unsloth_growth.py on FP8 (Unsloth's site): whether ours on its engine slows down.
+# PRESETS="qwen1.5b-gsm8k" runs the single-turn preset alone (~4 minutes less).
 # Carried in the other order (wheels, the kit's 11 calls, then the Qwen's 22), the chain never waits for the kit.
 #
 # The chain (`chain`, in /tmp/cmp, minutes estimated from this project's H200 runs):
@@ -162,7 +163,7 @@ full() {  # CHAIN=full: issue 26 part 4, the preset's whole schedule
 
 peers() {  # CHAIN=peers: ours and TRL, STEPS steps each of the two presets, then Unsloth's growth (UGROW=1)
   begin_chain
-  local presets=(qwen1.5b-gsm8k qwen1.5b-gsm8k-calculator) p
+  local presets=(${PRESETS:-qwen1.5b-gsm8k qwen1.5b-gsm8k-calculator}) p
   for p in "${presets[@]}"; do
     stage ours-$p python3 train.py --preset $p --max-steps $STEPS --eval-size 0 --save-steps $STEPS \
       --output-dir $CMP/ours-$p || true

@@ -102,14 +102,16 @@ def _compile_sm90(fn, sig: dict, const: dict, divisible: list[str], options: dic
 def compile_attention(rope: bool):
     """The decode attention's chunk kernel as the engine launches it for Llama-3.2-1B (32 query heads over 8 kv
     heads of 64, one chunk a row, `AttentionTiles`' defaults), compiled for sm_90: `rope_store_attend`'s (q and
-    K rotated and the token's K/V written in it) or, without `rope`, `decode_attention`'s."""
+    K rotated and the token's K/V written in it, stopped rows skipped) or, without `rope`, `decode_attention`'s."""
     _import_triton()
     from grpo.kernels import _decode_attention_triton as kernels
     from grpo.kernels.decode_attention import AttentionTiles
 
     fn, tiles = kernels.attend_chunk_kernel, AttentionTiles()
-    const = dict(G=4, G_PAD=16, D=64, BLOCK_S=tiles.block_s, CHUNK=640, SPLITS=1, EXACT=False, ROPE=rope)
-    types = {"acc_ptr": "*fp32", "stat_ptr": "*fp32", "len_ptr": "*i64", "scale": "fp32"}  # else bf16 or int32
+    const = dict(G=4, G_PAD=16, D=64, BLOCK_S=tiles.block_s, CHUNK=640, SPLITS=1, EXACT=False, ROPE=rope,
+                 LIVE=rope)  # the engine's rope launch skips stopped rows' caches
+    types = {"acc_ptr": "*fp32", "stat_ptr": "*fp32", "len_ptr": "*i64", "live_ptr": "*i1",
+             "scale": "fp32"}  # else bf16 or int32
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     divisible = [n for n in fn.arg_names if sig[n].startswith("*") or n.startswith("s_")]

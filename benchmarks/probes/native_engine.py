@@ -16,8 +16,9 @@ Plans (`--variants` picks steps by name instead):
   rows      the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
   qwen      Qwen2.5-Coder-1.5B shapes with rsLoRA r=32 at the qwen1.5b-gsm8k preset's 64 rows and 384 tokens
             (4 random prompts of 128 tokens x 16, not its 8 x 8 of GSM8K): the product's step (kernels,
-            compiled, graph) against the modules and the attention kernel, and where a token step's GPU time goes
-            (eager, and inside the graph)
+            compiled, graph) against the modules and the attention kernel, where a token step's GPU time goes
+            (eager, and inside the graph), and the decode with rows stopping at the preset's recorded lengths
+            against every row to the end (`qwen_stopped_rows`: the attention skips stopped rows' caches)
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
             where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
             them; the adapters folded into the weights (EngineTuning.fold_adapter, the fold's cost in
@@ -446,7 +447,7 @@ PLANS = {
     "rows": ["rows", "fp8_rows"],
     # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
     "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_attention_kernel", "qwen_modules", "qwen_kernels",
-             "qwen_graph"],
+             "qwen_graph", "qwen_stopped_rows"],
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
     "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph"],
@@ -523,6 +524,45 @@ def qwen_steps(rec: Recorder, step) -> None:
     step("qwen_kernels", lambda: kernel_breakdown(rec, "qwen_product", model, engine_kw=product, rows=QWEN_ROWS))
     step("qwen_graph", lambda: graph_breakdown(rec, "qwen_product", model, engine_kw=product, rows=QWEN_ROWS,
                                                new=QWEN_NEW))
+    step("qwen_stopped_rows", lambda: stopped_rows(rec, "qwen_product", model, engine_kw=product))
+
+
+def stopped_rows(rec: Recorder, label: str, model, engine_kw: dict, repeats: int = 5) -> None:
+    """The decode's steps as its CUDA graphs replay them, each row alive until the qwen1.5b-gsm8k preset's
+    recorded completion length (`train_pass.QWEN_COMPLETIONS`: the attention kernel reads no cache of a row that
+    has stopped) against every row alive to the end: the whole decode's seconds, medians of `repeats`."""
+    from train_pass import QWEN_COMPLETIONS  # beside this file
+
+    engine = make_engine(model, use_cuda_graph=True, max_batch=QWEN_ROWS, **engine_kw)
+    s = sampling(max_new_tokens=QWEN_NEW)
+    engine.generate(prompts(), QWEN_ROWS // P, s)  # compiles and captures every KV bucket's graph, which stay
+    st = engine._state
+    with torch.no_grad():
+        graphs = [engine._graph_for(QWEN_ROWS, engine._kv_bucket(PROMPT, i), s, StopRule.of(s))
+                  for i in range(QWEN_NEW)]
+    steps = torch.arange(QWEN_NEW, device="cuda")[:, None]
+    schedules = {"every_row": torch.ones(QWEN_NEW, QWEN_ROWS, dtype=torch.bool, device="cuda"),
+                 "preset_lengths": steps < torch.tensor(QWEN_COMPLETIONS, device="cuda")[None, :]}
+
+    def decode_s(alive: torch.Tensor) -> float:
+        st.pos[:QWEN_ROWS] = PROMPT
+        st.step.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i, graph in enumerate(graphs):
+            st.alive[:QWEN_ROWS].copy_(alive[i])
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    times = {name: [] for name in schedules}
+    for _ in range(repeats):
+        for name, alive in schedules.items():
+            times[name].append(decode_s(alive))
+    rec.record("stopped_rows", variant=label, rows=QWEN_ROWS, steps=QWEN_NEW,
+               **{f"{name}_s": round(statistics.median(t), 4) for name, t in times.items()})
+    engine.release_memory()
 
 
 @dataclass

@@ -16,9 +16,10 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 @triton.jit
 def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, s_qb, s_ob, s_kb, s_kh, s_ks, scale,
-                        kn_ptr, vn_ptr, s_nb, cos_ptr, sin_ptr,
+                        kn_ptr, vn_ptr, s_nb, cos_ptr, sin_ptr, live_ptr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr, ROPE: tl.constexpr):
+                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr, ROPE: tl.constexpr,
+                        LIVE: tl.constexpr):
     # Program (row b, kv head h, chunk c): the G query heads of kv head h over the row's positions
     # [c * CHUNK, min((c + 1) * CHUNK, length)), a softmax that goes along (running max m and sum l, float32
     # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
@@ -29,7 +30,8 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     # registers: a select on each tile inside the loop sent K and V through registers and back to shared
     # memory. len_ptr then holds the positions (a row's length is its position + 1). s_qb, s_ob, s_nb: the
     # row strides of q, the output and the token's K/V (column slices of one q/k/v product:
-    # packed.PackedGroup's stacked GEMM).
+    # packed.PackedGroup's stacked GEMM). LIVE (with ROPE): a row whose live flag is False (it has stopped: its output
+    # is never read) reads none of its cache, attending to its token alone; its K/V are written all the same.
     b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -56,6 +58,9 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
             tl.store(k_ptr + cache + new_at * s_ks + d[None, :], k_new)
             tl.store(v_ptr + cache + new_at * s_ks + d[None, :], v_new)
         cached = tl.minimum(hi, new_at)
+        if LIVE:
+            if tl.load(live_ptr + b) == 0:
+                cached = tl.minimum(cached, lo)  # (lo's int32 as cached's int64)
     else:
         q = tl.load(q_ptr + b * s_qb + (h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)

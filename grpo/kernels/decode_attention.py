@@ -82,9 +82,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
             out: torch.Tensor, new_kv: tuple[torch.Tensor, ...] | None = None,
-            tiles: AttentionTiles | None = None) -> None:
+            tiles: AttentionTiles | None = None, live: torch.Tensor | None = None) -> None:
     """The chunk launch and, where there are several chunks, the combine; `new_kv` = (k, v, cos, sin): the
-    token's K/V to rotate and write, and q to rotate (`rope_store_attend`), `lengths` then the positions.
+    token's K/V to rotate and write, and q to rotate (`rope_store_attend`), `lengths` then the positions; `live`
+    (with new_kv): the rows that read their caches (`rope_store_attend`).
     `tiles`: the probe's sweep; else the device's table (`grpo.kernels.tiles`)."""
     from grpo.kernels import _decode_attention_triton as kernels  # triton: imported on first use
 
@@ -102,33 +103,43 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengt
     k_new, v_new, cos, sin = new_kv if new_kv is not None else (q, q, q, q)  # unread without ROPE
     kernels.attend_chunk_kernel[(rows, n_kv, splits)](
         q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), out.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), scale, k_new, v_new, k_new.stride(0), cos, sin, G=group, G_PAD=g_pad,
-        D=dim, BLOCK_S=tiles.block_s, CHUNK=chunk, SPLITS=splits, EXACT=q.dtype == torch.float32,
-        ROPE=new_kv is not None, num_warps=tiles.num_warps, num_stages=tiles.stages)
+        k_cache.stride(1), k_cache.stride(2), scale, k_new, v_new, k_new.stride(0), cos, sin,
+        lengths if live is None else live, G=group, G_PAD=g_pad, D=dim, BLOCK_S=tiles.block_s, CHUNK=chunk,
+        SPLITS=splits, EXACT=q.dtype == torch.float32, ROPE=new_kv is not None, LIVE=live is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.stages)
     if splits > 1:
         kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, out.stride(0), G=group, G_PAD=g_pad, D=dim,
                                                     SPLITS=splits, num_warps=4)
 
 
 def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                          live: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention from its projections' outputs: K rotated and K/V written at each row's position
     (`decode_gemm.rope_store_kv_ref`), q rotated (float32, rounded once), then `decode_attention_ref` up to and
-    including that position. q (B, nh * D), k and v (B, n_kv * D), cos and sin (B, D); returns (B, nh, D)."""
+    including that position. q (B, nh * D), k and v (B, n_kv * D), cos and sin (B, D); returns (B, nh, D).
+    `live` (B,) bool: a row where it is False attends to its own token alone, so its output is its token's V."""
     rows, dim = q.shape[0], cos.shape[-1]
     rope_store_kv_ref(k, v, cos, sin, pos, k_cache, v_cache)
     q_rot = rope(q.float().view(rows, -1, dim), cos.float()[:, None], sin.float()[:, None]).to(q.dtype)
-    return decode_attention_ref(q_rot, k_cache, v_cache, pos + 1, scale)
+    out = decode_attention_ref(q_rot, k_cache, v_cache, pos + 1, scale)
+    if live is None:
+        return out
+    n_kv = k_cache.shape[1]
+    own_v = v.view(rows, n_kv, 1, dim).expand(rows, n_kv, out.shape[1] // n_kv, dim).reshape(out.shape)
+    return torch.where(live[:, None, None], out, own_v.to(out.dtype))
 
 
 def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                      pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                      live: torch.Tensor | None = None) -> torch.Tensor:
     """`rope_store_attend_ref` in the attention's own launches: the rotary embeddings of q and K and the K/V
     write, two launches a layer before (a compiled rotary for q, `decode_gemm.rope_store_kv`), happen inside the
     chunk kernel (the native engine's kernel layer, where it attends with this kernel). Called eagerly (it
     writes the caches: in a compiled graph inductor would copy the cache views whole), captured in the engine's
-    CUDA graph like the rest."""
+    CUDA graph like the rest. `live` (B,) bool, the engine's rows still sampling: a stopped row's output is never
+    read, so it reads none of its cache (a step of the qwen1.5b-gsm8k preset spends much of its attention on
+    rows that have stopped: benchmarks/RESULTS.md, "The measured defaults")."""
     rows, dim = q.shape[0], cos.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows may be strided: column
     if k.stride(0) != v.stride(0):  # slices of one q/k/v product (packed.PackedGroup's stacked GEMM)
@@ -140,11 +151,13 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                             or sin.shape != rot_shape or pos.shape != (rows,)):
         problem = (f"k and v need {kv_shape}, cos and sin {rot_shape}, pos ({rows},); got {tuple(k.shape)}, "
                    f"{tuple(v.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}, {tuple(pos.shape)}")
+    if problem is None and live is not None and (live.shape != (rows,) or live.dtype != torch.bool):
+        problem = f"live needs ({rows},) bools; got {tuple(live.shape)} {live.dtype}"
     if problem is not None:
         raise ValueError(f"rope_store_attend: {problem}")
     out = q3.new_empty(q3.shape)
     new_kv = (k, v, cos.contiguous(), sin.contiguous())  # k, v: each row's heads one after another
-    _launch(q3, k_cache, v_cache, pos, scale, out, new_kv)  # the kernel adds 1: no launch for pos + 1
+    _launch(q3, k_cache, v_cache, pos, scale, out, new_kv, live=live)  # the kernel adds 1: no launch for pos + 1
     return out
 
 

@@ -107,6 +107,32 @@ def test_rope_store_attend_writes_the_tokens_kv_and_attends_as_its_reference(row
     assert cpu_chunking(rows, n_kv, seq)[1] > 1 or seq <= BLOCK_S  # chunks other than the token's exist
 
 
+def test_a_stopped_row_reads_none_of_its_cache_and_attends_to_its_token_alone():
+    # `live` False: the row's output is its token's V (as rope_store_attend_ref's), its cache unread (NaN there
+    # would reach the output), its token's K/V still written; the live rows as without `live`
+    rows, heads, n_kv, seq, dim = 4, 8, 2, 300, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(rows, heads * dim, generator=g)
+    k, v = torch.randn(2, rows, n_kv * dim, generator=g)
+    angles = torch.rand(rows, dim // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    pos = torch.tensor([250, 250, 0, 140])  # stopped rows in a later chunk than the first, and at position 0
+    live = torch.tensor([True, False, True, False])
+    caches = torch.randn(2, rows, n_kv, seq, dim, generator=g)
+    mine, ref = caches.clone(), caches.clone()
+    mine[:, ~live] = float("nan")
+    got = da.rope_store_attend(q, k, v, cos, sin, pos, mine[0], mine[1], dim**-0.5, live)
+    want = da.rope_store_attend_ref(q, k, v, cos, sin, pos, ref[0], ref[1], dim**-0.5, live)
+    assert cpu_chunking(rows, n_kv, seq)[1] > 1  # chunks other than the token's exist, and are combined
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[~live], v[~live].view(2, n_kv, 1, dim).expand(2, n_kv, heads // n_kv, dim)
+                               .reshape(2, heads, dim), atol=0, rtol=0)
+    for b in (1, 3):  # the stopped rows' token K/V written at their positions
+        torch.testing.assert_close(mine[:, b, :, pos[b]], ref[:, b, :, pos[b]], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="live needs"):
+        da.rope_store_attend(q, k, v, cos, sin, pos, mine[0], mine[1], dim**-0.5, live.int())
+
+
 def test_rope_store_attend_reads_q_k_and_v_as_column_slices_of_one_product():
     # packed.PackedGroup's stacked q/k/v GEMM hands over column slices (rows strided by every head's width):
     # read in place, they give what the same tensors give copied apart
@@ -127,7 +153,9 @@ def test_rope_store_attend_reads_q_k_and_v_as_column_slices_of_one_product():
 
 def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kernel_layers_rollout(monkeypatch):
     # the kernel layer (decode GEMM kernels, the attention kernel) with q's and K's rotaries and the K/V write
-    # inside the attention's launch, against the same layer attending with sdpa, the rotaries and write apart
+    # inside the attention's launch, against the same layer attending with sdpa, the rotaries and write apart;
+    # rows stop at different steps (an eighth of the vocabulary stops a row), and the attention then skips
+    # the stopped rows' caches
     import sys
     from pathlib import Path
 
@@ -141,7 +169,7 @@ def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kern
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), init_lora_weights=False)
     lora = get_peft_model(small_llama(seed=5, layers=1), config)
-    sampling = Sampling(max_new_tokens=3, temperature=1.0, seed=7)
+    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=7, stop_token_ids=tuple(range(0, 1024, 8)))
 
     def rollout(attention: str):
         tuning = EngineTuning(attention=attention)
@@ -150,13 +178,24 @@ def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kern
 
     _, ref = rollout("sdpa")
     from grpo.kernels import decode_gemm
+    from grpo.rollout.native import layer as native_layer
 
     def apart(*args):
         raise AssertionError("the K/V write ran apart from the attention")
 
+    live_rows = []
+
+    def fused(*args):
+        live_rows.append(int(args[-1].sum()))
+        return da.rope_store_attend(*args)
+
     monkeypatch.setattr(decode_gemm, "rope_store_kv", apart)  # the fused path runs in every layer, or this fails
+    monkeypatch.setattr(native_layer, "rope_store_attend", fused)
     engine, out = rollout("kernel")
     assert all(layer.attention == "kernel" for layer in engine._layers)
+    lengths = ref.mask.sum(1)
+    assert 0 < int(lengths.min()) < int(lengths.max())  # rows stopped at different steps
+    assert 0 < min(live_rows) < max(live_rows) == len(PROMPTS) * 2  # and the attention was told which
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 

@@ -247,7 +247,7 @@ class NativeEngine:
                 torch._dynamo.maybe_mark_dynamic(view, 2)
             torch._dynamo.maybe_mark_dynamic(kv_range, 0)
         x, cos, sin, valid = self._fns.prelude(decoder.embed_tokens, st.tok[:rows], pos, st.cos, st.sin, kv_range)
-        at = TokenRows(cos, sin, valid, pos)
+        at = TokenRows(cos, sin, valid, pos, st.alive[:rows])
         for layer, k_cache, v_cache in zip(self._layers, k_views, v_views):
             x = layer(x, at, k_cache, v_cache)
         head, logits = self.lm.lm_head, st.logits[:rows]

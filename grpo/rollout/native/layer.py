@@ -108,14 +108,16 @@ class ModelDims:
 
 class TokenRows(NamedTuple):
     """What every layer of one decode step shares: rotary cos/sin (B, 1, 1, D) at each row's position,
-    the attention mask over the KV bucket (B, S), and the positions (B,) the new K/V go to. The compiled
-    functions take its fields one by one, in this order: passed whole, the tuple made the compiled layer
-    guard on the mask's length before its first graph break, and compile again at the next KV bucket."""
+    the attention mask over the KV bucket (B, S), the positions (B,) the new K/V go to, and the rows still
+    sampling (B,) bool (the others' outputs are never read: the attention kernel skips their caches). The
+    compiled functions take its fields one by one: passed whole, the tuple made the compiled layer guard on
+    the mask's length before its first graph break, and compile again at the next KV bucket."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     valid: torch.Tensor
     pos: torch.Tensor
+    live: torch.Tensor
 
 
 # --- the functions a step is made of (compiled once each by StepFunctions) -----------------------
@@ -283,7 +285,8 @@ class ModuleLayer:
     attention: str
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.fns.layer(self.layer, x, *at, k_cache, v_cache, self.dims, self.attention)
+        return self.fns.layer(self.layer, x, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, self.dims,
+                              self.attention)
 
 
 def _on_streams(fn: Callable, modules: list[nn.Module], h: torch.Tensor, streams: list) -> list[torch.Tensor]:
@@ -312,7 +315,8 @@ class StreamLayer(ModuleLayer):
         attn, mlp = layer.self_attn, layer.mlp
         h = fns.norm(layer.input_layernorm, x)
         q, k, v = _on_streams(fns.proj, [attn.q_proj, attn.k_proj, attn.v_proj], h, self.streams)
-        x, h = fns.attention(layer, x, q, k, v, *at, k_cache, v_cache, self.dims, self.attention)
+        x, h = fns.attention(layer, x, q, k, v, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, self.dims,
+                             self.attention)
         gate, up = _on_streams(fns.proj, [mlp.gate_proj, mlp.up_proj], h, self.streams)
         return fns.mlp_out(mlp, x, gate, up)
 
@@ -332,7 +336,7 @@ class KernelLayer(ModuleLayer):
         q_norm = getattr(attn, "q_norm", None)
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
         if self.attention == "kernel" and q_norm is None:  # three launches in one: rotaries, K/V write, attention
-            out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5)
+            out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5, at.live)
             out = out.view(rows, dims.n_heads * dims.head_dim)
         else:
             if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
