@@ -68,9 +68,6 @@ def main() -> None:
     parser.add_argument("--stop", action="store_true",
                         help="a stop token (never sampled here): the decode looks every 16 steps whether all rows "
                              "stopped, as the preset's does, instead of queuing all its steps at once")
-    parser.add_argument("--carveout", type=int, nargs="+", default=[0],
-                        help="SMs the update's cuBLAS GEMMs leave to the decode (torch's experimental SM carveout), "
-                             "each value timed in turn; 0 is none")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     parser.add_argument("--profile", action="store_true",
                         help="one more together under torch's profiler: its trace, and each stream's kernels' "
@@ -100,17 +97,11 @@ def main() -> None:
     width = compiled_layers.width_multiple(policy)
     seeds = iter(range(1, 10**6))
 
-    carveout = 0
-
     def train() -> float:
         step_batch, step_adv, slices = micro_batches(train_pass.qwen_batch(vocab, device, scale, next(seeds)), adv,
                                                      16, width)
         t = clock()
-        torch._C._set_sm_carveout_experimental(carveout or None)
-        try:
-            update(step_batch, step_adv, slices)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
+        update(step_batch, step_adv, slices)
         return clock() - t
 
     def sample() -> float:
@@ -137,22 +128,19 @@ def main() -> None:
     rec.record("setup", device=str(device), priority=args.priority, stop=args.stop, rows=64, new_tokens=new,
                compiled_layers=width > 1)
     sample_on_side(), train(), train()  # compiles, captures (on the side stream, as together), warms
-    for carveout in args.carveout:
-        runs = {"sample": [], "train": [], "apart": [], "together": [], "sample_in_together": [],
-                "train_in_together": []}
-        for _ in range(args.repeats):
-            s, tr = sample(), train()
-            runs["sample"].append(s)
-            runs["train"].append(tr)
-            runs["apart"].append(s + tr)
-            runs["together"].append(together())
-            runs["sample_in_together"].append(done["sample"])
-            runs["train_in_together"].append(done["train"])
-            rec.record("run", carveout=carveout, **{k: round(v[-1], 4) for k, v in runs.items()})
-        medians = {k: round(statistics.median(v), 4) for k, v in runs.items()}
-        rec.record("median", carveout=carveout, **medians,
-                   together_over_apart=round(medians["together"] / medians["apart"], 3),
-                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+    runs = {"sample": [], "train": [], "apart": [], "together": [], "sample_in_together": [], "train_in_together": []}
+    for _ in range(args.repeats):
+        s, tr = sample(), train()
+        runs["sample"].append(s)
+        runs["train"].append(tr)
+        runs["apart"].append(s + tr)
+        runs["together"].append(together())
+        runs["sample_in_together"].append(done["sample"])
+        runs["train_in_together"].append(done["train"])
+        rec.record("run", **{k: round(v[-1], 4) for k, v in runs.items()})
+    medians = {k: round(statistics.median(v), 4) for k, v in runs.items()}
+    rec.record("median", **medians, together_over_apart=round(medians["together"] / medians["apart"], 3),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
     if args.profile:
         trace = rec.path.with_suffix(".trace.json")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
