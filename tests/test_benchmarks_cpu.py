@@ -470,14 +470,13 @@ def test_the_train_pass_probe_gives_each_pass_new_widths_and_runs_the_trainers_u
 
 
 @pytest.mark.slow
-def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path):
-    # every variant at once (the trainer's update, bucketed widths, torch's attention backends): one process
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(PROBES / "train_pass.py"), "--smoke", "--micro", "64", "16",
-                           "--repeats", "1", "--vary", "--trainer", "--bucket", "8", "--sdpa", "torch",
-                           "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_the_train_pass_probe_times_new_widths_on_a_tiny_model(tmp_path, monkeypatch):
+    # every variant at once (the trainer's update, bucketed widths, torch's attention backends), in this process
+    # (a new one pays seconds of imports)
+    monkeypatch.syspath_prepend(str(PROBES))
+    monkeypatch.setattr(sys, "argv", ["train_pass.py", "--smoke", "--micro", "64", "16", "--repeats", "1", "--vary",
+                                      "--trainer", "--bucket", "8", "--sdpa", "torch", "--out", str(tmp_path)])
+    importlib.import_module("train_pass").main()
     (path,) = tmp_path.glob("train_pass-*.jsonl")
     batch, *passes = [json.loads(line) for line in path.read_text().splitlines()]
     assert batch["vary"] and not batch["timed"]

@@ -154,7 +154,7 @@ def test_rope_store_attend_reads_q_k_and_v_as_column_slices_of_one_product():
 def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kernel_layers_rollout(monkeypatch):
     # the kernel layer (decode GEMM kernels, the attention kernel) with q's and K's rotaries and the K/V write
     # inside the attention's launch, against the same layer attending with sdpa, the rotaries and write apart;
-    # rows stop at different steps (an eighth of the vocabulary stops a row), and the attention then skips
+    # rows stop at different steps (a quarter of the vocabulary stops a row), and the attention then skips
     # the stopped rows' caches
     import sys
     from pathlib import Path
@@ -169,7 +169,7 @@ def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kern
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), init_lora_weights=False)
     lora = get_peft_model(small_llama(seed=5, layers=1), config)
-    sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=7, stop_token_ids=tuple(range(0, 1024, 8)))
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=7, stop_token_ids=tuple(range(0, 1024, 4)))
 
     def rollout(attention: str):
         tuning = EngineTuning(attention=attention)
