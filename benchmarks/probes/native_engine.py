@@ -529,9 +529,9 @@ def qwen_steps(rec: Recorder, step) -> None:
 
 def stopped_rows(rec: Recorder, label: str, model, engine_kw: dict, repeats: int = 5) -> None:
     """The decode's steps as its CUDA graphs replay them, each row alive until the qwen1.5b-gsm8k preset's
-    recorded completion length (`train_pass.QWEN_COMPLETIONS`: the attention kernel reads no cache of a row that
+    recorded completion length (`qwen_step.QWEN_COMPLETIONS`: the attention kernel reads no cache of a row that
     has stopped) against every row alive to the end: the whole decode's seconds, medians of `repeats`."""
-    from train_pass import QWEN_COMPLETIONS  # beside this file
+    from qwen_step import QWEN_COMPLETIONS  # beside this file
 
     engine = make_engine(model, use_cuda_graph=True, max_batch=QWEN_ROWS, **engine_kw)
     s = sampling(max_new_tokens=QWEN_NEW)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from timing import Recorder, add_out_argument, covered_us  # noqa: E402  (beside this file)
 
 import train_pass  # noqa: E402  (beside this file)
+from qwen_step import GENERATIONS, QWEN_PROMPTS  # noqa: E402  (beside this file)
 
 
 def stream_clock(device: torch.device):
@@ -89,7 +90,7 @@ def main() -> None:
     scale = 16.0 if args.smoke else 1.0
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, sampler_vocab, (max(1, int(n / scale)),), generator=gen).tolist()
-               for n in train_pass.QWEN_PROMPTS[::train_pass.GENERATIONS]]
+               for n in QWEN_PROMPTS[::GENERATIONS]]
     stops = dict(stop_token_ids=(sampler_vocab - 1,), ignore_eos=False) if args.stop else dict(ignore_eos=True)
     sampling = Sampling(max_new_tokens=new, temperature=1.0, min_p=0.1, seed=0, **stops)
 
@@ -106,7 +107,7 @@ def main() -> None:
 
     def sample() -> float:
         t = clock()
-        engine.generate(prompts, train_pass.GENERATIONS, sampling)
+        engine.generate(prompts, GENERATIONS, sampling)
         return clock() - t
 
     cuda = device.type == "cuda"

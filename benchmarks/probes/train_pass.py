@@ -7,7 +7,7 @@ micro-batches (`grpo.batch.micro_batches`). On the qwen1.5b-gsm8k preset's rows 
 wide in rows. This times that trade on the GPU with the trainer's own pieces: a random model of the
 preset's shapes with its rsLoRA (r 32; gradient checkpointing unless --no-checkpointing, as the preset
 trains; the adapters multiplied as --lora-compute says), a batch with the lengths of a real step of the preset
-(`QWEN_PROMPTS`, `QWEN_COMPLETIONS`), and for each micro-batch size the forward and backward of
+(`qwen_step.py`), and for each micro-batch size the forward and backward of
 `sequence_logprobs` over all rows: median milliseconds, the share of real tokens among the positions run
 (`train/real_token_frac`), and the peak memory above the weights.
 
@@ -39,15 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qwen_step import GENERATIONS, QWEN_COMPLETIONS, QWEN_PROMPTS  # noqa: E402  (beside this file)
 from timing import Recorder, add_out_argument, median_ms  # noqa: E402  (beside this file)
 
-# One step of the qwen1.5b-gsm8k preset (8 prompts x 8 completions): each row's prompt and completion tokens.
-QWEN_PROMPTS = [90] * 8 + [121] * 8 + [99] * 8 + [175] * 8 + [168] * 8 + [124] * 8 + [129] * 8 + [122] * 8
-QWEN_COMPLETIONS = [160, 179, 209, 150, 146, 111, 210, 153, 168, 233, 245, 354, 245, 201, 209, 197, 159, 146, 348,
-                    146, 111, 145, 129, 108, 372, 364, 217, 200, 264, 384, 301, 196, 290, 384, 342, 356, 384, 384,
-                    246, 208, 240, 367, 260, 384, 226, 197, 266, 184, 241, 260, 228, 221, 149, 235, 287, 232, 384,
-                    384, 353, 384, 384, 352, 384, 384]
-GENERATIONS = 8
 MAX_PROMPT_LENGTH, MAX_COMPLETION_LENGTH = 288, 384  # the preset's --max-prompt-length, --max-completion-length
 
 
