@@ -94,6 +94,12 @@ def folded_copy(policy: nn.Module) -> tuple[nn.Module, list[_Folded]]:
     return model.eval(), folds
 
 
+def _request(prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> tuple:
+    """What a generate was asked, as `prefetch` keeps it and `generate` compares it: one form for both, or the
+    rollout started ahead would never be received."""
+    return [list(p) for p in prompt_ids], num_generations, sampling
+
+
 @dataclass
 class _InFlight:
     """A generate running in the background, and what it was asked."""
@@ -151,7 +157,7 @@ class SampleAhead:
         update), so the update cannot reach the weights the generate reads."""
         self.wait()
         self.fold()
-        request = ([list(p) for p in prompt_ids], num_generations, sampling)
+        request = _request(prompt_ids, num_generations, sampling)
         cuda = self._stream is not None
         folded = torch.cuda.Event() if cuda else None
         if cuda:
@@ -190,7 +196,7 @@ class SampleAhead:
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: Sampling) -> Rollout:
         """The rollout started ahead for exactly these arguments, else one sampled now from the policy as it is."""
-        request = ([list(p) for p in prompt_ids], num_generations, sampling)
+        request = _request(prompt_ids, num_generations, sampling)
         job = self._in_flight
         self.wait()
         if job is not None and job.request == request:
