@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import runpy
+import sys
 
 import pytest
 import torch
@@ -114,6 +117,38 @@ def char_llama_dir(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")  # not module: its tests are in two modules, kept on one worker by their xdist group
+def two_rank_run(char_llama_dir, aligned_char_llama_dir, tmp_path_factory):
+    """The runs on two gloo ranks that tests/test_distributed.py and tests/test_dynamic_sampling.py compare with one
+    process, from one torchrun launch (test_distributed.launch_two_rank_suite): the folder they went into."""
+    from test_distributed import launch_two_rank_suite
+
+    return launch_two_rank_suite(char_llama_dir, aligned_char_llama_dir, tmp_path_factory.mktemp("two-ranks"))
+
+
+def pytest_configure(config):
+    """Python's full collections walk every object of the process; torch's and transformers' imports hold over a
+    million, so one costs a quarter of a second, and at the default thresholds the suite ran one every second or
+    two (a sixth of its CPU time). Rarer here: garbage in cycles waits longer, and a test that needs it gone calls
+    gc.collect() itself, which collects as ever."""
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, 1000)
+
+
+def run_as_main(command: list, monkeypatch) -> int:
+    """`python COMMAND` in this process, COMMAND a script's path and its arguments or `-m MODULE` and its: the exit
+    status. What it prints is capsys's; a new interpreter would pay seconds of imports before its first line."""
+    command = [str(arg) for arg in command]
+    module = command[1] if command[0] == "-m" else None
+    monkeypatch.setattr(sys, "argv", command[1:] if module else command)  # run_module puts its path first
+    with pytest.raises(SystemExit) as ended:
+        if module is None:
+            runpy.run_path(command[0], run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return ended.value.code
 
 
 def pytest_collection_modifyitems(items):

@@ -51,22 +51,55 @@ def _counts(output: str) -> dict[str, int]:
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|errors?|deselected)", last)}
 
 
-def test_benchmarks_are_all_skipped_without_the_benchmark_option(tmp_path):
-    proc = _pytest_benchmarks(tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    counts = _counts(proc.stdout)
-    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, proc.stdout
-    assert "benchmarks run only with --benchmark" in proc.stdout
-    assert not (tmp_path / "results").exists()  # nothing measured, nothing written
+# The suite without --benchmark, then with it on a machine without CUDA: two pytest sessions of one process (the
+# second reuses the first's imports), the GPU hidden between them (nothing in the suite asks for one before a
+# benchmark runs). Each session's exit status and output, as JSON.
+SKIPPED_TWICE = """
+import contextlib, io, json, os, sys
+import pytest
+said = []
+for name, extra in (("plain", []), ("no_cuda", ["--benchmark"])):
+    if name == "no_cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pytest.main(["benchmarks/", "-q", "-rs", "-p", "no:cacheprovider", "--bench-results-dir",
+                            f"{sys.argv[1]}/{name}/results", *extra])
+    said.append(dict(name=name, code=int(code), stdout=out.getvalue()))
+print(json.dumps(said))
+"""
 
 
-def test_benchmarks_skip_with_a_reason_when_there_is_no_cuda(tmp_path):
-    proc = _pytest_benchmarks(tmp_path, "--benchmark", cuda_visible="")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    counts = _counts(proc.stdout)
-    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, proc.stdout
-    assert "needs a CUDA GPU" in proc.stdout
-    assert not (tmp_path / "results").exists()
+@pytest.fixture(scope="session")  # once a worker, as smoke_run
+def skipped_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    """The two sessions of SKIPPED_TWICE by name ("plain", "no_cuda"): (exit status, output, results folder)."""
+    tmp_path = tmp_path_factory.mktemp("skipped")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # as _pytest_benchmarks
+    proc = subprocess.run([sys.executable, "-c", SKIPPED_TWICE, str(tmp_path)], cwd=ROOT,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {s["name"]: (s["code"], s["stdout"], tmp_path / s["name"] / "results")
+            for s in json.loads(proc.stdout.splitlines()[-1])}
+
+
+@pytest.mark.xdist_group("skipped_runs")
+def test_benchmarks_are_all_skipped_without_the_benchmark_option(skipped_runs):
+    code, stdout, results = skipped_runs["plain"]
+    assert code == 0, stdout
+    counts = _counts(stdout)
+    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, stdout
+    assert "benchmarks run only with --benchmark" in stdout
+    assert not results.exists()  # nothing measured, nothing written
+
+
+@pytest.mark.xdist_group("skipped_runs")
+def test_benchmarks_skip_with_a_reason_when_there_is_no_cuda(skipped_runs):
+    code, stdout, results = skipped_runs["no_cuda"]
+    assert code == 0, stdout
+    counts = _counts(stdout)
+    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, stdout
+    assert "needs a CUDA GPU" in stdout
+    assert not results.exists()
 
 
 def test_fixed_length_prompts_are_exactly_the_requested_length_for_us_and_for_trl(llama_tokenizer, tmp_path,

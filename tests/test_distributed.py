@@ -22,7 +22,7 @@ from grpo.config import Config
 from grpo.distributed import NCCL_ENV_DEFAULTS, init_world, nccl_env_defaults
 from grpo.rollout import Rollout, Sampling
 
-# one worker runs this module: its two-rank launch (a module fixture) then runs once
+# one worker runs this module (and test_dynamic_sampling's two-rank test): their two-rank launch then runs once
 pytestmark = pytest.mark.xdist_group("two_rank_run")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,16 +170,18 @@ def flat_cfg(model_dir, out) -> Config:
 PER_TENSOR = "forced per tensor by test_distributed"  # the last run's reason, in its optimizer line
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(char_llama_dir, aligned_char_llama_dir, tmp_path_factory) -> Path:
-    """One torchrun launch (its start and its workers' imports cost more than a step), whose workers run in turn:
-    the collectives into `collectives/`; 2 steps on 2 ranks into `run/`, P=2 per rank, checkpoints after each
-    step; a resume of that run's checkpoint-1 into `resumed/`; 2 steps of 8-bit AdamW on the flat buffer into `flat/`,
+def launch_two_rank_suite(char_llama_dir: Path, aligned_char_llama_dir: Path, out: Path) -> Path:
+    """The two_rank_run fixture's (tests/conftest.py) one torchrun launch (its start and its workers' imports cost
+    more than a step), whose workers run in turn: the collectives into `collectives/`; 2 steps on 2 ranks into
+    `run/`, P=2 per rank, checkpoints after each step; a resume of that run's checkpoint-1 into `resumed/`;
+    test_dynamic_sampling's two-rank run into `dynamic/`; 2 steps of 8-bit AdamW on the flat buffer into `flat/`,
     and the same one tensor at a time into `per_tensor/`."""
-    out = tmp_path_factory.mktemp("two-ranks")
+    from test_dynamic_sampling import two_rank_kw
+
     dist_cfg(char_llama_dir, out / "run").save(out / "configs" / "run")
     resumed = dist_cfg(char_llama_dir, out / "resumed", resume=str(out / "run" / "checkpoint-1"))
     resumed.save(out / "configs" / "resumed")
+    dist_cfg(char_llama_dir, out / "dynamic", prompts_per_step=1, **two_rank_kw(out)).save(out / "configs" / "dynamic")
     for run in ("flat", "per_tensor"):
         flat_cfg(aligned_char_llama_dir, out / run).save(out / "configs" / run)
     result = torchrun("suite", out)
@@ -243,7 +245,7 @@ def test_rank_zero_alone_prints_logs_and_saves_with_every_ranks_rng(two_rank_run
     run = two_rank_run / "run"
     assert [r["step"] for r in records(run)] == [1, 2]  # not once per rank
     stdout = (two_rank_run / "stdout.txt").read_text()
-    assert stdout.count("step 2/2 ") == 4 and stdout.count("done") == 4  # once for each of the launch's four runs
+    assert stdout.count("step 2/2 ") == 5 and stdout.count("done") == 5  # once for each of the launch's five runs
     assert sorted(p.name for p in run.iterdir()) == [".claim", "adapter", "checkpoint-1", "checkpoint-2", "config.json",
                                                      "metrics.jsonl", "metrics.png"]
     assert (run / ".claim").read_text() == ""  # rank 0's claim, released at the end
@@ -311,6 +313,7 @@ if __name__ == "__main__":
         _collectives(arg / "collectives")
         trainer.train(Config.load(arg / "configs" / "run" / "config.json"))
         trainer.train(Config.load(arg / "configs" / "resumed" / "config.json"))
+        trainer.train(Config.load(arg / "configs" / "dynamic" / "config.json"))
         trainer.train(Config.load(arg / "configs" / "flat" / "config.json"))
         optim.flat_refusal = lambda params: PER_TENSOR
         trainer.train(Config.load(arg / "configs" / "per_tensor" / "config.json"))

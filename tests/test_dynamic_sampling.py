@@ -29,7 +29,7 @@ from grpo.run.log import step_line
 from grpo.groups import SamplingReport, first_informative, join_groups, sample_groups
 from grpo.step import InFlight, update_policy
 from grpo.step_setup import StepSetup
-from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records, torchrun
+from test_distributed import PromptHashEngine, adapter_tensors, dist_cfg, prompt_hash_engine, records
 
 
 def tie_or_hash(completions, answers, **columns):
@@ -268,21 +268,25 @@ def test_resume_after_steps_of_three_rounds_equals_the_uninterrupted_run(char_ll
 TWO_RANK_PATTERN = "itit" + "tiii"
 
 
+def two_rank_kw(folder: Path) -> dict:
+    """dist_cfg's changes for a dynamic-sampling run over TWO_RANK_PATTERN, its data written into `folder`."""
+    data = write_jsonl(folder / "data.jsonl", examples_for(TWO_RANK_PATTERN, 2, 5))
+    return dict(dataset=str(data), num_train_examples=None, max_prompt_length=1000, dynamic_sampling=True,
+                max_sampling_rounds=3, reward=("test_dynamic_sampling:tie_or_hash",), loss_norm="sequence",
+                save_steps=0)
+
+
 @pytest.mark.slow
-def test_two_ranks_keep_and_train_what_one_process_keeps_and_trains(char_llama_dir, tmp_path, monkeypatch):
+@pytest.mark.xdist_group("two_rank_run")
+def test_two_ranks_keep_and_train_what_one_process_keeps_and_trains(two_rank_run, char_llama_dir, tmp_path,
+                                                                    monkeypatch):
     from grpo import trainer
 
-    data = write_jsonl(tmp_path / "data.jsonl", examples_for(TWO_RANK_PATTERN, 2, 5))
-    kw = dict(dataset=str(data), num_train_examples=None, max_prompt_length=1000, dynamic_sampling=True,
-              max_sampling_rounds=3, reward=("test_dynamic_sampling:tie_or_hash",), loss_norm="sequence",
-              save_steps=0)
-    cfg = dist_cfg(char_llama_dir, tmp_path / "two", prompts_per_step=1, **kw)
-    cfg.save(tmp_path)
-    torchrun("train", tmp_path / "config.json")
+    # the two ranks (P=1 each) ran in the shared launch, into dynamic/ (tests/test_distributed.py)
     monkeypatch.setattr(trainer, "build_engine", prompt_hash_engine)
-    trainer.train(dist_cfg(char_llama_dir, tmp_path / "one", prompts_per_step=2, **kw))
+    trainer.train(dist_cfg(char_llama_dir, tmp_path / "one", prompts_per_step=2, **two_rank_kw(tmp_path)))
 
-    two, one = records(tmp_path / "two"), records(tmp_path / "one")
+    two, one = records(two_rank_run / "dynamic"), records(tmp_path / "one")
     assert [(r["sampling/rounds"], r["sampling/groups_kept"]) for r in two] == [(2, 2), (2, 2)]
     # (Not "kl": a token mean per micro-batch, weighted by rows under the sequence norm, so it depends on how
     # the rows fall into micro-batches, which differs here in step 2; the loss does not.)
@@ -291,6 +295,6 @@ def test_two_ranks_keep_and_train_what_one_process_keeps_and_trains(char_llama_d
                     "reward", "frac_zero_std", "loss", "policy_loss", "grad_norm", "gap/logp_abs_mean",
                     "gap/logp_abs_max", "gap/is_clipped_frac"):
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), (r2["step"], key)
-    a, b = adapter_tensors(tmp_path / "two" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
+    a, b = adapter_tensors(two_rank_run / "dynamic" / "adapter"), adapter_tensors(tmp_path / "one" / "adapter")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,6 @@ from grpo.export.merge import dequantize_fp8_linears_, export, find_adapter, mer
 from grpo.kernels.fp8 import FP8Linear, quantize_linears_
 from grpo.model.load import add_lora
 
-ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.tensor([[128000, 791, 4062, 220, 18, 489, 220, 19, 284, 30, 4815, 1115],
                     [128000, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])  # (2, 12)
 FP8_QCONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -181,16 +178,17 @@ def test_dequantize_fp8_linears_gives_plain_linears_with_the_dequantized_weight(
     assert dequantize_fp8_linears_(model) == 0
 
 
-@pytest.mark.slow
-def test_cli_exports_and_reports_both_folders(tiny_llama_dir, tmp_path):
+def test_cli_exports_and_reports_both_folders(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from conftest import run_as_main
+
     policy = trained_adapter(load_dense(tiny_llama_dir), tmp_path / "adapter", rank=4)
     expected = logits(policy)
-    cmd = [sys.executable, "-m", "grpo.export", "--model", str(tiny_llama_dir), "--adapter", str(tmp_path / "adapter"),
-           "--out", str(tmp_path / "out"), "--dtype", "bf16"]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert str(tmp_path / "out" / "merged") in result.stdout
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = run_as_main(["-m", "grpo.export", "--model", tiny_llama_dir, "--adapter", tmp_path / "adapter", "--out",
+                        tmp_path / "out", "--dtype", "bf16"], monkeypatch)
+    said = capsys.readouterr()
+    assert code == 0, said.err[-3000:]
+    assert str(tmp_path / "out" / "merged") in said.out
     torch.testing.assert_close(logits(load_dense(tmp_path / "out" / "merged")), expected, atol=3e-2, rtol=0)
 
 

@@ -407,7 +407,9 @@ def llama_cpp_source() -> Path | None:
     return None
 
 
-@pytest.fixture(scope="module")
+# Session, not module: compiled once, its tests kept on one worker by their xdist group (the two workers each
+# compiled it, or one worker twice when it tore the module fixture down between modules).
+@pytest.fixture(scope="session")
 def ggml_quants(tmp_path_factory):
     """llama.cpp's quantize_q{4,5,6}_K from its ggml-quants.c, compiled with gcc (seconds) and loaded with
     ctypes; skipped without the source or a compiler. Built without -march=native: plain IEEE float32
@@ -453,6 +455,7 @@ def importance_for(cols: int, seed: int = 11) -> np.ndarray:
     return imp
 
 
+@pytest.mark.xdist_group("ggml_quants")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_weighted_blocks_equal_llama_cpps_compiled_quantizer_byte_for_byte(ggml_quants, qtype):
     rng = np.random.default_rng(5)

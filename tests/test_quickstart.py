@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_as_main
 from grpo.config import PRESET_SUMMARIES, PRESETS, Config, build_parser, list_presets
 from grpo.answer_format import SYSTEM_PROMPT
 from grpo.quiet import HARMLESS_LOG_RECORDS, HARMLESS_WARNINGS
@@ -50,7 +51,7 @@ def test_the_quickstart_preset_is_sized_to_its_cpu_budget():
 
 
 @pytest.mark.slow
-def test_one_quickstart_step_runs_offline_and_records_the_preset_it_ran(tmp_path):
+def test_one_quickstart_step_runs_offline_and_records_the_preset_it_ran(tmp_path, monkeypatch, capsys):
     from grpo.model.packaged import packaged_model_dir
 
     try:
@@ -60,10 +61,15 @@ def test_one_quickstart_step_runs_offline_and_records_the_preset_it_ran(tmp_path
     out = tmp_path / "run"
     # one prompt of two completions of up to 16 tokens, not the preset's 2 x 4 of 48: a minute less of CPU; 16
     # problems read, not 500 tokenized
-    result = _run_cli(["--preset", "quickstart", "--max-steps", "1", "--prompts-per-step", "1",
-                       "--num-generations", "2", "--max-completion-length", "16", "--num-train-examples", "16",
-                       "--output-dir", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()  # the preset's --cpu-threads 1 is the process's: given back after
+    try:
+        code = run_as_main([ROOT / "train.py", "--preset", "quickstart", "--max-steps", "1", "--prompts-per-step",
+                            "1", "--num-generations", "2", "--max-completion-length", "16", "--num-train-examples",
+                            "16", "--output-dir", out], monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, capsys.readouterr().err[-3000:]
     saved = json.loads((out / "config.json").read_text())
     ran = dict(preset="quickstart", max_steps=1, prompts_per_step=1, num_generations=2, max_completion_length=16,
                num_train_examples=16, output_dir=str(out))
@@ -82,7 +88,7 @@ def _shown_values(parser) -> dict[str, str]:
             if a.help and "(default: " in a.help}
 
 
-def test_help_shows_the_values_that_would_run_and_what_each_preset_runs():
+def test_help_shows_the_values_that_would_run_and_what_each_preset_runs(monkeypatch, capsys):
     plain, quick = _shown_values(build_parser()), _shown_values(build_parser("quickstart"))
     tokens = PRESETS["quickstart"]["max_completion_length"]
     assert plain["max_completion_length"] == "none" and quick["max_completion_length"] == str(tokens)
@@ -93,8 +99,9 @@ def test_help_shows_the_values_that_would_run_and_what_each_preset_runs():
     for name in PRESETS:
         assert name in text
     assert set(PRESET_SUMMARIES) == set(PRESETS)
-    result = _run_cli(["--preset", "quickstart", "--help"], timeout=120)
-    assert result.returncode == 0 and "(default: smollm2-135m-instruct)" in " ".join(result.stdout.split())
+    monkeypatch.setenv("COLUMNS", "200")
+    assert run_as_main([ROOT / "train.py", "--preset", "quickstart", "--help"], monkeypatch) == 0
+    assert "(default: smollm2-135m-instruct)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_list_presets_prints_flags_as_typed_not_python_tuples():
@@ -104,12 +111,12 @@ def test_list_presets_prints_flags_as_typed_not_python_tuples():
     assert all(len(line) <= 100 for line in text.splitlines())
 
 
-def test_a_flag_error_prints_one_line_and_where_to_look_not_the_usage():
-    result = _run_cli(["--num-generations", "x"], timeout=120)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+def test_a_flag_error_prints_one_line_and_where_to_look_not_the_usage(monkeypatch, capsys):
+    assert run_as_main([ROOT / "train.py", "--num-generations", "x"], monkeypatch) == 2
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "--num-generations" in lines[0] and "--help" in lines[0]
-    assert "usage" not in result.stderr
+    assert "usage" not in stderr
 
 
 # --- output: quiet stderr, a step line of at most 100 columns --------------------------------------

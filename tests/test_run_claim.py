@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_as_main
 from grpo.run.checkpoint import claim_output_dir
 from grpo.config import Config
 from grpo.distributed import World
@@ -48,15 +49,14 @@ def holder(tmp_path):
         process.wait()
 
 
-@pytest.mark.slow
-def test_a_second_run_into_a_folder_a_live_run_holds_is_refused_in_one_line_naming_it(holder):
-    process, out = holder
-    second = subprocess.run([sys.executable, "train.py", "--model", "/nonexistent", "--output-dir", str(out),
-                             "--seed", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert second.returncode == 1
-    lines = second.stderr.strip().splitlines()
-    assert len(lines) == 1, second.stderr
+def test_a_second_run_into_a_folder_a_live_run_holds_is_refused_in_one_line_naming_it(holder, monkeypatch, capsys):
+    process, out = holder  # the second run: train.py in this process
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert run_as_main([ROOT / "train.py", "--model", "/nonexistent", "--output-dir", out, "--seed", "2"],
+                       monkeypatch) == 1
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     assert f"--output-dir {out} is in use by another run: pid {process.pid} on " in lines[0]
     assert "pick another --output-dir" in lines[0]
     # the first run's files are as it left them

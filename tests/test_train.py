@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_as_main
 from grpo.config import Config
 from grpo.trainer import NonFiniteLoss, train
 
@@ -249,20 +248,17 @@ def test_a_reward_function_that_raises_is_named_with_the_completion(tiny_llama_d
         train(cfg)
 
 
-@pytest.mark.slow
-def test_an_unreachable_model_id_suggests_a_local_path(tmp_path, monkeypatch):
+def test_an_unreachable_model_id_suggests_a_local_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = subprocess.run([sys.executable, "train.py", "--model", "nobody/no-such-model", "--output-dir",
-                             str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
+    assert run_as_main([ROOT / "train.py", "--model", "nobody/no-such-model", "--output-dir", tmp_path / "o"],
+                       monkeypatch) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "nobody/no-such-model" in last and "local" in last
 
 
-def test_fewer_than_two_generations_is_refused_on_the_command_line():
-    result = subprocess.run([sys.executable, "train.py", "--num-generations", "1"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 2 and "--num-generations 1" in result.stderr
+def test_fewer_than_two_generations_is_refused_on_the_command_line(monkeypatch, capsys):
+    assert run_as_main([ROOT / "train.py", "--num-generations", "1"], monkeypatch) == 2
+    assert "--num-generations 1" in capsys.readouterr().err
 
 
 def test_hf_engine_samples_as_asked_whatever_the_models_generation_config(tiny_llama_dir):
