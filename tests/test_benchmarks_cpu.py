@@ -83,23 +83,15 @@ def skipped_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
 
 
 @pytest.mark.xdist_group("skipped_runs")
-def test_benchmarks_are_all_skipped_without_the_benchmark_option(skipped_runs):
-    code, stdout, results = skipped_runs["plain"]
+@pytest.mark.parametrize("name,reason", [("plain", "benchmarks run only with --benchmark"),  # no --benchmark
+                                         ("no_cuda", "needs a CUDA GPU")])  # --benchmark, no GPU
+def test_benchmarks_are_all_skipped_with_a_reason_without_the_option_or_a_gpu(skipped_runs, name, reason):
+    code, stdout, results = skipped_runs[name]
     assert code == 0, stdout
     counts = _counts(stdout)
     assert set(counts) == {"skipped"} and counts["skipped"] >= 15, stdout
-    assert "benchmarks run only with --benchmark" in stdout
+    assert reason in stdout
     assert not results.exists()  # nothing measured, nothing written
-
-
-@pytest.mark.xdist_group("skipped_runs")
-def test_benchmarks_skip_with_a_reason_when_there_is_no_cuda(skipped_runs):
-    code, stdout, results = skipped_runs["no_cuda"]
-    assert code == 0, stdout
-    counts = _counts(stdout)
-    assert set(counts) == {"skipped"} and counts["skipped"] >= 15, stdout
-    assert "needs a CUDA GPU" in stdout
-    assert not results.exists()
 
 
 def test_fixed_length_prompts_are_exactly_the_requested_length_for_us_and_for_trl(llama_tokenizer, tmp_path,
