@@ -557,6 +557,38 @@ def test_rotaries_in_the_attention_kernels_launch_give_the_rollout_of_the_launch
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("rank", [0, 8])  # with an adapter, lora_down joins the chain and its projection goes beside
+def test_launches_chained_in_the_captured_step_give_the_rollout_of_launches_one_after_another(rank):
+    # decode_gemm.Tuning.chain: the kernel layer's launches (norms, projections, attention in chunks, combine) each
+    # scheduled while the one before it runs, waiting for it in the kernel: a launch that touched memory before its
+    # wait would race, and its values would differ from the unchained step's at random. bf16, every token.
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from grpo.kernels import decode_gemm
+
+    model = small_llama(seed=12)
+    if rank:
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=list(LORA_TARGETS),
+                                                 init_lora_weights=False))
+    model = model.cuda().to(torch.bfloat16)
+    sampling = Sampling(max_new_tokens=100, temperature=1.0, seed=6)
+
+    def rollout(**choices):
+        with decode_gemm.tuning(**choices):  # the graphs captured inside keep them
+            engine = NativeEngine(model, max_seq_len=160, max_batch=6, pad_id=PAD, gemm="kernels",
+                                  tuning=EngineTuning(kv_bucket=128, attention="kernel"))
+            out = engine.generate(PROMPTS, 2, sampling)
+        assert all(norm is not None for layer in engine._layers for norm in layer.norms)  # in the chain too
+        return out
+
+    chained, apart = rollout(chain=True), rollout(chain=False)
+    assert torch.equal(chained.completion_ids, apart.completion_ids)
+    assert torch.equal(chained.sampler_logp, apart.sampler_logp)
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("fold_kernel", [False, True])  # torch's ops (the reference), or the Triton kernel
 def test_adapters_folded_for_a_cuda_graph_decode_come_out_bit_for_bit_and_sample_near_the_unfolded_step(
         fold_kernel, monkeypatch):

@@ -51,9 +51,11 @@ def _import_triton():
 
 
 def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
-                   unpack: str = "bits", split_k: int = 1, bias: bool = False, pdl: bool = False):
+                   unpack: str = "bits", split_k: int = 1, bias: bool = False, pdl: bool = False,
+                   chain: bool = False):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
-    compiled kernel (asm: ttgir, ptx, cubin). `pdl`: as launched beside its lora_down (Tuning.pdl)."""
+    compiled kernel (asm: ttgir, ptx, cubin). `pdl`: as launched beside its lora_down (Tuning.pdl); `chain`: as
+    launched dependently on the launch before it (Tuning.chain)."""
     _import_triton()
     from grpo.kernels import _decode_gemm_triton as kernels
     from grpo.kernels.decode_gemm import _UNPACK_MODES
@@ -62,7 +64,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
                  HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, STAGES=stages, EXACT=False,
-                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0, PDL=pdl)
+                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0, PDL=pdl, CHAIN=chain)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)
     names = fn.arg_names
@@ -101,15 +103,16 @@ def _compile_sm90(fn, sig: dict, const: dict, divisible: list[str], options: dic
 
 def compile_attention(rope: bool):
     """The decode attention's chunk kernel as the engine launches it for Llama-3.2-1B (32 query heads over 8 kv
-    heads of 64, one chunk a row, `AttentionTiles`' defaults), compiled for sm_90: `rope_store_attend`'s (q and
-    K rotated and the token's K/V written in it, stopped rows skipped) or, without `rope`, `decode_attention`'s."""
+    heads of 64, one chunk a row, `AttentionTiles`' defaults, in the chain of dependent launches), compiled for
+    sm_90: `rope_store_attend`'s (q and K rotated and the token's K/V written in it, stopped rows skipped) or,
+    without `rope`, `decode_attention`'s."""
     _import_triton()
     from grpo.kernels import _decode_attention_triton as kernels
     from grpo.kernels.decode_attention import AttentionTiles
 
     fn, tiles = kernels.attend_chunk_kernel, AttentionTiles()
     const = dict(G=4, G_PAD=16, D=64, BLOCK_S=tiles.block_s, CHUNK=640, SPLITS=1, EXACT=False, ROPE=rope,
-                 LIVE=rope)  # the engine's rope launch skips stopped rows' caches
+                 LIVE=rope, CHAIN=True)  # the engine's rope launch skips stopped rows' caches
     types = {"acc_ptr": "*fp32", "stat_ptr": "*fp32", "len_ptr": "*i64", "live_ptr": "*i1",
              "scale": "fp32"}  # else bf16 or int32
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -159,6 +162,8 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="with a LoRA adapter's up-projection at each tile's end")
     ap.add_argument("--pdl", action="store_true",
                     help="with --lora: launched beside its lora_down, waiting for it before the LoRA term")
+    ap.add_argument("--chain", action="store_true",
+                    help="launched dependently on the launch before it (decode_gemm.Tuning.chain), as the engine does")
     ap.add_argument("--tile", type=int, nargs=4, default=[32, 256, 4, 4],
                     metavar=("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), help="the TileConfig to compile")
     ap.add_argument("--rows", type=int, default=16, choices=[16, 32, 64], help="the row tile (BLOCK_M)")
@@ -177,7 +182,8 @@ def main() -> None:
                 print("   ", " ".join(f"{op}:{n}" for op, n in list(loop["ops"].items())[:16]))
         return
     compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, lora=args.lora,
-                              unpack=args.unpack, split_k=args.split_k, bias=args.bias, pdl=args.pdl)
+                              unpack=args.unpack, split_k=args.split_k, bias=args.bias, pdl=args.pdl,
+                              chain=args.chain)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):

@@ -22,7 +22,8 @@ Plans (`--variants` picks steps by name instead):
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
             where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
             them; the adapters folded into the weights (EngineTuning.fold_adapter, the fold's cost in
-            prefill_ms)
+            prefill_ms); each kind also under decode_gemm.Tuning's variants (`CHOICES`: `*_no_chain`;
+            `qwen_product_*` in the qwen plan)
   wide      the product's token step with the adapter at the sampler's 64 and 256 rows (past the kernels' 64
             rows the packed layers; at 256 also folded), and FP8's at the bench's 16 rows, each timed and
             broken down inside its CUDA graph (issue 31: past 16 rows, and FP8 slower than bf16 in the bench
@@ -446,11 +447,12 @@ PLANS = {
     # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
     # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
-    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_attention_kernel", "qwen_modules", "qwen_kernels",
-             "qwen_graph", "qwen_stopped_rows"],
+    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_product_no_chain", "qwen_attention_kernel", "qwen_modules",
+             "qwen_kernels", "qwen_graph", "qwen_stopped_rows"],
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
-    "bench": ["product", "product_graph", "lora_product", "lora_product_graph", "lora_folded", "lora_folded_graph"],
+    "bench": ["product", "product_no_chain", "product_graph", "lora_product", "lora_product_no_chain",
+              "lora_product_graph", "lora_folded", "lora_folded_no_chain", "lora_folded_graph"],
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
@@ -488,9 +490,15 @@ def product_engine_kw() -> dict:
     return kw | {"gemm": "auto"}
 
 
-def _without_pdl(fn):
-    with decode_gemm.tuning(pdl=False):  # the graphs captured inside keep it
+def _tuned(fn, **choices):
+    """fn() under decode_gemm.tuning(**choices); the graphs captured inside keep them."""
+    with decode_gemm.tuning(**choices):
         return fn()
+
+
+# decode_gemm.Tuning's variants of the product's step, by the suffix of their names: chain off (each launch after the
+# one ahead of it has ended)
+CHOICES = {"no_chain": dict(chain=False)}
 
 
 def qwen_steps(rec: Recorder, step) -> None:
@@ -515,8 +523,10 @@ def qwen_steps(rec: Recorder, step) -> None:
                                                        new=QWEN_NEW))
         if name == "qwen_product":  # the same with decode_gemm.Tuning.pdl off: each adapter's launch after its
             # lora_down
-            step("qwen_product_no_pdl", lambda: _without_pdl(lambda: run_engine(
-                rec, "qwen_product_no_pdl", model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW)))
+            for suffix, choices in {"no_pdl": dict(pdl=False), **CHOICES}.items():
+                label = f"qwen_product_{suffix}"
+                step(label, lambda label=label, choices=choices: _tuned(lambda: run_engine(
+                    rec, label, model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW), **choices))
             # the attention kernel (grpo.kernels.decode_attention) in place of sdpa: each row read to its own length
             step("qwen_attention_kernel", lambda: run_engine(rec, "qwen_attention_kernel", model, wb,
                                                              engine_kw=product | {"attention": "kernel"},
@@ -670,6 +680,9 @@ def main() -> None:
     step("rows", lambda: at_rows(rec, "bf16", model, wb, mode))
     product = product_engine_kw()  # the trainer's engine; here without an adapter: what the adapter costs
     step("product", lambda: run_engine(rec, "bf16 product", model, wb, engine_kw=product))
+    for suffix, choices in CHOICES.items():
+        step(f"product_{suffix}", lambda suffix=suffix, choices=choices: _tuned(lambda: run_engine(
+            rec, f"bf16 product, {suffix}", model, wb, engine_kw=product), **choices))
     step("product_graph", lambda: graph_breakdown(rec, "bf16 product", model, engine_kw=product))
 
     fp8 = None
@@ -697,6 +710,10 @@ def main() -> None:
     # the adapters folded into the weights for prefill and decode
     folded = product | {"fold_adapter": True}
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
+    for suffix, choices in CHOICES.items():
+        for name, kw in (("lora_folded", folded), ("lora_product", product)):
+            step(f"{name}_{suffix}", lambda name=name, kw=kw, suffix=suffix, choices=choices: _tuned(lambda: run_engine(
+                rec, f"bf16+LoRA r32 {name.split('_')[1]}, {suffix}", lora, wl, engine_kw=kw), **choices))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))
     for name, rows, fold in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed

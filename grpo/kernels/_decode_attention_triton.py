@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from grpo.kernels._decode_gemm_triton import rotated  # rope_store_kernel's rotary, for ROPE
+from grpo.kernels._decode_gemm_triton import chain_in, rotated  # rotated: rope_store_kernel's rotary, for ROPE
 
 
 @triton.jit
@@ -19,7 +19,7 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
                         kn_ptr, vn_ptr, s_nb, cos_ptr, sin_ptr, live_ptr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                         CHUNK: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr, ROPE: tl.constexpr,
-                        LIVE: tl.constexpr):
+                        LIVE: tl.constexpr, CHAIN: tl.constexpr):
     # Program (row b, kv head h, chunk c): the G query heads of kv head h over the row's positions
     # [c * CHUNK, min((c + 1) * CHUNK, length)), a softmax that goes along (running max m and sum l, float32
     # scores). One chunk: the output itself; several: acc (G_PAD, D), m and l for attend_combine_kernel.
@@ -32,6 +32,9 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
     # row strides of q, the output and the token's K/V (column slices of one q/k/v product:
     # packed.PackedGroup's stacked GEMM). LIVE (with ROPE): a row whose live flag is False (it has stopped: its output
     # is never read) reads none of its cache, attending to its token alone; its K/V are written all the same.
+    # CHAIN: a launch in the decode's chain (`chain_in`), as the combine.
+    if CHAIN:
+        chain_in(True)
     b = tl.program_id(0).to(tl.int64)  # b * s_kb passes 2^31 for a layer's cache of 4 GiB
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -102,9 +105,11 @@ def attend_chunk_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, acc_ptr, stat_ptr, 
 
 @triton.jit
 def attend_combine_kernel(o_ptr, acc_ptr, stat_ptr, s_ob, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                          SPLITS: tl.constexpr):
+                          SPLITS: tl.constexpr, CHAIN: tl.constexpr):
     # Program (row b, kv head h): sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), M the chunks' largest m
     # (chunk 0 always holds position 0, so M is finite), chunks added in order: deterministic.
+    if CHAIN:
+        chain_in(True)
     b = tl.program_id(0)
     h = tl.program_id(1)
     first = (b * tl.num_programs(1) + h) * SPLITS

@@ -19,6 +19,17 @@ def _dot32(a, b, EXACT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b, input_precision="tf32")
 
+
+@triton.jit
+def chain_in(WAIT: tl.constexpr):
+    # A launch in the decode's chain (decode_gemm.Tuning.chain), launched dependently on the one before it:
+    # wait (WAIT) until that one has ended and its writes are visible, before this one reads or writes memory,
+    # then let the launch after this one be scheduled; its programs wait in turn. Also the norm's and the
+    # attention's kernels.
+    if WAIT:
+        gdc_wait()
+    gdc_launch_dependents()
+
 # E4M3 codes to bf16 by moving bits, four codes (one 32-bit register) per instance: PRMT spreads the bytes
 # into the high halves of two registers' 16-bit lanes, AND drops each sign, SHF moves exponent and mantissa
 # under bf16's low exponent bits, LOP3 puts the sign back at bit 15. The result is code * 2^-120 exactly
@@ -136,8 +147,11 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
               res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+              CHAIN: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
+    if CHAIN:  # beside lora_down (PDL), x is complete already (lora_down waited for it): only the LoRA term waits
+        chain_in(not PDL)
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     b = rn  # stand-ins for what the flags leave out (never read)
@@ -172,36 +186,41 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+                CHAIN: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
     # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
+    # CHAIN: in the chain of dependent launches (`chain_in`, in _one_proj).
     pid = tl.program_id(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
                   count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
-                  STAGES, EXACT, UNPACK, SPLIT_K, PDL)
+                  STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
                           res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
-                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL)
+                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
                               xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
                               BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT,
-                              UNPACK, SPLIT_K, PDL)
+                              UNPACK, SPLIT_K, PDL, CHAIN)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr,
+                 CHAIN: tl.constexpr):
     # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
+    if CHAIN:  # as in _one_proj
+        chain_in(not PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:  # loaded before the K loops, as in _one_proj
@@ -242,11 +261,13 @@ def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constex
 @triton.jit
 def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, CHAIN: tl.constexpr):
     # out[i] = x A_i^T, over SPLIT slices of K in programs of their own, added by _split_k_sum.
     # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
     # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
-    if PDL:  # the projection launch that reads out_ptr may start now: it waits for this one before reading
+    if CHAIN:  # (which lets the projection launch start too)
+        chain_in(True)
+    elif PDL:  # the projection launch that reads out_ptr may start now: it waits for this one before reading
         gdc_launch_dependents()
     i = tl.program_id(0)
     per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K

@@ -9,16 +9,23 @@ One row (a token's hidden vector, at most BLOCK wide) per program, float32 arith
 import triton
 import triton.language as tl
 
+from grpo.kernels._decode_gemm_triton import chain_in
+
 
 @triton.jit
-def rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+def rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr,
+                           SAVE_RSTD: tl.constexpr = True, CHAIN: tl.constexpr = False):
+    # SAVE_RSTD: keep rstd for backward (training); CHAIN: a launch in the decode's chain (`chain_in`)
+    if CHAIN:
+        chain_in(True)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n + eps)
-    tl.store(rstd_ptr + row, rstd)
+    if SAVE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
     normed = (x32 * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=inside)

@@ -22,6 +22,7 @@ import torch
 
 from grpo.kernels._triton import have_triton
 from grpo.kernels.decode_gemm import can_run as gemm_can_run
+from grpo.kernels.decode_gemm import chained
 from grpo.kernels.decode_gemm import rope, rope_store_kv_ref
 from grpo.kernels.tiles import AttentionTiles, device_table
 
@@ -101,15 +102,16 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengt
     else:
         acc = stats = out
     k_new, v_new, cos, sin = new_kv if new_kv is not None else (q, q, q, q)  # unread without ROPE
+    chain = chained(q.device)
     kernels.attend_chunk_kernel[(rows, n_kv, splits)](
         q, k_cache, v_cache, lengths, out, acc, stats, q.stride(0), out.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, k_new, v_new, k_new.stride(0), cos, sin,
         lengths if live is None else live, G=group, G_PAD=g_pad, D=dim, BLOCK_S=tiles.block_s, CHUNK=chunk,
         SPLITS=splits, EXACT=q.dtype == torch.float32, ROPE=new_kv is not None, LIVE=live is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.stages)
+        CHAIN=chain, launch_pdl=chain, num_warps=tiles.num_warps, num_stages=tiles.stages)
     if splits > 1:
         kernels.attend_combine_kernel[(rows, n_kv)](out, acc, stats, out.stride(0), G=group, G_PAD=g_pad, D=dim,
-                                                    SPLITS=splits, num_warps=4)
+                                                    SPLITS=splits, CHAIN=chain, launch_pdl=chain, num_warps=4)
 
 
 def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

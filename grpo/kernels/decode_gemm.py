@@ -28,8 +28,8 @@ on CPU under TRITON_INTERPRET=1 in the tests, with float32 activations: the inte
 bf16 loads).
 
 Launch choices: the tiles come from the device's tuned table, or a guess where no sweep has run there
-(`grpo.kernels.tiles`); how FP8 codes are unpacked and whether adapter launches go dependently are
-`Tuning`'s defaults. Benchmarks and tests change them for a block of code with `with tuning(...)`, never
+(`grpo.kernels.tiles`); how FP8 codes are unpacked and whether launches go dependently are `Tuning`'s
+defaults. Benchmarks and tests change them for a block of code with `with tuning(...)`, never
 by rebinding module names.
 """
 
@@ -168,11 +168,17 @@ class Tuning:
         only before the LoRA term at each tile's end, instead of every lora_down's latency standing between
         two launches (four a layer); the same values, a shorter step with adapters (benchmarks/RESULTS.md,
         "The measured defaults").
+    chain: the decode step's Triton launches (these projections, `rmsnorm.norm_rows`, the attention's) each go
+        dependently on the launch before it (NVIDIA, Hopper or newer): a launch lets the next one be scheduled
+        once its own programs run, and the next one's programs wait for it before touching memory, so they are
+        resident when it ends instead of a launch gap later. The same values, a shorter step
+        (benchmarks/RESULTS.md, "The measured defaults").
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
     pdl: bool = True
+    chain: bool = True
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
@@ -180,16 +186,16 @@ _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
 
 @contextmanager
 def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None,
-           pdl: bool | None = None) -> Iterator[Tuning]:
+           pdl: bool | None = None, chain: bool | None = None) -> Iterator[Tuning]:
     """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[(kind, N, K, fp8)]` over the
-    device's table (benchmark sweeps, tests) and launch dependently where `pdl` says. A nested block adds to
+    device's table (benchmark sweeps, tests) and launch dependently where `pdl` and `chain` say. A nested block adds to
     the outer one's choices; leaving a block restores what was in force before it. Graphs captured inside
     keep the choices they captured."""
     outer = _TUNING.get()
     if unpack is not None and unpack not in _UNPACK_MODES:
         raise ValueError(f"decode_gemm.tuning: unpack={unpack!r}; use one of {sorted(_UNPACK_MODES)}")
     inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})},
-                   pdl=outer.pdl if pdl is None else pdl)
+                   pdl=outer.pdl if pdl is None else pdl, chain=outer.chain if chain is None else chain)
     token = _TUNING.set(inner)
     try:
         yield inner
@@ -336,17 +342,29 @@ def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, 
     else:
         parts = counters = out
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
+    chain = chained(x2.device)
     kernels.lora_down_kernel[(len(lora_as), split)](
         x2, x2.stride(0), m, k, a[0], a[1], a[2], out, parts, counters, r, BLOCK_M=_block_m(m), BLOCK_R=block_r,
-        BLOCK_K=block_k, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl, num_warps=4)
+        BLOCK_K=block_k, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl, CHAIN=chain, launch_pdl=chain,
+        num_warps=4)
     return out, parts
 
 
+def _dependent_launches(device: torch.device) -> bool:
+    """Programmatic dependent launch runs on `device`: NVIDIA (ROCm's devices are "cuda" too, with no
+    griddepcontrol), Hopper or newer."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def _pdl(x2: torch.Tensor, rank: int) -> bool:
-    """Whether a launch with an adapter goes dependently (Tuning.pdl): NVIDIA (ROCm's devices are "cuda" too,
-    with no griddepcontrol), Hopper or newer."""
-    return (bool(rank) and _TUNING.get().pdl and x2.device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(x2.device) >= (9, 0))
+    """Whether a launch with an adapter goes beside its lora_down (Tuning.pdl)."""
+    return bool(rank) and _TUNING.get().pdl and _dependent_launches(x2.device)
+
+
+def chained(device: torch.device) -> bool:
+    """Whether the decode's launches on `device` go dependently on the launch before each (Tuning.chain)."""
+    return _TUNING.get().chain and _dependent_launches(device)
 
 
 def _block_m(m: int) -> int:
@@ -381,7 +399,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     if residual is not None and (len(projs) != 1 or tuple(residual.shape) != (m, projs[0].out_features)
                                  or not residual.is_contiguous()):
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
-    pdl = _pdl(x2, rank)
+    pdl, chain = _pdl(x2, rank), chained(x2.device)
     xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
@@ -404,12 +422,12 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
             HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, PDL=pdl, launch_pdl=pdl,
-            num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, PDL=pdl, CHAIN=chain,
+            launch_pdl=pdl or chain, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, has_bias, _block_m(m), x2.dtype,
-                     unpack, pdl), cfg, launch)
+                     unpack, pdl, chain), cfg, launch)
     del scratch  # lora_down's partial sums, kept until the launch beside it was made
     return outs
 
@@ -427,7 +445,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     block_r = _block_r(rank)
     fp8 = gate.scale_inv is not None
     has_bias = gate.bias is not None
-    pdl = _pdl(x2, rank)
+    pdl, chain = _pdl(x2, rank), chained(x2.device)
     xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = tile_config("gated", 2 * n, k, fp8, m, x2.device)  # keyed by the group's outputs in all, gate and up
@@ -440,10 +458,12 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
             HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, CHAIN=chain, launch_pdl=pdl or chain,
+            num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
-    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl), cfg, launch)
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl, chain), cfg,
+                    launch)
     del scratch  # as in project
     return y
 

@@ -1,4 +1,5 @@
-"""The training pass's RMSNorm as one Triton launch each way, where torch's ops take seven passes over the rows.
+"""The training pass's RMSNorm as one Triton launch each way, where torch's ops take seven passes over the rows;
+and the decode step's (`norm_rows`).
 
 transformers' Llama/Qwen RMSNorm (`rms_norm_ref`) is a float32 copy of x, its square, a mean, a product with
 rstd, a cast back and the weight's product: each a kernel reading and writing the whole (tokens, hidden)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.kernels.decode_gemm import can_run
+from grpo.kernels.decode_gemm import can_run, chained
 
 MAX_COLS = 16384  # one program holds a row: Llama's and Qwen's hidden sizes are 896-8192
 
@@ -84,3 +85,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: no kernel for x {tuple(x.shape)} on {x.device} with a weight of "
                          f"{tuple(weight.shape)} (requires_grad={weight.requires_grad}); use rms_norm_ref")
     return _RMSNormKernel.apply(x, weight, eps)
+
+
+def norm_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_ref` of each row of x2 (rows, n) in one launch, without autograd: the decode step's norms, in
+    its chain of dependent launches (`decode_gemm.Tuning.chain`). The caller checks `kernel_runs(x2, weight)`."""
+    from grpo.kernels import _rmsnorm_triton as k
+
+    rows, n = x2.shape
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    y = torch.empty((rows, n), dtype=torch.promote_types(x2.dtype, weight.dtype), device=x2.device)
+    chain = chained(x2.device)
+    k.rmsnorm_forward_kernel[(rows,)](x2, weight, y, y, n, x2.stride(0), y.stride(0), eps, SAVE_RSTD=False,
+                                      CHAIN=chain, launch_pdl=chain, **_launch(n))
+    return y

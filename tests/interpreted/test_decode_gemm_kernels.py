@@ -186,9 +186,10 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
     out = engine.generate(PROMPTS, 2, sampling)
-    # the kernels did run, with LoRA (and FP8 codes)
+    # the kernels did run, with LoRA (and FP8 codes), and the norms in launches of their own (rmsnorm.norm_rows)
     assert all(plan is not None and plan.q.rank == 4 and (plan.q.scale_inv is not None) == fp8
                for plan in engine._projections)
+    assert all(norm is not None for layer in engine._layers for norm in layer.norms)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
@@ -345,7 +346,7 @@ def test_e4m3_bit_moves_give_every_code_times_2_to_the_minus_120():
 # What benchmarks/probes/decode_gemm_sass.py compiles for the tests below, in one process of its own (kernels
 # cannot be compiled while TRITON_INTERPRET=1; a process a compile spent its seconds importing torch): name ->
 # compile_kernel's arguments
-SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4)),
+SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4), chain=True),  # as the engine launches it
         "gated-convert": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="convert"),
         "gated-bits": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="bits"),
         "qkv-qwen2": dict(kind="proj", fp8=True, tile=(32, 256, 4, 3), bias=True, split_k=4),
@@ -360,8 +361,10 @@ out = {}
 for name, spec in json.loads(sys.argv[2]).items():
     spec["tile"] = tuple(spec["tile"])
     compiled = sass.compile_kernel(**spec)
-    out[name] = dict(loops=sass.sass_loops(compiled.asm["cubin"]),
-                     ptx_waits="griddepcontrol.wait" in compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    out[name] = dict(loops=sass.sass_loops(compiled.asm["cubin"]), ptx_waits="griddepcontrol.wait" in ptx,
+                     ptx_at={op: ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                                                         "cp.async", "ld.global", "st.global")})
 print(json.dumps(out))
 """
 
@@ -392,6 +395,15 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(sas
     conversions = any(op.startswith(("F2F", "F2FP")) for op in ops)
     assert conversions == (unpack == "convert")
     assert ("PRMT" in ops and "SHF.R.U32.HI" in ops) == (unpack == "bits")
+
+
+def test_a_launch_in_the_chain_waits_for_the_one_before_it_ahead_of_any_memory_access(sass_compiled):
+    # Tuning.chain: griddepcontrol.wait, then launch_dependents (the next launch may be scheduled), and only then
+    # the first load or store; a launch outside the chain has neither
+    at = sass_compiled["gated-bf16"]["ptx_at"]
+    wait, release = at["griddepcontrol.wait"], at["griddepcontrol.launch_dependents"]
+    assert 0 <= wait < release < min(at[op] for op in ("cp.async", "ld.global", "st.global") if at[op] >= 0)
+    assert sass_compiled["gated-bits"]["ptx_at"]["griddepcontrol.launch_dependents"] == -1
 
 
 def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90(sass_compiled):

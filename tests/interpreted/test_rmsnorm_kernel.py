@@ -40,3 +40,33 @@ def test_a_wrong_gradient_would_show():
     (dx,) = torch.autograd.grad(rmsnorm.rms_norm(x, weight, 1e-6), x, grad)
     direct = grad * torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-6)
     assert (dx - direct).abs().max() > 0.5 and dx.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16)])
+def test_the_decode_steps_norm_gives_the_modules_values_for_strided_rows(dtype, w_dtype):
+    # norm_rows: the decode's launch (no autograd, no rstd kept), rows taken from a wider tensor
+    torch.manual_seed(2)
+    wide = (torch.randn(5, 160) * 3).to(dtype)
+    x = wide[:, 16:112]  # rows of 96 a stride of 160 apart
+    weight = (1 + 0.1 * torch.randn(96)).to(w_dtype)
+    ours = rmsnorm.norm_rows(x, weight, 1e-6)
+    ref = rmsnorm.rms_norm_ref(x, weight, 1e-6)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
+
+
+def test_the_decode_takes_the_norm_kernel_for_llamas_rmsnorm_and_calls_other_norms():
+    from torch import nn
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from grpo.rollout.native.plan import decode_norm
+
+    llama = LlamaRMSNorm(64, eps=1e-5)
+    got = decode_norm(llama)
+    assert got is not None and got.weight is llama.weight and got.eps == 1e-5  # the module's tensor, not a copy
+
+    class GemmaLikeRMSNorm(LlamaRMSNorm):  # another arithmetic under a name the kernel does not know
+        pass
+
+    assert decode_norm(GemmaLikeRMSNorm(64)) is None and decode_norm(nn.LayerNorm(64)) is None

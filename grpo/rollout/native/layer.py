@@ -11,9 +11,10 @@ embedding at each row's own position and writes the token's K/V into the engine'
   (and LoRA chains) overlap;
 - `KernelLayer`: the decode GEMM kernels of `grpo.kernels.decode_gemm` in place of the projections
   (q/k/v in one launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU
-  product fused, LoRA and FP8 inside); norms and the attention stay compiled pieces. With the attention
-  kernel both rotaries and the K/V write happen in the attention's launch (but for Qwen3, whose head
-  norms come first: K's rotary and the K/V write in one kernel, q's rotary compiled);
+  product fused, LoRA and FP8 inside), the norms one launch each (`rmsnorm.norm_rows`; else compiled
+  pieces), so that each launch of a step goes dependently on the one before (`decode_gemm.Tuning.chain`).
+  With the attention kernel both rotaries and the K/V write happen in the attention's launch (but for
+  Qwen3, whose head norms come first: K's rotary and the K/V write in one kernel, q's rotary compiled);
 - `PackedLayer`: KernelLayer with torch's GEMMs (cuBLAS) for the projections and the adapters packed for
   them (`packed.py`), for steps wider than the kernels take (`EngineTuning.kernel_rows`).
 
@@ -39,8 +40,9 @@ from torch import nn
 from grpo.kernels import decode_gemm
 from grpo.kernels.decode_attention import decode_attention, rope_store_attend
 from grpo.kernels.decode_gemm import rope
+from grpo.kernels.rmsnorm import norm_rows
 from grpo.rollout.native.packed import LayerPack
-from grpo.rollout.native.plan import LayerProjections
+from grpo.rollout.native.plan import DecodeNorm, LayerProjections, decode_norm
 
 
 # The decoder families (config.model_type) whose layers this module reproduces, each checked against
@@ -323,15 +325,24 @@ class StreamLayer(ModuleLayer):
 
 @dataclass(frozen=True, eq=False)
 class KernelLayer(ModuleLayer):
-    """A decoder layer with the decode GEMM kernels reading its projections' tensors (`plan.py`)."""
+    """A decoder layer with the decode GEMM kernels reading its projections' tensors (`plan.py`), and its norms'
+    (`norms`: input and post-attention, None each where the module is called)."""
 
     proj: LayerProjections
+    norms: tuple[DecodeNorm | None, DecodeNorm | None] = (None, None)
+
+    def norm(self, which: int, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's norm `which` (0: input, 1: post-attention) of x (B, 1, H): (B, H)."""
+        tensors = self.norms[which]
+        if tensors is None:
+            return self.fns.norm(module, x).view(x.shape[0], self.dims.hidden)
+        return norm_rows(x.view(x.shape[0], self.dims.hidden), tensors.weight, tensors.eps)
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fns, layer, dims = self.fns, self.layer, self.dims
         rows = x.shape[0]
         attn = layer.self_attn
-        h = fns.norm(layer.input_layernorm, x).view(rows, dims.hidden)
+        h = self.norm(0, layer.input_layernorm, x)
         q, k, v = self.qkv(h)
         q_norm = getattr(attn, "q_norm", None)
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
@@ -344,7 +355,7 @@ class KernelLayer(ModuleLayer):
             self.rope_store_kv(k, v, cos, sin, at.pos, k_cache, v_cache)
             out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, dims, self.attention)
         x = self.o(out, x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
-        h = fns.norm(layer.post_attention_layernorm, x).view(rows, dims.hidden)
+        h = self.norm(1, layer.post_attention_layernorm, x)
         return self.down(self.gated(h), x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
 
     # the projections, on the decode kernels (PackedLayer: on torch's GEMMs)
@@ -392,10 +403,11 @@ def build_layer(layer: nn.Module, proj: LayerProjections | None, fns: StepFuncti
                 attention: str, streams: list | None, pack: LayerPack | None = None) -> ModuleLayer:
     """The one-token forward of `layer`: torch's GEMMs with `pack`'s adapters where it is given, else the
     kernels where `proj` is given, else its modules (on parallel streams when `streams` is given)."""
+    norms = (decode_norm(layer.input_layernorm), decode_norm(layer.post_attention_layernorm))
     if pack is not None:
-        return PackedLayer(layer, fns, dims, attention, proj, pack)
+        return PackedLayer(layer, fns, dims, attention, proj, norms, pack)
     if proj is not None:
-        return KernelLayer(layer, fns, dims, attention, proj)
+        return KernelLayer(layer, fns, dims, attention, proj, norms)
     if streams:
         return StreamLayer(layer, fns, dims, attention, streams)
     return ModuleLayer(layer, fns, dims, attention)

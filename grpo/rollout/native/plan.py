@@ -1,4 +1,4 @@
-"""Which projections of a Llama layer the decode GEMM kernels can stand in for, and with which tensors.
+"""Which projections (and norms) of a Llama layer the decode kernels can stand in for, and with which tensors.
 
 The kernels (`grpo.kernels.decode_gemm`) read a projection's tensors instead of calling its module, so
 they may stand in only where the module's forward is exactly what they compute: an nn.Linear or an
@@ -6,7 +6,7 @@ FP8Linear (with or without a bias: Qwen2's q/k/v have one), bare or inside peft'
 most one active plain adapter (not merged, no DoRA or other variant, no LoRA bias) whose A and B layers
 compute x @ W^T. Deciding that means reading peft's layer attributes (`base_layer`, `lora_A`,
 `active_adapters`, `scaling`, ...); this module is the one place that does. Anything else returns None,
-and the engine calls the module.
+and the engine calls the module. The same for the layer's RMSNorms (`decode_norm`, `rmsnorm.norm_rows`).
 
 Not here: running the kernels (`layer.py`), or when the engine uses them (`engine.py`: steps of at
 most `EngineTuning.kernel_rows` rows, `gemm="kernels"`).
@@ -19,9 +19,10 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from grpo.kernels import decode_gemm
+from grpo.kernels import decode_gemm, rmsnorm
 from grpo.kernels.decode_gemm import DecodeProj
 from grpo.kernels.fp8 import FP8Linear
+from grpo.model.lean_activations import NORM_CLASSES
 from grpo.model.lora_addmm import LinearInInputDtype
 
 # LoRA A/B layers whose forward is a plain x @ W^T: peft's nn.Linear, and the class `--lora-compute base`
@@ -106,3 +107,22 @@ def layer_projections(layer: nn.Module, dtype: torch.dtype) -> LayerProjections 
         if len({(p.rank, p.scale_inv is None, p.bias is None) for p in group}) != 1:
             return None
     return LayerProjections(**projs)
+
+
+@dataclass(frozen=True)
+class DecodeNorm:
+    """An RMSNorm as `rmsnorm.norm_rows` reads it: the module's weight (never a copy) and its epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+def decode_norm(module: nn.Module) -> DecodeNorm | None:
+    """What `rmsnorm.norm_rows` needs to act as `module`, or None (then the module is called): an RMSNorm of the
+    classes whose arithmetic it is (`lean_activations.NORM_CLASSES`) on a device where the kernel runs."""
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ not in NORM_CLASSES or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    if weight.shape[0] > rmsnorm.MAX_COLS or not rmsnorm.can_run(weight.device):
+        return None
+    return DecodeNorm(weight, float(module.variance_epsilon))
