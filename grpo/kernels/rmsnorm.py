@@ -89,7 +89,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def norm_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_ref` of each row of x2 (rows, n) in one launch, without autograd: the decode step's norms, in
-    its chain of dependent launches (`decode_gemm.Tuning.chain`). The caller checks `kernel_runs(x2, weight)`."""
+    its chain of dependent launches (`decode_gemm.Tuning.chain`). The caller checks that the kernel runs on x2's
+    device and takes the weight's width (`native.plan.decode_norm`); the weight may be trainable (no gradient)."""
     from grpo.kernels import _rmsnorm_triton as k
 
     rows, n = x2.shape
