@@ -678,8 +678,9 @@ def test_the_engine_probes_plans_name_only_steps_it_runs_and_its_families_name_o
     named |= set(re.findall(r'\("(\w+)", ', re.search(r"for name, kw in \((.*?)\):", source, re.S).group(1)))
     named |= {f"compile_{a}" for a in ("sdpa", "kernel")}
     named |= {f"{name}{part}" for name, *_ in probe.WIDE_STEPS for part in ("", "_graph")}
-    named |= {f"{name}_{suffix}" for name in ("product", "lora_folded", "lora_product", "qwen_product")
-              for suffix in probe.CHOICES} | {"qwen_product_no_pdl"}  # decode_gemm.Tuning's variants
+    named |= {f"{name}_{suffix}" for suffix in probe.CHOICES  # decode_gemm.Tuning's variants
+              for name in ("product", "lora_folded", "lora_product", "qwen_product", "fp8_lora_product")}
+    named.add("qwen_product_no_pdl")
     for plan, variants in probe.PLANS.items():
         assert set(variants) <= named, (plan, set(variants) - named)
     # the bench's token step as the trainer runs it, without the adapter and with it

@@ -738,6 +738,9 @@ def main() -> None:
         step("fp8_lora_gemm", lambda: run_engine(rec, f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
         step("fp8_lora", lambda: run_engine(rec, "fp8+LoRA r32 graph", fp8_lora, wfl))
         step("fp8_lora_product", lambda: run_engine(rec, "fp8+LoRA r32 product", fp8_lora, wfl, engine_kw=product))
+        for suffix, choices in CHOICES.items():
+            step(f"fp8_lora_product_{suffix}", lambda suffix=suffix, choices=choices: _tuned(lambda: run_engine(
+                rec, f"fp8+LoRA r32 product, {suffix}", fp8_lora, wfl, engine_kw=product), **choices))
         step("fp8_lora_product_graph", lambda: graph_breakdown(rec, "fp8+LoRA r32 product", fp8_lora,
                                                                engine_kw=product))
         # past the kernels' rows FP8 layers run their modules, multiplying as --fp8-gemm says
