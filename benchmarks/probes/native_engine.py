@@ -501,6 +501,14 @@ def _tuned(fn, **choices):
 CHOICES = {"no_chain": dict(chain=False)}
 
 
+def step_variants(step, name: str, label: str, run, choices: dict | None = None) -> None:
+    """The step `name` again under each of `choices` (default CHOICES) as `{name}_{suffix}`: run(its label) under
+    its decode_gemm.tuning."""
+    for suffix, chosen in (choices or CHOICES).items():
+        step(f"{name}_{suffix}", lambda suffix=suffix, chosen=chosen: _tuned(lambda: run(f"{label}, {suffix}"),
+                                                                             **chosen))
+
+
 def qwen_steps(rec: Recorder, step) -> None:
     """The `qwen` plan: the product's engine (EngineTuning's defaults: decode kernels, compiled, CUDA graph)
     on Qwen2.5-Coder-1.5B shapes with rsLoRA r=32, against the same step through the modules, and the kernel
@@ -523,10 +531,9 @@ def qwen_steps(rec: Recorder, step) -> None:
                                                        new=QWEN_NEW))
         if name == "qwen_product":  # the same with decode_gemm.Tuning.pdl off: each adapter's launch after its
             # lora_down
-            for suffix, choices in {"no_pdl": dict(pdl=False), **CHOICES}.items():
-                label = f"qwen_product_{suffix}"
-                step(label, lambda label=label, choices=choices: _tuned(lambda: run_engine(
-                    rec, label, model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW), **choices))
+            step_variants(step, "qwen_product", "qwen_product", lambda label: run_engine(
+                rec, label, model, wb, engine_kw=product, rows=QWEN_ROWS, new=QWEN_NEW),
+                {"no_pdl": dict(pdl=False), **CHOICES})
             # the attention kernel (grpo.kernels.decode_attention) in place of sdpa: each row read to its own length
             step("qwen_attention_kernel", lambda: run_engine(rec, "qwen_attention_kernel", model, wb,
                                                              engine_kw=product | {"attention": "kernel"},
@@ -680,9 +687,7 @@ def main() -> None:
     step("rows", lambda: at_rows(rec, "bf16", model, wb, mode))
     product = product_engine_kw()  # the trainer's engine; here without an adapter: what the adapter costs
     step("product", lambda: run_engine(rec, "bf16 product", model, wb, engine_kw=product))
-    for suffix, choices in CHOICES.items():
-        step(f"product_{suffix}", lambda suffix=suffix, choices=choices: _tuned(lambda: run_engine(
-            rec, f"bf16 product, {suffix}", model, wb, engine_kw=product), **choices))
+    step_variants(step, "product", "bf16 product", lambda label: run_engine(rec, label, model, wb, engine_kw=product))
     step("product_graph", lambda: graph_breakdown(rec, "bf16 product", model, engine_kw=product))
 
     fp8 = None
@@ -710,10 +715,9 @@ def main() -> None:
     # the adapters folded into the weights for prefill and decode
     folded = product | {"fold_adapter": True}
     step("lora_folded", lambda: run_engine(rec, "bf16+LoRA r32 folded", lora, wl, engine_kw=folded))
-    for suffix, choices in CHOICES.items():
-        for name, kw in (("lora_folded", folded), ("lora_product", product)):
-            step(f"{name}_{suffix}", lambda name=name, kw=kw, suffix=suffix, choices=choices: _tuned(lambda: run_engine(
-                rec, f"bf16+LoRA r32 {name.split('_')[1]}, {suffix}", lora, wl, engine_kw=kw), **choices))
+    for name, kw in (("lora_folded", folded), ("lora_product", product)):
+        step_variants(step, name, f"bf16+LoRA r32 {name.split('_')[1]}",
+                      lambda label, kw=kw: run_engine(rec, label, lora, wl, engine_kw=kw))
     # (its replays run outside a generate, on weights not folded: the same kernels and bytes, other values)
     step("lora_folded_graph", lambda: graph_breakdown(rec, "bf16+LoRA r32 folded", lora, engine_kw=folded))
     for name, rows, fold in WIDE_STEPS:  # past the kernels' rows, packed: torch's GEMMs, the adapters packed
@@ -738,9 +742,8 @@ def main() -> None:
         step("fp8_lora_gemm", lambda: run_engine(rec, f"fp8+LoRA r32 {gemm}", fp8_lora, wfl, engine_kw=gemm))
         step("fp8_lora", lambda: run_engine(rec, "fp8+LoRA r32 graph", fp8_lora, wfl))
         step("fp8_lora_product", lambda: run_engine(rec, "fp8+LoRA r32 product", fp8_lora, wfl, engine_kw=product))
-        for suffix, choices in CHOICES.items():
-            step(f"fp8_lora_product_{suffix}", lambda suffix=suffix, choices=choices: _tuned(lambda: run_engine(
-                rec, f"fp8+LoRA r32 product, {suffix}", fp8_lora, wfl, engine_kw=product), **choices))
+        step_variants(step, "fp8_lora_product", "fp8+LoRA r32 product",
+                      lambda label: run_engine(rec, label, fp8_lora, wfl, engine_kw=product))
         step("fp8_lora_product_graph", lambda: graph_breakdown(rec, "fp8+LoRA r32 product", fp8_lora,
                                                                engine_kw=product))
         # past the kernels' rows FP8 layers run their modules, multiplying as --fp8-gemm says
