@@ -75,3 +75,15 @@ def test_on_cuda_in_bf16_the_kernels_are_as_close_to_float32_as_torchs_ops():
     ids = torch.randint(0, 128256, (2, 40), device="cuda")
     (loss, grad), (loss_f, grad_f) = _loss_and_grad(lean, ids), _loss_and_grad(fused, ids)
     assert abs(float(loss - loss_f)) < 1e-2 and float((grad_f - grad).float().norm() / grad.float().norm()) < 2e-2
+
+
+@pytest.mark.cuda
+@cuda
+def test_inside_torch_compile_the_kernel_gives_its_eager_values():
+    # The native engine compiles its pieces around the model's norms (grpo.rollout.native.layer.piece_norm), where
+    # inductor launches the kernel itself with the arguments it was given: every constexpr passed, none defaulted
+    torch.manual_seed(0)
+    x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(lambda rows: rmsnorm.rms_norm(rows, w, 1e-5))
+    torch.testing.assert_close(compiled(x), rmsnorm.rms_norm(x, w, 1e-5), rtol=0, atol=0)

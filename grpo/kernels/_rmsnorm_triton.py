@@ -14,7 +14,7 @@ from grpo.kernels._decode_gemm_triton import chain_in
 
 @triton.jit
 def rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n, stride_x, stride_y, eps, BLOCK: tl.constexpr,
-                           SAVE_RSTD: tl.constexpr = True, CHAIN: tl.constexpr = False):
+                           SAVE_RSTD: tl.constexpr, CHAIN: tl.constexpr):
     # SAVE_RSTD: keep rstd for backward (training); CHAIN: a launch in the decode's chain (`chain_in`)
     if CHAIN:
         chain_in(True)

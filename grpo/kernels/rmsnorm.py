@@ -58,7 +58,7 @@ class _RMSNormKernel(torch.autograd.Function):
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         if rows.shape[0]:
             k.rmsnorm_forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
-                                                       **_launch(n))
+                                                       SAVE_RSTD=True, CHAIN=False, **_launch(n))
         ctx.save_for_backward(rows, weight, rstd)
         return y.view(*x.shape[:-1], n)
 
