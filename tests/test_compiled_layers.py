@@ -128,21 +128,39 @@ def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_
 
 
 @COMPILED
-def test_gradient_checkpointing_recomputes_the_compiled_layers_to_the_same_gradients():
+def test_under_gradient_checkpointing_the_compiled_layer_saves_its_inputs_alone_and_gives_the_same_gradients():
+    # transformers' checkpointing wraps the class's forward, which the compiled one replaces on the layer: the
+    # graph itself checkpoints, so its forward keeps the layer's input, cos and sin, and none of its activations
     model = tiny_model("qwen2")
     compiled_layers.install(model.get_base_model(), backend="aot_eager")
     ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
     params = [p for p in model.parameters() if p.requires_grad]
+    held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
-    def grads():
+    def grads_and_saved():
         model.train()
-        out = model.get_base_model().model(input_ids=ids, use_cache=False).last_hidden_state
-        return torch.autograd.grad(out.square().sum(), params)
+        saved = []  # the shapes of what autograd keeps for backward, the model's own weights left out
 
-    plain = grads()
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in held:
+                saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model.get_base_model().model(input_ids=ids, use_cache=False).last_hidden_state
+        return torch.autograd.grad(out.square().sum(), params), saved
+
+    plain, kept = grads_and_saved()
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for g, w in zip(grads(), plain, strict=True):
+    checkpointed, kept_checkpointed = grads_and_saved()
+    for g, w in zip(checkpointed, plain, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    hidden = (2, 9, DIMS["hidden_size"])
+    assert any(DIMS["intermediate_size"] in shape for shape in kept)  # without checkpointing: the MLP's too
+    layer_inputs = [shape for shape in kept_checkpointed if shape == hidden]
+    # each layer's input, and the final norm's input and output (the norm is outside the layers)
+    assert len(layer_inputs) == DIMS["num_hidden_layers"] + 2, kept_checkpointed
+    assert not any(DIMS["intermediate_size"] in shape for shape in kept_checkpointed), kept_checkpointed
 
 
 def test_a_compile_that_fails_is_one_line_naming_the_flag_that_turns_it_off(monkeypatch):

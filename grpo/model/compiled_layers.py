@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from grpo.kernels.decode_gemm import rope
 from grpo.kernels.rmsnorm import rms_norm_ref
@@ -112,13 +113,20 @@ def decoder_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: Laye
 
 
 @functools.cache
-def compiled(shape: LayerShape, backend: str = "inductor"):
-    """`decoder_layer` for layers of `shape`, compiled once for the process and backend (the CPU tests compile
-    with aot_eager): the rows and their width dynamic from the first call, the rest (heads, widths of the weights,
-    `shape`'s numbers) constants of the graph. fullgraph: a break in it is a fault, never a silent return to eager
-    pieces."""
+def compiled(shape: LayerShape, backend: str = "inductor", checkpointed: bool = False):
+    """`decoder_layer` for layers of `shape`, compiled once for the process, backend (the CPU tests compile with
+    aot_eager) and checkpointing: the rows and their width dynamic from the first call, the rest (heads, widths of
+    the weights, `shape`'s numbers) constants of the graph. fullgraph: a break in it is a fault, never a silent
+    return to eager pieces.
+
+    `checkpointed`: the layer inside the graph under torch's checkpoint, so the forward saves only its inputs and
+    the compiled backward recomputes the layer itself, where transformers' checkpointing would run the layer's
+    Python again in the backward. No state of the random generators is kept: the layer draws no random number
+    (`refusal` turns dropout away)."""
 
     def layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        if checkpointed:
+            return checkpoint(decoder_layer, h, cos, sin, w, shape, use_reentrant=False, preserve_rng_state=False)
         return decoder_layer(h, cos, sin, w, shape)
 
     graph = torch.compile(layer, fullgraph=True, backend=backend)
@@ -205,8 +213,10 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     cos, sin = position_embeddings
     if not hidden_states.requires_grad:  # the first layer's (the embedding is frozen): given a gradient it runs the
         hidden_states = hidden_states.detach().requires_grad_()  # others' graph, for one layer's input GEMMs
+    # transformers' checkpointing wraps the class's forward, which this one replaces: the graph checkpoints instead
+    checkpointed = bool(getattr(self, "gradient_checkpointing", False)) and self.training
     try:
-        return compiled(self.compiled_shape, self.compiled_backend)(hidden_states, cos, sin, weights)
+        return compiled(self.compiled_shape, self.compiled_backend, checkpointed)(hidden_states, cos, sin, weights)
     except torch._dynamo.exc.TorchDynamoException as err:  # a torch or Triton this compile does not work with
         cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where it failed
         said = (str(cause).strip().splitlines() or [""])[0]
