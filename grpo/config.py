@@ -127,11 +127,10 @@ class Config:
                              "layers with bf16 or fp32 projections, FP8 base layers keep the modules): fused kernels "
                              "and far less host work a layer, for a compile of some seconds at the first training "
                              "pass, widths rounded up to a multiple of 8, and values within a rounding of the "
-                             "modules'. auto: on where the layers keep their activations (no gradient "
-                             "checkpointing); under checkpointing the compiled layer saves more for backward than "
-                             "--lean-activations, for less time saved (benchmarks/RESULTS.md, \"The measured "
-                             "defaults\"). on: under checkpointing too. off: the modules everywhere.", "model",
-                             choices=["auto", "on", "off"])
+                             "modules'. auto: where the layers keep their activations (no gradient "
+                             "checkpointing); checkpointed layers keep the modules, which were faster and held less "
+                             "(benchmarks/RESULTS.md, \"The measured defaults\"). off: the modules everywhere.",
+                             "model", choices=["auto", "off"])
 
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), number-guess (games "

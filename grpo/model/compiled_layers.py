@@ -11,16 +11,17 @@ have one, and the trainer rounds its widths up to a multiple of 8 (`width_multip
 specialize. So a run compiles it once, at its first training pass.
 
 It trades that compile (seconds) and values within a rounding of the modules' (the norms and the SiLU product in
-float32 without rounding between their ops) for a shorter training pass; where the layers keep their activations
-(no gradient checkpointing: `--compile-layers auto`). Under checkpointing it saves more for backward than
-`grpo.model.lean_activations` does, for less time saved (benchmarks/RESULTS.md, "The measured defaults").
+float32 without rounding between their ops) for a shorter training pass, where the layers keep their activations
+(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer keeps its modules: the layer compiled
+under checkpointing, its backward recomputing it inside the graph, was slower than the modules and held more
+(benchmarks/RESULTS.md, "The measured defaults").
 
 Only where it reproduces the module and autograd records: the decoder layers of `LAYER_CLASSES` without a sliding
 window or attention dropout, SiLU MLPs, projections that are nn.Linear (FP8 base layers keep the modules) with at
 most one plain adapter (`grpo.model.lora_addmm`'s case, without dropout), no attention mask and no cache (the
 trainer's causal rows, `grpo.batch.sequence_logprobs`). Each call checks what may change during a run (the adapters
-switched off, a mask, a cache, no grad) and else calls the module's own forward: the reference and evaluation
-passes, and the engines, never take this path.
+switched off, a mask, a cache, no grad, checkpointing) and else calls the module's own forward: the reference and
+evaluation passes, and the engines, never take this path.
 
 `decoder_layer` is plain PyTorch: the CPU tests compare it with transformers' layers, eagerly and compiled.
 """
@@ -35,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from grpo.kernels.decode_gemm import rope
 from grpo.kernels.rmsnorm import rms_norm_ref
@@ -113,20 +113,13 @@ def decoder_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: Laye
 
 
 @functools.cache
-def compiled(shape: LayerShape, backend: str = "inductor", checkpointed: bool = False):
-    """`decoder_layer` for layers of `shape`, compiled once for the process, backend (the CPU tests compile with
-    aot_eager) and checkpointing: the rows and their width dynamic from the first call, the rest (heads, widths of
-    the weights, `shape`'s numbers) constants of the graph. fullgraph: a break in it is a fault, never a silent
-    return to eager pieces.
-
-    `checkpointed`: the layer inside the graph under torch's checkpoint, so the forward saves only its inputs and
-    the compiled backward recomputes the layer itself, where transformers' checkpointing would run the layer's
-    Python again in the backward. No state of the random generators is kept: the layer draws no random number
-    (`refusal` turns dropout away)."""
+def compiled(shape: LayerShape, backend: str = "inductor"):
+    """`decoder_layer` for layers of `shape`, compiled once for the process and backend (the CPU tests compile
+    with aot_eager): the rows and their width dynamic from the first call, the rest (heads, widths of the weights,
+    `shape`'s numbers) constants of the graph. fullgraph: a break in it is a fault, never a silent return to eager
+    pieces."""
 
     def layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        if checkpointed:
-            return checkpoint(decoder_layer, h, cos, sin, w, shape, use_reentrant=False, preserve_rng_state=False)
         return decoder_layer(h, cos, sin, w, shape)
 
     graph = torch.compile(layer, fullgraph=True, backend=backend)
@@ -204,8 +197,11 @@ def layer_shape(layer: nn.Module) -> LayerShape:
 def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
              use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
     weights = None
-    if (torch.is_grad_enabled() and attention_mask is None and cache is None and kwargs.get("past_key_values") is None
-            and position_embeddings is not None):
+    # A checkpointed layer takes the module's forward, which transformers' checkpointing wraps (the class's): the
+    # compiled one would keep every activation that checkpointing drops
+    checkpointed = getattr(self, "gradient_checkpointing", False) and self.training
+    if (torch.is_grad_enabled() and not checkpointed and attention_mask is None and cache is None
+            and kwargs.get("past_key_values") is None and position_embeddings is not None):
         weights = layer_weights(self)
     if weights is None:
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -213,10 +209,8 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     cos, sin = position_embeddings
     if not hidden_states.requires_grad:  # the first layer's (the embedding is frozen): given a gradient it runs the
         hidden_states = hidden_states.detach().requires_grad_()  # others' graph, for one layer's input GEMMs
-    # transformers' checkpointing wraps the class's forward, which this one replaces: the graph checkpoints instead
-    checkpointed = bool(getattr(self, "gradient_checkpointing", False)) and self.training
     try:
-        return compiled(self.compiled_shape, self.compiled_backend, checkpointed)(hidden_states, cos, sin, weights)
+        return compiled(self.compiled_shape, self.compiled_backend)(hidden_states, cos, sin, weights)
     except torch._dynamo.exc.TorchDynamoException as err:  # a torch or Triton this compile does not work with
         cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where it failed
         said = (str(cause).strip().splitlines() or [""])[0]
