@@ -793,3 +793,14 @@ def test_the_step_profile_gives_each_kernel_to_the_phase_that_launched_it_and_co
     assert rows["update/forward"]["wall_ms"] == pytest.approx(0.040)
     assert rows["update"]["gpu_busy_ms"] == pytest.approx(0.030)
     assert dict(rows["update/forward"]["top_host_ops_self_ms"]) == pytest.approx({"aten::mm": 0.016, "aten::t": 0.004})
+
+
+def test_the_step_profile_sorts_the_gpus_idle_time_by_the_length_of_each_wait(monkeypatch):
+    # waits of 10 and 50 us between kernels, one of 300 us before a norm; overlapping kernels wait for none
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("step_profile")
+    spans = [("gemm", 0, 100), ("gemm", 50, 100), ("add", 160, 10), ("mul", 220, 5), ("rmsnorm", 525, 20)]
+    got = probe.idle_gaps([{"name": n, "ts": ts, "dur": dur} for n, ts, dur in spans])
+    assert got["gpu_idle_ms_by_wait"] == pytest.approx({"<20us": 0.010, "20-100us": 0.050, ">=100us": 0.300})
+    assert got["after_long_waits_ms"] == [("rmsnorm", pytest.approx(0.300))]

@@ -8,7 +8,9 @@ between steps is in it. Each phase is a profiler range (the functions `grpo.step
 here): sample (the engine's generate), score, reference, the update's forwards (`sequence_logprobs`) and the
 rest of the update (backward, clipping, optimizer), and what is left of the iteration. For each: its wall time,
 the GPU's busy time in it (the union of its kernels' intervals), the top kernels and the top host ops by their
-own time. The Chrome trace goes beside the results, gzipped.
+own time, and the GPU's idle time between the kernels launched in its ranges (inner phases' included) by the
+length of each wait, with the kernels the long waits held back (`idle_gaps`). The Chrome trace goes beside the
+results, gzipped.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--no-fold] [--peft-forward]
         [--no-norm-kernel]
@@ -116,6 +118,12 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
     ops_by_phase: dict[str, list] = defaultdict(list)
     for op in ops:
         ops_by_phase[innermost(op["ts"])].append(op)
+    within: dict[str, list] = defaultdict(list)  # the kernels launched inside a phase's ranges, its inner ones' too
+    for k in kernels:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        for r in ranges:
+            if launch and r["ts"] <= launch["ts"] <= r["ts"] + r["dur"]:
+                within[r["name"][6:]].append(k)
     wall = defaultdict(float)
     for r in ranges:
         wall[r["name"][6:]] += r["dur"]
@@ -134,8 +142,30 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
                     "gpu_busy_ms": covered_us([(k["ts"], k["ts"] + k["dur"]) for k in ks]) / 1e3,
                     "kernels": len(ks),
                     "top_kernels_ms": sorted(kernel_ms.items(), key=lambda kv: -kv[1])[:top],
-                    "top_host_ops_self_ms": sorted(op_ms.items(), key=lambda kv: -kv[1])[:top]})
+                    "top_host_ops_self_ms": sorted(op_ms.items(), key=lambda kv: -kv[1])[:top],
+                    **idle_gaps(within.get(phase, []))})
     return out
+
+
+GAP_SIZES_US = ((20, "<20us"), (100, "20-100us"), (float("inf"), ">=100us"))
+
+
+def idle_gaps(kernels: list[dict], top: int = 6) -> dict:
+    """Where a phase's GPU waited between its first kernel and its last: the idle time by the size of each wait
+    (many short ones: the host issues ops slower than the GPU runs them; long ones: a stall, a Python stretch or a
+    wait for the host), and the kernels that waits of 100 us or more held back, by their total wait."""
+    by_size = {name: 0.0 for _, name in GAP_SIZES_US}
+    after_long: dict[str, float] = defaultdict(float)
+    reached = None
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        if reached is not None and k["ts"] > reached:
+            gap = k["ts"] - reached
+            by_size[next(name for bound, name in GAP_SIZES_US if gap < bound)] += gap / 1e3
+            if gap >= 100:
+                after_long[k["name"][:90]] += gap / 1e3
+        reached = max(reached or k["ts"], k["ts"] + k["dur"])
+    return {"gpu_idle_ms_by_wait": by_size,
+            "after_long_waits_ms": sorted(after_long.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def self_times(ops: list[dict]) -> list[tuple[str, float]]:
@@ -199,8 +229,9 @@ def main() -> None:
     for row in summary:
         rec.record("phase", dtype=args.dtype, fold=args.fold, peft_forward=args.peft_forward,
                    norm_kernel=args.norm_kernel, fp8_gemm=args.fp8_gemm, **row)
+        idle = "  ".join(f"{size} {ms:.1f}" for size, ms in row.get("gpu_idle_ms_by_wait", {}).items())
         rec.say(f"{row['phase']:16s} wall {row['wall_ms']:8.1f} ms  GPU busy {row['gpu_busy_ms']:8.1f} ms  "
-                f"{row['kernels']} kernels")
+                f"{row['kernels']} kernels{'  idle ms by wait: ' + idle if idle else ''}")
     name = (f"trace-{args.dtype}{'' if args.fp8_gemm == 'auto' else '-' + args.fp8_gemm}"
             f"{'' if args.fold else '-unfolded'}{'-peft' if args.peft_forward else ''}"
             f"{'' if args.norm_kernel else '-no-norm-kernel'}.json.gz")
