@@ -253,9 +253,11 @@ def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_
         assert not engine._fold and not engine.needs_importance_correction
 
 
-def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
-    # Qwen2.5 (the packaged Qwen): q/k/v biases, which the kernels add; LoRA on every projection. (FP8 codes
-    # with biases: test_biases_are_added_to_each_projection_with_lora_and_split_k.)
+@pytest.mark.parametrize("fold_norms", [False, True])
+def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules(fold_norms):
+    # Qwen2.5 (the packaged Qwen): q/k/v biases, which the kernels add (after the folded norm's rstd, where it is
+    # folded); LoRA on every projection. (FP8 codes with biases:
+    # test_biases_are_added_to_each_projection_with_lora_and_split_k.)
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
@@ -269,7 +271,8 @@ def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
     sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
-    out = engine.generate(PROMPTS, 2, sampling)
+    with dg.tuning(fold_norms=fold_norms):
+        out = engine.generate(PROMPTS, 2, sampling)
     assert all(plan is not None and plan.q.bias is not None for plan in engine._projections)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
