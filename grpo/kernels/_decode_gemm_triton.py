@@ -131,15 +131,16 @@ def _bias(bias_ptr, N, rn):
     return tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
 
 @triton.jit
-def _finish_tile(acc, lora, rstd, bias, res, rn, M, N, y_ptr, BLOCK_M: tl.constexpr, HAS_LORA: tl.constexpr,
+def _finish_tile(acc, lora, ss, K, eps, bias, res, rn, M, N, y_ptr, BLOCK_M: tl.constexpr, HAS_LORA: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr):
-    # the whole K's sums in: LoRA's up-projection, the norm's rstd (NORM: the input was the norm's input), the bias,
-    # the residual (each loaded or made before, read only where its flag is set), one rounding, the store
+    # the whole K's sums in: LoRA's up-projection, the norm's rstd from the rows' sums of squares ss (NORM: the input
+    # was the norm's input), the bias, the residual (each loaded or made before, read only where its flag is set),
+    # one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
         acc = acc + lora
     if NORM:  # x W^T and x A^T were sums over x * weight: the row's rstd scales both
-        acc = acc * rstd[:, None]
+        acc = acc * _rstd(ss, K, eps)[:, None]
     if HAS_BIAS:
         acc = acc + bias
     if HAS_RES:
@@ -203,11 +204,10 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
                 ss = tl.load(ss_at, cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT_K):
                     ss += tl.load(ss_at + s * BLOCK_M, cache_modifier=".cg")
-            _finish_tile(acc, lora, _rstd(ss, K, eps), bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS,
-                         HAS_RES, NORM)
+            _finish_tile(acc, lora, ss, K, eps, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES,
+                         NORM)
     else:
-        _finish_tile(acc, lora, _rstd(ss, K, eps), bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES,
-                     NORM)
+        _finish_tile(acc, lora, ss, K, eps, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES, NORM)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
