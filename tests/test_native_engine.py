@@ -555,6 +555,19 @@ def test_rotaries_in_the_attention_kernels_launch_give_the_rollout_of_the_launch
         torch.testing.assert_close(fused.sampler_logp[:, :8], apart.sampler_logp[:, :8], atol=2e-2, rtol=0)
 
 
+def bf16_llama_on_cuda(rank: int):
+    """small_llama (seed 12) in bf16 on the GPU, with a LoRA adapter of `rank` on every projection (0: none)."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+
+    model = small_llama(seed=12)
+    if rank:
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=list(LORA_TARGETS),
+                                                 init_lora_weights=False))
+    return model.cuda().to(torch.bfloat16)
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("rank", [0, 8])  # with an adapter, lora_down joins the chain and its projection goes beside
@@ -562,16 +575,9 @@ def test_launches_chained_in_the_captured_step_give_the_rollout_of_launches_one_
     # decode_gemm.Tuning.chain: the kernel layer's launches (norms, projections, attention in chunks, combine) each
     # scheduled while the one before it runs, waiting for it in the kernel: a launch that touched memory before its
     # wait would race, and its values would differ from the unchained step's at random. bf16, every token.
-    from peft import LoraConfig, get_peft_model
-
-    from grpo.config import LORA_TARGETS
     from grpo.kernels import decode_gemm
 
-    model = small_llama(seed=12)
-    if rank:
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=list(LORA_TARGETS),
-                                                 init_lora_weights=False))
-    model = model.cuda().to(torch.bfloat16)
+    model = bf16_llama_on_cuda(rank)
     sampling = Sampling(max_new_tokens=100, temperature=1.0, seed=6)
 
     def rollout(**choices):
@@ -593,17 +599,10 @@ def test_launches_chained_in_the_captured_step_give_the_rollout_of_launches_one_
 def test_norms_folded_into_the_projections_launches_sample_near_the_norms_own_launches(rank, monkeypatch):
     # decode_gemm.Tuning.fold_norms: the q/k/v and gate/up launches normalize the residual stream as they read it,
     # values within a rounding of rmsnorm.norm_rows then the launch; in the engine's CUDA graphs, bf16, chained
-    from peft import LoraConfig, get_peft_model
-
-    from grpo.config import LORA_TARGETS
     from grpo.kernels import decode_gemm
     from grpo.rollout.native import layer as native_layer
 
-    model = small_llama(seed=12)
-    if rank:
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=list(LORA_TARGETS),
-                                                 init_lora_weights=False))
-    model = model.cuda().to(torch.bfloat16)
+    model = bf16_llama_on_cuda(rank)
     sampling = Sampling(max_new_tokens=60, temperature=1.0, seed=6)
     norm_launches = []
     own_launch = native_layer.norm_rows
