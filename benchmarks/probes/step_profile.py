@@ -111,19 +111,17 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
         holding = [r for r in ranges if r["ts"] <= ts <= r["ts"] + r["dur"]]
         return min(holding, key=lambda r: r["dur"])["name"][6:] if holding else "other"
 
-    by_phase: dict[str, list] = defaultdict(list)
-    for k in kernels:
-        launch = launches.get(k.get("args", {}).get("correlation"))
-        by_phase[innermost(launch["ts"]) if launch else "unlaunched"].append(k)
-    ops_by_phase: dict[str, list] = defaultdict(list)
-    for op in ops:
-        ops_by_phase[innermost(op["ts"])].append(op)
+    by_phase: dict[str, list] = defaultdict(list)  # by the innermost range holding the kernel's launch
     within: dict[str, list] = defaultdict(list)  # the kernels launched inside a phase's ranges, its inner ones' too
     for k in kernels:
         launch = launches.get(k.get("args", {}).get("correlation"))
-        for r in ranges:
-            if launch and r["ts"] <= launch["ts"] <= r["ts"] + r["dur"]:
+        by_phase[innermost(launch["ts"]) if launch else "unlaunched"].append(k)
+        for r in ranges if launch else ():
+            if r["ts"] <= launch["ts"] <= r["ts"] + r["dur"]:
                 within[r["name"][6:]].append(k)
+    ops_by_phase: dict[str, list] = defaultdict(list)
+    for op in ops:
+        ops_by_phase[innermost(op["ts"])].append(op)
     wall = defaultdict(float)
     for r in ranges:
         wall[r["name"][6:]] += r["dur"]
