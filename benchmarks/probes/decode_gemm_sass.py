@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 POINTERS = re.compile(r"(_ptr|^[wsybe][0-2gu]$)")  # x_ptr, w0, s1, y2, b0, e1, wg, su, eu, ...
-FLOATS = {"c0", "c1", "c2", "cg", "cu", "eps"}  # LoRA scales, the norm's epsilon
+FLOATS = {"c0", "c1", "c2", "cg", "cu"}  # LoRA scales
 
 
 def _import_triton():
@@ -52,10 +52,10 @@ def _import_triton():
 
 def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
                    unpack: str = "bits", split_k: int = 1, bias: bool = False, pdl: bool = False,
-                   chain: bool = False, norm: bool = False):
+                   chain: bool = False):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
     compiled kernel (asm: ttgir, ptx, cubin). `pdl`: as launched beside its lora_down (Tuning.pdl); `chain`: as
-    launched dependently on the launch before it (Tuning.chain); `norm`: with the RMSNorm before it folded in."""
+    launched dependently on the launch before it (Tuning.chain)."""
     _import_triton()
     from grpo.kernels import _decode_gemm_triton as kernels
     from grpo.kernels.decode_gemm import _UNPACK_MODES
@@ -64,7 +64,7 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
                  HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, STAGES=stages, EXACT=False,
-                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0, PDL=pdl, CHAIN=chain, NORM=norm)
+                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0, PDL=pdl, CHAIN=chain)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)
     names = fn.arg_names

@@ -22,7 +22,7 @@ Plans (`--variants` picks steps by name instead):
   bench     the bench's token step as the product runs it (Llama-3.2-1B shapes, rsLoRA r=32, 16 rows), and
             where its time goes inside the CUDA graph: the kernels by family, the time the GPU ran none of
             them; the adapters folded into the weights (EngineTuning.fold_adapter, the fold's cost in
-            prefill_ms); each kind also under decode_gemm.Tuning's variants (`CHOICES`: `*_no_chain`, `*_fold_norms`;
+            prefill_ms); each kind also under decode_gemm.Tuning's variants (`CHOICES`: `*_no_chain`;
             `qwen_product_*` in the qwen plan)
   wide      the product's token step with the adapter at the sampler's 64 and 256 rows (past the kernels' 64
             rows the packed layers; at 256 also folded), and FP8's at the bench's 16 rows, each timed and
@@ -447,13 +447,12 @@ PLANS = {
     # the decode kernels beyond 16 rows: kernels against modules at 32 and 64 rows
     "rows": ["rows", "fp8_rows"],
     # Qwen2.5-Coder-1.5B shapes with the adapter at the preset's 64 rows: the product's step, its modules, a profile
-    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_product_no_chain", "qwen_product_fold_norms",
-             "qwen_attention_kernel", "qwen_modules", "qwen_kernels", "qwen_graph", "qwen_stopped_rows"],
+    "qwen": ["qwen_product", "qwen_product_no_pdl", "qwen_product_no_chain", "qwen_attention_kernel", "qwen_modules",
+             "qwen_kernels", "qwen_graph", "qwen_stopped_rows"],
     # the bench's token step as the product runs it (Llama-3.2-1B shapes with the adapter, 16 rows), and where
     # its time goes inside the CUDA graph
-    "bench": ["product", "product_no_chain", "product_fold_norms", "product_graph", "lora_product",
-              "lora_product_no_chain", "lora_product_fold_norms", "lora_product_graph", "lora_folded",
-              "lora_folded_no_chain", "lora_folded_fold_norms", "lora_folded_graph"],
+    "bench": ["product", "product_no_chain", "product_graph", "lora_product", "lora_product_no_chain",
+              "lora_product_graph", "lora_folded", "lora_folded_no_chain", "lora_folded_graph"],
     # the product's token step past the bench's 16 rows (the sampler's 64 and 256, with the adapter), and FP8's
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
@@ -498,8 +497,8 @@ def _tuned(fn, **choices):
 
 
 # decode_gemm.Tuning's variants of the product's step, by the suffix of their names: chain off (each launch after the
-# one ahead of it has ended); the layers' norms folded into their projections' launches
-CHOICES = {"no_chain": dict(chain=False), "fold_norms": dict(fold_norms=True)}
+# one ahead of it has ended)
+CHOICES = {"no_chain": dict(chain=False)}
 
 
 def step_variants(step, name: str, label: str, run, choices: dict | None = None) -> None:

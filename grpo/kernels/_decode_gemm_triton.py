@@ -55,31 +55,13 @@ def _e4m3_bits_bf16(w):
                                      is_pure=True, pack=4)
 
 @triton.jit
-def _normed(x, nw_ptr, rk, k_hi, ss, NORM: tl.constexpr):
-    # NORM: the RMSNorm before the launch, folded in (x is the norm's input): x times the norm's weight, in x's
-    # dtype, and each row's sum of squares added to ss; its rstd scales the sums after the K loop (`_rstd`)
-    if NORM:
-        x32 = x.to(tl.float32)
-        ss += tl.sum(x32 * x32, axis=1)
-        nw = tl.load(nw_ptr + rk, mask=rk < k_hi, other=0.0).to(tl.float32)
-        x = (x32 * nw[None, :]).to(x.dtype)
-    return x, ss
-
-@triton.jit
-def _rstd(ss, K, eps):
-    # each row's 1 / sqrt(mean(x^2) + eps), as the module's RMSNorm (over the whole row: ss summed over all of K)
-    return 1.0 / tl.sqrt(ss / K + eps)
-
-@triton.jit
-def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, nw_ptr, BLOCK_M: tl.constexpr,
+def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr,
                BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
-               EXACT: tl.constexpr, UNPACK: tl.constexpr, NORM: tl.constexpr):
-    # ((BLOCK_M, BLOCK_N) float32, (BLOCK_M,) float32) = x (M, K) times rows rn of W (N, K) over columns
-    # [k_lo, k_hi) (k_lo a multiple of BLOCK_K), FP8 codes scaled per 128 block; and with NORM, the rows' sums
-    # of squares over those columns (x scaled by the norm's weight, `_normed`), else zeros
+               EXACT: tl.constexpr, UNPACK: tl.constexpr):
+    # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K) over columns [k_lo, k_hi) (k_lo a
+    # multiple of BLOCK_K); FP8 codes scaled per 128 block
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     kb = tl.cdiv(K, 128)
     row_block = tl.min(rn, axis=0) // 128  # the tile's rows lie in one 128-row block of scales
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -87,7 +69,6 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, nw_ptr, 
             rk = k0 + j * SUB_K + tl.arange(0, SUB_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                         mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
-            x, ss = _normed(x, nw_ptr, rk, k_hi, ss, NORM)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_hi),
                         other=0.0)
             if UNPACK:
@@ -101,7 +82,7 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, nw_ptr, 
                     scale = scale * 1.329227995784916e36  # 2^120: the bit moves left it out
                 part = part * scale
             acc += part
-    return acc, ss
+    return acc
 
 # A tile's epilogue operands (LoRA's B, the bias, the residual) are loaded before its K loop, whose weight stream
 # hides their latency, and x A^T right after it: the finish then waits on no load of its own (split K: only on
@@ -131,16 +112,13 @@ def _bias(bias_ptr, N, rn):
     return tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
 
 @triton.jit
-def _finish_tile(acc, lora, ss, K, eps, bias, res, rn, M, N, y_ptr, BLOCK_M: tl.constexpr, HAS_LORA: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr):
-    # the whole K's sums in: LoRA's up-projection, the norm's rstd from the rows' sums of squares ss (NORM: the input
-    # was the norm's input), the bias, the residual (each loaded or made before, read only where its flag is set),
-    # one rounding, the store
+def _finish_tile(acc, lora, bias, res, rn, M, N, y_ptr, BLOCK_M: tl.constexpr, HAS_LORA: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    # the whole K's sums in: LoRA's up-projection, the bias, the residual (each loaded or made before, read
+    # only where its flag is set), one rounding, the store
     rm = tl.arange(0, BLOCK_M)
     if HAS_LORA:
         acc = acc + lora
-    if NORM:  # x W^T and x A^T were sums over x * weight: the row's rstd scales both
-        acc = acc * _rstd(ss, K, eps)[:, None]
     if HAS_BIAS:
         acc = acc + bias
     if HAS_RES:
@@ -166,11 +144,11 @@ def _split_k_sum(part, at, stride, count_ptr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr, xa_ptr, R, lora_scale, bias_ptr,
-              res_ptr, part_ptr, count_ptr, nw_ptr, eps, tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+              res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
               EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-              CHAIN: tl.constexpr, NORM: tl.constexpr):
+              CHAIN: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     if CHAIN:  # beside lora_down (PDL), x is complete already (lora_down waited for it): only the LoRA term waits
         chain_in(not PDL)
@@ -189,70 +167,58 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
                       other=0.0).to(tl.float32)
     per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * per
-    acc, ss = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, nw_ptr,
-                         BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK, NORM)
+    acc = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, BLOCK_M,
+                     BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK)
     if HAS_LORA:  # every K slice makes it (a small product), so the last one's finish waits on no load for it
         lora = _lora_term(xa_ptr, b, lora_scale, BLOCK_M, BLOCK_R, EXACT, PDL)
     if SPLIT_K > 1:  # the K slice that arrives last finishes the tile
-        if NORM:  # the slice's sums of squares go after every tile's partial sums, ahead of the count
-            ss_at = part_ptr + tiles * SPLIT_K * BLOCK_M * BLOCK_N + slot * SPLIT_K * BLOCK_M + rm
-            tl.store(ss_at + tl.program_id(1) * BLOCK_M, ss)
         at = part_ptr + (slot * SPLIT_K * BLOCK_M + rm[:, None]) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         acc, last = _split_k_sum(acc, at, BLOCK_M * BLOCK_N, count_ptr + slot, SPLIT_K)
         if last:
-            if NORM:
-                ss = tl.load(ss_at, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT_K):
-                    ss += tl.load(ss_at + s * BLOCK_M, cache_modifier=".cg")
-            _finish_tile(acc, lora, ss, K, eps, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES,
-                         NORM)
+            _finish_tile(acc, lora, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES)
     else:
-        _finish_tile(acc, lora, ss, K, eps, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES, NORM)
+        _finish_tile(acc, lora, bias, res, rn, M, N, y_ptr, BLOCK_M, HAS_LORA, HAS_BIAS, HAS_RES)
 
 @triton.jit
 def proj_kernel(x_ptr, stride_xm, M, K,
                 w0, s0, y0, b0, e0, N0, c0, w1, s1, y1, b1, e1, N1, c1, w2, s2, y2, b2, e2, N2, c2,
-                xa_ptr, R, res_ptr, part_ptr, count_ptr, nw_ptr, eps,
+                xa_ptr, R, res_ptr, part_ptr, count_ptr,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
                 EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-                CHAIN: tl.constexpr, NORM: tl.constexpr):
+                CHAIN: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
     # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
-    # CHAIN: in the chain of dependent launches (`chain_in`, in _one_proj). NORM: x is an RMSNorm's input, its
-    # weight nw and eps (`_normed`).
+    # CHAIN: in the chain of dependent launches (`chain_in`, in _one_proj).
     pid = tl.program_id(0)
-    tiles = tl.num_programs(0)
     t0 = tl.cdiv(N0, BLOCK_N)
     xa_stride = BLOCK_M * BLOCK_R
     if pid < t0:
         _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
-                  count_ptr, nw_ptr, eps, tiles, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS,
-                  HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN, NORM)
+                  count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
+                  STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
-                          res_ptr, part_ptr, count_ptr, nw_ptr, eps, tiles, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K,
-                          HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN,
-                          NORM)
+                          res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
+                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
-                              xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, nw_ptr, eps, tiles,
-                              BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
-                              STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN, NORM)
+                              xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
+                              BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT,
+                              UNPACK, SPLIT_K, PDL, CHAIN)
 
 @triton.jit
-def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu, nw_ptr, eps,
+def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
                  STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr,
-                 CHAIN: tl.constexpr, NORM: tl.constexpr):
-    # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu);
-    # NORM: x is an RMSNorm's input (as in proj_kernel)
+                 CHAIN: tl.constexpr):
+    # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
     if CHAIN:  # as in _one_proj
         chain_in(not PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,17 +229,13 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
     if HAS_BIAS:
         bias_g = _bias(eg, N, rn)
         bias_u = _bias(eu, N, rn)
-    g, ss = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, nw_ptr, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                       STAGES, EXACT, UNPACK, NORM)
-    u, _ = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, nw_ptr, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE,
-                      STAGES, EXACT, UNPACK, NORM)
+    g = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
+                   EXACT, UNPACK)
+    u = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
+                   EXACT, UNPACK)
     if HAS_LORA:
         g = g + _lora_term(xa_ptr, b_g, cg, BLOCK_M, BLOCK_R, EXACT, PDL)
         u = u + _lora_term(xa_ptr + BLOCK_M * BLOCK_R, b_u, cu, BLOCK_M, BLOCK_R, EXACT, False)  # (waited above)
-    if NORM:  # as in _finish_tile
-        rstd = _rstd(ss, K, eps)[:, None]
-        g = g * rstd
-        u = u * rstd
     if HAS_BIAS:
         g = g + bias_g
         u = u + bias_u
@@ -282,27 +244,24 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 @triton.jit
-def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, nw_ptr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_K: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr):
-    # NORM: x times the norm's weight, unscaled by rstd (the projections scale the product, `_finish_tile`)
+def _down_part(x_ptr, stride_xm, M, K, a_ptr, R, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < k_hi),
                     other=0.0)
-        x, ss = _normed(x, nw_ptr, rk, k_hi, ss, NORM)
         a = tl.load(a_ptr + rr[:, None] * K + rk[None, :], mask=(rr[:, None] < R) & (rk[None, :] < k_hi),
                     other=0.0)
         acc += _dot32(x.to(tl.float32), tl.trans(a.to(tl.float32)), EXACT)
     return acc
 
 @triton.jit
-def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, nw_ptr,
-                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                     EXACT: tl.constexpr, PDL: tl.constexpr, CHAIN: tl.constexpr, NORM: tl.constexpr):
+def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, count_ptr, R, BLOCK_M: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EXACT: tl.constexpr,
+                     PDL: tl.constexpr, CHAIN: tl.constexpr):
     # out[i] = x A_i^T, over SPLIT slices of K in programs of their own, added by _split_k_sum.
     # Summed once here, not in every tile that reads it (those re-read SPLIT partial sums a tile: half as
     # many bytes again as the weights, 27 MB, for the gate/up launch of Qwen2.5-1.5B at 64 rows and r=32).
@@ -315,14 +274,11 @@ def lora_down_kernel(x_ptr, stride_xm, M, K, a0, a1, a2, out_ptr, part_ptr, coun
     k_lo = tl.program_id(1) * per
     k_hi = tl.minimum(K, k_lo + per)
     if i == 0:
-        acc = _down_part(x_ptr, stride_xm, M, K, a0, R, k_lo, k_hi, nw_ptr, BLOCK_M, BLOCK_R, BLOCK_K, EXACT,
-                           NORM)
+        acc = _down_part(x_ptr, stride_xm, M, K, a0, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     elif i == 1:
-        acc = _down_part(x_ptr, stride_xm, M, K, a1, R, k_lo, k_hi, nw_ptr, BLOCK_M, BLOCK_R, BLOCK_K, EXACT,
-                           NORM)
+        acc = _down_part(x_ptr, stride_xm, M, K, a1, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     else:
-        acc = _down_part(x_ptr, stride_xm, M, K, a2, R, k_lo, k_hi, nw_ptr, BLOCK_M, BLOCK_R, BLOCK_K, EXACT,
-                           NORM)
+        acc = _down_part(x_ptr, stride_xm, M, K, a2, R, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, EXACT)
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
     if SPLIT == 1:
         tl.store(out_ptr + i * BLOCK_M * BLOCK_R + tile, acc)

@@ -103,23 +103,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-@dataclass(frozen=True)
-class InputNorm:
-    """The RMSNorm a launch folds in, where its x is the norm's input: the module's weight (never a copy) and
-    epsilon; the arithmetic of Llama's and Qwen's RMSNorm (`lean_activations.NORM_CLASSES`)."""
-
-    weight: torch.Tensor  # (K,)
-    eps: float
-
-
-def _normed_ref(x2: torch.Tensor, norm: InputNorm | None) -> torch.Tensor:
-    """x2 in float32, through `norm` where there is one."""
-    x = x2.float()
-    if norm is None:
-        return x
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
-
-
 def _proj_ref(x2: torch.Tensor, proj: DecodeProj) -> torch.Tensor:
     """float32 x W^T (+ scale * x A^T B^T) (+ bias)."""
     y = x2.float() @ _dense_ref(proj).t()
@@ -130,23 +113,18 @@ def _proj_ref(x2: torch.Tensor, proj: DecodeProj) -> torch.Tensor:
     return y
 
 
-def project_ref(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None,
-                norm: InputNorm | None = None) -> list[torch.Tensor]:
-    """[x W_i^T (+ LoRA_i) (+ bias_i) (+ residual)] for each projection, x through `norm` first where given, in
-    float32, rounded once to x's dtype."""
-    x = _normed_ref(x2, norm)
-    outs = [_proj_ref(x, p) for p in projs]
+def project_ref(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
+    """[x W_i^T (+ LoRA_i) (+ bias_i) (+ residual)] for each projection, in float32, rounded once to x's dtype."""
+    outs = [_proj_ref(x2, p) for p in projs]
     if residual is not None:
         outs = [y + residual.float() for y in outs]
     return [y.to(x2.dtype) for y in outs]
 
 
-def project_gated_ref(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj, norm: InputNorm | None = None
-                      ) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T), LoRA and biases included, x through `norm` first where given, in float32, rounded
-    once."""
-    x = _normed_ref(x2, norm)
-    return (F.silu(_proj_ref(x, gate)) * _proj_ref(x, up)).to(x2.dtype)
+def project_gated_ref(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T), LoRA and biases included, in float32, rounded once."""
+    return (F.silu(_proj_ref(x2, gate)) * _proj_ref(x2, up)).to(x2.dtype)
 
 
 # --- the kernels -----------------------------------------------------------------------------------
@@ -195,17 +173,12 @@ class Tuning:
         once its own programs run, and the next one's programs wait for it before touching memory, so they are
         resident when it ends instead of a launch gap later. The same values, a shorter step
         (benchmarks/RESULTS.md, "The measured defaults").
-    fold_norms: a decode layer's two RMSNorms inside its q/k/v and gate/up launches (`InputNorm`), two launches
-        a layer fewer, for values within a rounding of the norm's own launch (x times the norm's weight rounded
-        to x's dtype, rstd applied to the float32 sums). Off until its A/B runs on a GPU
-        (`benchmarks/probes/native_engine.py`, the `*_fold_norms` variants).
     """
 
     unpack: str = "bits"
     tiles: Mapping[tuple, TileConfig] = field(default_factory=dict)
     pdl: bool = True
     chain: bool = True
-    fold_norms: bool = False
 
 
 _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
@@ -213,18 +186,16 @@ _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
 
 @contextmanager
 def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None,
-           pdl: bool | None = None, chain: bool | None = None, fold_norms: bool | None = None) -> Iterator[Tuning]:
+           pdl: bool | None = None, chain: bool | None = None) -> Iterator[Tuning]:
     """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[(kind, N, K, fp8)]` over the
-    device's table (benchmark sweeps, tests), launch dependently where `pdl` and `chain` say, and decode layers
-    fold their norms into their launches where `fold_norms` says. A nested block adds to the outer one's choices;
-    leaving a block restores what was in force before it. Graphs captured inside keep the choices they
-    captured."""
+    device's table (benchmark sweeps, tests) and launch dependently where `pdl` and `chain` say. A nested block adds to
+    the outer one's choices; leaving a block restores what was in force before it. Graphs captured inside
+    keep the choices they captured."""
     outer = _TUNING.get()
     if unpack is not None and unpack not in _UNPACK_MODES:
         raise ValueError(f"decode_gemm.tuning: unpack={unpack!r}; use one of {sorted(_UNPACK_MODES)}")
     inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})},
-                   pdl=outer.pdl if pdl is None else pdl, chain=outer.chain if chain is None else chain,
-                   fold_norms=outer.fold_norms if fold_norms is None else fold_norms)
+                   pdl=outer.pdl if pdl is None else pdl, chain=outer.chain if chain is None else chain)
     token = _TUNING.set(inner)
     try:
         yield inner
@@ -348,12 +319,6 @@ def _check_group(x2: torch.Tensor, projs: Sequence[DecodeProj]) -> None:
             raise ValueError("decode_gemm: LoRA needs contiguous lora_a (r, K) and lora_b (N, r)")
 
 
-def _check_norm(x2: torch.Tensor, norm: InputNorm | None) -> None:
-    if norm is not None and (tuple(norm.weight.shape) != (x2.shape[1],) or not norm.weight.is_contiguous()):
-        raise ValueError(f"decode_gemm: a norm's weight must be contiguous ({x2.shape[1]},), got "
-                         f"{tuple(norm.weight.shape)}")
-
-
 def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, split: int | None = None,
               block_k: int = 64) -> torch.Tensor:
     """x A_i^T for each adapter: (len(lora_as), rows padded, block_r) float32, over `split` (default
@@ -363,11 +328,9 @@ def lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, s
 
 
 def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, pdl: bool,
-               split: int | None = None, block_k: int = 64, norm: InputNorm | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               split: int | None = None, block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """`lora_down`, and its scratch of partial sums, which the caller keeps until it has launched the
-    projection: with `pdl` that launch runs beside this one, and memory freed here could be handed to it.
-    `norm`: x times the norm's weight, the rstd left to the projection's launch."""
+    projection: with `pdl` that launch runs beside this one, and memory freed here could be handed to it."""
     kernels = _triton_kernels()
     m, k = x2.shape
     r = lora_as[0].shape[0]
@@ -381,9 +344,9 @@ def _lora_down(x2: torch.Tensor, lora_as: Sequence[torch.Tensor], block_r: int, 
     a = list(lora_as) + [lora_as[0]] * (3 - len(lora_as))
     chain = chained(x2.device)
     kernels.lora_down_kernel[(len(lora_as), split)](
-        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, parts, counters, r, x2 if norm is None else norm.weight,
-        BLOCK_M=_block_m(m), BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl,
-        CHAIN=chain, NORM=norm is not None, launch_pdl=chain, num_warps=4)
+        x2, x2.stride(0), m, k, a[0], a[1], a[2], out, parts, counters, r, BLOCK_M=_block_m(m), BLOCK_R=block_r,
+        BLOCK_K=block_k, SPLIT=split, EXACT=x2.dtype == torch.float32, PDL=pdl, CHAIN=chain, launch_pdl=chain,
+        num_warps=4)
     return out, parts
 
 
@@ -397,11 +360,6 @@ def _dependent_launches(device: torch.device) -> bool:
 def _pdl(x2: torch.Tensor, rank: int) -> bool:
     """Whether a launch with an adapter goes beside its lora_down (Tuning.pdl)."""
     return bool(rank) and _TUNING.get().pdl and _dependent_launches(x2.device)
-
-
-def folds_norms() -> bool:
-    """Whether decode layers fold their RMSNorms into their q/k/v and gate/up launches (Tuning.fold_norms)."""
-    return _TUNING.get().fold_norms
 
 
 def chained(device: torch.device) -> bool:
@@ -425,16 +383,13 @@ def _block_r(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length()) if rank else 16
 
 
-def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None,
-            norm: InputNorm | None = None) -> list[torch.Tensor]:
+def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
+            ) -> list[torch.Tensor]:
     """[x W_i^T + LoRA_i (+ bias_i) (+ residual)] for 1-3 projections of the same input, one launch (plus one for
-    the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype.
-    `norm`: x2 is that RMSNorm's input, and the launch normalizes it as it reads it (no launch for the norm: each
-    program sums the squares of the rows it reads, the K slices' sums added as their partial products are)."""
+    the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
     if not 1 <= len(projs) <= 3:
         raise ValueError(f"decode_gemm.project takes 1 to 3 projections, got {len(projs)}")
     _check_group(x2, projs)
-    _check_norm(x2, norm)
     kernels = _triton_kernels()
     m, k = x2.shape
     rank = _lora_group(projs)
@@ -445,7 +400,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
                                  or not residual.is_contiguous()):
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
     pdl, chain = _pdl(x2, rank), chained(x2.device)
-    xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl, norm=norm) if rank else (x2, None)
+    xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
     cfg = tile_config("proj", n_all, k, fp8, m, x2.device)
@@ -457,34 +412,30 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
 
     def launch(cfg: TileConfig) -> None:
         tiles = sum(-(-p.out_features // cfg.block_n) for p in projs)
-        if cfg.split_k > 1:  # float32 partial sums of each K slice (and its rows' sums of squares under a norm),
-            sums = tiles * cfg.split_k * _block_m(m)  # and the tiles' arrival counts
-            parts = torch.empty(sums * (cfg.block_n + (norm is not None)), dtype=torch.float32, device=x2.device)
+        if cfg.split_k > 1:  # float32 partial sums of each K slice, and the tiles' arrival counts
+            parts = torch.empty(tiles * cfg.split_k * _block_m(m) * cfg.block_n, dtype=torch.float32, device=x2.device)
             counters = _tile_counters(x2.device, tiles)
         else:
             parts = counters = x2
         kernels.proj_kernel[(tiles, cfg.split_k)](
             x2, x2.stride(0), m, k, *args, xa, rank, residual if residual is not None else x2, parts, counters,
-            x2 if norm is None else norm.weight, 0.0 if norm is None else float(norm.eps),
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
             HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
             EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, PDL=pdl, CHAIN=chain,
-            NORM=norm is not None, launch_pdl=pdl or chain, num_warps=cfg.num_warps)
+            launch_pdl=pdl or chain, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, has_bias, _block_m(m), x2.dtype,
-                     unpack, pdl, chain, norm is not None), cfg, launch)
+                     unpack, pdl, chain), cfg, launch)
     del scratch  # lora_down's partial sums, kept until the launch beside it was made
     return outs
 
 
-def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj, norm: InputNorm | None = None
-                  ) -> torch.Tensor:
+def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.Tensor:
     """silu(x Wg^T + LoRA_g (+ bias_g)) * (x Wu^T + LoRA_u (+ bias_u)), one launch (plus one for the LoRA
-    down-projections); `norm` as in `project`."""
+    down-projections)."""
     _check_group(x2, [gate, up])
-    _check_norm(x2, norm)
     if gate.out_features != up.out_features:
         raise ValueError(f"decode_gemm.project_gated: gate has {gate.out_features} outputs, up {up.out_features}")
     kernels = _triton_kernels()
@@ -495,7 +446,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj, norm: Inpu
     fp8 = gate.scale_inv is not None
     has_bias = gate.bias is not None
     pdl, chain = _pdl(x2, rank), chained(x2.device)
-    xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl, norm=norm) if rank else (x2, None)
+    xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     cfg = tile_config("gated", 2 * n, k, fp8, m, x2.device)  # keyed by the group's outputs in all, gate and up
 
@@ -505,15 +456,14 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj, norm: Inpu
             gate.weight, gate.scale_inv if fp8 else gate.weight, gate.lora_b if rank else gate.weight,
             float(gate.lora_scale), up.weight, up.scale_inv if fp8 else up.weight, up.lora_b if rank else up.weight,
             float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
-            x2 if norm is None else norm.weight, 0.0 if norm is None else float(norm.eps),
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
             HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, CHAIN=chain, NORM=norm is not None,
-            launch_pdl=pdl or chain, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, CHAIN=chain, launch_pdl=pdl or chain,
+            num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
-    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl, chain,
-                     norm is not None), cfg, launch)
+    _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl, chain), cfg,
+                    launch)
     del scratch  # as in project
     return y
 

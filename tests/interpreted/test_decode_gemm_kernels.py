@@ -129,29 +129,6 @@ def test_split_k_sums_every_slice_once_and_rearms_its_counters(fp8, split_k):
             close(dg.project(x, projs[:1], residual=res)[0], dg.project_ref(x, projs[:1], residual=res)[0])
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("rank", [0, 8])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_a_norm_folded_into_the_launch_gives_the_projections_of_the_normed_rows(fp8, rank, split_k):
-    # x is the RMSNorm's input, rows of scales 1e-2 to 1e2: each program sums the squares of the columns it reads,
-    # K slices' sums added by the slice that arrives last (as their partial products are), LoRA's x A^T scaled
-    # as the base's product; run twice, so counters left set would show
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(9, 640, generator=g) * torch.logspace(-2, 2, 9)[:, None]
-    norm = dg.InputNorm(1 + 0.1 * torch.randn(640, generator=g), 1e-5)
-    projs = [proj(n, 640, fp8, rank, seed=i) for i, n in enumerate([160, 64, 40])]
-    with dg.tuning(tiles={("proj", 264, 640, fp8): dg.TileConfig(32, 256, 4, 2, split_k)}):
-        for _ in range(2):
-            for got, want in zip(dg.project(x, projs, norm=norm), dg.project_ref(x, projs, norm=norm)):
-                close(got, want)
-            counters = dg._COUNTERS.get(x.device)  # (none made where nothing splits K)
-            assert counters is None or not counters.any()
-    gate, up = proj(96, 640, fp8, rank, seed=4), proj(96, 640, fp8, rank, seed=5)
-    close(dg.project_gated(x, gate, up, norm=norm), dg.project_gated_ref(x, gate, up, norm=norm))
-    with pytest.raises(ValueError, match=r"a norm's weight must be contiguous \(640,\)"):
-        dg.project(x, projs, norm=dg.InputNorm(torch.ones(320), 1e-5))
-
-
 @pytest.mark.parametrize("kind", ["proj", "gated"])
 def test_launches_read_the_config_under_the_key_the_sweeps_write(kind):
     # tile_config keys a launch by its outputs in all (gate + up for the gated MLP): an FP8 config that
@@ -190,12 +167,9 @@ def test_launches_shrink_tiles_that_do_not_fit_shared_memory():
                            lambda cfg: launch(dg.TileConfig(16, 1024, 4, 4)))
 
 
-@pytest.mark.parametrize("fold_norms", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_native_engine_with_kernels_equals_engine_with_modules(fp8, fold_norms, monkeypatch):
+def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     from peft import LoraConfig, get_peft_model
-
-    from grpo.rollout.native import layer as native_layer
 
     from grpo.config import LORA_TARGETS
     from grpo.kernels.fp8 import quantize_linears_
@@ -211,17 +185,11 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8, fold_norms, 
     sampling = Sampling(max_new_tokens=4, temperature=1.0, top_k=20, seed=3)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
-    norm_launches = []
-    own_launch = native_layer.norm_rows
-    monkeypatch.setattr(native_layer, "norm_rows", lambda *args: norm_launches.append(1) or own_launch(*args))
-    with dg.tuning(fold_norms=fold_norms):
-        out = engine.generate(PROMPTS, 2, sampling)
-    # the kernels did run, with LoRA (and FP8 codes), and the norms in launches of their own (rmsnorm.norm_rows) or
-    # inside the projections' (Tuning.fold_norms)
+    out = engine.generate(PROMPTS, 2, sampling)
+    # the kernels did run, with LoRA (and FP8 codes), and the norms in launches of their own (rmsnorm.norm_rows)
     assert all(plan is not None and plan.q.rank == 4 and (plan.q.scale_inv is not None) == fp8
                for plan in engine._projections)
     assert all(norm is not None for layer in engine._layers for norm in layer.norms)
-    assert bool(norm_launches) != fold_norms
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
@@ -253,11 +221,9 @@ def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_
         assert not engine._fold and not engine.needs_importance_correction
 
 
-@pytest.mark.parametrize("fold_norms", [False, True])
-def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules(fold_norms):
-    # Qwen2.5 (the packaged Qwen): q/k/v biases, which the kernels add (after the folded norm's rstd, where it is
-    # folded); LoRA on every projection. (FP8 codes with biases:
-    # test_biases_are_added_to_each_projection_with_lora_and_split_k.)
+def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules():
+    # Qwen2.5 (the packaged Qwen): q/k/v biases, which the kernels add; LoRA on every projection. (FP8 codes
+    # with biases: test_biases_are_added_to_each_projection_with_lora_and_split_k.)
     from peft import LoraConfig, get_peft_model
 
     from grpo.config import LORA_TARGETS
@@ -271,8 +237,7 @@ def test_native_engine_runs_qwen2_on_the_kernels_as_through_its_modules(fold_nor
     sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=4)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
-    with dg.tuning(fold_norms=fold_norms):
-        out = engine.generate(PROMPTS, 2, sampling)
+    out = engine.generate(PROMPTS, 2, sampling)
     assert all(plan is not None and plan.q.bias is not None for plan in engine._projections)
     assert torch.equal(out.completion_ids, ref.completion_ids)
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
@@ -387,10 +352,7 @@ SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4), chain=
         "qkv-qwen2": dict(kind="proj", fp8=True, tile=(32, 256, 4, 3), bias=True, split_k=4),
         "lora-epilogue": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2),
         "lora-epilogue-pdl": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2,
-                                  pdl=True),
-        # Tuning.fold_norms: the norm inside the gated launch, and a split-K q/k/v launch adding its slices' sums
-        "gated-norm": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4), chain=True, norm=True),
-        "qkv-norm-split": dict(kind="proj", fp8=True, tile=(32, 256, 4, 3), split_k=4, chain=True, norm=True)}
+                                  pdl=True)}
 COMPILE_EACH = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -448,17 +410,6 @@ def test_sass_tool_compiles_a_split_k_projection_with_biases_for_sm90(sass_compi
     # the q/k/v launch of Qwen2 (biases, FP8 codes, split K) compiles for sm_90, with tensor-core products
     loops = sass_compiled["qkv-qwen2"]["loops"]
     assert any(op.startswith("HMMA") for loop in loops for op in loop["ops"])
-
-
-@pytest.mark.parametrize("name", ["gated-norm", "qkv-norm-split"])
-def test_launches_with_their_norm_folded_in_compile_for_sm90_streaming_as_without(sass_compiled, name):
-    # the norm's sums of squares and weight ride in the K loop, which keeps its tensor-core products and 16-byte
-    # async copies; the chain still waits ahead of every memory access
-    loops = [loop for loop in sass_compiled[name]["loops"] if loop["instructions"] > 8]
-    assert loops and all(any(op.startswith("HMMA") for op in loop["ops"]) for loop in loops)
-    assert any("LDGSTS.E.BYPASS.128" in loop["ops"] for loop in loops)
-    at = sass_compiled[name]["ptx_at"]
-    assert 0 <= at["griddepcontrol.wait"] < min(at[op] for op in ("cp.async", "ld.global", "st.global") if at[op] >= 0)
 
 
 def test_lora_down_and_the_tiles_count_arrivals_in_counters_of_their_own():

@@ -11,9 +11,8 @@ embedding at each row's own position and writes the token's K/V into the engine'
   (and LoRA chains) overlap;
 - `KernelLayer`: the decode GEMM kernels of `grpo.kernels.decode_gemm` in place of the projections
   (q/k/v in one launch, o_proj and down_proj with the residual add fused, gate/up with the SiLU
-  product fused, LoRA and FP8 inside), the norms one launch each (`rmsnorm.norm_rows`; else compiled pieces) or
-  inside the q/k/v and gate/up launches (`decode_gemm.Tuning.fold_norms`), so that each launch of a step goes
-  dependently on the one before (`decode_gemm.Tuning.chain`).
+  product fused, LoRA and FP8 inside), the norms one launch each (`rmsnorm.norm_rows`; else compiled
+  pieces), so that each launch of a step goes dependently on the one before (`decode_gemm.Tuning.chain`).
   With the attention kernel both rotaries and the K/V write happen in the attention's launch (but for
   Qwen3, whose head norms come first: K's rotary and the K/V write in one kernel, q's rotary compiled);
 - `PackedLayer`: KernelLayer with torch's GEMMs (cuBLAS) for the projections and the adapters packed for
@@ -43,7 +42,7 @@ from grpo.kernels.decode_attention import decode_attention, rope_store_attend
 from grpo.kernels.decode_gemm import rope
 from grpo.kernels.rmsnorm import norm_rows
 from grpo.rollout.native.packed import LayerPack
-from grpo.rollout.native.plan import LayerProjections, decode_norm
+from grpo.rollout.native.plan import DecodeNorm, LayerProjections, decode_norm
 
 
 # The decoder families (config.model_type) whose layers this module reproduces, each checked against
@@ -327,24 +326,24 @@ class StreamLayer(ModuleLayer):
 @dataclass(frozen=True, eq=False)
 class KernelLayer(ModuleLayer):
     """A decoder layer with the decode GEMM kernels reading its projections' tensors (`plan.py`), and its norms'
-    (`norms`: input and post-attention, None each where the module is called before its launch)."""
+    (`norms`: input and post-attention, None each where the module is called)."""
 
     proj: LayerProjections
-    norms: tuple[decode_gemm.InputNorm | None, decode_gemm.InputNorm | None] = (None, None)
+    norms: tuple[DecodeNorm | None, DecodeNorm | None] = (None, None)
 
-    def norm(self, which: int, x2: torch.Tensor) -> torch.Tensor:
-        """The layer's norm `which` (0: input, 1: post-attention) of x2 (B, H): (B, H)."""
+    def norm(self, which: int, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's norm `which` (0: input, 1: post-attention) of x (B, 1, H): (B, H)."""
         tensors = self.norms[which]
         if tensors is None:
-            module = (self.layer.input_layernorm, self.layer.post_attention_layernorm)[which]
-            return self.fns.norm(module, x2.view(x2.shape[0], 1, -1)).view(x2.shape)
-        return norm_rows(x2, tensors.weight, tensors.eps)
+            return self.fns.norm(module, x).view(x.shape[0], self.dims.hidden)
+        return norm_rows(x.view(x.shape[0], self.dims.hidden), tensors.weight, tensors.eps)
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fns, layer, dims = self.fns, self.layer, self.dims
         rows = x.shape[0]
         attn = layer.self_attn
-        q, k, v = self.qkv(x.view(rows, dims.hidden))
+        h = self.norm(0, layer.input_layernorm, x)
+        q, k, v = self.qkv(h)
         q_norm = getattr(attn, "q_norm", None)
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
         if self.attention == "kernel" and q_norm is None:  # three launches in one: rotaries, K/V write, attention
@@ -355,25 +354,19 @@ class KernelLayer(ModuleLayer):
                 k = fns.norm(attn.k_norm, k.view(rows, dims.n_kv_heads, dims.head_dim)).view(rows, -1)
             self.rope_store_kv(k, v, cos, sin, at.pos, k_cache, v_cache)
             out = fns.attend(q, q_norm, at.cos, at.sin, at.valid, at.pos, k_cache, v_cache, dims, self.attention)
-        x2 = self.o(out, x.view(rows, dims.hidden))
-        return self.down(self.gated(x2), x2).view(rows, 1, dims.hidden)
+        x = self.o(out, x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
+        h = self.norm(1, layer.post_attention_layernorm, x)
+        return self.down(self.gated(h), x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
 
-    # the projections, on the decode kernels (PackedLayer: on torch's GEMMs); q/k/v and gate/up take the
-    # residual stream x2 (B, H), their norm inside the launch where the kernels know it and Tuning.fold_norms
-    # says so, else before it
-    def qkv(self, x2: torch.Tensor) -> list[torch.Tensor]:
-        projs = [self.proj.q, self.proj.k, self.proj.v]
-        if self.norms[0] is None or not decode_gemm.folds_norms():
-            return decode_gemm.project(self.norm(0, x2), projs)
-        return decode_gemm.project(x2, projs, norm=self.norms[0])
+    # the projections, on the decode kernels (PackedLayer: on torch's GEMMs)
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
+        return decode_gemm.project(h, [self.proj.q, self.proj.k, self.proj.v])
 
     def o(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return decode_gemm.project(out, [self.proj.o], residual=residual)[0]
 
-    def gated(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.norms[1] is None or not decode_gemm.folds_norms():
-            return decode_gemm.project_gated(self.norm(1, x2), self.proj.gate, self.proj.up)
-        return decode_gemm.project_gated(x2, self.proj.gate, self.proj.up, norm=self.norms[1])
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        return decode_gemm.project_gated(h, self.proj.gate, self.proj.up)
 
     def down(self, m: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return decode_gemm.project(m, [self.proj.down], residual=residual)[0]
@@ -389,14 +382,14 @@ class PackedLayer(KernelLayer):
 
     pack: LayerPack | None = None
 
-    def qkv(self, x2: torch.Tensor) -> list[torch.Tensor]:
-        return self.pack.qkv(self.norm(0, x2))
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
+        return self.pack.qkv(h)
 
     def o(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.pack.o(out, residual)[0]
 
-    def gated(self, x2: torch.Tensor) -> torch.Tensor:
-        gate, up = self.pack.gate_up(self.norm(1, x2))
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.pack.gate_up(h)
         return self.fns.gate_product(self.layer.mlp, gate, up)
 
     def down(self, m: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

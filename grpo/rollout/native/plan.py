@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from grpo.kernels import decode_gemm, rmsnorm
-from grpo.kernels.decode_gemm import DecodeProj, InputNorm
+from grpo.kernels.decode_gemm import DecodeProj
 from grpo.kernels.fp8 import FP8Linear
 from grpo.model.lean_activations import NORM_CLASSES
 from grpo.model.lora_addmm import LinearInInputDtype
@@ -109,13 +109,20 @@ def layer_projections(layer: nn.Module, dtype: torch.dtype) -> LayerProjections 
     return LayerProjections(**projs)
 
 
-def decode_norm(module: nn.Module) -> InputNorm | None:
-    """What `rmsnorm.norm_rows` and the decode GEMMs (folded into their launch) need to act as `module`, or None
-    (then the module is called): an RMSNorm of the classes whose arithmetic they do
-    (`lean_activations.NORM_CLASSES`) on a device where the kernel runs."""
+@dataclass(frozen=True)
+class DecodeNorm:
+    """An RMSNorm as `rmsnorm.norm_rows` reads it: the module's weight (never a copy) and its epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+def decode_norm(module: nn.Module) -> DecodeNorm | None:
+    """What `rmsnorm.norm_rows` needs to act as `module`, or None (then the module is called): an RMSNorm of the
+    classes whose arithmetic it is (`lean_activations.NORM_CLASSES`) on a device where the kernel runs."""
     weight = getattr(module, "weight", None)
     if type(module).__name__ not in NORM_CLASSES or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
     if weight.shape[0] > rmsnorm.MAX_COLS or not rmsnorm.can_run(weight.device):
         return None
-    return InputNorm(weight, float(module.variance_epsilon))
+    return DecodeNorm(weight, float(module.variance_epsilon))
