@@ -128,11 +128,18 @@ def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_
 
 
 @COMPILED
-def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_give_the_same_gradients():
-    # transformers' checkpointing wraps the class's forward, which the compiled one replaces on the layer: a
-    # checkpointed layer takes the module's, so the forward keeps each layer's input, and none of its activations
+def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_give_the_same_gradients(monkeypatch):
+    # transformers' checkpointing wraps the class's forward, which the compiled one replaces on the layer: the
+    # compiled layer checkpoints its call itself, so the forward keeps each layer's input, none of its activations,
+    # and forward and recompute both run the compiled function
     model = tiny_model("qwen2")
     compiled_layers.install(model.get_base_model(), backend="aot_eager")
+    runs, compiled = [], compiled_layers.compiled
+
+    def counted(*key):
+        return lambda *args: runs.append(1) or compiled(*key)(*args)
+
+    monkeypatch.setattr(compiled_layers, "compiled", counted)
     ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
     params = [p for p in model.parameters() if p.requires_grad]
     held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -152,7 +159,9 @@ def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_giv
 
     plain, kept = grads_and_saved()
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    runs.clear()
     checkpointed, kept_checkpointed = grads_and_saved()
+    assert len(runs) == 2 * DIMS["num_hidden_layers"]  # each layer's forward, then its recompute in backward
     for g, w in zip(checkpointed, plain, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     hidden = (2, 9, DIMS["hidden_size"])

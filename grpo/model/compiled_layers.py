@@ -197,10 +197,7 @@ def layer_shape(layer: nn.Module) -> LayerShape:
 def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
              use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
     weights = None
-    # A checkpointed layer takes the module's forward, which transformers' checkpointing wraps (the class's): the
-    # compiled one would keep every activation that checkpointing drops
-    checkpointed = getattr(self, "gradient_checkpointing", False) and self.training
-    if (torch.is_grad_enabled() and not checkpointed and attention_mask is None and cache is None
+    if (torch.is_grad_enabled() and attention_mask is None and cache is None
             and kwargs.get("past_key_values") is None and position_embeddings is not None):
         weights = layer_weights(self)
     if weights is None:
@@ -209,8 +206,13 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     cos, sin = position_embeddings
     if not hidden_states.requires_grad:  # the first layer's (the embedding is frozen): given a gradient it runs the
         hidden_states = hidden_states.detach().requires_grad_()  # others' graph, for one layer's input GEMMs
+    layer = compiled(self.compiled_shape, self.compiled_backend)
+    if getattr(self, "gradient_checkpointing", False) and self.training:
+        # transformers' checkpointing wraps the class's forward, which this one replaces: checkpoint the compiled
+        # call here (the forward keeps the layer's input alone, the backward runs the compiled forward again)
+        layer = functools.partial(self._gradient_checkpointing_func, layer)
     try:
-        return compiled(self.compiled_shape, self.compiled_backend)(hidden_states, cos, sin, weights)
+        return layer(hidden_states, cos, sin, weights)
     except torch._dynamo.exc.TorchDynamoException as err:  # a torch or Triton this compile does not work with
         cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where it failed
         said = (str(cause).strip().splitlines() or [""])[0]
