@@ -128,7 +128,7 @@ class Config:
                              "and far less host work a layer, for a compile of some seconds at the first training "
                              "pass, widths rounded up to a multiple of 8, and values within a rounding of the "
                              "modules'. auto: where the layers keep their activations (no gradient "
-                             "checkpointing); checkpointed layers keep the modules, which were faster and held less "
+                             "checkpointing); checkpointed layers keep the modules, which held less "
                              "(benchmarks/RESULTS.md, \"The measured defaults\"). off: the modules everywhere.",
                              "model", choices=["auto", "off"])
 

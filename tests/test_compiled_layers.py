@@ -10,7 +10,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo.kernels.fp8 import FP8Linear, quantize_linears_
 from grpo.model import compiled_layers, lora_addmm
 from grpo.model.compiled_layers import decoder_layer, layer_shape, layer_weights
 from grpo.model.load import adapters_off, compute_adapters_in_base_dtype
@@ -21,21 +20,15 @@ DIMS = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key
             num_hidden_layers=2, vocab_size=200, max_position_embeddings=256, pad_token_id=0)
 
 
-def tiny_model(family: str, dtype=torch.float32, lora_dropout: float = 0.0, fp8: bool = False):
+def tiny_model(family: str, dtype=torch.float32, lora_dropout: float = 0.0):
     """A random two-layer model of `family` with the trainer's rsLoRA on the 7 projections, B non-zero (as after
-    some training): Qwen2's q/k/v have biases, Qwen3's heads their norms. `fp8`: FP8Linear base layers,
-    multiplying by their dense weight (the trainer's --fp8-gemm under checkpointing)."""
+    some training): Qwen2's q/k/v have biases, Qwen3's heads their norms."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     config = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     extra = {"sliding_window": None} if family in ("mistral", "qwen2", "qwen3") else {}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(**DIMS, **extra)).to(dtype).requires_grad_(False)
-    if fp8:
-        quantize_linears_(model)
-        for module in model.modules():
-            if isinstance(module, FP8Linear):
-                module.gemm = "dense"
     policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, use_rslora=True, lora_dropout=lora_dropout,
                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]))
@@ -65,18 +58,16 @@ def value_and_grads(fn, layer, h, grad):
     return out.detach(), got
 
 
-@pytest.mark.parametrize("family,fp8", [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", False),
-                                        ("llama", True), ("qwen2", True)])  # FP8 base layers: their dense weight
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-def test_the_written_out_layer_gives_the_modules_values_and_gradients(family, fp8, dtype, tol):
-    model = tiny_model(family, dtype, fp8=fp8)
+def test_the_written_out_layer_gives_the_modules_values_and_gradients(family, dtype, tol):
+    model = tiny_model(family, dtype)
     layer = model.get_base_model().model.layers[1]
     h, (cos, sin) = rotary(model, 3, 11, dtype)
     grad = torch.randn(3, 11, DIMS["hidden_size"], dtype=dtype)
     want, want_grads = value_and_grads(lambda x: layer(x, position_embeddings=(cos, sin)), layer, h, grad)
     weights = layer_weights(layer)
     assert weights is not None and (weights.q_norm is not None) == (family == "qwen3")
-    assert all((p.scale_inv is not None) == fp8 for p in weights.projections)
     got, got_grads = value_and_grads(lambda x: decoder_layer(x, cos, sin, weights, layer_shape(layer)), layer, h,
                                      grad)
     scale = want.abs().max()
@@ -103,10 +94,8 @@ def test_the_compiled_layer_gives_the_functions_values_for_new_widths_without_co
 
 
 @COMPILED
-@pytest.mark.parametrize("fp8", [False, True])
-def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_training_pass(fp8, monkeypatch):
-    torch._dynamo.reset()  # compiled for FP8's weights or the others': a run has one kind
-    model = tiny_model("qwen2", fp8=fp8)
+def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_training_pass(monkeypatch):
+    model = tiny_model("qwen2")
     reference = copy.deepcopy(model)
     assert compiled_layers.width_multiple(model) == 1
     assert compiled_layers.install(model.get_base_model(), backend="aot_eager") == DIMS["num_hidden_layers"]
@@ -136,25 +125,14 @@ def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_
             assert torch.equal(out, passes(reference)[0])
     assert passes(model, attention_mask=mask)[1] == 0  # a padding mask: the modules'
     assert passes(model, use_cache=True)[1] == 0  # a cache: the modules'
-    for module in model.modules():  # FP8's own GEMMs (--fp8-gemm auto without checkpointing): the modules'
-        if isinstance(module, FP8Linear):
-            module.gemm = "auto"
-    assert passes(model)[1] == (0 if fp8 else DIMS["num_hidden_layers"])
 
 
 @COMPILED
-def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_give_the_same_gradients(monkeypatch):
-    # transformers' checkpointing wraps the class's forward, which the compiled one replaces on the layer: the
-    # compiled layer checkpoints its call itself, so the forward keeps each layer's input, none of its activations,
-    # and forward and recompute both run the compiled function
+def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_give_the_same_gradients():
+    # transformers' checkpointing wraps the class's forward, which the compiled one replaces on the layer: a
+    # checkpointed layer takes the module's, so the forward keeps each layer's input, and none of its activations
     model = tiny_model("qwen2")
     compiled_layers.install(model.get_base_model(), backend="aot_eager")
-    runs, compiled = [], compiled_layers.compiled
-
-    def counted(*key):
-        return lambda *args: runs.append(1) or compiled(*key)(*args)
-
-    monkeypatch.setattr(compiled_layers, "compiled", counted)
     ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
     params = [p for p in model.parameters() if p.requires_grad]
     held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -174,9 +152,7 @@ def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_giv
 
     plain, kept = grads_and_saved()
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    runs.clear()
     checkpointed, kept_checkpointed = grads_and_saved()
-    assert len(runs) == 2 * DIMS["num_hidden_layers"]  # each layer's forward, then its recompute in backward
     for g, w in zip(checkpointed, plain, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     hidden = (2, 9, DIMS["hidden_size"])
@@ -185,30 +161,6 @@ def test_under_gradient_checkpointing_the_layers_keep_their_inputs_alone_and_giv
     # each layer's input, and the final norm's input and output (the norm is outside the layers)
     assert len(layer_inputs) == DIMS["num_hidden_layers"] + 2, kept_checkpointed
     assert not any(DIMS["intermediate_size"] in shape for shape in kept_checkpointed), kept_checkpointed
-
-
-@COMPILED
-@pytest.mark.parametrize("budget,saved_wide", [(compiled_layers.ACTIVATION_BUDGET, 2), (1.0, 3)])
-def test_inductors_partition_under_the_budget_recomputes_the_silu_product(budget, saved_wide, monkeypatch):
-    # inductor's partitioner (min cut) under the layer's activation budget: of the tensors as wide as the MLP a layer
-    # saves gate and up, and recomputes the SiLU product from them; by default it saves the product too (what the
-    # budget exists to change: under checkpointing the compiled backward's own buffers then raised the peak)
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-
-    monkeypatch.setattr(compiled_layers, "ACTIVATION_BUDGET", budget)
-    torch._dynamo.reset()
-    model = tiny_model("llama", torch.bfloat16)
-    just_graphs = lambda gm, _: make_boxed_func(gm.forward)  # noqa: E731
-    compiled_layers.install(model.get_base_model(), backend=aot_autograd(
-        fw_compiler=just_graphs, bw_compiler=just_graphs, partition_fn=min_cut_rematerialization_partition))
-    ids = torch.randint(1, DIMS["vocab_size"], (3, 16))  # 48 rows: no weight has 48 rows
-    saved = []
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        model.get_base_model().model(input_ids=ids, use_cache=False)
-    torch._dynamo.reset()  # the next test compiles with the backends it names
-    assert saved.count((48, DIMS["intermediate_size"])) == saved_wide * DIMS["num_hidden_layers"], saved
 
 
 def test_a_compile_that_fails_is_one_line_naming_the_flag_that_turns_it_off(monkeypatch):
@@ -226,14 +178,13 @@ def test_a_compile_that_fails_is_one_line_naming_the_flag_that_turns_it_off(monk
 
 
 def test_layers_it_does_not_reproduce_keep_their_modules():
-    class OtherLinear(torch.nn.Linear):  # a base layer whose forward `project` does not reproduce
-        pass
+    from grpo.kernels.fp8 import quantize_linears_
 
-    model = tiny_model("llama", torch.bfloat16)
-    layers = model.get_base_model().model.layers
-    layers[0].mlp.up_proj.base_layer.__class__ = OtherLinear
+    fp8 = tiny_model("llama", torch.bfloat16)
+    quantize_linears_(fp8.get_base_model().model.layers[0])
+    layers = fp8.get_base_model().model.layers
     assert "nn.Linear" in compiled_layers.refusal(layers[0]) and compiled_layers.refusal(layers[1]) is None
-    assert compiled_layers.install(model.get_base_model()) == 1
+    assert compiled_layers.install(fp8.get_base_model()) == 1
     assert "forward" not in vars(layers[0]) and "forward" in vars(layers[1])
 
     with_dropout = tiny_model("llama", lora_dropout=0.1)

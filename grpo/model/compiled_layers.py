@@ -12,9 +12,10 @@ specialize. So a run compiles it once, at its first training pass.
 
 It trades that compile (seconds) and values within a rounding of the modules' (the norms and the SiLU product in
 float32 without rounding between their ops) for a shorter training pass, where the layers keep their activations
-(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer keeps its modules: the layer compiled
-under checkpointing, its backward recomputing it inside the graph, was slower than the modules and held more
-(benchmarks/RESULTS.md, "The measured defaults").
+(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer keeps its modules: compiled under
+checkpointing (its call checkpointed, or the recompute inside the graph), the layer held more at the bench step's
+peak, where the compiled backward makes the MLP's gradients in buffers of its own and the modules' make them in
+place (benchmarks/RESULTS.md, "The measured defaults").
 
 Only where it reproduces the module and autograd records: the decoder layers of `LAYER_CLASSES` without a sliding
 window or attention dropout, SiLU MLPs, projections that are nn.Linear (FP8 base layers keep the modules) with at
@@ -38,7 +39,6 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
 from grpo.kernels.decode_gemm import rope
-from grpo.kernels.fp8 import FP8Linear, dequantize_fp8_block
 from grpo.kernels.rmsnorm import rms_norm_ref
 from grpo.model.lora_addmm import plain_adapter
 
@@ -49,21 +49,13 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SILU_CLASSES = ("SiLU", "SiLUActivation")
 WIDTH_MULTIPLE = 8  # `width_multiple`
-BASE_LAYERS = (nn.Linear, FP8Linear)  # FP8's where it multiplies by its dense weight (`base_weights`)
-# What the partitioner may save for backward, as a share of what it saves by default: below 1 it recomputes the
-# normed inputs and the SiLU product from the tensors it keeps (pointwise work) instead of saving them, which pays
-# for the buffers the compiled backward makes where the modules' make their gradients in place (RESULTS.md,
-# "The measured defaults")
-ACTIVATION_BUDGET = 0.9
 
 
 class Projection(NamedTuple):
     """One projection's tensors: y = x W^T + b + scale * (x A^T) B^T (the scale is the layer's `LayerShape`);
-    `lora_a`/`lora_b` None without an adapter; an FP8 base layer's W its E4M3 codes and their 128x128 blocks'
-    scales."""
+    `lora_a`/`lora_b` None without an adapter."""
 
     weight: torch.Tensor  # (out, in)
-    scale_inv: torch.Tensor | None  # (out/128, in/128) where the weight is FP8, else None
     bias: torch.Tensor | None  # (out,)
     lora_a: torch.Tensor | None  # (r, in), float32: multiplied in the activations' dtype
     lora_b: torch.Tensor | None  # (out, r)
@@ -93,9 +85,7 @@ class LayerShape(NamedTuple):
 
 def project(x: torch.Tensor, p: Projection, scale: float) -> torch.Tensor:
     """(rows, out): x (rows, in) through the base weight and the adapter, the adapter's product added in the GEMM."""
-    # an FP8 weight as FP8Linear's dense way makes it, in torch's ops (inductor fuses them into one pass)
-    weight = p.weight if p.scale_inv is None else dequantize_fp8_block(p.weight, p.scale_inv, x.dtype, impl="ref")
-    y = F.linear(x, weight, p.bias if p.bias is None else p.bias.to(x.dtype))
+    y = F.linear(x, p.weight, p.bias)
     if p.lora_a is None:
         return y
     return torch.addmm(y, x @ p.lora_a.to(x.dtype).t(), p.lora_b.to(x.dtype).t(), alpha=scale)
@@ -138,8 +128,7 @@ def compiled(shape: LayerShape, backend: str = "inductor"):
     def call(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         for t, dims in ((h, (0, 1)), (cos, (1,)), (sin, (1,))):  # rows, positions
             torch._dynamo.maybe_mark_dynamic(t, dims)
-        with torch._functorch.config.patch(activation_memory_budget=ACTIVATION_BUDGET):  # read when it compiles
-            return graph(h, cos, sin, w)
+        return graph(h, cos, sin, w)
 
     return call
 
@@ -147,20 +136,13 @@ def compiled(shape: LayerShape, backend: str = "inductor"):
 def projection_weights(module: nn.Module) -> Projection | None:
     """A projection's tensors as `project` reads them, or None where this call is not the plain case (the adapter
     switched off, another adapter variant, no grad)."""
-    if type(module) in BASE_LAYERS:
-        return base_weights(module, None, None)
+    if type(module) is nn.Linear:
+        return Projection(module.weight, module.bias, None, None)
     name = plain_adapter(module, (), {})
     if name is None or len(module.lora_A) != 1:  # (the base layer's type `refusal` checked at install)
         return None
-    return base_weights(module.base_layer, module.lora_A[name].weight, module.lora_B[name].weight)
-
-
-def base_weights(base: nn.Module, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> Projection | None:
-    if type(base) is nn.Linear:
-        return Projection(base.weight, None, base.bias, lora_a, lora_b)
-    if base.gemm != "dense":  # FP8's GEMMs (--fp8-gemm): the module's, whose numerics are not the dense weight's
-        return None
-    return Projection(base.weight, base.weight_scale_inv, base.bias, lora_a, lora_b)
+    return Projection(module.base_layer.weight, module.base_layer.bias, module.lora_A[name].weight,
+                      module.lora_B[name].weight)
 
 
 def layer_weights(layer: nn.Module) -> LayerWeights | None:
@@ -190,10 +172,10 @@ def refusal(layer: nn.Module) -> str | None:
         module = layer.get_submodule(path)
         if type(module) is LoraLinear:
             dropouts = module.lora_dropout.values()
-            if len(module.lora_A) != 1 or type(module.base_layer) not in BASE_LAYERS or any(
+            if len(module.lora_A) != 1 or type(module.base_layer) is not nn.Linear or any(
                     type(d) is not nn.Identity for d in dropouts):
-                return f"{path} has a base layer other than nn.Linear or FP8Linear, adapter dropout, or several adapters"
-        elif type(module) not in BASE_LAYERS:
+                return f"{path} has a base layer other than nn.Linear, adapter dropout, or several adapters"
+        elif type(module) is not nn.Linear:
             return f"{path} is a {type(module).__name__}"
     eps = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
            *(getattr(attention, n).variance_epsilon for n in ("q_norm", "k_norm") if hasattr(attention, n))}
@@ -216,7 +198,10 @@ def layer_shape(layer: nn.Module) -> LayerShape:
 def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
              use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
     weights = None
-    if (torch.is_grad_enabled() and attention_mask is None and cache is None
+    # A checkpointed layer takes the module's forward, which transformers' checkpointing wraps (the class's): the
+    # compiled one would keep every activation that checkpointing drops
+    checkpointed = getattr(self, "gradient_checkpointing", False) and self.training
+    if (torch.is_grad_enabled() and not checkpointed and attention_mask is None and cache is None
             and kwargs.get("past_key_values") is None and position_embeddings is not None):
         weights = layer_weights(self)
     if weights is None:
@@ -225,13 +210,8 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     cos, sin = position_embeddings
     if not hidden_states.requires_grad:  # the first layer's (the embedding is frozen): given a gradient it runs the
         hidden_states = hidden_states.detach().requires_grad_()  # others' graph, for one layer's input GEMMs
-    layer = compiled(self.compiled_shape, self.compiled_backend)
-    if getattr(self, "gradient_checkpointing", False) and self.training:
-        # transformers' checkpointing wraps the class's forward, which this one replaces: checkpoint the compiled
-        # call here (the forward keeps the layer's input alone, the backward runs the compiled forward again)
-        layer = functools.partial(self._gradient_checkpointing_func, layer)
     try:
-        return layer(hidden_states, cos, sin, weights)
+        return compiled(self.compiled_shape, self.compiled_backend)(hidden_states, cos, sin, weights)
     except torch._dynamo.exc.TorchDynamoException as err:  # a torch or Triton this compile does not work with
         cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where it failed
         said = (str(cause).strip().splitlines() or [""])[0]

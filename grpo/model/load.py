@@ -174,7 +174,7 @@ def add_lora(model, cfg: Config):
     if cfg.lean_activations:
         lean_activations.install(model)
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if on_cuda and cfg.compile_layers == "auto":
+    if on_cuda and cfg.compile_layers == "auto" and not cfg.gradient_checkpointing:
         compiled_layers.install(model)  # after the modules' own changes: the layers it refuses keep them
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
