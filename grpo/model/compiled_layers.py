@@ -13,9 +13,8 @@ specialize. So a run compiles it once, at its first training pass.
 It trades that compile (seconds) and values within a rounding of the modules' (the norms and the SiLU product in
 float32 without rounding between their ops) for a shorter training pass, where the layers keep their activations
 (no gradient checkpointing: `--compile-layers auto`). A checkpointed layer keeps its modules: compiled under
-checkpointing (its call checkpointed, or the recompute inside the graph), the layer held more at the bench step's
-peak, where the compiled backward makes the MLP's gradients in buffers of its own and the modules' make them in
-place (benchmarks/RESULTS.md, "The measured defaults").
+checkpointing (its call checkpointed, or the recompute inside the graph), the layer shortened the bench step's
+training pass or not, but raised its peak memory each way (benchmarks/RESULTS.md, "The measured defaults").
 
 Only where it reproduces the module and autograd records: the decoder layers of `LAYER_CLASSES` without a sliding
 window or attention dropout, SiLU MLPs, projections that are nn.Linear (FP8 base layers keep the modules) with at
