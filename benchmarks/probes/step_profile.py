@@ -161,7 +161,8 @@ def idle_gaps(kernels: list[dict], top: int = 6) -> dict:
             by_size[next(name for bound, name in GAP_SIZES_US if gap < bound)] += gap / 1e3
             if gap >= 100:
                 after_long[k["name"][:90]] += gap / 1e3
-        reached = max(reached or k["ts"], k["ts"] + k["dur"])
+        end = k["ts"] + k["dur"]
+        reached = end if reached is None else max(reached, end)
     return {"gpu_idle_ms_by_wait": by_size,
             "after_long_waits_ms": sorted(after_long.items(), key=lambda kv: -kv[1])[:top]}
 
