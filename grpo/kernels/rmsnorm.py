@@ -45,38 +45,86 @@ def _launch(n: int) -> dict:
     return {"BLOCK": block, "num_warps": min(16, max(4, block // 512))}
 
 
+def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward launch: (y, x's rows as it read them, rstd (rows,) float32)."""
+    from grpo.kernels import _rmsnorm_triton as k
+
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        k.rmsnorm_forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
+                                                   SAVE_RSTD=True, CHAIN=False, **_launch(n))
+    return y.view(*x.shape[:-1], n), rows, rstd
+
+
+def _kernel_backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The backward launch: dx for the forward's rows, shaped as grad."""
+    from grpo.kernels import _rmsnorm_triton as k
+
+    n = rows.shape[-1]
+    g = grad.reshape(-1, n)
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    if rows.shape[0]:
+        k.rmsnorm_backward_kernel[(rows.shape[0],)](g, rows, weight, rstd, dx, n, g.stride(0), rows.stride(0),
+                                                    dx.stride(0), **_launch(n))
+    return dx.view(grad.shape[:-1] + (n,))
+
+
 class _RMSNormKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from grpo.kernels import _rmsnorm_triton as k
-
-        n = x.shape[-1]
-        rows = x.reshape(-1, n)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-        if rows.shape[0]:
-            k.rmsnorm_forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
-                                                       SAVE_RSTD=True, CHAIN=False, **_launch(n))
+        y, rows, rstd = _kernel_forward(x, weight, eps)
         ctx.save_for_backward(rows, weight, rstd)
-        return y.view(*x.shape[:-1], n)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        from grpo.kernels import _rmsnorm_triton as k
-
         rows, weight, rstd = ctx.saved_tensors
-        n = rows.shape[-1]
-        g = grad.reshape(-1, n)
-        if g.stride(-1) != 1:
-            g = g.contiguous()
-        dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        if rows.shape[0]:
-            k.rmsnorm_backward_kernel[(rows.shape[0],)](g, rows, weight, rstd, dx, n, g.stride(0), rows.stride(0),
-                                                        dx.stride(0), **_launch(n))
-        return dx.view(grad.shape[:-1] + (n,)), None, None
+        return _kernel_backward(grad, rows, weight, rstd), None, None
+
+
+def ref_with_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_ref`'s value and the rstd (..., 1) float32 its gradient needs (`ref_input_grad`), by its own ops."""
+    x32 = x.to(torch.float32)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 * rstd).to(x.dtype), rstd
+
+
+def ref_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """x's gradient through `rms_norm_ref`: autograd's derivatives of its ops, in their order (so its values bit for
+    bit)."""
+    x32 = x.to(torch.float32)
+    d_normed = (grad * weight).to(x.dtype).to(torch.float32)  # (eager's product gives its input's dtype)
+    d_rstd = (d_normed * x32).sum(-1, keepdim=True)
+    d_square = (-0.5 * d_rstd * rstd.pow(3)).expand_as(x32) / x32.shape[-1]  # rsqrt's, then mean's
+    d_x = d_normed * rstd + d_square * (2 * x32)  # through the product with rstd, and through pow(2)
+    return d_x.to(x.dtype)
+
+
+def norm_with_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, tuple]:
+    """`rms_norm_ref(x, weight, eps)` without autograd, on the kernel where it runs (`kernel_runs`), else by the
+    reference's ops; and what `norm_input_grad` needs for x's gradient."""
+    if kernel_runs(x, weight):
+        y, rows, rstd = _kernel_forward(x, weight, eps)
+        return y, (rows, rstd)
+    y, rstd = ref_with_rstd(x, weight, eps)
+    return y, (x, rstd)
+
+
+def norm_input_grad(grad: torch.Tensor, weight: torch.Tensor, saved: tuple) -> torch.Tensor:
+    """x's gradient through `norm_with_rstd` (its `saved`), the weight frozen: the kernel's backward where the
+    forward ran the kernel."""
+    x, rstd = saved
+    if rstd.dim() == 1:  # the kernel's: one float32 a row
+        return _kernel_backward(grad, x, weight, rstd)
+    return ref_input_grad(grad, x, weight, rstd)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

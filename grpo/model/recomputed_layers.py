@@ -1,0 +1,184 @@
+"""The training pass's checkpointed decoder layers, recomputed and differentiated by hand.
+
+Under gradient checkpointing the backward of each layer runs the layer's forward again and then autograd's
+backward of it: transformers' and peft's modules issue the recomputation op by op from Python, checkpointing's
+hooks pack and unpack every saved tensor, and autograd walks about 400 nodes a layer. On a fast GPU the host is
+then the slower side: the bench's update spends most of its wall time with the GPU waiting between kernels
+(`benchmarks/probes/step_profile.py`). Here a layer is one autograd node (`_RecomputedLayer`): its forward runs
+the layer without autograd and keeps the layer's input alone, as checkpointing does; its backward recomputes
+the layer keeping what the gradients need and runs the derivatives written out below, GEMM by GEMM, with
+autograd only around the attention (rotary, Qwen3's head norms and scaled_dot_product_attention's own
+backward). It holds what the modules hold at their peak (the recomputed layer's activations, the SiLU product's
+gradients made in the gate's and up's buffers as `lean_activations.SiluMul` makes them) and computes what they
+compute in the same dtypes: values and gradients within a rounding of theirs (the sums of a layer's input
+gradient are added in place, one rounding where autograd makes one a term).
+
+Only where it reproduces the trainer's modules (`grpo.model.compiled_layers.refusal`: Llama, Mistral, Qwen2 and
+Qwen3 layers with nn.Linear projections and at most one plain adapter each, multiplied in the activations'
+dtype), and only for a training pass under gradient checkpointing (grad enabled, the layer checkpointed, causal
+rows without a mask or cache); every other call takes the module's own forward, which transformers checkpoints.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpo.kernels import rmsnorm
+from grpo.model import lean_activations
+from grpo.model.compiled_layers import (LAYER_CLASSES, PROJECTIONS, LayerShape, LayerWeights, Projection, attend,
+                                        layer_shape, layer_weights, refusal)
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's norm of each head, as the lean modules run it (autograd records it inside the attention)."""
+    if rmsnorm.kernel_runs(x, weight):
+        return rmsnorm.rms_norm(x, weight, eps)
+    return lean_activations.RMSNormFn.apply(x, weight, eps)
+
+
+def _project(x: torch.Tensor, p: Projection, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x W^T + b + scale * (x A^T) B^T, x A^T) for rows x, as `lora_addmm` computes them; x A^T None without an
+    adapter."""
+    y = F.linear(x, p.weight, p.bias)
+    if p.lora_a is None:
+        return y, None
+    down = F.linear(x, p.lora_a.to(x.dtype))
+    return y.addmm_(down, p.lora_b.to(x.dtype).t(), alpha=scale), down
+
+
+def _project_grad(dy: torch.Tensor, x: torch.Tensor, down: torch.Tensor | None, p: Projection, scale: float,
+                  dx: torch.Tensor | None, need_dx: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The gradients of `_project` given dy: x's added into dx (made where None; skipped unless need_dx), and
+    [dA, dB] in the adapter's dtype ([] without one). autograd's products in its order: g = (dy B) * scale,
+    dA = g^T x, dB = (dy^T x A^T) * scale, dx = dy W + g A."""
+    grads = []
+    if p.lora_a is not None:
+        g = torch.mm(dy, p.lora_b.to(dy.dtype)).mul_(scale)
+        grads = [torch.mm(g.t(), x).to(p.lora_a.dtype), torch.mm(dy.t(), down).mul_(scale).to(p.lora_b.dtype)]
+    if need_dx:
+        dx = torch.mm(dy, p.weight) if dx is None else dx.addmm_(dy, p.weight)
+        if p.lora_a is not None:
+            dx.addmm_(g, p.lora_a.to(dy.dtype))
+    return dx, grads
+
+
+def _forward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights, shape: LayerShape
+             ) -> torch.Tensor:
+    """The layer's output (B, T, hidden), nothing kept: checkpointing's first forward."""
+    B, T, hidden = h.shape
+    x = h.reshape(B * T, hidden)
+    q, k, v, o, gate, up, down = ((p, c) for p, c in zip(w.projections, shape.lora_scales))
+    normed = rmsnorm.norm_with_rstd(x, w.input_norm, shape.eps)[0]
+    attended = attend(_project(normed, *q)[0], _project(normed, *k)[0], _project(normed, *v)[0], cos, sin, w,
+                      shape, B, _head_norm)
+    mid = x + _project(attended, *o)[0]
+    normed = rmsnorm.norm_with_rstd(mid, w.post_norm, shape.eps)[0]
+    product = F.silu(_project(normed, *gate)[0], inplace=True).mul_(_project(normed, *up)[0])
+    return (mid + _project(product, *down)[0]).view(B, T, hidden)
+
+
+def _backward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights, shape: LayerShape,
+              grad: torch.Tensor, need_dh: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The layer recomputed from its input h, then its gradients given the output's: (h's or None, the adapters'
+    [dA, dB] in PROJECTIONS' order). Each saved tensor is dropped once its last gradient is made."""
+    B, T, hidden = h.shape
+    x = h.reshape(B * T, hidden)
+    q, k, v, o, gate, up, down = ((p, c) for p, c in zip(w.projections, shape.lora_scales))
+    # the recomputation, keeping what the gradients read
+    normed_in, in_saved = rmsnorm.norm_with_rstd(x, w.input_norm, shape.eps)
+    qkv = [_project(normed_in, *pc) for pc in (q, k, v)]
+    with torch.enable_grad():  # autograd around the attention alone
+        leaves = [y.detach().requires_grad_() for y, _ in qkv]
+        attended = attend(*leaves, cos, sin, w, shape, B, _head_norm)
+    o_out, o_down = _project(attended.detach(), *o)
+    mid = x + o_out
+    del o_out
+    normed_post, post_saved = rmsnorm.norm_with_rstd(mid, w.post_norm, shape.eps)
+    del mid
+    (g_out, g_down), (u_out, u_down) = _project(normed_post, *gate), _project(normed_post, *up)
+    product = F.silu(g_out) * u_out
+    down_down = None if down[0].lora_a is None else F.linear(product, down[0].lora_a.to(product.dtype))
+    # the MLP's gradients (the down projection's output is not needed, only its adapter's x A^T)
+    dy = grad.reshape(B * T, hidden)
+    d_product, down_grads = _project_grad(dy, product, down_down, *down, None, True)
+    del product
+    d_gate = u_out.mul_(d_product)  # SiluMul's backward, in gate's and up's buffers
+    torch.ops.aten.silu_backward.grad_input(d_gate, g_out, grad_input=d_gate)
+    d_up = F.silu(g_out, inplace=True).mul_(d_product)
+    del d_product, u_out, g_out
+    d_normed, gate_grads = _project_grad(d_gate, normed_post, g_down, *gate, None, True)
+    d_normed, up_grads = _project_grad(d_up, normed_post, u_down, *up, d_normed, True)
+    del d_gate, d_up, normed_post
+    d_mid = dy + rmsnorm.norm_input_grad(d_normed, w.post_norm, post_saved)
+    del d_normed, post_saved
+    # the attention's
+    d_attended, o_grads = _project_grad(d_mid, attended.detach(), o_down, *o, None, True)
+    d_qkv = torch.autograd.grad(attended, leaves, d_attended)
+    del attended, leaves, d_attended
+    d_normed, qkv_grads = None, []
+    for d, (_, kept), pc in zip(d_qkv, qkv, (q, k, v)):
+        d_normed, grads = _project_grad(d, normed_in, kept, *pc, d_normed, need_dh)
+        qkv_grads += grads
+    dh = d_mid.add_(rmsnorm.norm_input_grad(d_normed, w.input_norm, in_saved)).view(B, T, hidden) if need_dh else None
+    return dh, qkv_grads + o_grads + gate_grads + up_grads + down_grads
+
+
+def _adapters(w: LayerWeights) -> list[torch.Tensor]:
+    """The layer's adapter matrices in PROJECTIONS' order, A then B: the node's inputs that take gradients."""
+    return [t for p in w.projections if p.lora_a is not None for t in (p.lora_a, p.lora_b)]
+
+
+class _RecomputedLayer(torch.autograd.Function):
+    """One decoder layer as one autograd node: the forward keeps the layer's input (and the rotary's cos and sin),
+    the backward recomputes the layer and differentiates it by hand."""
+
+    @staticmethod
+    def forward(ctx, h, cos, sin, w: LayerWeights, shape: LayerShape, *adapters):
+        ctx.weights, ctx.shape = w, shape
+        ctx.save_for_backward(h, cos, sin)
+        return _forward(h, cos, sin, w, shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        h, cos, sin = ctx.saved_tensors
+        dh, adapter_grads = _backward(h, cos, sin, ctx.weights, ctx.shape, grad, ctx.needs_input_grad[0])
+        return dh, None, None, None, None, *adapter_grads
+
+
+def recomputed_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights,
+                     shape: LayerShape) -> torch.Tensor:
+    """The layer over causal rows h (B, T, hidden), checkpointed: its input kept, recomputed in backward."""
+    return _RecomputedLayer.apply(h, cos, sin, w, shape, *_adapters(w))
+
+
+def _layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                   use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    weights = None
+    checkpointed = getattr(self, "gradient_checkpointing", False) and self.training
+    if (checkpointed and torch.is_grad_enabled() and attention_mask is None and cache is None
+            and kwargs.get("past_key_values") is None and position_embeddings is not None):
+        weights = layer_weights(self)
+    if weights is None:  # the class's forward, which transformers checkpoints where the layer is
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    return recomputed_layer(hidden_states, *position_embeddings, weights, self.recomputed_shape)
+
+
+def install(model: nn.Module) -> int:
+    """Gives `model`'s decoder layers that the written-out layer reproduces (`compiled_layers.refusal`) the
+    recomputed forward for their checkpointed training passes (a bound method on each layer). Returns how many
+    layers changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ not in LAYER_CLASSES or refusal(module) is not None:
+            continue
+        module.compiled_projections = [module.get_submodule(path) for path in PROJECTIONS]
+        module.recomputed_shape = layer_shape(module)
+        module.forward = types.MethodType(_layer_forward, module)
+        changed += 1
+    return changed

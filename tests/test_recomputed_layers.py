@@ -1,0 +1,137 @@
+"""grpo.model.recomputed_layers: a checkpointed training pass through the layers recomputed by hand gives the
+trainer's modules' values and gradients, keeps each layer's input alone, and takes the hand-written node only in
+the checkpointed training pass of the layers it reproduces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_compiled_layers import DIMS, tiny_model
+
+from grpo.model import lean_activations, recomputed_layers
+from grpo.model.load import adapters_off
+
+
+def trainer_modules(family: str, dtype=torch.float32, lora_dropout: float = 0.0, device: str = "cpu"):
+    """tiny_model with the trainer's lean modules, checkpointed, in training mode."""
+    model = tiny_model(family, dtype, lora_dropout).to(device)
+    lean_activations.install(model.get_base_model())
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def counting_backwards(monkeypatch) -> list:
+    calls = []
+    real = recomputed_layers._backward
+    monkeypatch.setattr(recomputed_layers, "_backward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+def hidden_and_grads(model, ids, **kwargs):
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model.get_base_model().model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
+    return out.detach(), torch.autograd.grad(out.float().square().sum(), params)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+def test_a_checkpointed_pass_gives_the_modules_values_and_gradients(family, dtype, tol, monkeypatch):
+    model = trainer_modules(family, dtype)
+    modules = copy.deepcopy(model)
+    assert recomputed_layers.install(model.get_base_model()) == DIMS["num_hidden_layers"]
+    calls = counting_backwards(monkeypatch)
+    ids = torch.randint(1, DIMS["vocab_size"], (3, 13))
+    got, got_grads = hidden_and_grads(model, ids)
+    assert len(calls) == DIMS["num_hidden_layers"]  # every layer differentiated by hand
+    want, want_grads = hidden_and_grads(modules, ids)
+    assert torch.equal(got, want)  # the forward: the modules' ops
+    assert len(got_grads) == 2 * 7 * DIMS["num_hidden_layers"]
+    for g, w in zip(got_grads, want_grads, strict=True):  # every adapter matrix's, float32
+        assert g.dtype == w.dtype and (g - w).abs().max() <= tol * w.abs().max()
+
+
+def test_the_forward_keeps_each_layers_input_alone():
+    model = trainer_modules("qwen2")
+    recomputed_layers.install(model.get_base_model())
+    held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in held:
+            saved.append(tuple(t.shape))
+        return t
+
+    ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.get_base_model().model(input_ids=ids, use_cache=False)
+    hidden = (2, 9, DIMS["hidden_size"])
+    # each layer's input with the rotary's cos and sin, and the final norm's input and rstd (outside the layers)
+    assert saved.count(hidden) == DIMS["num_hidden_layers"] + 1, saved
+    assert saved.count((1, 9, DIMS["head_dim"])) == 2 * DIMS["num_hidden_layers"], saved
+    assert not any(DIMS["intermediate_size"] in shape for shape in saved), saved
+
+
+def test_other_passes_take_the_modules(monkeypatch):
+    model = trainer_modules("llama")
+    reference = copy.deepcopy(model)
+    recomputed_layers.install(model.get_base_model())
+    calls = []
+    real = recomputed_layers.recomputed_layer
+    monkeypatch.setattr(recomputed_layers, "recomputed_layer", lambda *a: (calls.append(1), real(*a))[1])
+    ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+
+    def calls_of(m, **kwargs):
+        calls.clear()
+        out = m.get_base_model().model(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
+        return out, len(calls)
+
+    assert calls_of(model)[1] == DIMS["num_hidden_layers"]
+    with torch.no_grad():  # the reference and evaluation passes
+        assert calls_of(model)[1] == 0
+    with adapters_off(model), adapters_off(reference):  # the adapters off: the base model's values, by the modules
+        out, n = calls_of(model)
+        assert n == 0 and torch.equal(out, calls_of(reference)[0])
+    assert calls_of(model, attention_mask=mask)[1] == 0  # a padding mask
+    model.eval()  # transformers checkpoints only in training mode
+    assert calls_of(model)[1] == 0
+    model.train()
+    model.get_base_model().gradient_checkpointing_disable()
+    assert calls_of(model)[1] == 0
+
+
+def test_layers_it_does_not_reproduce_keep_their_modules():
+    from grpo.kernels.fp8 import quantize_linears_
+
+    fp8 = trainer_modules("llama", torch.bfloat16)
+    quantize_linears_(fp8.get_base_model().model.layers[0])
+    layers = fp8.get_base_model().model.layers
+    assert recomputed_layers.install(fp8.get_base_model()) == 1
+    assert "forward" not in vars(layers[0]) and "forward" in vars(layers[1])
+    assert recomputed_layers.install(trainer_modules("llama", lora_dropout=0.1).get_base_model()) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_recomputed_layers_are_as_close_to_float32_as_the_modules(monkeypatch):
+    # the norm kernel and flash attention in bf16: the adapters' gradients no further from a float32 pass of the
+    # same weights than the modules' bf16 pass is
+    calls = counting_backwards(monkeypatch)
+    ids = torch.randint(1, DIMS["vocab_size"], (4, 61), device="cuda")
+    exact = trainer_modules("llama", torch.float32, device="cuda")
+    model = trainer_modules("llama", torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), exact.parameters(), strict=True):
+            q.copy_(p)  # the bf16 model's weights, in float32
+    modules = copy.deepcopy(model)
+    recomputed_layers.install(model.get_base_model())
+    _, want = hidden_and_grads(exact, ids)
+    _, got = hidden_and_grads(model, ids)
+    _, theirs = hidden_and_grads(modules, ids)
+    assert len(calls) == DIMS["num_hidden_layers"]
+    for g, t, w in zip(got, theirs, want, strict=True):
+        scale = w.abs().max()
+        assert (g - w).abs().max() <= 1.5 * (t - w).abs().max() + 1e-3 * scale
