@@ -40,29 +40,37 @@ def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return lean_activations.RMSNormFn.apply(x, weight, eps)
 
 
+def _in_dtype(p: Projection, dtype: torch.dtype) -> Projection:
+    """p with its adapter matrices in the activations' dtype, cast once for a layer's recomputation and
+    gradients (the modules cast at each use)."""
+    if p.lora_a is None:
+        return p
+    return p._replace(lora_a=p.lora_a.to(dtype), lora_b=p.lora_b.to(dtype))
+
+
 def _project(x: torch.Tensor, p: Projection, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x W^T + b + scale * (x A^T) B^T, x A^T) for rows x, as `lora_addmm` computes them; x A^T None without an
-    adapter."""
+    """(x W^T + b + scale * (x A^T) B^T, x A^T) for rows x, as `lora_addmm` computes them (p `_in_dtype`); x A^T
+    None without an adapter."""
     y = F.linear(x, p.weight, p.bias)
     if p.lora_a is None:
         return y, None
-    down = F.linear(x, p.lora_a.to(x.dtype))
-    return y.addmm_(down, p.lora_b.to(x.dtype).t(), alpha=scale), down
+    down = F.linear(x, p.lora_a)
+    return y.addmm_(down, p.lora_b.t(), alpha=scale), down
 
 
 def _project_grad(dy: torch.Tensor, x: torch.Tensor, down: torch.Tensor | None, p: Projection, scale: float,
                   dx: torch.Tensor | None, need_dx: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The gradients of `_project` given dy: x's added into dx (made where None; skipped unless need_dx), and
-    [dA, dB] in the adapter's dtype ([] without one). autograd's products in its order: g = (dy B) * scale,
-    dA = g^T x, dB = (dy^T x A^T) * scale, dx = dy W + g A."""
+    [dA, dB] in the activations' dtype ([] without an adapter). autograd's products in its order:
+    g = (dy B) * scale, dA = g^T x, dB = (dy^T x A^T) * scale, dx = dy W + g A."""
     grads = []
     if p.lora_a is not None:
-        g = torch.mm(dy, p.lora_b.to(dy.dtype)).mul_(scale)
-        grads = [torch.mm(g.t(), x).to(p.lora_a.dtype), torch.mm(dy.t(), down).mul_(scale).to(p.lora_b.dtype)]
+        g = torch.mm(dy, p.lora_b).mul_(scale)
+        grads = [torch.mm(g.t(), x), torch.mm(dy.t(), down).mul_(scale)]
     if need_dx:
         dx = torch.mm(dy, p.weight) if dx is None else dx.addmm_(dy, p.weight)
         if p.lora_a is not None:
-            dx.addmm_(g, p.lora_a.to(dy.dtype))
+            dx.addmm_(g, p.lora_a)
     return dx, grads
 
 
@@ -71,7 +79,7 @@ def _forward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeig
     """The layer's output (B, T, hidden), nothing kept: checkpointing's first forward."""
     B, T, hidden = h.shape
     x = h.reshape(B * T, hidden)
-    q, k, v, o, gate, up, down = ((p, c) for p, c in zip(w.projections, shape.lora_scales))
+    q, k, v, o, gate, up, down = ((_in_dtype(p, h.dtype), c) for p, c in zip(w.projections, shape.lora_scales))
     normed = rmsnorm.norm_with_rstd(x, w.input_norm, shape.eps)[0]
     attended = attend(_project(normed, *q)[0], _project(normed, *k)[0], _project(normed, *v)[0], cos, sin, w,
                       shape, B, _head_norm)
@@ -84,10 +92,10 @@ def _forward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeig
 def _backward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights, shape: LayerShape,
               grad: torch.Tensor, need_dh: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The layer recomputed from its input h, then its gradients given the output's: (h's or None, the adapters'
-    [dA, dB] in PROJECTIONS' order). Each saved tensor is dropped once its last gradient is made."""
+    in `_adapters`' order and dtype). Each saved tensor is dropped once its last gradient is made."""
     B, T, hidden = h.shape
     x = h.reshape(B * T, hidden)
-    q, k, v, o, gate, up, down = ((p, c) for p, c in zip(w.projections, shape.lora_scales))
+    q, k, v, o, gate, up, down = ((_in_dtype(p, h.dtype), c) for p, c in zip(w.projections, shape.lora_scales))
     # the recomputation, keeping what the gradients read
     normed_in, in_saved = rmsnorm.norm_with_rstd(x, w.input_norm, shape.eps)
     qkv = [_project(normed_in, *pc) for pc in (q, k, v)]
@@ -101,7 +109,7 @@ def _backward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWei
     del mid
     (g_out, g_down), (u_out, u_down) = _project(normed_post, *gate), _project(normed_post, *up)
     product = F.silu(g_out) * u_out
-    down_down = None if down[0].lora_a is None else F.linear(product, down[0].lora_a.to(product.dtype))
+    down_down = None if down[0].lora_a is None else F.linear(product, down[0].lora_a)
     # the MLP's gradients (the down projection's output is not needed, only its adapter's x A^T)
     dy = grad.reshape(B * T, hidden)
     d_product, down_grads = _project_grad(dy, product, down_down, *down, None, True)
@@ -124,7 +132,8 @@ def _backward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWei
         d_normed, grads = _project_grad(d, normed_in, kept, *pc, d_normed, need_dh)
         qkv_grads += grads
     dh = d_mid.add_(rmsnorm.norm_input_grad(d_normed, w.input_norm, in_saved)).view(B, T, hidden) if need_dh else None
-    return dh, qkv_grads + o_grads + gate_grads + up_grads + down_grads
+    grads = qkv_grads + o_grads + gate_grads + up_grads + down_grads
+    return dh, [g.to(a.dtype) for g, a in zip(grads, _adapters(w), strict=True)]
 
 
 def _adapters(w: LayerWeights) -> list[torch.Tensor]:
