@@ -14,9 +14,10 @@ from grpo.model import lean_activations, recomputed_layers
 from grpo.model.load import adapters_off
 
 
-def trainer_modules(family: str, dtype=torch.float32, lora_dropout: float = 0.0, device: str = "cpu"):
+def trainer_modules(family: str, dtype=torch.float32, lora_dropout: float = 0.0, device: str = "cpu",
+                    fp8: bool = False):
     """tiny_model with the trainer's lean modules, checkpointed, in training mode."""
-    model = tiny_model(family, dtype, lora_dropout).to(device)
+    model = tiny_model(family, dtype, lora_dropout, fp8).to(device)
     lean_activations.install(model.get_base_model())
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
@@ -35,10 +36,11 @@ def hidden_and_grads(model, ids, **kwargs):
     return out.detach(), torch.autograd.grad(out.float().square().sum(), params)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family,fp8", [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", False),
+                                        ("llama", True), ("qwen2", True)])  # FP8 base layers: their dense weight
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
-def test_a_checkpointed_pass_gives_the_modules_values_and_gradients(family, dtype, tol, monkeypatch):
-    model = trainer_modules(family, dtype)
+def test_a_checkpointed_pass_gives_the_modules_values_and_gradients(family, fp8, dtype, tol, monkeypatch):
+    model = trainer_modules(family, dtype, fp8=fp8)
     modules = copy.deepcopy(model)
     assert recomputed_layers.install(model.get_base_model()) == DIMS["num_hidden_layers"]
     calls = counting_backwards(monkeypatch)
@@ -103,15 +105,22 @@ def test_other_passes_take_the_modules(monkeypatch):
     assert calls_of(model)[1] == 0
 
 
-def test_layers_it_does_not_reproduce_keep_their_modules():
-    from grpo.kernels.fp8 import quantize_linears_
+def test_layers_it_does_not_reproduce_keep_their_modules(monkeypatch):
+    class OtherLinear(torch.nn.Linear):  # a base layer whose forward the written-out layer does not reproduce
+        pass
 
-    fp8 = trainer_modules("llama", torch.bfloat16)
-    quantize_linears_(fp8.get_base_model().model.layers[0])
-    layers = fp8.get_base_model().model.layers
-    assert recomputed_layers.install(fp8.get_base_model()) == 1
+    model = trainer_modules("llama")
+    layers = model.get_base_model().model.layers
+    layers[0].self_attn.o_proj.base_layer.__class__ = OtherLinear
+    assert recomputed_layers.install(model.get_base_model()) == 1
     assert "forward" not in vars(layers[0]) and "forward" in vars(layers[1])
     assert recomputed_layers.install(trainer_modules("llama", lora_dropout=0.1).get_base_model()) == 0
+    fp8 = trainer_modules("llama", fp8=True)  # FP8 on its own GEMMs (--fp8-gemm fp8): the modules, checkpointed
+    recomputed_layers.install(fp8.get_base_model())
+    fp8.get_base_model().model.layers[1].mlp.down_proj.base_layer.gemm = "auto"
+    calls = counting_backwards(monkeypatch)
+    hidden_and_grads(fp8, torch.randint(1, DIMS["vocab_size"], (2, 9)))
+    assert len(calls) == 1
 
 
 @pytest.mark.cuda

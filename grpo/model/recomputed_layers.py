@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo.kernels import rmsnorm
+from grpo.kernels.fp8 import dequantize_fp8_block
 from grpo.model import lean_activations
 from grpo.model.compiled_layers import (LAYER_CLASSES, PROJECTIONS, LayerShape, LayerWeights, Projection, attend,
                                         layer_shape, layer_weights, refusal)
@@ -41,8 +42,12 @@ def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def _in_dtype(p: Projection, dtype: torch.dtype) -> Projection:
-    """p with its adapter matrices in the activations' dtype, cast once for a layer's recomputation and
-    gradients (the modules cast at each use)."""
+    """p in the activations' dtype, made once for a layer's recomputation and gradients: an FP8 weight dequantized
+    (FP8Linear's dense way, whose recomputation dequantizes once too) and its bias cast, the adapter matrices cast
+    (the modules cast them at each use)."""
+    if p.scale_inv is not None:
+        p = p._replace(weight=dequantize_fp8_block(p.weight, p.scale_inv, dtype), scale_inv=None,
+                       bias=None if p.bias is None else p.bias.to(dtype))
     if p.lora_a is None:
         return p
     return p._replace(lora_a=p.lora_a.to(dtype), lora_b=p.lora_b.to(dtype))
