@@ -12,17 +12,18 @@ specialize. So a run compiles it once, at its first training pass.
 
 It trades that compile (seconds) and values within a rounding of the modules' (the norms and the SiLU product in
 float32 without rounding between their ops) for a shorter training pass, where the layers keep their activations
-(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer keeps its modules: compiled under
+(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer is not compiled: compiled under
 checkpointing (its call checkpointed, or the recompute inside the graph), the layer shortened the bench step's
-training pass or not, but raised its peak memory each way (benchmarks/RESULTS.md, "The measured defaults").
+training pass or not, but raised its peak memory each way (benchmarks/RESULTS.md, "The measured defaults");
+`grpo.model.recomputed_layers` takes those layers, with this module's view of their tensors.
 
 Only where it reproduces the module and autograd records: the decoder layers of `LAYER_CLASSES` without a sliding
 window or attention dropout, SiLU MLPs, projections that are nn.Linear or FP8Linear (where it multiplies by its
 dense weight: `--fp8-gemm`; on FP8's own GEMMs the modules) with at most one plain adapter (`grpo.model.lora_addmm`'s
-case, without dropout), no attention mask and no cache (the
-trainer's causal rows, `grpo.batch.sequence_logprobs`). Each call checks what may change during a run (the adapters
-switched off, a mask, a cache, no grad, checkpointing) and else calls the module's own forward: the reference and
-evaluation passes, and the engines, never take this path.
+case, without dropout), no attention mask and no cache (the trainer's causal rows, `grpo.batch.sequence_logprobs`).
+Each call checks what may change during a run (the adapters switched off, a mask, a cache, no grad,
+checkpointing) and else calls the module's own forward: the reference and evaluation passes, and the engines, never
+take this path.
 
 `decoder_layer` is plain PyTorch: the CPU tests compare it with transformers' layers, eagerly and compiled.
 """

@@ -177,7 +177,8 @@ def add_lora(model, cfg: Config):
     if on_cuda and cfg.compile_layers == "auto" and not cfg.gradient_checkpointing:
         compiled_layers.install(model)  # after the modules' own changes: the layers it refuses keep them
     if cfg.gradient_checkpointing:
-        recomputed_layers.install(model)  # the layers it reproduces; the others keep their checkpointed modules
+        if cfg.recompute_layers == "auto":
+            recomputed_layers.install(model)  # the layers it reproduces; the others keep their checkpointed modules
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     set_fp8_gemm(model, cfg)
