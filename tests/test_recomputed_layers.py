@@ -8,6 +8,8 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from test_compiled_layers import DIMS, tiny_model
 
 from grpo.model import lean_activations, recomputed_layers
@@ -73,6 +75,47 @@ def test_the_forward_keeps_each_layers_input_alone():
     assert saved.count(hidden) == DIMS["num_hidden_layers"] + 1, saved
     assert saved.count((1, 9, DIMS["head_dim"])) == 2 * DIMS["num_hidden_layers"], saved
     assert not any(DIMS["intermediate_size"] in shape for shape in saved), saved
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that ops made and that are still alive, at each op; their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.made:
+                storage = t.untyped_storage()
+                self.made[storage.data_ptr()] = (storage._weak_ref(), storage.nbytes())
+        for key, (ref, _) in list(self.made.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self.made[key]
+        self.peak = max(self.peak, sum(n for _, n in self.made.values()))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pass_holds_no_more_than_the_modules(dtype):
+    # what the ops make and keep alive, the forward and the backward: the recomputed layer holds what the modules
+    # hold at their peak (the layer being recomputed) and drops each tensor once its last gradient is made; it
+    # also keeps one layer's adapters in the activations' dtype for its whole backward (the modules cast at each use)
+    model = trainer_modules("llama", dtype)
+    modules = copy.deepcopy(model)
+    recomputed_layers.install(model.get_base_model())
+    ids = torch.randint(1, DIMS["vocab_size"], (4, 96))
+
+    def peak(m) -> int:
+        with LiveBytes() as live:
+            hidden_and_grads(m, ids)
+        return live.peak
+
+    layer = model.get_base_model().model.layers[0]
+    casts = sum(p.numel() * dtype.itemsize for n, p in layer.named_parameters() if "lora_" in n)
+    assert peak(model) <= peak(modules) + casts
 
 
 def test_other_passes_take_the_modules(monkeypatch):

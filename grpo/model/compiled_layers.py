@@ -98,22 +98,6 @@ def project(x: torch.Tensor, p: Projection, scale: float) -> torch.Tensor:
     return torch.addmm(y, x @ p.lora_a.to(x.dtype).t(), p.lora_b.to(x.dtype).t(), alpha=scale)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights,
-           shape: LayerShape, B: int, head_norm=rms_norm_ref) -> torch.Tensor:
-    """The layer's attention between its projections: q (B * T, heads * head_dim), k and v (B * T, kv_heads *
-    head_dim) -> (B * T, heads * head_dim), causal; `head_norm(x, weight, eps)` is Qwen3's norm of each head."""
-    q = q.view(B, -1, shape.heads, shape.head_dim)
-    k = k.view(B, -1, shape.kv_heads, shape.head_dim)
-    v = v.view(B, -1, shape.kv_heads, shape.head_dim)
-    if w.q_norm is not None:
-        q, k = head_norm(q, w.q_norm, shape.eps), head_norm(k, w.k_norm, shape.eps)
-    cos, sin = cos[:, None], sin[:, None]  # (1 or B, 1, T, head_dim): broadcast over the heads
-    q, k, v = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
-    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.attention_scale,
-                                              enable_gqa=shape.kv_heads != shape.heads)  # (B, heads, T, head_dim)
-    return attended.transpose(1, 2).reshape(-1, shape.heads * shape.head_dim)
-
-
 def decoder_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights,
                   shape: LayerShape) -> torch.Tensor:
     """One decoder layer over causal rows: h (B, T, hidden) -> (B, T, hidden); cos, sin (1 or B, T, head_dim)."""
@@ -121,7 +105,16 @@ def decoder_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: Laye
     q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = (
         functools.partial(project, p=p, scale=s) for p, s in zip(w.projections, shape.lora_scales))
     x = rms_norm_ref(h, w.input_norm, shape.eps).view(B * T, hidden)
-    h = h + o_proj(attend(q_proj(x), k_proj(x), v_proj(x), cos, sin, w, shape, B)).view(B, T, hidden)
+    q = q_proj(x).view(B, T, shape.heads, shape.head_dim)
+    k = k_proj(x).view(B, T, shape.kv_heads, shape.head_dim)
+    v = v_proj(x).view(B, T, shape.kv_heads, shape.head_dim)
+    if w.q_norm is not None:
+        q, k = rms_norm_ref(q, w.q_norm, shape.eps), rms_norm_ref(k, w.k_norm, shape.eps)
+    cos, sin = cos[:, None], sin[:, None]  # (1 or B, 1, T, head_dim): broadcast over the heads
+    q, k, v = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.attention_scale,
+                                              enable_gqa=shape.kv_heads != shape.heads)  # (B, heads, T, head_dim)
+    h = h + o_proj(attended.transpose(1, 2).reshape(B * T, -1)).view(B, T, hidden)
     x = rms_norm_ref(h, w.post_norm, shape.eps).view(B * T, hidden)
     y = down_proj(F.silu(gate_proj(x)) * up_proj(x))
     return h + y.view(B, T, hidden)

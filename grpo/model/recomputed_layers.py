@@ -7,15 +7,14 @@ then the slower side: the bench's update spends most of its wall time with the G
 (`benchmarks/probes/step_profile.py`). Here a layer is one autograd node (`_RecomputedLayer`): its forward runs
 the layer without autograd and keeps the layer's input alone, as checkpointing does; its backward recomputes
 the layer keeping what the gradients need and runs the derivatives written out below, GEMM by GEMM, with
-autograd only around the attention (rotary, Qwen3's head norms and scaled_dot_product_attention's own
-backward). It holds what the modules hold at their peak (the recomputed layer's activations, the SiLU product's
+autograd only around scaled_dot_product_attention (for its own backward). It holds what the modules hold at their peak (the recomputed layer's activations, the SiLU product's
 gradients made in the gate's and up's buffers as `lean_activations.SiluMul` makes them) and computes what they
 compute in the same dtypes: values and gradients within a rounding of theirs (the sums of a layer's input
 gradient are added in place, one rounding where autograd makes one a term).
 
 Only where it reproduces the trainer's modules (`grpo.model.compiled_layers.refusal`: Llama, Mistral, Qwen2 and
-Qwen3 layers with nn.Linear projections and at most one plain adapter each, multiplied in the activations'
-dtype), and only for a training pass under gradient checkpointing (grad enabled, the layer checkpointed, causal
+Qwen3 layers with nn.Linear projections, or FP8Linear ones multiplying by their dense weight, and at most one plain
+adapter each, multiplied in the activations' dtype), and only for a training pass under gradient checkpointing (grad enabled, the layer checkpointed, causal
 rows without a mask or cache); every other call takes the module's own forward, which transformers checkpoints.
 """
 
@@ -28,17 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo.kernels import rmsnorm
+from grpo.kernels.decode_gemm import rope
 from grpo.kernels.fp8 import dequantize_fp8_block
-from grpo.model import lean_activations
-from grpo.model.compiled_layers import (LAYER_CLASSES, PROJECTIONS, LayerShape, LayerWeights, Projection, attend,
-                                        layer_shape, layer_weights, refusal)
-
-
-def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3's norm of each head, as the lean modules run it (autograd records it inside the attention)."""
-    if rmsnorm.kernel_runs(x, weight):
-        return rmsnorm.rms_norm(x, weight, eps)
-    return lean_activations.RMSNormFn.apply(x, weight, eps)
+from grpo.model.compiled_layers import (LAYER_CLASSES, PROJECTIONS, LayerShape, LayerWeights, Projection, layer_shape,
+                                        layer_weights, refusal)
 
 
 def _in_dtype(p: Projection, dtype: torch.dtype) -> Projection:
@@ -64,14 +56,14 @@ def _project(x: torch.Tensor, p: Projection, scale: float) -> tuple[torch.Tensor
 
 
 def _project_grad(dy: torch.Tensor, x: torch.Tensor, down: torch.Tensor | None, p: Projection, scale: float,
-                  dx: torch.Tensor | None, need_dx: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+                  dx: torch.Tensor | None, need_dx: bool, into: torch.dtype) -> tuple[torch.Tensor | None, list]:
     """The gradients of `_project` given dy: x's added into dx (made where None; skipped unless need_dx), and
-    [dA, dB] in the activations' dtype ([] without an adapter). autograd's products in its order:
-    g = (dy B) * scale, dA = g^T x, dB = (dy^T x A^T) * scale, dx = dy W + g A."""
+    [dA, dB] in dtype `into` ([] without an adapter). autograd's products in its order: g = (dy B) * scale,
+    dA = g^T x, dB = (dy^T x A^T) * scale, dx = dy W + g A."""
     grads = []
     if p.lora_a is not None:
         g = torch.mm(dy, p.lora_b).mul_(scale)
-        grads = [torch.mm(g.t(), x), torch.mm(dy.t(), down).mul_(scale)]
+        grads = [torch.mm(g.t(), x).to(into), torch.mm(dy.t(), down).mul_(scale).to(into)]
     if need_dx:
         dx = torch.mm(dy, p.weight) if dx is None else dx.addmm_(dy, p.weight)
         if p.lora_a is not None:
@@ -79,66 +71,118 @@ def _project_grad(dy: torch.Tensor, x: torch.Tensor, down: torch.Tensor | None, 
     return dx, grads
 
 
+def _rotated(y: torch.Tensor, B: int, heads: int, head_norm: torch.Tensor | None, cos: torch.Tensor,
+             sin: torch.Tensor, shape: LayerShape) -> tuple[torch.Tensor, tuple | None]:
+    """q's or k's projection y (B * T, heads * head_dim) as attention reads it, (B, heads, T, head_dim): Qwen3's
+    norm of each head (head_norm; None elsewhere), then the rotary; and what the head norm's gradient needs."""
+    x, saved = y.view(B, -1, heads, shape.head_dim), None
+    if head_norm is not None:
+        x, saved = rmsnorm.norm_with_rstd(x, head_norm, shape.eps)
+    return rope(x.transpose(1, 2), cos, sin), saved
+
+
+def _rotated_grad(d: torch.Tensor, head_norm: torch.Tensor | None, saved: tuple | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """The projection's gradient (B * T, heads * head_dim) from the rotated heads' d (B, heads, T, head_dim): the
+    rotary's transpose, d cos - rotate_half(d sin), then the head norm's."""
+    half = d.shape[-1] // 2
+    d_sin = d * sin
+    dx = (d * cos).transpose(1, 2)  # (B, T, heads, head_dim)
+    dx[..., :half] += d_sin[..., half:].transpose(1, 2)
+    dx[..., half:] -= d_sin[..., :half].transpose(1, 2)
+    if head_norm is not None:
+        dx = rmsnorm.norm_input_grad(dx, head_norm, saved)
+    return dx.reshape(-1, dx.shape[-2] * dx.shape[-1])
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """Causal attention of the rotated heads q, k and v (B, kv_heads, T, head_dim): (B * T, heads * head_dim)."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=shape.attention_scale,
+                                         enable_gqa=shape.kv_heads != shape.heads)  # (B, heads, T, head_dim)
+    return out.transpose(1, 2).reshape(-1, shape.heads * shape.head_dim)
+
+
 def _forward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights, shape: LayerShape
              ) -> torch.Tensor:
     """The layer's output (B, T, hidden), nothing kept: checkpointing's first forward."""
     B, T, hidden = h.shape
     x = h.reshape(B * T, hidden)
-    q, k, v, o, gate, up, down = ((_in_dtype(p, h.dtype), c) for p, c in zip(w.projections, shape.lora_scales))
+    q, k, v, o, gate, up, down = range(7)
+
+    def project(i: int, rows: torch.Tensor) -> torch.Tensor:  # (an FP8 weight dequantized for this product alone)
+        return _project(rows, _in_dtype(w.projections[i], h.dtype), shape.lora_scales[i])[0]
+
+    cos, sin = cos[:, None], sin[:, None]  # (1 or B, 1, T, head_dim): broadcast over the heads
     normed = rmsnorm.norm_with_rstd(x, w.input_norm, shape.eps)[0]
-    attended = attend(_project(normed, *q)[0], _project(normed, *k)[0], _project(normed, *v)[0], cos, sin, w,
-                      shape, B, _head_norm)
-    mid = x + _project(attended, *o)[0]
+    q_rot = _rotated(project(q, normed), B, shape.heads, w.q_norm, cos, sin, shape)[0]
+    k_rot = _rotated(project(k, normed), B, shape.kv_heads, w.k_norm, cos, sin, shape)[0]
+    v_heads = project(v, normed).view(B, T, shape.kv_heads, shape.head_dim).transpose(1, 2)
+    mid = x + project(o, _attention(q_rot, k_rot, v_heads, shape))
     normed = rmsnorm.norm_with_rstd(mid, w.post_norm, shape.eps)[0]
-    product = F.silu(_project(normed, *gate)[0], inplace=True).mul_(_project(normed, *up)[0])
-    return (mid + _project(product, *down)[0]).view(B, T, hidden)
+    product = F.silu(project(gate, normed), inplace=True).mul_(project(up, normed))
+    return (mid + project(down, product)).view(B, T, hidden)
 
 
 def _backward(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights, shape: LayerShape,
               grad: torch.Tensor, need_dh: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """The layer recomputed from its input h, then its gradients given the output's: (h's or None, the adapters'
-    in `_adapters`' order and dtype). Each saved tensor is dropped once its last gradient is made."""
+    in `_adapters`' order and dtypes). One function, so that each tensor is dropped (`del`) once its last gradient
+    is made: what it holds at a time is what the modules' backward holds."""
     B, T, hidden = h.shape
     x = h.reshape(B * T, hidden)
-    q, k, v, o, gate, up, down = ((_in_dtype(p, h.dtype), c) for p, c in zip(w.projections, shape.lora_scales))
-    # the recomputation, keeping what the gradients read
+    into = [(p.lora_a.dtype if p.lora_a is not None else None) for p in w.projections]
+    (q, cq), (k, ck), (v, cv), (o, co), (gate, cg), (up, cu), (down, cd) = (
+        (_in_dtype(p, h.dtype), c) for p, c in zip(w.projections, shape.lora_scales))
+    cos, sin = cos[:, None], sin[:, None]
+    # the recomputation, keeping what the gradients read (the down projection's output is not needed: only its
+    # adapter's x A^T)
     normed_in, in_saved = rmsnorm.norm_with_rstd(x, w.input_norm, shape.eps)
-    qkv = [_project(normed_in, *pc) for pc in (q, k, v)]
-    with torch.enable_grad():  # autograd around the attention alone
-        leaves = [y.detach().requires_grad_() for y, _ in qkv]
-        attended = attend(*leaves, cos, sin, w, shape, B, _head_norm)
-    o_out, o_down = _project(attended.detach(), *o)
+    q_out, q_down = _project(normed_in, q, cq)
+    q_rot, q_saved = _rotated(q_out, B, shape.heads, w.q_norm, cos, sin, shape)
+    k_out, k_down = _project(normed_in, k, ck)
+    k_rot, k_saved = _rotated(k_out, B, shape.kv_heads, w.k_norm, cos, sin, shape)
+    v_out, v_down = _project(normed_in, v, cv)
+    del q_out, k_out
+    with torch.enable_grad():  # autograd around scaled_dot_product_attention alone
+        leaves = [q_rot.requires_grad_(), k_rot.requires_grad_(),
+                  v_out.view(B, T, shape.kv_heads, shape.head_dim).transpose(1, 2).requires_grad_()]
+        attended = _attention(*leaves, shape)
+    o_out, o_down = _project(attended.detach(), o, co)
     mid = x + o_out
     del o_out
     normed_post, post_saved = rmsnorm.norm_with_rstd(mid, w.post_norm, shape.eps)
     del mid
-    (g_out, g_down), (u_out, u_down) = _project(normed_post, *gate), _project(normed_post, *up)
+    (g_out, g_down), (u_out, u_down) = _project(normed_post, gate, cg), _project(normed_post, up, cu)
     product = F.silu(g_out) * u_out
-    down_down = None if down[0].lora_a is None else F.linear(product, down[0].lora_a)
-    # the MLP's gradients (the down projection's output is not needed, only its adapter's x A^T)
+    d_down = None if down.lora_a is None else F.linear(product, down.lora_a)
+    # the MLP's gradients
     dy = grad.reshape(B * T, hidden)
-    d_product, down_grads = _project_grad(dy, product, down_down, *down, None, True)
-    del product
+    d_product, down_grads = _project_grad(dy, product, d_down, down, cd, None, True, into[6])
+    del product, d_down, down
     d_gate = u_out.mul_(d_product)  # SiluMul's backward, in gate's and up's buffers
     torch.ops.aten.silu_backward.grad_input(d_gate, g_out, grad_input=d_gate)
     d_up = F.silu(g_out, inplace=True).mul_(d_product)
     del d_product, u_out, g_out
-    d_normed, gate_grads = _project_grad(d_gate, normed_post, g_down, *gate, None, True)
-    d_normed, up_grads = _project_grad(d_up, normed_post, u_down, *up, d_normed, True)
-    del d_gate, d_up, normed_post
+    d_normed, gate_grads = _project_grad(d_gate, normed_post, g_down, gate, cg, None, True, into[4])
+    d_normed, up_grads = _project_grad(d_up, normed_post, u_down, up, cu, d_normed, True, into[5])
+    del d_gate, d_up, normed_post, g_down, u_down, gate, up
     d_mid = dy + rmsnorm.norm_input_grad(d_normed, w.post_norm, post_saved)
     del d_normed, post_saved
     # the attention's
-    d_attended, o_grads = _project_grad(d_mid, attended.detach(), o_down, *o, None, True)
-    d_qkv = torch.autograd.grad(attended, leaves, d_attended)
-    del attended, leaves, d_attended
-    d_normed, qkv_grads = None, []
-    for d, (_, kept), pc in zip(d_qkv, qkv, (q, k, v)):
-        d_normed, grads = _project_grad(d, normed_in, kept, *pc, d_normed, need_dh)
-        qkv_grads += grads
+    d_attended, o_grads = _project_grad(d_mid, attended.detach(), o_down, o, co, None, True, into[3])
+    d_q, d_k, d_v = torch.autograd.grad(attended, leaves, d_attended)
+    del attended, leaves, d_attended, q_rot, k_rot, v_out, o_down, o
+    d_v = d_v.transpose(1, 2).reshape(B * T, -1)
+    d_normed, v_grads = _project_grad(d_v, normed_in, v_down, v, cv, None, need_dh, into[2])
+    del d_v
+    d_normed, q_grads = _project_grad(_rotated_grad(d_q, w.q_norm, q_saved, cos, sin), normed_in, q_down, q, cq,
+                                      d_normed, need_dh, into[0])
+    del d_q
+    d_normed, k_grads = _project_grad(_rotated_grad(d_k, w.k_norm, k_saved, cos, sin), normed_in, k_down, k, ck,
+                                      d_normed, need_dh, into[1])
+    del d_k, normed_in
     dh = d_mid.add_(rmsnorm.norm_input_grad(d_normed, w.input_norm, in_saved)).view(B, T, hidden) if need_dh else None
-    grads = qkv_grads + o_grads + gate_grads + up_grads + down_grads
-    return dh, [g.to(a.dtype) for g, a in zip(grads, _adapters(w), strict=True)]
+    return dh, q_grads + k_grads + v_grads + o_grads + gate_grads + up_grads + down_grads
 
 
 def _adapters(w: LayerWeights) -> list[torch.Tensor]:
