@@ -45,7 +45,8 @@ def _launch(n: int) -> dict:
     return {"BLOCK": block, "num_warps": min(16, max(4, block // 512))}
 
 
-def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward launch: (y, x's rows as it read them, rstd (rows,) float32)."""
     from grpo.kernels import _rmsnorm_triton as k
 

@@ -1,21 +1,22 @@
 """The training pass's checkpointed decoder layers, recomputed and differentiated by hand.
 
-Under gradient checkpointing the backward of each layer runs the layer's forward again and then autograd's
-backward of it: transformers' and peft's modules issue the recomputation op by op from Python, checkpointing's
-hooks pack and unpack every saved tensor, and autograd walks about 400 nodes a layer. On a fast GPU the host is
-then the slower side: the bench's update spends most of its wall time with the GPU waiting between kernels
-(`benchmarks/probes/step_profile.py`). Here a layer is one autograd node (`_RecomputedLayer`): its forward runs
-the layer without autograd and keeps the layer's input alone, as checkpointing does; its backward recomputes
-the layer keeping what the gradients need and runs the derivatives written out below, GEMM by GEMM, with
-autograd only around scaled_dot_product_attention (for its own backward). It holds what the modules hold at their peak (the recomputed layer's activations, the SiLU product's
-gradients made in the gate's and up's buffers as `lean_activations.SiluMul` makes them) and computes what they
-compute in the same dtypes: values and gradients within a rounding of theirs (the sums of a layer's input
-gradient are added in place, one rounding where autograd makes one a term).
+Under gradient checkpointing the backward of each layer runs the layer's forward again and then autograd's backward
+of it: transformers' and peft's modules issue the recomputation op by op from Python, checkpointing's hooks pack and
+unpack every saved tensor, and autograd walks about 400 nodes a layer. On a fast GPU the host is then the slower
+side: the bench's update spends most of its wall time with the GPU waiting between kernels
+(`benchmarks/probes/step_profile.py`). Here a layer is one autograd node (`_RecomputedLayer`): its forward runs the
+layer without autograd and keeps the layer's input alone, as checkpointing does; its backward recomputes the layer
+keeping what the gradients need and runs the derivatives written out below, GEMM by GEMM, with autograd only around
+scaled_dot_product_attention (for its own backward). It holds what the modules hold at their peak (the recomputed
+layer's activations, the SiLU product's gradients made in the gate's and up's buffers as `lean_activations.SiluMul`
+makes them) and computes what they compute in the same dtypes: values and gradients within a rounding of theirs (the
+sums of a layer's input gradient are added in place, one rounding where autograd makes one a term).
 
 Only where it reproduces the trainer's modules (`grpo.model.compiled_layers.refusal`: Llama, Mistral, Qwen2 and
 Qwen3 layers with nn.Linear projections, or FP8Linear ones multiplying by their dense weight, and at most one plain
-adapter each, multiplied in the activations' dtype), and only for a training pass under gradient checkpointing (grad enabled, the layer checkpointed, causal
-rows without a mask or cache); every other call takes the module's own forward, which transformers checkpoints.
+adapter each, multiplied in the activations' dtype), and only for a training pass under gradient checkpointing (grad
+enabled, the layer checkpointed, causal rows without a mask or cache); every other call takes the module's own
+forward, which transformers checkpoints.
 """
 
 from __future__ import annotations
