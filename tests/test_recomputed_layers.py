@@ -135,9 +135,9 @@ def test_other_passes_take_the_modules(monkeypatch):
         return out, len(calls)
 
     assert calls_of(model)[1] == DIMS["num_hidden_layers"]
-    with torch.no_grad():  # the reference and evaluation passes
+    with torch.no_grad():  # evaluation passes, with the adapters
         assert calls_of(model)[1] == 0
-    with adapters_off(model), adapters_off(reference):  # the adapters off: the base model's values, by the modules
+    with adapters_off(model), adapters_off(reference):  # the adapters off where autograd records: by the modules
         out, n = calls_of(model)
         assert n == 0 and torch.equal(out, calls_of(reference)[0])
     assert calls_of(model, attention_mask=mask)[1] == 0  # a padding mask
@@ -146,6 +146,24 @@ def test_other_passes_take_the_modules(monkeypatch):
     model.train()
     model.get_base_model().gradient_checkpointing_disable()
     assert calls_of(model)[1] == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_pass_takes_the_written_out_forward_with_the_modules_values(dtype, fp8, monkeypatch):
+    # no grad, the adapters off: the base layers through `_forward`, no autograd node, the modules' values
+    model = trainer_modules("qwen3", dtype, fp8=fp8)
+    reference = copy.deepcopy(model)
+    recomputed_layers.install(model.get_base_model())
+    calls = []
+    real = recomputed_layers._forward
+    monkeypatch.setattr(recomputed_layers, "_forward", lambda *a: (calls.append(1), real(*a))[1])
+    ids = torch.randint(1, DIMS["vocab_size"], (3, 11))
+    with torch.no_grad(), adapters_off(model), adapters_off(reference):
+        got = model.get_base_model().model(input_ids=ids, use_cache=False).last_hidden_state
+        want = reference.get_base_model().model(input_ids=ids, use_cache=False).last_hidden_state
+    assert len(calls) == DIMS["num_hidden_layers"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_layers_it_does_not_reproduce_keep_their_modules(monkeypatch):

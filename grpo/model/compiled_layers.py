@@ -142,9 +142,11 @@ def compiled(shape: LayerShape, backend: str = "inductor"):
 
 def projection_weights(module: nn.Module) -> Projection | None:
     """A projection's tensors as `project` reads them, or None where this call is not the plain case (the adapter
-    switched off, another adapter variant, no grad)."""
+    switched off where autograd records, another adapter variant, the adapter on without grad)."""
     if type(module) in BASE_LAYERS:
         return base_weights(module, None, None)
+    if not torch.is_grad_enabled():  # the reference pass (adapters off): the base layer's; else the modules'
+        return base_weights(module.base_layer, None, None) if module.disable_adapters else None
     name = plain_adapter(module, (), {})
     if name is None or len(module.lora_A) != 1:  # (the base layer's type `refusal` checked at install)
         return None

@@ -15,7 +15,8 @@ sums of a layer's input gradient are added in place, one rounding where autograd
 Only where it reproduces the trainer's modules (`grpo.model.compiled_layers.refusal`: Llama, Mistral, Qwen2 and
 Qwen3 layers with nn.Linear projections, or FP8Linear ones multiplying by their dense weight, and at most one plain
 adapter each, multiplied in the activations' dtype), and only for a training pass under gradient checkpointing (grad
-enabled, the layer checkpointed, causal rows without a mask or cache); every other call takes the module's own
+enabled, the layer checkpointed, causal rows without a mask or cache), or for the reference pass (no grad, the
+adapters off: `_forward` of the base layers, the same host work saved); every other call takes the module's own
 forward, which transformers checkpoints.
 """
 
@@ -218,13 +219,16 @@ def recomputed_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: L
 def _layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                    use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
     weights = None
-    checkpointed = getattr(self, "gradient_checkpointing", False) and self.training
-    if (checkpointed and torch.is_grad_enabled() and attention_mask is None and cache is None
+    grad = torch.is_grad_enabled()
+    checkpointed = grad and getattr(self, "gradient_checkpointing", False) and self.training
+    if ((checkpointed or not grad) and attention_mask is None and cache is None
             and kwargs.get("past_key_values") is None and position_embeddings is not None):
-        weights = layer_weights(self)
+        weights = layer_weights(self)  # without grad: the reference pass's base layers (adapters off), else None
     if weights is None:  # the class's forward, which transformers checkpoints where the layer is
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    if not grad:
+        return _forward(hidden_states, *position_embeddings, weights, self.recomputed_shape)
     return recomputed_layer(hidden_states, *position_embeddings, weights, self.recomputed_shape)
 
 
