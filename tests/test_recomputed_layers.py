@@ -205,3 +205,23 @@ def test_on_cuda_the_recomputed_layers_are_as_close_to_float32_as_the_modules(mo
     for g, t, w in zip(got, theirs, want, strict=True):
         scale = w.abs().max()
         assert (g - w).abs().max() <= 1.5 * (t - w).abs().max() + 1e-3 * scale
+
+
+def test_a_layers_checkpointed_pass_issues_a_pinned_number_of_ops():
+    # What the host issues is the training pass's cost where the GPU is fast: the modules' 112 ops a layer
+    # forward and 407 backward (recomputation included; test_lora_addmm pins those), here 103 and 267, all of them
+    # this module's (the attention's own backward aside), on the CPU in bf16 (the norms' reference ops; CUDA runs
+    # one launch each way). A count that moves: see where with benchmarks/probes/train_ops.py, then pin the new one.
+    from test_lora_addmm import VOCAB, _train_ops, tiny_llama
+
+    from grpo.config import Config
+    from grpo.model.load import add_lora
+
+    ids = torch.randint(0, VOCAB, (2, 16))
+    counts = []
+    for layers in (1, 2):
+        policy = add_lora(tiny_llama(seed=3, dtype=torch.bfloat16, vocab_size=VOCAB, layers=layers),
+                          Config(gradient_checkpointing=True))
+        counts.append(_train_ops(policy.train(), ids))
+    (forward_1, backward_1), (forward_2, backward_2) = counts
+    assert (forward_2.total() - forward_1.total(), backward_2.total() - backward_1.total()) == (103, 267)
