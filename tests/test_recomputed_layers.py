@@ -25,10 +25,11 @@ def trainer_modules(family: str, dtype=torch.float32, lora_dropout: float = 0.0,
     return model.train()
 
 
-def counting_backwards(monkeypatch) -> list:
+def calls_to(monkeypatch, name: str = "_backward") -> list:
+    """A list that grows by one at each call of recomputed_layers' function `name`."""
     calls = []
-    real = recomputed_layers._backward
-    monkeypatch.setattr(recomputed_layers, "_backward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = getattr(recomputed_layers, name)
+    monkeypatch.setattr(recomputed_layers, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     return calls
 
 
@@ -45,7 +46,7 @@ def test_a_checkpointed_pass_gives_the_modules_values_and_gradients(family, fp8,
     model = trainer_modules(family, dtype, fp8=fp8)
     modules = copy.deepcopy(model)
     assert recomputed_layers.install(model.get_base_model()) == DIMS["num_hidden_layers"]
-    calls = counting_backwards(monkeypatch)
+    calls = calls_to(monkeypatch)
     ids = torch.randint(1, DIMS["vocab_size"], (3, 13))
     got, got_grads = hidden_and_grads(model, ids)
     assert len(calls) == DIMS["num_hidden_layers"]  # every layer differentiated by hand
@@ -122,9 +123,7 @@ def test_other_passes_take_the_modules(monkeypatch):
     model = trainer_modules("llama")
     reference = copy.deepcopy(model)
     recomputed_layers.install(model.get_base_model())
-    calls = []
-    real = recomputed_layers.recomputed_layer
-    monkeypatch.setattr(recomputed_layers, "recomputed_layer", lambda *a: (calls.append(1), real(*a))[1])
+    calls = calls_to(monkeypatch, "recomputed_layer")
     ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
@@ -155,9 +154,7 @@ def test_the_reference_pass_takes_the_written_out_forward_with_the_modules_value
     model = trainer_modules("qwen3", dtype, fp8=fp8)
     reference = copy.deepcopy(model)
     recomputed_layers.install(model.get_base_model())
-    calls = []
-    real = recomputed_layers._forward
-    monkeypatch.setattr(recomputed_layers, "_forward", lambda *a: (calls.append(1), real(*a))[1])
+    calls = calls_to(monkeypatch, "_forward")
     ids = torch.randint(1, DIMS["vocab_size"], (3, 11))
     with torch.no_grad(), adapters_off(model), adapters_off(reference):
         got = model.get_base_model().model(input_ids=ids, use_cache=False).last_hidden_state
@@ -179,7 +176,7 @@ def test_layers_it_does_not_reproduce_keep_their_modules(monkeypatch):
     fp8 = trainer_modules("llama", fp8=True)  # FP8 on its own GEMMs (--fp8-gemm fp8): the modules, checkpointed
     recomputed_layers.install(fp8.get_base_model())
     fp8.get_base_model().model.layers[1].mlp.down_proj.base_layer.gemm = "auto"
-    calls = counting_backwards(monkeypatch)
+    calls = calls_to(monkeypatch)
     hidden_and_grads(fp8, torch.randint(1, DIMS["vocab_size"], (2, 9)))
     assert len(calls) == 1
 
@@ -189,7 +186,7 @@ def test_layers_it_does_not_reproduce_keep_their_modules(monkeypatch):
 def test_on_cuda_the_recomputed_layers_are_as_close_to_float32_as_the_modules(monkeypatch):
     # the norm kernel and flash attention in bf16: the adapters' gradients no further from a float32 pass of the
     # same weights than the modules' bf16 pass is
-    calls = counting_backwards(monkeypatch)
+    calls = calls_to(monkeypatch)
     ids = torch.randint(1, DIMS["vocab_size"], (4, 61), device="cuda")
     exact = trainer_modules("llama", torch.float32, device="cuda")
     model = trainer_modules("llama", torch.bfloat16, device="cuda")

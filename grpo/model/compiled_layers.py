@@ -242,16 +242,21 @@ def width_multiple(model: nn.Module) -> int:
     return WIDTH_MULTIPLE if any("compiled_shape" in vars(m) for m in model.modules()) else 1
 
 
+def written_out_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of `model` that `decoder_layer` reproduces (`refusal`), each given the list of its
+    projections' modules that `layer_weights` reads at each call."""
+    layers = [m for m in model.modules() if type(m).__name__ in LAYER_CLASSES and refusal(m) is None]
+    for layer in layers:
+        layer.compiled_projections = [layer.get_submodule(path) for path in PROJECTIONS]
+    return layers
+
+
 def install(model: nn.Module, backend: str = "inductor") -> int:
     """Gives `model`'s decoder layers that `decoder_layer` reproduces the compiled forward where autograd records
     (a bound method on each layer, as `lean_activations.install` does). Returns how many layers changed."""
-    changed = 0
-    for module in model.modules():
-        if type(module).__name__ not in LAYER_CLASSES or refusal(module) is not None:
-            continue
-        module.compiled_projections = [module.get_submodule(path) for path in PROJECTIONS]
-        module.compiled_shape = layer_shape(module)
-        module.compiled_backend = backend
-        module.forward = types.MethodType(_forward, module)
-        changed += 1
-    return changed
+    layers = written_out_layers(model)
+    for layer in layers:
+        layer.compiled_shape = layer_shape(layer)
+        layer.compiled_backend = backend
+        layer.forward = types.MethodType(_forward, layer)
+    return len(layers)

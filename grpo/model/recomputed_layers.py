@@ -31,8 +31,8 @@ from torch import nn
 from grpo.kernels import rmsnorm
 from grpo.kernels.decode_gemm import rope
 from grpo.kernels.fp8 import dequantize_fp8_block
-from grpo.model.compiled_layers import (LAYER_CLASSES, PROJECTIONS, LayerShape, LayerWeights, Projection, layer_shape,
-                                        layer_weights, refusal)
+from grpo.model.compiled_layers import (LayerShape, LayerWeights, Projection, layer_shape, layer_weights,
+                                        written_out_layers)
 
 
 def _in_dtype(p: Projection, dtype: torch.dtype) -> Projection:
@@ -236,12 +236,8 @@ def install(model: nn.Module) -> int:
     """Gives `model`'s decoder layers that the written-out layer reproduces (`compiled_layers.refusal`) the
     recomputed forward for their checkpointed training passes (a bound method on each layer). Returns how many
     layers changed."""
-    changed = 0
-    for module in model.modules():
-        if type(module).__name__ not in LAYER_CLASSES or refusal(module) is not None:
-            continue
-        module.compiled_projections = [module.get_submodule(path) for path in PROJECTIONS]
-        module.recomputed_shape = layer_shape(module)
-        module.forward = types.MethodType(_layer_forward, module)
-        changed += 1
-    return changed
+    layers = written_out_layers(model)
+    for layer in layers:
+        layer.recomputed_shape = layer_shape(layer)
+        layer.forward = types.MethodType(_layer_forward, layer)
+    return len(layers)
