@@ -129,15 +129,16 @@ class Config:
                              "training pass, widths rounded up to a multiple of 8, and values within a rounding of "
                              "the modules'. auto: where the layers keep their activations (no gradient "
                              "checkpointing); checkpointed layers are not compiled, which held less "
-                             "(benchmarks/RESULTS.md, \"The measured defaults\"): --recompute-layers takes them. "
+                             "(benchmarks/RESULTS.md, \"The measured defaults\"); --recompute-layers auto takes them. "
                              "off: the modules.",
                              "model", choices=["auto", "off"])
-    recompute_layers: str = _f("auto", "Under gradient checkpointing, each decoder layer as one autograd node that "
-                               "recomputes the layer in backward and differentiates it by hand, GEMM by GEMM "
-                               "(grpo.model.recomputed_layers; Llama, Mistral, Qwen2 and Qwen3 layers with bf16, fp32 "
-                               "or dense-multiplied FP8 projections): what the modules hold and compute, within a "
-                               "rounding, for a fraction of their host work a layer. off: transformers' checkpointing "
-                               "of the modules.", "model", choices=["auto", "off"])
+    recompute_layers: str = _f("off", "auto: under gradient checkpointing, each decoder layer as one autograd node "
+                               "that recomputes the layer in backward and differentiates it by hand, GEMM by GEMM, and "
+                               "the reference pass through the same forward (grpo.model.recomputed_layers; Llama, "
+                               "Mistral, Qwen2 and Qwen3 layers with bf16, fp32 or dense-multiplied FP8 "
+                               "projections): what the modules hold and compute, within a rounding, for a fraction "
+                               "of their host work a layer; the default once a GPU benchmark has shown it faster. "
+                               "off: transformers' checkpointing of the modules.", "model", choices=["auto", "off"])
 
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), number-guess (games "

@@ -103,8 +103,10 @@ def test_the_compiled_layer_gives_the_functions_values_for_new_widths_without_co
 
 
 @COMPILED
-def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_training_pass(monkeypatch):
-    model = tiny_model("qwen2")
+@pytest.mark.parametrize("fp8", [False, True])  # FP8 base layers multiplying by their dense weight (--fp8-gemm)
+def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_training_pass(fp8, monkeypatch):
+    torch._dynamo.reset()  # compiled for FP8's weights or the others': a run has one kind
+    model = tiny_model("qwen2", fp8=fp8)
     reference = copy.deepcopy(model)
     assert compiled_layers.width_multiple(model) == 1
     assert compiled_layers.install(model.get_base_model(), backend="aot_eager") == DIMS["num_hidden_layers"]
@@ -134,6 +136,10 @@ def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_
             assert torch.equal(out, passes(reference)[0])
     assert passes(model, attention_mask=mask)[1] == 0  # a padding mask: the modules'
     assert passes(model, use_cache=True)[1] == 0  # a cache: the modules'
+    for module in model.modules():  # FP8's own GEMMs (--fp8-gemm auto without checkpointing): the modules'
+        if isinstance(module, FP8Linear):
+            module.gemm = "auto"
+    assert passes(model)[1] == (0 if fp8 else DIMS["num_hidden_layers"])
 
 
 @COMPILED

@@ -218,7 +218,7 @@ def test_a_layers_checkpointed_pass_issues_a_pinned_number_of_ops():
     counts = []
     for layers in (1, 2):
         policy = add_lora(tiny_llama(seed=3, dtype=torch.bfloat16, vocab_size=VOCAB, layers=layers),
-                          Config(gradient_checkpointing=True))
+                          Config(gradient_checkpointing=True, recompute_layers="auto"))
         counts.append(_train_ops(policy.train(), ids))
     (forward_1, backward_1), (forward_2, backward_2) = counts
     assert (forward_2.total() - forward_1.total(), backward_2.total() - backward_1.total()) == (103, 267)

@@ -15,7 +15,8 @@ float32 without rounding between their ops) for a shorter training pass, where t
 (no gradient checkpointing: `--compile-layers auto`). A checkpointed layer is not compiled: compiled under
 checkpointing (its call checkpointed, or the recompute inside the graph), the layer shortened the bench step's
 training pass or not, but raised its peak memory each way (benchmarks/RESULTS.md, "The measured defaults");
-`grpo.model.recomputed_layers` takes those layers, with this module's view of their tensors.
+`grpo.model.recomputed_layers` can take those layers (`--recompute-layers auto`), with this module's view of
+their tensors.
 
 Only where it reproduces the module and autograd records: the decoder layers of `LAYER_CLASSES` without a sliding
 window or attention dropout, SiLU MLPs, projections that are nn.Linear or FP8Linear (where it multiplies by its
