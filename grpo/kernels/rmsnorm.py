@@ -13,7 +13,9 @@ The arithmetic is the module's (float32, the normalized row rounded to x's dtype
 it) with the row's sum in Triton's order: values within a rounding of x's dtype of the module's, not bit for
 bit. Where it runs: CUDA, or the CPU under TRITON_INTERPRET=1 (the tests, against `rms_norm_ref` and its
 autograd gradients); a row of at most MAX_COLS features. `lean_activations.install` gives it to the model's
-norms (the trainer's default; `norm_kernel=False` keeps torch's ops).
+norms (the trainer's default; `norm_kernel=False` keeps torch's ops). `norm_with_rstd` and `norm_input_grad` are
+the two ways without autograd, on the kernel where it runs and else on the reference's ops (`RMSNormFn`'s), for the
+layers differentiated by hand (`grpo.model.recomputed_layers`).
 """
 
 from __future__ import annotations
@@ -114,18 +116,16 @@ def norm_with_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[t
     reference's ops; and what `norm_input_grad` needs for x's gradient."""
     if kernel_runs(x, weight):
         y, rows, rstd = _kernel_forward(x, weight, eps)
-        return y, (rows, rstd)
+        return y, (rows, rstd, True)
     y, rstd = ref_with_rstd(x, weight, eps)
-    return y, (x, rstd)
+    return y, (x, rstd, False)
 
 
 def norm_input_grad(grad: torch.Tensor, weight: torch.Tensor, saved: tuple) -> torch.Tensor:
     """x's gradient through `norm_with_rstd` (its `saved`), the weight frozen: the kernel's backward where the
     forward ran the kernel."""
-    x, rstd = saved
-    if rstd.dim() == 1:  # the kernel's: one float32 a row
-        return _kernel_backward(grad, x, weight, rstd)
-    return ref_input_grad(grad, x, weight, rstd)
+    x, rstd, on_kernel = saved
+    return (_kernel_backward if on_kernel else ref_input_grad)(grad, x, weight, rstd)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
