@@ -1,6 +1,7 @@
 """grpo.model.recomputed_layers: a checkpointed training pass through the layers recomputed by hand gives the
-trainer's modules' values and gradients, keeps each layer's input alone, and takes the hand-written node only in
-the checkpointed training pass of the layers it reproduces."""
+trainer's modules' values and gradients, keeps each layer's input alone and holds no more than they do; the
+hand-written node takes only the checkpointed training pass of the layers it reproduces, and its forward the
+reference pass."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import copy
 
 import pytest
 import torch
+from test_compiled_layers import DIMS, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from test_compiled_layers import DIMS, tiny_model
 
 from grpo.model import lean_activations, recomputed_layers
 from grpo.model.load import adapters_off
