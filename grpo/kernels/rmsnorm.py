@@ -29,8 +29,7 @@ MAX_COLS = 16384  # one program holds a row: Llama's and Qwen's hidden sizes are
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: weight * (x32 * rsqrt(mean(x32^2) + eps)) rounded to x's dtype."""
-    x32 = x.to(torch.float32)
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ref_with_rstd(x, weight, eps)[0]
 
 
 def kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:

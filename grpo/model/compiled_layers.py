@@ -93,7 +93,7 @@ def project(x: torch.Tensor, p: Projection, scale: float) -> torch.Tensor:
     """(rows, out): x (rows, in) through the base weight and the adapter, the adapter's product added in the GEMM."""
     # an FP8 weight as FP8Linear's dense way makes it, in torch's ops (inductor fuses them into one pass)
     weight = p.weight if p.scale_inv is None else dequantize_fp8_block(p.weight, p.scale_inv, x.dtype, impl="ref")
-    y = F.linear(x, weight, p.bias if p.bias is None else p.bias.to(x.dtype))
+    y = F.linear(x, weight, None if p.bias is None else p.bias.to(x.dtype))
     if p.lora_a is None:
         return y
     return torch.addmm(y, x @ p.lora_a.to(x.dtype).t(), p.lora_b.to(x.dtype).t(), alpha=scale)
