@@ -124,21 +124,13 @@ class Config:
                                 "values and gradients are the modules' bit for bit.", "model")
     compile_layers: str = _f("auto", "The training pass's decoder layers as one function compiled by "
                              "torch.compile (grpo.model.compiled_layers; CUDA only; Llama, Mistral, Qwen2 and Qwen3 "
-                             "layers with bf16, fp32 or dense-multiplied FP8 projections, see --fp8-gemm): fused "
-                             "kernels and far less host work a layer, for a compile of some seconds at the first "
-                             "training pass, widths rounded up to a multiple of 8, and values within a rounding of "
-                             "the modules'. auto: where the layers keep their activations (no gradient "
-                             "checkpointing); checkpointed layers are not compiled, which held less "
-                             "(benchmarks/RESULTS.md, \"The measured defaults\"); --recompute-layers auto takes them. "
-                             "off: the modules.",
+                             "layers with bf16 or fp32 projections, FP8 base layers keep the modules): fused kernels "
+                             "and far less host work a layer, for a compile of some seconds at the first training "
+                             "pass, widths rounded up to a multiple of 8, and values within a rounding of the "
+                             "modules'. auto: where the layers keep their activations (no gradient "
+                             "checkpointing); checkpointed layers keep the modules, which held less "
+                             "(benchmarks/RESULTS.md, \"The measured defaults\"). off: the modules everywhere.",
                              "model", choices=["auto", "off"])
-    recompute_layers: str = _f("off", "auto: under gradient checkpointing, each decoder layer as one autograd node "
-                               "that recomputes the layer in backward and differentiates it by hand, GEMM by GEMM, and "
-                               "the reference pass through the same forward (grpo.model.recomputed_layers; Llama, "
-                               "Mistral, Qwen2 and Qwen3 layers with bf16, fp32 or dense-multiplied FP8 "
-                               "projections): what the modules hold and compute, within a rounding, for a fraction "
-                               "of their host work a layer; the default once a GPU benchmark has shown it faster. "
-                               "off: transformers' checkpointing of the modules.", "model", choices=["auto", "off"])
 
     # --- data --------------------------------------------------------------------------------
     dataset: str = _f("dapo", "dapo (DAPO-Math-17k), gsm8k, arithmetic (built in, offline), number-guess (games "

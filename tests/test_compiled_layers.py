@@ -10,7 +10,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo.kernels.fp8 import FP8Linear, quantize_linears_
 from grpo.model import compiled_layers, lora_addmm
 from grpo.model.compiled_layers import decoder_layer, layer_shape, layer_weights
 from grpo.model.load import adapters_off, compute_adapters_in_base_dtype
@@ -21,21 +20,15 @@ DIMS = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key
             num_hidden_layers=2, vocab_size=200, max_position_embeddings=256, pad_token_id=0)
 
 
-def tiny_model(family: str, dtype=torch.float32, lora_dropout: float = 0.0, fp8: bool = False):
+def tiny_model(family: str, dtype=torch.float32, lora_dropout: float = 0.0):
     """A random two-layer model of `family` with the trainer's rsLoRA on the 7 projections, B non-zero (as after
-    some training): Qwen2's q/k/v have biases, Qwen3's heads their norms. `fp8`: FP8Linear base layers,
-    multiplying by their dense weight (the trainer's --fp8-gemm under checkpointing)."""
+    some training): Qwen2's q/k/v have biases, Qwen3's heads their norms."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     config = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     extra = {"sliding_window": None} if family in ("mistral", "qwen2", "qwen3") else {}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(**DIMS, **extra)).to(dtype).requires_grad_(False)
-    if fp8:
-        quantize_linears_(model)
-        for module in model.modules():
-            if isinstance(module, FP8Linear):
-                module.gemm = "dense"
     policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, use_rslora=True, lora_dropout=lora_dropout,
                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]))
@@ -65,18 +58,16 @@ def value_and_grads(fn, layer, h, grad):
     return out.detach(), got
 
 
-@pytest.mark.parametrize("family,fp8", [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", False),
-                                        ("llama", True), ("qwen2", True)])  # FP8 base layers: their dense weight
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-def test_the_written_out_layer_gives_the_modules_values_and_gradients(family, fp8, dtype, tol):
-    model = tiny_model(family, dtype, fp8=fp8)
+def test_the_written_out_layer_gives_the_modules_values_and_gradients(family, dtype, tol):
+    model = tiny_model(family, dtype)
     layer = model.get_base_model().model.layers[1]
     h, (cos, sin) = rotary(model, 3, 11, dtype)
     grad = torch.randn(3, 11, DIMS["hidden_size"], dtype=dtype)
     want, want_grads = value_and_grads(lambda x: layer(x, position_embeddings=(cos, sin)), layer, h, grad)
     weights = layer_weights(layer)
     assert weights is not None and (weights.q_norm is not None) == (family == "qwen3")
-    assert all((p.scale_inv is not None) == fp8 for p in weights.projections)
     got, got_grads = value_and_grads(lambda x: decoder_layer(x, cos, sin, weights, layer_shape(layer)), layer, h,
                                      grad)
     scale = want.abs().max()
@@ -103,10 +94,8 @@ def test_the_compiled_layer_gives_the_functions_values_for_new_widths_without_co
 
 
 @COMPILED
-@pytest.mark.parametrize("fp8", [False, True])  # FP8 base layers multiplying by their dense weight (--fp8-gemm)
-def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_training_pass(fp8, monkeypatch):
-    torch._dynamo.reset()  # compiled for FP8's weights or the others': a run has one kind
-    model = tiny_model("qwen2", fp8=fp8)
+def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_training_pass(monkeypatch):
+    model = tiny_model("qwen2")
     reference = copy.deepcopy(model)
     assert compiled_layers.width_multiple(model) == 1
     assert compiled_layers.install(model.get_base_model(), backend="aot_eager") == DIMS["num_hidden_layers"]
@@ -136,10 +125,6 @@ def test_installed_layers_take_the_compiled_function_only_where_it_reproduces_a_
             assert torch.equal(out, passes(reference)[0])
     assert passes(model, attention_mask=mask)[1] == 0  # a padding mask: the modules'
     assert passes(model, use_cache=True)[1] == 0  # a cache: the modules'
-    for module in model.modules():  # FP8's own GEMMs (--fp8-gemm auto without checkpointing): the modules'
-        if isinstance(module, FP8Linear):
-            module.gemm = "auto"
-    assert passes(model)[1] == (0 if fp8 else DIMS["num_hidden_layers"])
 
 
 @COMPILED
@@ -193,23 +178,17 @@ def test_a_compile_that_fails_is_one_line_naming_the_flag_that_turns_it_off(monk
 
 
 def test_layers_it_does_not_reproduce_keep_their_modules():
-    class OtherLinear(torch.nn.Linear):  # a base layer whose forward `project` does not reproduce
-        pass
+    from grpo.kernels.fp8 import quantize_linears_
 
-    model = tiny_model("llama", torch.bfloat16)
-    layers = model.get_base_model().model.layers
-    layers[0].mlp.up_proj.base_layer.__class__ = OtherLinear
-    assert "other than" in compiled_layers.refusal(layers[0]) and compiled_layers.refusal(layers[1]) is None
-    assert compiled_layers.install(model.get_base_model()) == 1
+    fp8 = tiny_model("llama", torch.bfloat16)
+    quantize_linears_(fp8.get_base_model().model.layers[0])
+    layers = fp8.get_base_model().model.layers
+    assert "nn.Linear" in compiled_layers.refusal(layers[0]) and compiled_layers.refusal(layers[1]) is None
+    assert compiled_layers.install(fp8.get_base_model()) == 1
     assert "forward" not in vars(layers[0]) and "forward" in vars(layers[1])
 
     with_dropout = tiny_model("llama", lora_dropout=0.1)
     assert "dropout" in compiled_layers.refusal(with_dropout.get_base_model().model.layers[0])
-    fp8 = tiny_model("llama", fp8=True)
-    layer = fp8.get_base_model().model.layers[0]
-    assert compiled_layers.refusal(layer) is None and layer_weights(layer) is not None
-    layer.mlp.up_proj.base_layer.gemm = "auto"  # FP8's own GEMMs (--fp8-gemm auto without checkpointing)
-    assert layer_weights(layer) is None  # so the call takes the modules
 
 
 @pytest.mark.cuda

@@ -156,9 +156,7 @@ def test_under_gradient_checkpointing_the_gradients_are_those_without_it():
     ids = torch.randint(0, VOCAB, (2, 16))
     grads = []
     for checkpointing in (False, True):
-        # (the modules checkpointed: grpo.model.recomputed_layers would take the layers otherwise)
-        policy = add_lora(tiny_llama(seed=3, vocab_size=VOCAB),
-                          Config(gradient_checkpointing=checkpointing, recompute_layers="off"))
+        policy = add_lora(tiny_llama(seed=3, vocab_size=VOCAB), Config(gradient_checkpointing=checkpointing))
         torch.manual_seed(1)
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -297,7 +295,7 @@ def test_a_decoder_layers_training_pass_issues_a_pinned_number_of_ops():
     counts = []
     for layers in (1, 2):
         policy = add_lora(tiny_llama(seed=3, dtype=torch.bfloat16, vocab_size=VOCAB, layers=layers),
-                          Config(gradient_checkpointing=True, recompute_layers="off"))  # the modules
+                          Config(gradient_checkpointing=True))
         policy.train()
         counts.append(_train_ops(policy, ids))
     (forward_1, backward_1), (forward_2, backward_2) = counts

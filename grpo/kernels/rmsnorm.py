@@ -13,9 +13,7 @@ The arithmetic is the module's (float32, the normalized row rounded to x's dtype
 it) with the row's sum in Triton's order: values within a rounding of x's dtype of the module's, not bit for
 bit. Where it runs: CUDA, or the CPU under TRITON_INTERPRET=1 (the tests, against `rms_norm_ref` and its
 autograd gradients); a row of at most MAX_COLS features. `lean_activations.install` gives it to the model's
-norms (the trainer's default; `norm_kernel=False` keeps torch's ops). `norm_with_rstd` and `norm_input_grad` are
-the two ways without autograd, on the kernel where it runs and else on the reference's ops (`RMSNormFn`'s), for the
-layers differentiated by hand (`grpo.model.recomputed_layers`).
+norms (the trainer's default; `norm_kernel=False` keeps torch's ops).
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ MAX_COLS = 16384  # one program holds a row: Llama's and Qwen's hidden sizes are
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: weight * (x32 * rsqrt(mean(x32^2) + eps)) rounded to x's dtype."""
-    return ref_with_rstd(x, weight, eps)[0]
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,85 +45,38 @@ def _launch(n: int) -> dict:
     return {"BLOCK": block, "num_warps": min(16, max(4, block // 512))}
 
 
-def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, eps: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward launch: (y, x's rows as it read them, rstd (rows,) float32)."""
-    from grpo.kernels import _rmsnorm_triton as k
-
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-    if rows.shape[0]:
-        k.rmsnorm_forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
-                                                   SAVE_RSTD=True, CHAIN=False, **_launch(n))
-    return y.view(*x.shape[:-1], n), rows, rstd
-
-
-def _kernel_backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """The backward launch: dx for the forward's rows, shaped as grad."""
-    from grpo.kernels import _rmsnorm_triton as k
-
-    n = rows.shape[-1]
-    g = grad.reshape(-1, n)
-    if g.stride(-1) != 1:
-        g = g.contiguous()
-    dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-    if rows.shape[0]:
-        k.rmsnorm_backward_kernel[(rows.shape[0],)](g, rows, weight, rstd, dx, n, g.stride(0), rows.stride(0),
-                                                    dx.stride(0), **_launch(n))
-    return dx.view(grad.shape[:-1] + (n,))
-
-
 class _RMSNormKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rows, rstd = _kernel_forward(x, weight, eps)
+        from grpo.kernels import _rmsnorm_triton as k
+
+        n = x.shape[-1]
+        rows = x.reshape(-1, n)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+        if rows.shape[0]:
+            k.rmsnorm_forward_kernel[(rows.shape[0],)](rows, weight, y, rstd, n, rows.stride(0), y.stride(0), eps,
+                                                       SAVE_RSTD=True, CHAIN=False, **_launch(n))
         ctx.save_for_backward(rows, weight, rstd)
-        return y
+        return y.view(*x.shape[:-1], n)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        from grpo.kernels import _rmsnorm_triton as k
+
         rows, weight, rstd = ctx.saved_tensors
-        return _kernel_backward(grad, rows, weight, rstd), None, None
-
-
-def ref_with_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rms_norm_ref`'s value and the rstd (..., 1) float32 its gradient needs (`ref_input_grad`), by its own ops."""
-    x32 = x.to(torch.float32)
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x32 * rstd).to(x.dtype), rstd
-
-
-def ref_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """x's gradient through `rms_norm_ref`: autograd's derivatives of its ops, in their order (so its values bit for
-    bit)."""
-    x32 = x.to(torch.float32)
-    d_normed = (grad * weight).to(x.dtype).to(torch.float32)  # (eager's product gives its input's dtype)
-    d_rstd = (d_normed * x32).sum(-1, keepdim=True)
-    d_square = (-0.5 * d_rstd * rstd.pow(3)).expand_as(x32) / x32.shape[-1]  # rsqrt's, then mean's
-    d_x = d_normed * rstd + d_square * (2 * x32)  # through the product with rstd, and through pow(2)
-    return d_x.to(x.dtype)
-
-
-def norm_with_rstd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, tuple]:
-    """`rms_norm_ref(x, weight, eps)` without autograd, on the kernel where it runs (`kernel_runs`), else by the
-    reference's ops; and what `norm_input_grad` needs for x's gradient."""
-    if kernel_runs(x, weight):
-        y, rows, rstd = _kernel_forward(x, weight, eps)
-        return y, (rows, rstd, True)
-    y, rstd = ref_with_rstd(x, weight, eps)
-    return y, (x, rstd, False)
-
-
-def norm_input_grad(grad: torch.Tensor, weight: torch.Tensor, saved: tuple) -> torch.Tensor:
-    """x's gradient through `norm_with_rstd` (its `saved`), the weight frozen: the kernel's backward where the
-    forward ran the kernel."""
-    x, rstd, on_kernel = saved
-    return (_kernel_backward if on_kernel else ref_input_grad)(grad, x, weight, rstd)
+        n = rows.shape[-1]
+        g = grad.reshape(-1, n)
+        if g.stride(-1) != 1:
+            g = g.contiguous()
+        dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        if rows.shape[0]:
+            k.rmsnorm_backward_kernel[(rows.shape[0],)](g, rows, weight, rstd, dx, n, g.stride(0), rows.stride(0),
+                                                        dx.stride(0), **_launch(n))
+        return dx.view(grad.shape[:-1] + (n,)), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

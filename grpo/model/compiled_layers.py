@@ -12,19 +12,16 @@ specialize. So a run compiles it once, at its first training pass.
 
 It trades that compile (seconds) and values within a rounding of the modules' (the norms and the SiLU product in
 float32 without rounding between their ops) for a shorter training pass, where the layers keep their activations
-(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer is not compiled: compiled under
+(no gradient checkpointing: `--compile-layers auto`). A checkpointed layer keeps its modules: compiled under
 checkpointing (its call checkpointed, or the recompute inside the graph), the layer shortened the bench step's
-training pass or not, but raised its peak memory each way (benchmarks/RESULTS.md, "The measured defaults");
-`grpo.model.recomputed_layers` can take those layers (`--recompute-layers auto`), with this module's view of
-their tensors.
+training pass or not, but raised its peak memory each way (benchmarks/RESULTS.md, "The measured defaults").
 
 Only where it reproduces the module and autograd records: the decoder layers of `LAYER_CLASSES` without a sliding
-window or attention dropout, SiLU MLPs, projections that are nn.Linear or FP8Linear (where it multiplies by its
-dense weight: `--fp8-gemm`; on FP8's own GEMMs the modules) with at most one plain adapter (`grpo.model.lora_addmm`'s
-case, without dropout), no attention mask and no cache (the trainer's causal rows, `grpo.batch.sequence_logprobs`).
-Each call checks what may change during a run (the adapters switched off, a mask, a cache, no grad,
-checkpointing) and else calls the module's own forward: the reference and evaluation passes, and the engines, never
-take this path.
+window or attention dropout, SiLU MLPs, projections that are nn.Linear (FP8 base layers keep the modules) with at
+most one plain adapter (`grpo.model.lora_addmm`'s case, without dropout), no attention mask and no cache (the
+trainer's causal rows, `grpo.batch.sequence_logprobs`). Each call checks what may change during a run (the adapters
+switched off, a mask, a cache, no grad, checkpointing) and else calls the module's own forward: the reference and
+evaluation passes, and the engines, never take this path.
 
 `decoder_layer` is plain PyTorch: the CPU tests compare it with transformers' layers, eagerly and compiled.
 """
@@ -41,7 +38,6 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
 from grpo.kernels.decode_gemm import rope
-from grpo.kernels.fp8 import FP8Linear, dequantize_fp8_block
 from grpo.kernels.rmsnorm import rms_norm_ref
 from grpo.model.lora_addmm import plain_adapter
 
@@ -52,16 +48,13 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SILU_CLASSES = ("SiLU", "SiLUActivation")
 WIDTH_MULTIPLE = 8  # `width_multiple`
-BASE_LAYERS = (nn.Linear, FP8Linear)  # FP8's where it multiplies by its dense weight (`base_weights`)
 
 
 class Projection(NamedTuple):
     """One projection's tensors: y = x W^T + b + scale * (x A^T) B^T (the scale is the layer's `LayerShape`);
-    `lora_a`/`lora_b` None without an adapter; an FP8 base layer's W its E4M3 codes, with their 128x128 blocks'
-    scales."""
+    `lora_a`/`lora_b` None without an adapter."""
 
     weight: torch.Tensor  # (out, in)
-    scale_inv: torch.Tensor | None  # (out/128, in/128) where the weight is FP8, else None
     bias: torch.Tensor | None  # (out,)
     lora_a: torch.Tensor | None  # (r, in), float32: multiplied in the activations' dtype
     lora_b: torch.Tensor | None  # (out, r)
@@ -91,9 +84,7 @@ class LayerShape(NamedTuple):
 
 def project(x: torch.Tensor, p: Projection, scale: float) -> torch.Tensor:
     """(rows, out): x (rows, in) through the base weight and the adapter, the adapter's product added in the GEMM."""
-    # an FP8 weight as FP8Linear's dense way makes it, in torch's ops (inductor fuses them into one pass)
-    weight = p.weight if p.scale_inv is None else dequantize_fp8_block(p.weight, p.scale_inv, x.dtype, impl="ref")
-    y = F.linear(x, weight, None if p.bias is None else p.bias.to(x.dtype))
+    y = F.linear(x, p.weight, p.bias)
     if p.lora_a is None:
         return y
     return torch.addmm(y, x @ p.lora_a.to(x.dtype).t(), p.lora_b.to(x.dtype).t(), alpha=scale)
@@ -143,23 +134,14 @@ def compiled(shape: LayerShape, backend: str = "inductor"):
 
 def projection_weights(module: nn.Module) -> Projection | None:
     """A projection's tensors as `project` reads them, or None where this call is not the plain case (the adapter
-    switched off where autograd records, another adapter variant, the adapter on without grad)."""
-    if type(module) in BASE_LAYERS:
-        return base_weights(module, None, None)
-    if not torch.is_grad_enabled():  # the reference pass (adapters off): the base layer's; else the modules'
-        return base_weights(module.base_layer, None, None) if module.disable_adapters else None
+    switched off, another adapter variant, no grad)."""
+    if type(module) is nn.Linear:
+        return Projection(module.weight, module.bias, None, None)
     name = plain_adapter(module, (), {})
     if name is None or len(module.lora_A) != 1:  # (the base layer's type `refusal` checked at install)
         return None
-    return base_weights(module.base_layer, module.lora_A[name].weight, module.lora_B[name].weight)
-
-
-def base_weights(base: nn.Module, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> Projection | None:
-    if type(base) is nn.Linear:
-        return Projection(base.weight, None, base.bias, lora_a, lora_b)
-    if base.gemm != "dense":  # FP8's own GEMMs (--fp8-gemm): the module's, whose numerics are not the dense weight's
-        return None
-    return Projection(base.weight, base.weight_scale_inv, base.bias, lora_a, lora_b)
+    return Projection(module.base_layer.weight, module.base_layer.bias, module.lora_A[name].weight,
+                      module.lora_B[name].weight)
 
 
 def layer_weights(layer: nn.Module) -> LayerWeights | None:
@@ -189,10 +171,10 @@ def refusal(layer: nn.Module) -> str | None:
         module = layer.get_submodule(path)
         if type(module) is LoraLinear:
             dropouts = module.lora_dropout.values()
-            if len(module.lora_A) != 1 or type(module.base_layer) not in BASE_LAYERS or any(
+            if len(module.lora_A) != 1 or type(module.base_layer) is not nn.Linear or any(
                     type(d) is not nn.Identity for d in dropouts):
-                return f"{path} has a base layer other than {BASE_LAYERS}, adapter dropout, or several adapters"
-        elif type(module) not in BASE_LAYERS:
+                return f"{path} has a base layer other than nn.Linear, adapter dropout, or several adapters"
+        elif type(module) is not nn.Linear:
             return f"{path} is a {type(module).__name__}"
     eps = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
            *(getattr(attention, n).variance_epsilon for n in ("q_norm", "k_norm") if hasattr(attention, n))}
@@ -243,21 +225,16 @@ def width_multiple(model: nn.Module) -> int:
     return WIDTH_MULTIPLE if any("compiled_shape" in vars(m) for m in model.modules()) else 1
 
 
-def written_out_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of `model` that `decoder_layer` reproduces (`refusal`), each given the list of its
-    projections' modules that `layer_weights` reads at each call."""
-    layers = [m for m in model.modules() if type(m).__name__ in LAYER_CLASSES and refusal(m) is None]
-    for layer in layers:
-        layer.compiled_projections = [layer.get_submodule(path) for path in PROJECTIONS]
-    return layers
-
-
 def install(model: nn.Module, backend: str = "inductor") -> int:
     """Gives `model`'s decoder layers that `decoder_layer` reproduces the compiled forward where autograd records
     (a bound method on each layer, as `lean_activations.install` does). Returns how many layers changed."""
-    layers = written_out_layers(model)
-    for layer in layers:
-        layer.compiled_shape = layer_shape(layer)
-        layer.compiled_backend = backend
-        layer.forward = types.MethodType(_forward, layer)
-    return len(layers)
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ not in LAYER_CLASSES or refusal(module) is not None:
+            continue
+        module.compiled_projections = [module.get_submodule(path) for path in PROJECTIONS]
+        module.compiled_shape = layer_shape(module)
+        module.compiled_backend = backend
+        module.forward = types.MethodType(_forward, module)
+        changed += 1
+    return changed

@@ -75,19 +75,25 @@ class RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = rmsnorm.ref_with_rstd(x, weight, eps)
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return y
+        return weight * (x32 * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
+        x32 = x.to(torch.float32)
         d_weight = None
         if ctx.needs_input_grad[1]:
-            d_weight = (grad * (x.to(torch.float32) * rstd).to(x.dtype)).sum_to_size(weight.shape)
+            d_weight = (grad * (x32 * rstd).to(x.dtype)).sum_to_size(weight.shape)
         if not ctx.needs_input_grad[0]:
             return None, d_weight, None
-        return rmsnorm.ref_input_grad(grad, x, weight, rstd), d_weight, None
+        d_normed = (grad * weight).to(x.dtype).to(torch.float32)  # (eager's product gives its input's dtype)
+        d_rstd = (d_normed * x32).sum(-1, keepdim=True)
+        d_square = (-0.5 * d_rstd * rstd.pow(3)).expand_as(x32) / x32.shape[-1]  # rsqrt's, then mean's
+        d_x = d_normed * rstd + d_square * (2 * x32)  # through the product with rstd, and through pow(2)
+        return d_x.to(x.dtype), d_weight, None
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo.config import DTYPES, LORA_TARGETS, Config
 from grpo.kernels.fp8 import FP8Linear, quantize_linears_
-from grpo.model import compiled_layers, lean_activations, lora_addmm, recomputed_layers
+from grpo.model import compiled_layers, lean_activations, lora_addmm
 from grpo.model.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
 from grpo.model.lora_addmm import LinearInInputDtype
 from grpo.model.packaged import PACKAGED_MODELS, packaged_model_dir
@@ -177,8 +177,6 @@ def add_lora(model, cfg: Config):
     if on_cuda and cfg.compile_layers == "auto" and not cfg.gradient_checkpointing:
         compiled_layers.install(model)  # after the modules' own changes: the layers it refuses keep them
     if cfg.gradient_checkpointing:
-        if cfg.recompute_layers == "auto":
-            recomputed_layers.install(model)  # the layers it reproduces; the others keep their checkpointed modules
         # Non-reentrant checkpointing: gradients reach the adapters without inputs requiring grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     set_fp8_gemm(model, cfg)

@@ -70,39 +70,3 @@ def test_the_decode_takes_the_norm_kernel_for_llamas_rmsnorm_and_calls_other_nor
         pass
 
     assert decode_norm(GemmaLikeRMSNorm(64)) is None and decode_norm(nn.LayerNorm(64)) is None
-
-
-def test_without_autograd_the_kernels_give_the_autograd_functions_values_and_gradients():
-    # grpo.model.recomputed_layers' way: the forward launch keeping rstd, and the backward launch given it
-    torch.manual_seed(2)
-    x = torch.randn(3, 5, 96) * 3
-    weight = 1 + 0.1 * torch.randn(96)
-    grad = torch.randn(3, 5, 96)
-    y, saved = rmsnorm.norm_with_rstd(x, weight, 1e-5)
-    assert saved[1].shape == (15,)  # the kernel's: one float32 rstd a row
-    leaf = x.clone().requires_grad_(True)
-    want = rmsnorm.rms_norm(leaf, weight, 1e-5)
-    (want_dx,) = torch.autograd.grad(want, leaf, grad)
-    assert torch.equal(y, want) and torch.equal(rmsnorm.norm_input_grad(grad, weight, saved), want_dx)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])  # Qwen3: the head norms on the kernel too
-def test_the_recomputed_layers_on_the_norm_kernel_give_the_modules_gradients(family):
-    import copy
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_recomputed_layers import DIMS, hidden_and_grads, trainer_modules
-
-    from grpo.model import recomputed_layers
-
-    model = trainer_modules(family)  # the lean norms take the kernel here too
-    modules = copy.deepcopy(model)
-    assert recomputed_layers.install(model.get_base_model()) == DIMS["num_hidden_layers"]
-    ids = torch.randint(1, DIMS["vocab_size"], (2, 9))
-    got, got_grads = hidden_and_grads(model, ids)
-    want, want_grads = hidden_and_grads(modules, ids)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
