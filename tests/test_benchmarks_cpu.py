@@ -422,7 +422,7 @@ def test_a_second_run_on_the_same_day_gets_its_own_file_and_renders_as_the_lates
 
 SCRIPT_PROBES = ["native_engine", "decode_gemm_tiles", "decode_gemm_sass", "train_pass", "engine_sampling",
                  "step_profile", "fp8_host", "attention_tiles", "turn_blocks", "gguf_ways", "unsloth_growth",
-                 "train_ops", "overlap"]
+                 "train_ops", "overlap", "train_graph"]
 # Each probe run as a script (its folder first on the path, as `python probe.py` puts it) with --help, in one
 # process: a process a probe spent its seconds importing torch ten times over.
 HELP_EACH = """
@@ -492,6 +492,36 @@ def test_the_train_pass_probe_gives_each_pass_new_widths_and_runs_the_trainers_u
     before = [p.detach().clone() for p in lora_b]
     probe.trainer_update(policy, cfg, cpu)(batch, step_adv, slices)
     assert any(not torch.equal(b, p) for b, p in zip(before, lora_b))
+
+
+def test_the_train_graph_probes_pass_is_the_trainers_with_the_counted_positions_made_before(monkeypatch):
+    # What the probe captures on the GPU: zeroed gradients, then the loss's forward and backward, whose gradients
+    # are the plain pass's (the counted positions handed in rather than found at each call), and again the same
+    import torch
+
+    from grpo.batch import sequence_logprobs
+    from grpo.loss import clipped_surrogate
+
+    monkeypatch.syspath_prepend(str(PROBES))
+    probe = importlib.import_module("train_graph")
+    cpu = torch.device("cpu")
+    policy, cfg = probe.bench_policy(True, False, cpu)
+    batch = probe.bench_batch(probe.bs.SMOKE_BENCH, policy.config.vocab_size, cpu)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    adv = torch.linspace(-1, 1, len(batch))
+    ref_logp = torch.full(batch.mask.shape, -12.0)
+    logp = sequence_logprobs(policy, batch, 1.0)
+    loss, _ = clipped_surrogate(logp, logp.detach(), adv, batch.mask, ref_logp=ref_logp, beta=0.04,
+                                max_completion_length=batch.completion_ids.shape[1])
+    want = torch.autograd.grad(loss, params)
+    for p in params:
+        p.grad = torch.full_like(p, 7.0)  # what the pass must zero
+    with probe.counted_made_before(batch):
+        for _ in range(2):
+            got = probe.one_pass(policy, cfg, batch, adv, ref_logp, params)
+            assert torch.equal(got, loss.detach())
+            assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
+    assert any(w.abs().sum() > 0 for w in want)
 
 
 @pytest.mark.slow
