@@ -8,8 +8,8 @@ alpha=64 on the 7 projections, gradient checkpointing) through the trainer's own
 `grpo.batch.sequence_logprobs`, `grpo.loss.clipped_surrogate` with beta 0.04 against a reference's log-probs),
 its gradients zeroed, its loss's backward: eagerly, then captured once and replayed. For each way: the pass's
 time between CUDA events (median; eager: what the host takes to issue it where it is the slower), the peak memory
-above the weights, and the replay's gradients against the eager ones. A capture that fails is recorded with its
-error: what the trainer would change first.
+above what the set-up holds (weights, adapters, gradients, batch), and the replay's gradients against the eager
+ones. A capture that fails is recorded with its error: what the trainer would change first.
 
 What the capture needs that the trainer does not do today: the counted tokens' positions made before it (the
 trainer finds them on the host, `Batch.counted`, and copies them in; a graph replays no host copy), and the
@@ -163,8 +163,8 @@ def main() -> None:
         eager_ms = median_ms(run, warmup=2, iters=args.repeats)
         eager_loss = run()
         eager_grads = [p.grad.clone() for p in params]
-        peak = (torch.cuda.max_memory_allocated() - weights) / 2**30 if cuda else None
-        rec.record("eager", ms=round(eager_ms, 2), loss=float(eager_loss), peak_over_weights_gib=peak)
+        peak = round((torch.cuda.max_memory_allocated() - weights) / 2**30, 3) if cuda else None
+        rec.record("eager", ms=round(eager_ms, 2), loss=float(eager_loss), peak_over_set_up_gib=peak)
         if not cuda:
             rec.say("no CUDA: the eager pass only")
             return
@@ -176,7 +176,7 @@ def main() -> None:
             peak = (torch.cuda.max_memory_allocated() - weights) / 2**30
             worst = max(((g - p.grad).norm() / g.norm().clamp(min=1e-30)).item() for g, p in zip(eager_grads, params))
             graph_ms = median_ms(graph.replay, warmup=1, iters=args.repeats)
-            rec.record("graph", ms=round(graph_ms, 2), loss=float(graph_loss), peak_over_weights_gib=round(peak, 3),
+            rec.record("graph", ms=round(graph_ms, 2), loss=float(graph_loss), peak_over_set_up_gib=round(peak, 3),
                        worst_grad_rel_diff=worst, eager_over_graph=round(eager_ms / graph_ms, 2))
         except Exception as exc:  # what stops the capture is the finding: recorded, with where it came from
             rec.record("graph_error", error=repr(exc)[:500], where=traceback.format_exc()[-2500:])
