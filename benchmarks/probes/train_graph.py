@@ -54,7 +54,7 @@ def bench_policy(smoke: bool, fp8: bool, device: torch.device):
         torch.set_default_dtype(previous)
     model.requires_grad_(False)
     if fp8:
-        quantize_linears_(model)
+        quantize_linears_(model, LORA_TARGETS)  # the 7 projections, as an FP8-Block checkpoint holds them
     cfg = Config(lora_rank=32, lora_alpha=64, use_rslora=True, lora_targets=LORA_TARGETS, gradient_checkpointing=True,
                  beta=0.04, load_in_fp8=fp8)
     policy = add_lora(model, cfg)
