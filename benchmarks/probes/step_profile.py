@@ -7,10 +7,10 @@ one loop iteration after the warm-up: from one `grpo_step`'s start to the next's
 between steps is in it. Each phase is a profiler range (the functions `grpo.step` and `grpo.groups` call, wrapped
 here): sample (the engine's generate), score, reference, the update's forwards (`sequence_logprobs`) and the
 rest of the update (backward, clipping, optimizer), and what is left of the iteration. For each: its wall time,
-the GPU's busy time in it (the union of its kernels' intervals), the top kernels and the top host ops by their
-own time, and the GPU's idle time between the kernels launched in its ranges (inner phases' included) by the
-length of each wait, with the kernels the long waits held back (`idle_gaps`). The Chrome trace goes beside the
-results, gzipped.
+the GPU's busy time for it (the union of the intervals of the kernels launched inside its ranges), the top kernels
+and the top host ops by their own time, and the GPU's idle time between those kernels by the length of each wait,
+with the kernels the long waits held back (`idle_gaps`). A phase holds its inner phases, in its GPU time as in its
+wall time: the update's figures hold its forwards'. The Chrome trace goes beside the results, gzipped.
 
     PYTHONPATH=$PWD python3 benchmarks/probes/step_profile.py --out DIR [--dtype bf16] [--no-fold] [--peft-forward]
         [--no-norm-kernel]
@@ -95,8 +95,9 @@ def profile_iteration(cfg, at_step: int, trace_path: Path) -> None:
 
 def summarize(trace: dict, top: int = 12) -> list[dict]:
     """Per phase (and the whole iteration): wall, GPU busy, top kernels and host ops by their own time.
-    A kernel belongs to the phase whose host range launched it (by its correlation id); graph replays'
-    kernels to the range of the replay's launch."""
+    A kernel belongs to each phase whose host range holds its launch (by its correlation id; graph replays' kernels
+    to the range of the replay's launch), a host op to each range holding its start: an outer phase holds its inner
+    ones, as its wall time does. Kernels and ops outside every range are 'other'."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("phase:")]
     launches = {e["args"]["correlation"]: e for e in events
@@ -106,22 +107,19 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
     start = min(e["ts"] for e in events)
     end = max(e["ts"] + e["dur"] for e in events)
 
-    def innermost(ts: float) -> str:
-        """The innermost phase range holding host time ts ('other' outside all)."""
-        holding = [r for r in ranges if r["ts"] <= ts <= r["ts"] + r["dur"]]
-        return min(holding, key=lambda r: r["dur"])["name"][6:] if holding else "other"
+    def holding(ts: float) -> list[str]:
+        """The phases whose ranges hold host time ts (['other'] outside all)."""
+        return [r["name"][6:] for r in ranges if r["ts"] <= ts <= r["ts"] + r["dur"]] or ["other"]
 
-    by_phase: dict[str, list] = defaultdict(list)  # by the innermost range holding the kernel's launch
-    within: dict[str, list] = defaultdict(list)  # the kernels launched inside a phase's ranges, its inner ones' too
+    by_phase: dict[str, list] = defaultdict(list)  # the kernels launched inside each phase's ranges
     for k in kernels:
         launch = launches.get(k.get("args", {}).get("correlation"))
-        by_phase[innermost(launch["ts"]) if launch else "unlaunched"].append(k)
-        for r in ranges if launch else ():
-            if r["ts"] <= launch["ts"] <= r["ts"] + r["dur"]:
-                within[r["name"][6:]].append(k)
+        for phase in holding(launch["ts"]) if launch else ["unlaunched"]:
+            by_phase[phase].append(k)
     ops_by_phase: dict[str, list] = defaultdict(list)
     for op in ops:
-        ops_by_phase[innermost(op["ts"])].append(op)
+        for phase in holding(op["ts"]):
+            ops_by_phase[phase].append(op)
     wall = defaultdict(float)
     for r in ranges:
         wall[r["name"][6:]] += r["dur"]
@@ -141,7 +139,7 @@ def summarize(trace: dict, top: int = 12) -> list[dict]:
                     "kernels": len(ks),
                     "top_kernels_ms": sorted(kernel_ms.items(), key=lambda kv: -kv[1])[:top],
                     "top_host_ops_self_ms": sorted(op_ms.items(), key=lambda kv: -kv[1])[:top],
-                    **idle_gaps(within.get(phase, []))})
+                    **idle_gaps(ks)})
     return out
 
 

@@ -1,15 +1,15 @@
 """The bench step's training micro-batch replayed from one CUDA graph against run eagerly: what the host costs it.
 
-The bench step's update is host-bound (benchmarks/RESULTS.md, "Where the time goes": the host issues its ops
-slower than the GPU runs them). A CUDA graph replays a captured pass's kernels with one launch, at the GPU's pace,
-as the engine's decode steps are replayed. This prices that before the trainer is built for it: one training
-micro-batch at the bench's shape (16 rows of 128 + 512 tokens; Llama-3.2-1B shapes, random weights, rsLoRA r=32
-alpha=64 on the 7 projections, gradient checkpointing) through the trainer's own pieces (`grpo.model.load.add_lora`,
-`grpo.batch.sequence_logprobs`, `grpo.loss.clipped_surrogate` with beta 0.04 against a reference's log-probs),
-its gradients zeroed, its loss's backward: eagerly, then captured once and replayed. For each way: the pass's
-time between CUDA events (median; eager: what the host takes to issue it where it is the slower), the peak memory
-above what the set-up holds (weights, adapters, gradients, batch), and the replay's gradients against the eager
-ones. A capture that fails is recorded with its error: what the trainer would change first.
+Whether the host or the GPU sets the training pass's pace: a CUDA graph replays a captured pass's kernels with one
+launch, at the GPU's pace, as the engine's decode steps are replayed, so a replay much shorter than the eager pass
+says the host bounds it (and what graphs in the trainer would save). One training micro-batch at the bench's shape
+(16 rows of 128 + 512 tokens; Llama-3.2-1B shapes, random weights, rsLoRA r=32 alpha=64 on the 7 projections,
+gradient checkpointing) through the trainer's own pieces (`grpo.model.load.add_lora`,
+`grpo.batch.sequence_logprobs`, `grpo.loss.clipped_surrogate` with beta 0.04 against a reference's log-probs), its
+gradients zeroed, its loss's backward: eagerly, then captured once and replayed. For each way: the pass's time
+between CUDA events (median; eager: what the host takes to issue it where it is the slower), the peak memory above
+what the set-up holds (weights, adapters, gradients, batch), and the replay's gradients against the eager ones. A
+capture that fails is recorded with its error: what the trainer would change first.
 
 What the capture needs that the trainer does not do today: the counted tokens' positions made before it (the
 trainer finds them on the host, `Batch.counted`, and copies them in; a graph replays no host copy), and the

@@ -1,7 +1,7 @@
 """What the host issues for one training micro-batch and one reference pass of the bench step, counted op by op.
 
-On the bench step the training pass is host-bound: the host issues ops slower than the GPU runs them, so what it
-costs is how many ops it issues and the Python around each. This counts them with the trainer's own pieces
+Where the host bounds a pass (it issues ops slower than the GPU runs them: `train_graph.py` says whether it does), what
+it costs is how many ops it issues and the Python around each. This counts them with the trainer's own pieces
 (`grpo.step.update_policy` and `reference_and_old_logprobs`) on a model of the bench's structure (Llama-3.2-1B's
 16 layers and heads ratio, rsLoRA r=32 on the 7 projections, gradient checkpointing, the trainer's LoRA and MLP
 forwards, beta 0.04, 8-bit AdamW: `bench_setup.step_config`), 16 rows of 128 + 512 tokens in one micro-batch:
