@@ -52,10 +52,11 @@ def _import_triton():
 
 def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: int = 16, lora: bool = False,
                    unpack: str = "bits", split_k: int = 1, bias: bool = False, pdl: bool = False,
-                   chain: bool = False):
+                   chain: bool = False, activations: str = "bf16"):
     """Compile proj_kernel (one projection with a residual) or gated_kernel for sm_90; returns Triton's
     compiled kernel (asm: ttgir, ptx, cubin). `pdl`: as launched beside its lora_down (Tuning.pdl); `chain`: as
-    launched dependently on the launch before it (Tuning.chain)."""
+    launched dependently on the launch before it (Tuning.chain); `activations`: x's, the outputs' and the
+    residual's dtype (fp16 with FP8 weights: the product W x^T, `decode_gemm._w_first`)."""
     _import_triton()
     from grpo.kernels import _decode_gemm_triton as kernels
     from grpo.kernels.decode_gemm import _UNPACK_MODES
@@ -64,7 +65,8 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
     block_n, block_k, warps, stages = tile
     const = dict(BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=128 if fp8 else block_k, HAS_SCALE=fp8,
                  HAS_LORA=lora, HAS_BIAS=bias, BLOCK_R=32, STAGES=stages, EXACT=False,
-                 UNPACK=_UNPACK_MODES[unpack] if fp8 else 0, PDL=pdl, CHAIN=chain)
+                 UNPACK=_UNPACK_MODES[unpack] if fp8 and activations == "bf16" else 0,
+                 W_FIRST=fp8 and activations == "fp16", PDL=pdl, CHAIN=chain)
     if kind == "proj":
         const.update(NUM=1, HAS_RES=True, SPLIT_K=split_k)
     names = fn.arg_names
@@ -81,7 +83,8 @@ def compile_kernel(kind: str, fp8: bool, tile: tuple[int, int, int, int], rows: 
         elif name == "count_ptr":  # split-K's arrival counts
             sig[name] = "*i32"
         elif POINTERS.search(name):  # scales, weights and LoRA B, or activations
-            sig[name] = "*fp32" if name[0] == "s" else weight if name[0] in "wb" else "*bf16"  # e: biases
+            act = f"*{activations}" if name in ("x_ptr", "y_ptr", "res_ptr") or name[0] == "y" else "*bf16"
+            sig[name] = "*fp32" if name[0] == "s" else weight if name[0] in "wb" else act  # e: biases
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     divisible = [n for n in names if sig[n].startswith("*") or n in ("stride_xm", "K", "N", "N0", "N1", "N2")]
@@ -157,6 +160,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="FP8 block weights (default bf16)")
     ap.add_argument("--unpack", choices=["convert", "bits"], default="bits",
                     help="how FP8 codes become bf16 (decode_gemm.Tuning.unpack, set by decode_gemm.tuning(unpack=...))")
+    ap.add_argument("--activations", choices=["bf16", "fp16"], default="bf16",
+                    help="x's dtype (fp16 with --fp8: the hardware's conversion and W x^T; --unpack then unused)")
     ap.add_argument("--split-k", type=int, default=1, help="K slices of a proj launch (TileConfig.split_k)")
     ap.add_argument("--bias", action="store_true", help="projections with a bias (Qwen2's q/k/v)")
     ap.add_argument("--lora", action="store_true", help="with a LoRA adapter's up-projection at each tile's end")
@@ -183,7 +188,7 @@ def main() -> None:
         return
     compiled = compile_kernel(args.kernel, args.fp8, tuple(args.tile), args.rows, lora=args.lora,
                               unpack=args.unpack, split_k=args.split_k, bias=args.bias, pdl=args.pdl,
-                              chain=args.chain)
+                              chain=args.chain, activations=args.activations)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
@@ -193,7 +198,8 @@ def main() -> None:
         print(json.dumps(sass_loops(compiled.asm["cubin"])))
         return
     block_n, block_k = args.tile[:2]
-    weights = f"fp8 ({args.unpack})" if args.fp8 else "bf16"
+    weights = ("fp8 (W x^T)" if args.activations == "fp16" else f"fp8 ({args.unpack})") if args.fp8 else "bf16"
+    weights += f", {args.activations} activations"
     print(f"{args.kernel} {weights}, split_k {args.split_k}, tile {args.tile}, {args.rows} rows: "
           f"shared memory {compiled.metadata.shared} bytes")
     for loop in sass_loops(compiled.asm["cubin"]):

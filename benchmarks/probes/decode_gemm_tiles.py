@@ -198,6 +198,51 @@ def compare_unpack(rec: Recorder, name: str, modes: list[str]) -> None:
     rec.record(**row)
 
 
+def w_first_configs(kind: str) -> list[dg.TileConfig]:
+    """Tiles for W x^T (FP8 weights, fp16 activations: `dg._w_first`): 16-32 weight rows a warp, so that no two
+    warps convert the same codes; projections also split over K."""
+    if kind == "gated":
+        base = [(64, 256, 2, 3), (64, 128, 2, 4), (64, 256, 2, 4), (32, 256, 2, 4), (32, 256, 1, 4),
+                (16, 256, 1, 4), (64, 256, 4, 3), (128, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 3)]
+        return [dg.TileConfig(*t) for t in base]
+    base = [(64, 256, 2, 3), (64, 128, 2, 4), (32, 256, 2, 4), (32, 256, 1, 4), (128, 256, 4, 3), (32, 256, 4, 3)]
+    return [dg.TileConfig(*t, split_k=s) for t in base for s in (4, 2, 1)]
+
+
+def compare_fp16_activations(rec: Recorder, name: str, budget_s: float) -> None:
+    """One FP8 group: bf16 activations at the device's tiles (the product, codes unpacked by bit moves) against
+    fp16 activations (W x^T, the hardware's E4M3 -> f16 conversion) over `w_first_configs`, each checked against
+    its float32 reference; the fastest fp16 one recorded as `best_fp16`."""
+    kind, k, widths, residual = GROUPS[name]
+    one = group_bytes(make_projs(k, widths, True, 0, seed=0))
+    copies = [make_projs(k, widths, True, 0, seed=i) for i in range(max(2, -(-(256 << 20) // one)))]
+    x32 = torch.randn(ROWS, k, device="cuda")
+    res32 = torch.randn(ROWS, widths[0], device="cuda") if residual else None
+    best = None
+    for act in (torch.bfloat16, torch.float16):
+        x, res = x32.to(act), None if res32 is None else res32.to(act)
+        ref = (dg.project_gated_ref(x.float(), *copies[0][:2]) if kind == "gated"
+               else dg.project_ref(x.float(), copies[0], None if res is None else res.float())[0])
+        for cfg in [None] if act == torch.bfloat16 else w_first_configs(kind):
+            if rec.elapsed_s() > budget_s:
+                return
+            try:
+                with dg.tuning(tiles={} if cfg is None else {tile_key(name, True): cfg}):
+                    got = run_kernels(kind, x, copies[0], res).float()
+                    us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
+            except Exception as exc:  # a config the compiler refuses (shared memory) is skipped, not fatal
+                rec.record("config_error", group=name, cfg=cfg.__dict__, error=repr(exc)[:200])
+                continue
+            row = dict(group=name, activations=str(act).split(".")[-1], cfg=None if cfg is None else cfg.__dict__,
+                       us=round(us, 2), tbps=round(one / us / 1e6, 2),
+                       rel_err=round(((got - ref).norm() / ref.norm()).item(), 5))
+            rec.record("fp16_activations", **row)
+            if cfg is not None and (best is None or us < best["us"]):
+                best = row
+    if best is not None:
+        rec.record("best_fp16", **best)
+
+
 def compare_lora_down(rec: Recorder, name: str, rows: int) -> None:
     """The adapters' down-projection of one group alone (`dg.lora_down`, rsLoRA r32, float32 A as peft keeps
     it), at the product's split of K (`dg.lora_split`) and over other splits and K steps, each checked
@@ -348,6 +393,9 @@ def main() -> None:
     ap.add_argument("--unpack", nargs="+", default=None, choices=sorted(dg._UNPACK_MODES),
                     help="instead of the sweep: each group in bf16 and in FP8 unpacked each of these ways "
                          "(decode_gemm.tuning(unpack=...)); with --engine, the decode step per way too")
+    ap.add_argument("--fp16-activations", action="store_true",
+                    help="instead of the sweep: each group's FP8 launch with bf16 activations (the product) "
+                         "against fp16 ones (W x^T) over a few tiles, within --budget-s")
     ap.add_argument("--engine-rows", type=int, nargs="+", default=None,
                     help="instead of the sweep: the decode step at these row counts, kernels against modules")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
@@ -375,6 +423,10 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
     (and with --engine, the decode step with them)."""
     if args.engine_rows:
         engine_rows(rec, args.engine_rows)
+        return
+    if args.fp16_activations:
+        for name in args.groups:
+            compare_fp16_activations(rec, name, args.budget_s)
         return
     if args.unpack:
         for name in args.groups:

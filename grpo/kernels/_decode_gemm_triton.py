@@ -57,11 +57,15 @@ def _e4m3_bits_bf16(w):
 @triton.jit
 def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M: tl.constexpr,
                BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, STAGES: tl.constexpr,
-               EXACT: tl.constexpr, UNPACK: tl.constexpr):
+               EXACT: tl.constexpr, UNPACK: tl.constexpr, W_FIRST: tl.constexpr):
     # (BLOCK_M, BLOCK_N) float32 = x (M, K) times rows rn of W (N, K) over columns [k_lo, k_hi) (k_lo a
-    # multiple of BLOCK_K); FP8 codes scaled per 128 block
+    # multiple of BLOCK_K); FP8 codes scaled per 128 block. W_FIRST: W's rows the product's first operand,
+    # W x^T, transposed at the end (`decode_gemm._w_first` says where)
     rm = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
+    if W_FIRST:
+        acc = tl.zeros((rn.shape[0], BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, rn.shape[0]), dtype=tl.float32)
     kb = tl.cdiv(K, 128)
     row_block = tl.min(rn, axis=0) // 128  # the tile's rows lie in one 128-row block of scales
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -72,9 +76,13 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < k_hi),
                         other=0.0)
             if UNPACK:
-                part = tl.dot(x, tl.trans(_e4m3_bits_bf16(w)))
+                w = _e4m3_bits_bf16(w)
             else:
-                part = _dot32(x, tl.trans(w.to(x.dtype)), EXACT)
+                w = w.to(x.dtype)
+            if W_FIRST:
+                part = _dot32(w, tl.trans(x), EXACT)
+            else:
+                part = _dot32(x, tl.trans(w), EXACT)
             if HAS_SCALE:  # SUB_K is 128 and BLOCK_N divides 128: one block scale for the whole tile
                 k_sub = k0 + j * SUB_K  # past the end (a partial last step) there is no scale to read
                 scale = tl.load(s_ptr + row_block * kb + k_sub // 128, mask=k_sub < k_hi, other=0.0)
@@ -82,6 +90,8 @@ def _base_tile(x_ptr, stride_xm, M, K, k_lo, k_hi, w_ptr, s_ptr, N, rn, BLOCK_M:
                     scale = scale * 1.329227995784916e36  # 2^120: the bit moves left it out
                 part = part * scale
             acc += part
+    if W_FIRST:
+        acc = tl.trans(acc)
     return acc
 
 # A tile's epilogue operands (LoRA's B, the bias, the residual) are loaded before its K loop, whose weight stream
@@ -147,8 +157,8 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
               res_ptr, part_ptr, count_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-              EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-              CHAIN: tl.constexpr):
+              EXACT: tl.constexpr, UNPACK: tl.constexpr, W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr,
+              PDL: tl.constexpr, CHAIN: tl.constexpr):
     # tile `tile` of this projection over K slice program_id(1); `slot` numbers the tile in the launch
     if CHAIN:  # beside lora_down (PDL), x is complete already (lora_down waited for it): only the LoRA term waits
         chain_in(not PDL)
@@ -168,7 +178,7 @@ def _one_proj(tile, slot, x_ptr, stride_xm, M, K, w_ptr, s_ptr, y_ptr, N, b_ptr,
     per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * per
     acc = _base_tile(x_ptr, stride_xm, M, K, k_lo, tl.minimum(K, k_lo + per), w_ptr, s_ptr, N, rn, BLOCK_M,
-                     BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK)
+                     BLOCK_K, SUB_K, HAS_SCALE, STAGES, EXACT, UNPACK, W_FIRST)
     if HAS_LORA:  # every K slice makes it (a small product), so the last one's finish waits on no load for it
         lora = _lora_term(xa_ptr, b, lora_scale, BLOCK_M, BLOCK_R, EXACT, PDL)
     if SPLIT_K > 1:  # the K slice that arrives last finishes the tile
@@ -186,8 +196,8 @@ def proj_kernel(x_ptr, stride_xm, M, K,
                 NUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SUB_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                EXACT: tl.constexpr, UNPACK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-                CHAIN: tl.constexpr):
+                EXACT: tl.constexpr, UNPACK: tl.constexpr, W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr,
+                PDL: tl.constexpr, CHAIN: tl.constexpr):
     # programs [0, t0) make y0's tiles, [t0, t0 + t1) y1's, the rest y2's; program_id(1) is the K slice.
     # Per projection i: weight w, FP8 scales s, output y, LoRA B b, bias e, features N, LoRA scale c.
     # CHAIN: in the chain of dependent launches (`chain_in`, in _one_proj).
@@ -197,27 +207,27 @@ def proj_kernel(x_ptr, stride_xm, M, K,
     if pid < t0:
         _one_proj(pid, pid, x_ptr, stride_xm, M, K, w0, s0, y0, N0, b0, xa_ptr, R, c0, e0, res_ptr, part_ptr,
                   count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R,
-                  STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN)
+                  STAGES, EXACT, UNPACK, W_FIRST, SPLIT_K, PDL, CHAIN)
     else:
         if NUM >= 2:
             t1 = tl.cdiv(N1, BLOCK_N)
             if pid < t0 + t1:
                 _one_proj(pid - t0, pid, x_ptr, stride_xm, M, K, w1, s1, y1, N1, b1, xa_ptr + xa_stride, R, c1, e1,
                           res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N, BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA,
-                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, SPLIT_K, PDL, CHAIN)
+                          HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT, UNPACK, W_FIRST, SPLIT_K, PDL, CHAIN)
             else:
                 if NUM == 3:
                     _one_proj(pid - t0 - t1, pid, x_ptr, stride_xm, M, K, w2, s2, y2, N2, b2,
                               xa_ptr + 2 * xa_stride, R, c2, e2, res_ptr, part_ptr, count_ptr, BLOCK_M, BLOCK_N,
                               BLOCK_K, SUB_K, HAS_SCALE, HAS_LORA, HAS_BIAS, HAS_RES, BLOCK_R, STAGES, EXACT,
-                              UNPACK, SPLIT_K, PDL, CHAIN)
+                              UNPACK, W_FIRST, SPLIT_K, PDL, CHAIN)
 
 @triton.jit
 def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, N, xa_ptr, R, eg, eu,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, PDL: tl.constexpr,
-                 CHAIN: tl.constexpr):
+                 STAGES: tl.constexpr, EXACT: tl.constexpr, UNPACK: tl.constexpr, W_FIRST: tl.constexpr,
+                 PDL: tl.constexpr, CHAIN: tl.constexpr):
     # y = silu(x Wg^T + eg) * (x Wu^T + eu) for one tile of N (LoRA B bg/bu, scales cg/cu, biases eg/eu)
     if CHAIN:  # as in _one_proj
         chain_in(not PDL)
@@ -230,9 +240,9 @@ def gated_kernel(x_ptr, stride_xm, M, K, wg, sg, bg, cg, wu, su, bu, cu, y_ptr, 
         bias_g = _bias(eg, N, rn)
         bias_u = _bias(eu, N, rn)
     g = _base_tile(x_ptr, stride_xm, M, K, 0, K, wg, sg, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
-                   EXACT, UNPACK)
+                   EXACT, UNPACK, W_FIRST)
     u = _base_tile(x_ptr, stride_xm, M, K, 0, K, wu, su, N, rn, BLOCK_M, BLOCK_K, SUB_K, HAS_SCALE, STAGES,
-                   EXACT, UNPACK)
+                   EXACT, UNPACK, W_FIRST)
     if HAS_LORA:
         g = g + _lora_term(xa_ptr, b_g, cg, BLOCK_M, BLOCK_R, EXACT, PDL)
         u = u + _lora_term(xa_ptr + BLOCK_M * BLOCK_R, b_u, cu, BLOCK_M, BLOCK_R, EXACT, False)  # (waited above)

@@ -372,6 +372,14 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+def _w_first(x2: torch.Tensor, fp8: bool) -> bool:
+    """FP8 weights with fp16 activations: the kernels multiply W x^T, the weights the first operand, whose
+    registers the hardware's E4M3 -> f16 conversion fills in the tensor cores' order (the activations the second,
+    loaded in theirs): a fraction of the instructions a weight element x W^T takes (`benchmarks/probes/
+    decode_gemm_sass.py`)."""
+    return fp8 and x2.dtype == torch.float16
+
+
 def _unpack(x2: torch.Tensor, fp8: bool) -> int:
     """The UNPACK constant of a launch (`Tuning.unpack`; bit moves make bf16, so only for bf16 activations)."""
     if not fp8 or x2.device.type != "cuda" or x2.dtype != torch.bfloat16:
@@ -422,8 +430,8 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
             NUM=len(projs), BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SUB_K=FP8_BLOCK if fp8 else cfg.block_k, HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_RES=residual is not None,
             HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, SPLIT_K=cfg.split_k, PDL=pdl, CHAIN=chain,
-            launch_pdl=pdl or chain, num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, W_FIRST=_w_first(x2, fp8), SPLIT_K=cfg.split_k,
+            PDL=pdl, CHAIN=chain, launch_pdl=pdl or chain, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("proj", len(projs), n_all, k, fp8, rank, residual is not None, has_bias, _block_m(m), x2.dtype,
@@ -458,8 +466,8 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
             float(up.lora_scale), y, n, xa, rank, gate.bias if has_bias else y, up.bias if has_bias else y,
             BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SUB_K=FP8_BLOCK if fp8 else cfg.block_k,
             HAS_SCALE=fp8, HAS_LORA=rank > 0, HAS_BIAS=has_bias, BLOCK_R=block_r, STAGES=cfg.stages,
-            EXACT=x2.dtype == torch.float32, UNPACK=unpack, PDL=pdl, CHAIN=chain, launch_pdl=pdl or chain,
-            num_warps=cfg.num_warps)
+            EXACT=x2.dtype == torch.float32, UNPACK=unpack, W_FIRST=_w_first(x2, fp8), PDL=pdl, CHAIN=chain,
+            launch_pdl=pdl or chain, num_warps=cfg.num_warps)
 
     unpack = _unpack(x2, fp8)
     _launch_fitting(("gated", 2 * n, k, fp8, rank, has_bias, _block_m(m), x2.dtype, unpack, pdl, chain), cfg,

@@ -58,6 +58,25 @@ def test_residual_and_gated_match_reference(fp8, rank, m):
     close(dg.project_gated(x, gate, up), dg.project_gated_ref(x, gate, up))
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_weights_with_fp16_activations_multiply_weights_first_as_the_reference(split_k):
+    # W x^T (decode_gemm._w_first), transposed at the end: q/k/v widths with LoRA, biases and split K, a residual,
+    # the gated MLP; each output rounded once to fp16 from the float32 reference
+    x = torch.randn(6, 640).half()
+    projs = [proj(n, 640, True, 4, seed=i, bias=True) for i, n in enumerate([96, 32, 32])]
+    res = torch.randn(6, 96).half()
+    with dg.tuning(tiles={("proj", 160, 640, True): dg.TileConfig(16, 128, 4, 2, split_k),
+                          ("proj", 96, 640, True): dg.TileConfig(32, 128, 4, 2, split_k)}):
+        got = [*dg.project(x, projs), dg.project(x, projs[:1], residual=res)[0]]
+    want = [*dg.project_ref(x, projs), dg.project_ref(x, projs[:1], residual=res)[0]]
+    gate, up = proj(48, 640, True, 4, seed=7), proj(48, 640, True, 4, seed=8)
+    got.append(dg.project_gated(x, gate, up))
+    want.append(dg.project_gated_ref(x, gate, up))
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float16
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_biases_are_added_to_each_projection_with_lora_and_split_k(fp8, split_k):
@@ -349,6 +368,7 @@ def test_e4m3_bit_moves_give_every_code_times_2_to_the_minus_120():
 SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4), chain=True),  # as the engine launches it
         "gated-convert": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="convert"),
         "gated-bits": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="bits"),
+        "gated-fp16": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), activations="fp16"),
         "qkv-qwen2": dict(kind="proj", fp8=True, tile=(32, 256, 4, 3), bias=True, split_k=4),
         "lora-epilogue": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2),
         "lora-epilogue-pdl": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2,
@@ -395,6 +415,18 @@ def test_sass_tool_compiles_the_kernels_for_sm90_as_the_gpu_specializes_them(sas
     conversions = any(op.startswith(("F2F", "F2FP")) for op in ops)
     assert conversions == (unpack == "convert")
     assert ("PRMT" in ops and "SHF.R.U32.HI" in ops) == (unpack == "bits")
+
+
+def test_fp8_codes_with_fp16_activations_take_one_conversion_a_pair_and_fewer_instructions_than_bit_moves(
+        sass_compiled):
+    # decode_gemm._w_first: the hardware turns two E4M3 codes into two f16 in one instruction, in the tensor
+    # cores' operand order (no bit moves, no bf16 step); a K step issues fewer instructions than bits' at one tile
+    loops = [loop for loop in sass_compiled["gated-fp16"]["loops"] if loop["instructions"] > 8]
+    bits = [loop for loop in sass_compiled["gated-bits"]["loops"] if loop["instructions"] > 8]
+    ops = loops[0]["ops"]
+    assert "F2FP.F16.E4M3.UNPACK_B" in ops and not any(op.startswith("F2F.") for op in ops)
+    assert "PRMT" not in ops and "SHF.R.U32.HI" not in ops
+    assert loops[0]["instructions"] < 0.85 * bits[0]["instructions"]
 
 
 def test_a_launch_in_the_chain_waits_for_the_one_before_it_ahead_of_any_memory_access(sass_compiled):
