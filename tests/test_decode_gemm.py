@@ -121,6 +121,36 @@ def test_kernels_at_llama_decode_shapes_on_cuda(kind, k, widths, fp8, rank, pdl)
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("rank", [0, 32])
+@pytest.mark.parametrize("kind,k,widths", SHAPES)
+def test_fp8_kernels_with_fp16_activations_at_llama_decode_shapes_on_cuda(kind, k, widths, rank):
+    # W x^T (dg._w_first) at each tile the device's table and the probe's W x^T sweep take, every row tile
+    g = torch.Generator(device="cuda").manual_seed(1)
+    projs = []
+    for n in widths:
+        weight, s = quantize_fp8_block(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+        a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
+        b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
+        projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
+    key = (kind, sum(widths), k, True)
+    for cfg in (None, dg.TileConfig(64, 256, 2, 3, 4 if kind == "proj" else 1), dg.TileConfig(128, 128, 4, 4)):
+        for m in (64, 16, 3):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            res = torch.randn(m, widths[0], device="cuda", dtype=torch.float16) if len(widths) == 1 else None
+            with dg.tuning(tiles={} if cfg is None else {key: cfg}):
+                if kind == "gated":
+                    got, want = [dg.project_gated(x, *projs)], [dg.project_gated_ref(x.float(), *projs)]
+                else:
+                    got = dg.project(x, projs, residual=res)
+                    want = dg.project_ref(x.float(), projs, residual=None if res is None else res.float())
+            for y, ref in zip(got, want):
+                assert y.dtype == torch.float16
+                rel = ((y.float() - ref).norm() / ref.norm()).item()
+                assert rel < 2e-3, (cfg, m, rel)  # fp16 output rounding is ~3e-4
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("unpack", ["convert", "bits"])
 @pytest.mark.parametrize("act_scale", [1.0, 2.0**-12])
 def test_every_fp8_code_unpacks_to_its_value_on_cuda(unpack, act_scale):
