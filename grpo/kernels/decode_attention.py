@@ -134,14 +134,15 @@ def rope_store_attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                      live: torch.Tensor | None = None) -> torch.Tensor:
+                      live: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`rope_store_attend_ref` in the attention's own launches: the rotary embeddings of q and K and the K/V
     write, two launches a layer before (a compiled rotary for q, `decode_gemm.rope_store_kv`), happen inside the
     chunk kernel (the native engine's kernel layer, where it attends with this kernel). Called eagerly (it
     writes the caches: in a compiled graph inductor would copy the cache views whole), captured in the engine's
     CUDA graph like the rest. `live` (B,) bool, the engine's rows still sampling: a stopped row's output is never
     read, so it reads none of its cache (a step of the qwen1.5b-gsm8k preset spends much of its attention on
-    rows that have stopped: benchmarks/RESULTS.md, "The measured defaults")."""
+    rows that have stopped: benchmarks/RESULTS.md, "The measured defaults"). `out_dtype`: the output's (default
+    q's), fp16 for an FP8 projection that reads it (`EngineTuning.fp8_activations`)."""
     rows, dim = q.shape[0], cos.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows may be strided: column
     if k.stride(0) != v.stride(0):  # slices of one q/k/v product (packed.PackedGroup's stacked GEMM)
@@ -157,7 +158,7 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         problem = f"live needs ({rows},) bools; got {tuple(live.shape)} {live.dtype}"
     if problem is not None:
         raise ValueError(f"rope_store_attend: {problem}")
-    out = q3.new_empty(q3.shape)
+    out = q3.new_empty(q3.shape, dtype=out_dtype or q3.dtype)
     new_kv = (k, v, cos.contiguous(), sin.contiguous())  # k, v: each row's heads one after another
     _launch(q3, k_cache, v_cache, pos, scale, out, new_kv, live=live)  # the kernel adds 1: no launch for pos + 1
     return out

@@ -391,10 +391,11 @@ def _block_r(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length()) if rank else 16
 
 
-def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None
-            ) -> list[torch.Tensor]:
+def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """[x W_i^T + LoRA_i (+ bias_i) (+ residual)] for 1-3 projections of the same input, one launch (plus one for
-    the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in x2's dtype."""
+    the LoRA down-projections). x2 (M <= MAX_ROWS, K) contiguous rows; outputs (M, N_i) in `out_dtype` (default
+    x2's)."""
     if not 1 <= len(projs) <= 3:
         raise ValueError(f"decode_gemm.project takes 1 to 3 projections, got {len(projs)}")
     _check_group(x2, projs)
@@ -409,7 +410,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
         raise ValueError("decode_gemm.project: a residual needs one projection and a contiguous (M, N) tensor")
     pdl, chain = _pdl(x2, rank), chained(x2.device)
     xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
-    outs = [torch.empty((m, p.out_features), dtype=x2.dtype, device=x2.device) for p in projs]
+    outs = [torch.empty((m, p.out_features), dtype=out_dtype or x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
     cfg = tile_config("proj", n_all, k, fp8, m, x2.device)
     args = []

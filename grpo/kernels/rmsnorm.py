@@ -87,15 +87,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNormKernel.apply(x, weight, eps)
 
 
-def norm_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def norm_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
     """`rms_norm_ref` of each row of x2 (rows, n) in one launch, without autograd: the decode step's norms, in
     its chain of dependent launches (`decode_gemm.Tuning.chain`). The caller checks that the kernel runs on x2's
-    device and takes the weight's width (`native.plan.decode_norm`); the weight may be trainable (no gradient)."""
+    device and takes the weight's width (`native.plan.decode_norm`); the weight may be trainable (no gradient).
+    `out_dtype`: the output's (default x2's and the weight's), fp16 for FP8 projections that read it
+    (`EngineTuning.fp8_activations`)."""
     from grpo.kernels import _rmsnorm_triton as k
 
     rows, n = x2.shape
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    y = torch.empty((rows, n), dtype=torch.promote_types(x2.dtype, weight.dtype), device=x2.device)
+    y = torch.empty((rows, n), dtype=out_dtype or torch.promote_types(x2.dtype, weight.dtype), device=x2.device)
     chain = chained(x2.device)
     k.rmsnorm_forward_kernel[(rows,)](x2, weight, y, y, n, x2.stride(0), y.stride(0), eps, SAVE_RSTD=False,
                                       CHAIN=chain, launch_pdl=chain, **_launch(n))

@@ -213,6 +213,33 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
 
+def test_native_engine_with_fp8_projections_on_fp16_activations_samples_what_the_modules_do():
+    # EngineTuning.fp8_activations="fp16": the norms, the attention and the SiLU product write fp16 for the FP8
+    # projections (W x^T); the residual stream and q/k/v stay in the model's dtype; values within fp16's rounding
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.config import LORA_TARGETS
+    from grpo.kernels.fp8 import quantize_linears_
+    from grpo.rollout.base import Sampling
+    from grpo.rollout.native import EngineTuning, NativeEngine
+    from test_native_engine import PAD, PROMPTS, small_llama
+
+    base = small_llama(seed=1, layers=1)
+    quantize_linears_(base, list(LORA_TARGETS))
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS),
+                                           init_lora_weights=False))
+    sampling = Sampling(max_new_tokens=4, temperature=1.0, top_k=20, seed=3)
+    ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
+    engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
+                          tuning=EngineTuning(fp8_activations="fp16", attention="kernel"))
+    out = engine.generate(PROMPTS, 2, sampling)
+    assert all(layer.inputs == torch.float16 for layer in engine._layers)
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=5e-3, rtol=0)
+    with pytest.raises(ValueError, match="fp8_activations"):
+        EngineTuning(fp8_activations="fp8")
+
+
 def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_gives_the_weights_back():
     from peft import LoraConfig, get_peft_model
 

@@ -232,8 +232,9 @@ class NativeEngine:
         packs = [None] * len(layers)
         if packed:  # kept between generates of other widths: the graphs captured on them read them in place
             self._packs = packs = packs_for(read, self.dtype, self._packs)
-        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams, pack)
-                        for layer, proj, pack in zip(layers, read, packs)]
+        inputs = torch.float16 if self.tuning.fp8_activations == "fp16" else None
+        self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams, pack,
+                                    inputs) for layer, proj, pack in zip(layers, read, packs)]
 
     def _forward(self, rows: int, kv_len: int, pos: torch.Tensor | None = None) -> None:
         """The tokens in state.tok through the decoder at positions `pos` (B,) (None: state.pos), reading the

@@ -330,13 +330,15 @@ class KernelLayer(ModuleLayer):
 
     proj: LayerProjections
     norms: tuple[DecodeNorm | None, DecodeNorm | None] = (None, None)
+    inputs: torch.dtype | None = None  # what the projections read (EngineTuning.fp8_activations); None: x's dtype
 
     def norm(self, which: int, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The layer's norm `which` (0: input, 1: post-attention) of x (B, 1, H): (B, H)."""
+        """The layer's norm `which` (0: input, 1: post-attention) of x (B, 1, H): (B, H), in `inputs`."""
         tensors = self.norms[which]
         if tensors is None:
-            return self.fns.norm(module, x).view(x.shape[0], self.dims.hidden)
-        return norm_rows(x.view(x.shape[0], self.dims.hidden), tensors.weight, tensors.eps)
+            h = self.fns.norm(module, x).view(x.shape[0], self.dims.hidden)
+            return h if self.inputs is None else h.to(self.inputs)
+        return norm_rows(x.view(x.shape[0], self.dims.hidden), tensors.weight, tensors.eps, self.inputs)
 
     def __call__(self, x: torch.Tensor, at: TokenRows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fns, layer, dims = self.fns, self.layer, self.dims
@@ -347,7 +349,8 @@ class KernelLayer(ModuleLayer):
         q_norm = getattr(attn, "q_norm", None)
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
         if self.attention == "kernel" and q_norm is None:  # three launches in one: rotaries, K/V write, attention
-            out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5, at.live)
+            out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5, at.live,
+                                    self.inputs)
             out = out.view(rows, dims.n_heads * dims.head_dim)
         else:
             if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
@@ -359,17 +362,22 @@ class KernelLayer(ModuleLayer):
         return self.down(self.gated(h), x.view(rows, dims.hidden)).view(rows, 1, dims.hidden)
 
     # the projections, on the decode kernels (PackedLayer: on torch's GEMMs)
-    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
-        return decode_gemm.project(h, [self.proj.q, self.proj.k, self.proj.v])
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:  # (q, k and v in the cache's dtype)
+        return decode_gemm.project(h, [self.proj.q, self.proj.k, self.proj.v], out_dtype=self.layer_dtype)
 
     def o(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return decode_gemm.project(out, [self.proj.o], residual=residual)[0]
+        return decode_gemm.project(out.to(self.inputs or out.dtype), [self.proj.o], residual=residual,
+                                   out_dtype=residual.dtype)[0]
 
-    def gated(self, h: torch.Tensor) -> torch.Tensor:
+    def gated(self, h: torch.Tensor) -> torch.Tensor:  # (in `inputs`: down's input)
         return decode_gemm.project_gated(h, self.proj.gate, self.proj.up)
 
     def down(self, m: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return decode_gemm.project(m, [self.proj.down], residual=residual)[0]
+        return decode_gemm.project(m, [self.proj.down], residual=residual, out_dtype=residual.dtype)[0]
+
+    @property
+    def layer_dtype(self) -> torch.dtype:
+        return self.layer.input_layernorm.weight.dtype
 
     def rope_store_kv(self, *args) -> None:
         decode_gemm.rope_store_kv(*args)
@@ -400,14 +408,17 @@ class PackedLayer(KernelLayer):
 
 
 def build_layer(layer: nn.Module, proj: LayerProjections | None, fns: StepFunctions, dims: ModelDims,
-                attention: str, streams: list | None, pack: LayerPack | None = None) -> ModuleLayer:
+                attention: str, streams: list | None, pack: LayerPack | None = None,
+                fp8_activations: torch.dtype | None = None) -> ModuleLayer:
     """The one-token forward of `layer`: torch's GEMMs with `pack`'s adapters where it is given, else the
-    kernels where `proj` is given, else its modules (on parallel streams when `streams` is given)."""
+    kernels where `proj` is given (FP8 projections reading `fp8_activations`, None: the model's dtype), else its
+    modules (on parallel streams when `streams` is given)."""
     norms = (decode_norm(layer.input_layernorm), decode_norm(layer.post_attention_layernorm))
     if pack is not None:
-        return PackedLayer(layer, fns, dims, attention, proj, norms, pack)
+        return PackedLayer(layer, fns, dims, attention, proj, norms, pack=pack)
     if proj is not None:
-        return KernelLayer(layer, fns, dims, attention, proj, norms)
+        fp8 = proj.q.scale_inv is not None
+        return KernelLayer(layer, fns, dims, attention, proj, norms, fp8_activations if fp8 else None)
     if streams:
         return StreamLayer(layer, fns, dims, attention, streams)
     return ModuleLayer(layer, fns, dims, attention)
