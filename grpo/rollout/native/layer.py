@@ -350,7 +350,7 @@ class KernelLayer(ModuleLayer):
         cos, sin = at.cos.view(rows, dims.head_dim), at.sin.view(rows, dims.head_dim)
         if self.attention == "kernel" and q_norm is None:  # three launches in one: rotaries, K/V write, attention
             out = rope_store_attend(q, k, v, cos, sin, at.pos, k_cache, v_cache, dims.head_dim**-0.5, at.live,
-                                    self.inputs)
+                                    out_dtype=self.inputs)
             out = out.view(rows, dims.n_heads * dims.head_dim)
         else:
             if q_norm is not None:  # Qwen3: k's head norm before its rotary (q's in attend)
