@@ -185,9 +185,9 @@ def test_native_engine_with_the_rotaries_in_the_attentions_launch_gives_the_kern
 
     live_rows = []
 
-    def fused(*args):
-        live_rows.append(int(args[-1].sum()))
-        return da.rope_store_attend(*args)
+    def fused(*args, **kwargs):
+        live_rows.append(int(args[-1].sum()))  # live, the last positional argument
+        return da.rope_store_attend(*args, **kwargs)
 
     monkeypatch.setattr(decode_gemm, "rope_store_kv", apart)  # the fused path runs in every layer, or this fails
     monkeypatch.setattr(native_layer, "rope_store_attend", fused)
