@@ -326,25 +326,25 @@ def test_launches_read_the_devices_table_at_their_rows_and_a_tuning_choice_at_ev
     asked = []
     monkeypatch.setattr(dg, "device_table", lambda device: asked.append(device) or table)
     gpu = torch.device("cuda", 1)
-    assert [dg.tile_config(*key, rows, gpu) for rows in (1, 16, 32)] == [narrow] * 3  # row tiles of 16 and 32
-    assert [dg.tile_config(*key, rows, gpu) for rows in (33, 64)] == [wide] * 2
-    assert dg.tile_config(*only_wide, 16, gpu) == narrow  # swept at 64 rows only: read at every row count
+    assert [dg.tile_config(key, rows, gpu) for rows in (1, 16, 32)] == [narrow] * 3  # row tiles of 16 and 32
+    assert [dg.tile_config(key, rows, gpu) for rows in (33, 64)] == [wide] * 2
+    assert dg.tile_config(only_wide, 16, gpu) == narrow  # swept at 64 rows only: read at every row count
     assert set(asked) == {gpu}
     with dg.tuning(tiles={key: mine}):
-        assert dg.tile_config(*key, 16, gpu) == dg.tile_config(*key, 64, gpu) == mine
+        assert dg.tile_config(key, 16, gpu) == dg.tile_config(key, 64, gpu) == mine
 
 
 def test_tuning_block_sets_tiles_and_unpacking_and_leaving_it_restores_them():
     cpu = torch.device("cpu")
-    key, tuned = ("proj", 2048, 8192, True), dg.tile_config("proj", 2048, 8192, True, 16, cpu)
+    key, tuned = ("proj", 2048, 8192, True), dg.tile_config(("proj", 2048, 8192, True), 16, cpu)
     mine, inner = dg.TileConfig(16, 128, 4, 2), dg.TileConfig(32, 128, 8, 2)
     with dg.tuning(unpack="convert", tiles={key: mine}) as outer:
-        assert outer.unpack == "convert" and dg.tile_config(*key, 16, cpu) == mine
+        assert outer.unpack == "convert" and dg.tile_config(key, 16, cpu) == mine
         with dg.tuning(tiles={("gated", 64, 64, False): inner}) as nested:  # adds to the outer block's choices
-            assert nested.unpack == "convert" and dg.tile_config(*key, 16, cpu) == mine
-            assert dg.tile_config("gated", 64, 64, False, 16, cpu) == inner
-        assert dg.tile_config("gated", 64, 64, False, 16, cpu) != inner
-    assert dg.tile_config(*key, 16, cpu) == tuned != mine
+            assert nested.unpack == "convert" and dg.tile_config(key, 16, cpu) == mine
+            assert dg.tile_config(("gated", 64, 64, False), 16, cpu) == inner
+        assert dg.tile_config(("gated", 64, 64, False), 16, cpu) != inner
+    assert dg.tile_config(key, 16, cpu) == tuned != mine
     with pytest.raises(ValueError, match="unpack='fast'"):
         with dg.tuning(unpack="fast"):
             pass
@@ -354,10 +354,10 @@ def test_a_tile_choice_the_kernels_cannot_launch_is_refused_naming_the_rule():
     cpu = torch.device("cpu")
     with dg.tuning(tiles={("gated", 64, 64, False): dg.TileConfig(32, 128, 4, 2, split_k=2)}):
         with pytest.raises(ValueError, match="only projections take it"):
-            dg.tile_config("gated", 64, 64, False, 16, cpu)
+            dg.tile_config(("gated", 64, 64, False), 16, cpu)
     with dg.tuning(tiles={("proj", 64, 64, False): dg.TileConfig(24, 128, 4, 2)}):
         with pytest.raises(ValueError, match="powers of 2"):
-            dg.tile_config("proj", 64, 64, False, 16, cpu)
+            dg.tile_config(("proj", 64, 64, False), 16, cpu)
 
 
 def test_smaller_tiles_drop_stages_then_halve_the_k_step_down_to_one_fp8_block():

@@ -43,8 +43,9 @@ def test_every_table_loads_and_holds_only_tiles_the_kernels_take():
         table = tiles.load_table(path, sms)
         assert set(table.gemm) <= {16, 32, 64} and any(table.gemm.values())
         for section in table.gemm.values():
-            for (kind, n, k, fp8), cfg in section.items():
+            for (kind, n, k, fp8, activations), cfg in section.items():
                 assert kind in ("proj", "gated") and n > 0 and k > 0
+                assert activations == "bf16" or (activations == "fp16" and fp8)  # fp16: W x^T, FP8 weights only
                 assert tiles.tile_problem(kind, fp8, cfg) is None, (path.name, kind, n, k, fp8, cfg)
         assert table.attention.block_s >= 16 and table.attention.programs_per_sm >= 1
 
@@ -92,18 +93,41 @@ def test_write_table_round_trips_and_keeps_what_it_does_not_replace(tmp_path):
     first = {16: {LLAMA_GATE_UP: TileConfig(32, 256, 4, 4), ("proj", 2048, 8192, True): TileConfig(32, 256, 4, 4, 4)},
              64: {("proj", 1536, 1536, False): TileConfig(16, 256, 4, 4)}}
     tiles.write_table(path, gemm=first)
-    assert tiles.load_table(path, 58).gemm == first
+    assert tiles.load_table(path, 58).gemm == keyed(first)
     assert "decode_attention" not in json.loads(path.read_text())  # nothing swept: the defaults stay defaults
     swept = AttentionTiles(block_s=32, num_warps=8, stages=2, programs_per_sm=4)
     tiles.write_table(path, gemm={16: {LLAMA_GATE_UP: TileConfig(64, 128, 8, 3)}}, attention=swept)
     tiles.write_table(path, gemm={32: {LLAMA_GATE_UP: TileConfig(16, 512, 2, 4)}})
     read = tiles.table_for((8, 9), 58, folder=tmp_path)
-    assert read.gemm == {16: {**first[16], LLAMA_GATE_UP: TileConfig(64, 128, 8, 3)}, 32: {
-        LLAMA_GATE_UP: TileConfig(16, 512, 2, 4)}, 64: first[64]}
+    assert read.gemm == keyed({16: {**first[16], LLAMA_GATE_UP: TileConfig(64, 128, 8, 3)}, 32: {
+        LLAMA_GATE_UP: TileConfig(16, 512, 2, 4)}, 64: first[64]})
     assert read.attention == swept and read.sm_count == 58
     with pytest.raises(ValueError, match="only projections take it"):
         tiles.write_table(path, gemm={16: {LLAMA_GATE_UP: TileConfig(32, 256, 4, 4, split_k=2)}})
     assert tiles.load_table(path, 58).gemm == read.gemm  # a refused write leaves the file as it was
+
+
+def keyed(gemm: dict) -> dict:
+    """A table's GEMM section as a DeviceTable keys it (plain 4-tuples are the bf16 GemmKeys)."""
+    return DeviceTable("keyed", 0, gemm).gemm
+
+
+def test_fp16_activations_have_entries_of_their_own_and_else_read_their_bf16_twins(tmp_path):
+    # An FP8 launch on fp16 activations (W x^T) takes other tiles than the same shape on bf16 ones; where the
+    # table has none for it, the bf16 twin's tiles (tuned for that shape) beat the guess. Entries written before
+    # the key had activations still read as bf16 and are written unchanged.
+    path = tmp_path / "sm90-132sm.json"
+    down, qkv = ("proj", 2048, 8192, True), ("proj", 3072, 2048, True)
+    bf16_tiles, fp16_tiles, qkv_tiles = TileConfig(32, 256, 4, 3, 4), TileConfig(32, 256, 2, 4, 4), TileConfig(32, 128)
+    tiles.write_table(path, gemm={16: {down: bf16_tiles, (*down, "fp16"): fp16_tiles, qkv: qkv_tiles}})
+    lines = [line for line in path.read_text().splitlines() if '"kind"' in line]
+    assert sum('"activations": "fp16"' in line for line in lines) == 1 and len(lines) == 3
+    table = tiles.load_table(path, 132)
+    assert table.gemm_tiles(down, 16) == table.gemm_tiles((*down, "bf16"), 16) == bf16_tiles
+    assert table.gemm_tiles((*down, "fp16"), 16) == fp16_tiles
+    assert table.gemm_tiles((*qkv, "fp16"), 64) == qkv_tiles  # no fp16 entry: the twin's, at the nearest rows
+    other = ("proj", 4096, 8192, True, "fp16")
+    assert table.gemm_tiles(other, 16) == tiles.untuned_gemm_tiles("proj", 4096, 8192, 132)
 
 
 @pytest.mark.parametrize("n,k", [(2048, 1536), (1536, 1536), (1536, 8960), (2048, 1024), (1024, 4096)])

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from grpo.kernels._triton import have_triton
 from grpo.kernels.fp8 import BLOCK as FP8_BLOCK
 from grpo.kernels.fp8 import dequantize_fp8_block
-from grpo.kernels.tiles import TileConfig, device_table, tile_problem
+from grpo.kernels.tiles import GemmKey, TileConfig, device_table, tile_problem
 
 # The kernels take up to MAX_ROWS rows (row tiles of 16, 32 or 64); the engine uses them up to there in either
 # weight format, where they beat the modules (benchmarks/RESULTS.md, "The measured defaults").
@@ -162,7 +162,8 @@ class Tuning:
         the block scale). "convert": the hardware's E4M3 -> f16 -> bf16 conversions, two per code on the
         conversion unit, which then bounds the FP8 step (benchmarks/RESULTS.md, "The measured defaults").
         Under Triton's interpreter (no PTX) it is always "convert".
-    tiles: (kind, output features in all, K, fp8) -> TileConfig, read before the device's table.
+    tiles: `tiles.GemmKey` (kind, output features in all, K, fp8[, activations]) -> TileConfig, read before the
+        device's table.
     pdl: programmatic dependent launch (NVIDIA, Hopper or newer; ignored elsewhere): a projection launch
         with an adapter starts while its lora_down still runs, streams its weights, and waits for lora_down
         only before the LoRA term at each tile's end, instead of every lora_down's latency standing between
@@ -187,14 +188,15 @@ _TUNING: ContextVar[Tuning] = ContextVar("decode_gemm_tuning", default=Tuning())
 @contextmanager
 def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | None = None,
            pdl: bool | None = None, chain: bool | None = None) -> Iterator[Tuning]:
-    """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[(kind, N, K, fp8)]` over the
-    device's table (benchmark sweeps, tests) and launch dependently where `pdl` and `chain` say. A nested block adds to
-    the outer one's choices; leaving a block restores what was in force before it. Graphs captured inside
-    keep the choices they captured."""
+    """Within the block, launches unpack FP8 codes by `unpack`, take `tiles[GemmKey(kind, N, K, fp8[, activations])]`
+    over the device's table (benchmark sweeps, tests) and launch dependently where `pdl` and `chain` say. A nested
+    block adds to the outer one's choices; leaving a block restores what was in force before it. Graphs captured
+    inside keep the choices they captured."""
     outer = _TUNING.get()
     if unpack is not None and unpack not in _UNPACK_MODES:
         raise ValueError(f"decode_gemm.tuning: unpack={unpack!r}; use one of {sorted(_UNPACK_MODES)}")
-    inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **(tiles or {})},
+    chosen = {GemmKey(*key): cfg for key, cfg in (tiles or {}).items()}
+    inner = Tuning(unpack=unpack or outer.unpack, tiles={**outer.tiles, **chosen},
                    pdl=outer.pdl if pdl is None else pdl, chain=outer.chain if chain is None else chain)
     token = _TUNING.set(inner)
     try:
@@ -203,12 +205,17 @@ def tuning(*, unpack: str | None = None, tiles: Mapping[tuple, TileConfig] | Non
         _TUNING.reset(token)
 
 
-def tile_config(kind: str, n: int, k: int, fp8: bool, rows: int, device: torch.device) -> TileConfig:
-    """The tiles for one launch of `rows` rows on `device`. `kind` is "proj" or "gated"; n the group's output
-    features in all. A `tuning(tiles=...)` choice holds at every row count; else the device's table
-    (`grpo.kernels.tiles`: swept at the launch's rows or near them, else a guess)."""
-    key = (kind, n, k, fp8)
-    cfg = _TUNING.get().tiles.get(key) or device_table(device).gemm_tiles(key, _block_m(rows))
+def tile_config(key: tuple, rows: int, device: torch.device) -> TileConfig:
+    """The tiles for one launch of `rows` rows on `device`; `key` is its `tiles.GemmKey` (kind "proj" or "gated", the
+    group's output features in all, K, fp8, and "fp16" activations for FP8 weights multiplied W x^T: `_w_first`). A
+    `tuning(tiles=...)` choice for the launch (for fp16 activations, else for its bf16 twin) holds at every row count;
+    else the device's table (`grpo.kernels.tiles`: swept at the launch's rows or near them, the bf16 twin's likewise,
+    else a guess)."""
+    key = GemmKey(*key)
+    kind, fp8 = key.kind, key.fp8
+    chosen = _TUNING.get().tiles
+    cfg = (chosen.get(key) or chosen.get(key._replace(activations="bf16"))
+           or device_table(device).gemm_tiles(key, _block_m(rows)))
     problem = tile_problem(kind, fp8, cfg)
     if problem is not None:
         raise ValueError(f"decode_gemm: {cfg} for a {kind} launch{' of FP8 weights' if fp8 else ''}: {problem}")
@@ -380,6 +387,11 @@ def _w_first(x2: torch.Tensor, fp8: bool) -> bool:
     return fp8 and x2.dtype == torch.float16
 
 
+def _activations(x2: torch.Tensor, fp8: bool) -> str:
+    """A launch's activations as its tiles are keyed (`tiles.GemmKey`): "fp16" for W x^T launches, else "bf16"."""
+    return "fp16" if _w_first(x2, fp8) else "bf16"
+
+
 def _unpack(x2: torch.Tensor, fp8: bool) -> int:
     """The UNPACK constant of a launch (`Tuning.unpack`; bit moves make bf16, so only for bf16 activations)."""
     if not fp8 or x2.device.type != "cuda" or x2.dtype != torch.bfloat16:
@@ -412,7 +424,7 @@ def project(x2: torch.Tensor, projs: Sequence[DecodeProj], residual: torch.Tenso
     xa, scratch = _lora_down(x2, [p.lora_a for p in projs], block_r, pdl) if rank else (x2, None)
     outs = [torch.empty((m, p.out_features), dtype=out_dtype or x2.dtype, device=x2.device) for p in projs]
     n_all = sum(p.out_features for p in projs)
-    cfg = tile_config("proj", n_all, k, fp8, m, x2.device)
+    cfg = tile_config(GemmKey("proj", n_all, k, fp8, _activations(x2, fp8)), m, x2.device)
     args = []
     for i in range(3):
         p, y = (projs[i], outs[i]) if i < len(projs) else (projs[0], outs[0])
@@ -457,7 +469,7 @@ def project_gated(x2: torch.Tensor, gate: DecodeProj, up: DecodeProj) -> torch.T
     pdl, chain = _pdl(x2, rank), chained(x2.device)
     xa, scratch = _lora_down(x2, [gate.lora_a, up.lora_a], block_r, pdl) if rank else (x2, None)
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = tile_config("gated", 2 * n, k, fp8, m, x2.device)  # keyed by the group's outputs in all, gate and up
+    cfg = tile_config(GemmKey("gated", 2 * n, k, fp8, _activations(x2, fp8)), m, x2.device)  # gate's and up's n
 
     def launch(cfg: TileConfig) -> None:
         kernels.gated_kernel[(-(-n // cfg.block_n),)](

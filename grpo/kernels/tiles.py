@@ -9,8 +9,10 @@ in `grpo/kernels/tuned/`, named by the device's key (`device_key`: compute capab
     PYTHONPATH=$PWD python3 benchmarks/probes/attention_tiles.py --write-table     # the attention's launch
 
 A file holds the GEMM tiles by the rows its sweep ran at ("16": launches of up to 32 rows, "64": the sampler's
-wider batches), each entry keyed by (kind, output features in all, K, fp8), and the attention's launch. A
-device without a file, or a shape its file lacks, gets `untuned_gemm_tiles`' guess and `AttentionTiles()`.
+wider batches), each entry keyed by `GemmKey` (kind, output features in all, K, fp8, and for FP8 launches on fp16
+activations "activations": "fp16"), and the attention's launch. A device without a file, or a shape its file
+lacks, gets `untuned_gemm_tiles`' guess and `AttentionTiles()`; an fp16-activations launch the file lacks gets
+its bf16 twin's tiles first.
 
 A table is read once per CUDA device, by the first launch that asks for it: nothing is read or probed at
 import. Non-CUDA devices (Triton's interpreter on the CPU, in the tests) get no table and `HOST_SM_COUNT`.
@@ -26,6 +28,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +38,17 @@ TABLES = Path(__file__).resolve().parent / "tuned"
 # splits its work as a GPU's launch does.
 HOST_SM_COUNT = 64
 
-GemmKey = tuple[str, int, int, bool]  # (kind "proj" or "gated", output features in all, K, fp8)
-_GEMM_FIELDS = ("kind", "n", "k", "fp8")
+class GemmKey(NamedTuple):
+    """What a decode GEMM launch's tiles are chosen by. A plain (kind, n, k, fp8) tuple reads as the bf16 key."""
+
+    kind: str  # "proj" or "gated"
+    n: int  # output features in all
+    k: int
+    fp8: bool  # FP8 block weights
+    activations: str = "bf16"  # what the launch reads; "fp16" only for FP8 weights (W x^T: decode_gemm._w_first)
+
+
+_GEMM_FIELDS = GemmKey._fields
 
 
 @dataclass(frozen=True)
@@ -94,22 +106,28 @@ def untuned_gemm_tiles(kind: str, n: int, k: int, sm_count: int) -> TileConfig:
 
 @dataclass(frozen=True)
 class DeviceTable:
-    """One device's launch choices. gemm: the rows a sweep ran at -> (kind, N, K, fp8) -> tiles."""
+    """One device's launch choices. gemm: the rows a sweep ran at -> GemmKey -> tiles."""
 
     key: str
     sm_count: int
     gemm: Mapping[int, Mapping[GemmKey, TileConfig]] = field(default_factory=dict)
     attention: AttentionTiles = AttentionTiles()
 
-    def gemm_tiles(self, key: GemmKey, block_m: int) -> TileConfig:
+    def __post_init__(self) -> None:  # plain (kind, n, k, fp8) tuples as keys read as the bf16 GemmKeys they are
+        gemm = {rows: {GemmKey(*key): cfg for key, cfg in section.items()} for rows, section in self.gemm.items()}
+        object.__setattr__(self, "gemm", gemm)
+
+    def gemm_tiles(self, key: tuple, block_m: int) -> TileConfig:
         """The tiles of a launch whose rows pad to `block_m` (16, 32 or 64): those swept at that many rows, else
-        at the nearest fewer, else at the nearest more, else the guess."""
+        at the nearest fewer, else at the nearest more; for fp16 activations the same for its bf16 twin; else the
+        guess."""
+        key = GemmKey(*key)
         nearest = sorted(self.gemm, key=lambda rows: (rows > block_m, abs(rows - block_m)))
-        for rows in nearest:
-            if key in self.gemm[rows]:
-                return self.gemm[rows][key]
-        kind, n, k, _ = key
-        return untuned_gemm_tiles(kind, n, k, self.sm_count)
+        for wanted in dict.fromkeys((key, key._replace(activations="bf16"))):
+            for rows in nearest:
+                if wanted in self.gemm[rows]:
+                    return self.gemm[rows][wanted]
+        return untuned_gemm_tiles(key.kind, key.n, key.k, self.sm_count)
 
 
 def device_key(capability: tuple[int, int], sm_count: int) -> str:
@@ -124,9 +142,9 @@ def load_table(path: Path, sm_count: int) -> DeviceTable:
     for rows, entries in data.get("decode_gemm", {}).items():
         section = gemm[int(rows)] = {}
         for entry in entries:
-            key = tuple(entry[name] for name in _GEMM_FIELDS)
+            key = GemmKey(*(entry[name] for name in _GEMM_FIELDS if name in entry))
             cfg = TileConfig(**{name: value for name, value in entry.items() if name not in _GEMM_FIELDS})
-            problem = tile_problem(key[0], key[3], cfg)
+            problem = tile_problem(key.kind, key.fp8, cfg)
             if problem is not None:
                 raise ValueError(f"{path}: the {rows}-row entry {entry}: {problem}; correct it or rerun "
                                  "benchmarks/probes/decode_gemm_tiles.py --write-table on the device")
@@ -147,14 +165,24 @@ def write_table(path: Path, *, gemm: Mapping[int, Mapping[GemmKey, TileConfig]] 
         kept_attention = json.loads(path.read_text()).get("decode_attention")
     for rows, section in (gemm or {}).items():
         for key, cfg in section.items():
-            problem = tile_problem(key[0], key[3], cfg)
+            key = GemmKey(*key)
+            problem = tile_problem(key.kind, key.fp8, cfg)
             if problem is not None:
                 raise ValueError(f"write_table: {key} -> {cfg}: {problem}")
-        merged.setdefault(rows, {}).update(section)
-    entries = {str(rows): [{**dict(zip(_GEMM_FIELDS, key)), **asdict(cfg)} for key, cfg in sorted(merged[rows].items())]
+            merged.setdefault(rows, {})[key] = cfg
+    entries = {str(rows): [{**_key_fields(key), **asdict(cfg)} for key, cfg in sorted(merged[rows].items())]
                for rows in sorted(merged)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(_dumps(entries, asdict(attention) if attention is not None else kept_attention))
+
+
+def _key_fields(key: GemmKey) -> dict:
+    """A key's fields as a table entry holds them: "activations" only where it is not bf16, so that the entries
+    written before it existed read the same."""
+    fields = key._asdict()
+    if fields["activations"] == "bf16":
+        del fields["activations"]
+    return fields
 
 
 def _dumps(gemm: Mapping[str, list[dict]], attention: dict | None) -> str:
