@@ -579,12 +579,12 @@ def test_the_tile_probe_sweeps_the_keys_the_decode_kernels_read(monkeypatch):
 
     swept, cpu = dg.TileConfig(16, 128, 2, 2), torch.device("cpu")
     for name in probe.GROUPS:
-        for fp8 in (False, True):
-            key = probe.tile_key(name, fp8)
-            untouched = dg.tile_config(*key, 16, cpu)
+        for fmt in probe.FORMATS:
+            key = probe.tile_key(name, fmt)
+            untouched = dg.tile_config(key, 16, cpu)
             with dg.tuning(tiles={key: swept}):
-                assert dg.tile_config(*key, 16, cpu) == dg.tile_config(*key, 64, cpu) == swept
-            assert dg.tile_config(*key, 16, cpu) == untouched
+                assert dg.tile_config(key, 16, cpu) == dg.tile_config(key, 64, cpu) == swept
+            assert dg.tile_config(key, 16, cpu) == untouched
 
 
 def test_the_tile_probes_table_run_sweeps_every_entry_of_the_tuned_table(monkeypatch):
@@ -594,11 +594,11 @@ def test_the_tile_probes_table_run_sweeps_every_entry_of_the_tuned_table(monkeyp
     from grpo.kernels import tiles
 
     table = tiles.table_for((9, 0), 132)
-    swept = {(rows, probe.tile_key(name, fmt == "fp8")) for rows, name, fmt in probe.PRODUCT_SWEEPS}
+    swept = {(rows, probe.tile_key(name, fmt)) for rows, name, fmt in probe.PRODUCT_SWEEPS}
     assert swept == {(rows, key) for rows, section in table.gemm.items() for key in section}
     for _, name, fmt in probe.PRODUCT_SWEEPS:  # every config swept is one the kernels take
-        kind, fp8 = probe.GROUPS[name][0], fmt == "fp8"
-        assert all(tiles.tile_problem(kind, fp8, cfg) is None for cfg in probe.configs(kind, fp8))
+        kind, fp8 = probe.GROUPS[name][0], probe.FORMATS[fmt][0]
+        assert all(tiles.tile_problem(kind, fp8, cfg) is None for cfg in probe.configs(kind, fmt))
 
 
 def test_the_attention_tiles_probe_writes_the_launch_nearest_each_row_counts_best(monkeypatch, tmp_path):

@@ -7,10 +7,10 @@ change) is one run on it:
     PYTHONPATH=$PWD python3 benchmarks/probes/decode_gemm_tiles.py --write-table
 
 It sweeps every tile config (`configs`) over each launch the product makes (`PRODUCT_SWEEPS`: Llama-3.2-1B's
-projection groups in bf16 and FP8 at 16 and 64 rows, the packaged Qwen2.5-Coder-1.5B's in bf16 at 64), checks
-each group's fastest config against its float32 reference with and without rsLoRA, and writes the checked
-picks into the device's table (`grpo.kernels.tiles.write_table`: the entries it sweeps replaced, the others
-kept); commit the file. `--table PATH` writes elsewhere.
+projection groups in bf16 and FP8 at 16 and 64 rows, on fp16 activations at 16, the packaged Qwen2.5-Coder-1.5B's
+in bf16 at 64), checks each group's fastest config against its float32 reference with and without rsLoRA, and writes
+the checked picks into the device's table (`grpo.kernels.tiles.write_table`: the entries it sweeps replaced, the
+others kept); commit the file. `--table PATH` writes elsewhere; `--formats` sweeps only those.
 
 The groups: q/k/v in one launch (2048 -> 2048 + 512 + 512), o_proj with the residual (2048 -> 2048), gate/up
 with the SiLU product (2048 -> 2 x 8192), down_proj with the residual (8192 -> 2048); `qwen_*` the packaged
@@ -53,16 +53,20 @@ QWEN_GROUPS = {  # the packaged Qwen2.5-Coder-1.5B's (hidden 1536, MLP 8960, 2 k
 }
 GROUPS = LLAMA_GROUPS | QWEN_GROUPS
 # What --write-table sweeps: (rows, group, format) for each launch the product makes. 16 rows: the training
-# step's decode; 64: the sampler's wider batches (launches of 33-64 rows read those tiles first); the packaged
-# Qwen runs in bf16 at its preset's 64 rows.
+# step's decode; 64: the sampler's wider batches (launches of 33-64 rows read those tiles first); FP8 on fp16
+# activations at 16 rows (wider launches read those); the packaged Qwen runs in bf16 at its preset's 64 rows.
 PRODUCT_SWEEPS = ([(rows, name, fmt) for rows in (16, 64) for name in LLAMA_GROUPS for fmt in ("bf16", "fp8")]
-                  + [(64, name, "bf16") for name in QWEN_GROUPS])
+                  + [(16, name, "fp8-fp16") for name in LLAMA_GROUPS] + [(64, name, "bf16") for name in QWEN_GROUPS])
+# A format: the weights' (FP8 or not) and the activations' dtype. fp8-fp16: FP8 weights multiplied W x^T on fp16
+# activations (decode_gemm._w_first; the native engine's EngineTuning.fp8_activations).
+FORMATS = {"bf16": (False, torch.bfloat16), "fp8": (True, torch.bfloat16), "fp8-fp16": (True, torch.float16)}
 
 
-def tile_key(name: str, fp8: bool) -> tuple:
-    """The group's key in `dg.tuning(tiles=...)` and the device's table: (kind, output features in all, K, fp8)."""
+def tile_key(name: str, fmt: str) -> tiles.GemmKey:
+    """The group's key in `dg.tuning(tiles=...)` and the device's table in a format of FORMATS."""
     kind, k, widths, _ = GROUPS[name]
-    return kind, sum(widths), k, fp8
+    fp8, act = FORMATS[fmt]
+    return tiles.GemmKey(kind, sum(widths), k, fp8, "fp16" if act == torch.float16 else "bf16")
 
 
 def make_projs(k: int, widths: list[int], fp8: bool, rank: int, seed: int) -> list[dg.DecodeProj]:
@@ -111,10 +115,13 @@ def run_modules(kind: str, x, projs, res, fp8_module: bool = False):
     return outs[0] + res if res is not None else outs[0]
 
 
-def configs(kind: str, fp8: bool) -> list[dg.TileConfig]:
+def configs(kind: str, fmt: str) -> list[dg.TileConfig]:
     """The sweep: tile shapes of 16-64 outputs (128 with 8 warps) and K steps of 128-1024, 2-6 stages, each one
     the kernels take for the format; projections also split over K in 2 and 4 slices (their few tiles leave
-    SMs idle otherwise)."""
+    SMs idle otherwise). fp8-fp16 (W x^T): `w_first_configs`."""
+    fp8 = FORMATS[fmt][0]
+    if fmt == "fp8-fp16":
+        return w_first_configs(kind)
     out = [dg.TileConfig(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
            if not ((fp8 and bk == 512 and bn == 64) or (bn == 16 and bk == 128))]
     out += [dg.TileConfig(64, 256, 8, 3), dg.TileConfig(128, 128, 8, 3), dg.TileConfig(32, 256, 8, 4),
@@ -128,18 +135,19 @@ def configs(kind: str, fp8: bool) -> list[dg.TileConfig]:
     return out
 
 
-def check_group(rec: Recorder, name: str, fp8: bool, rank: int, rows: int = ROWS) -> bool:
+def check_group(rec: Recorder, name: str, fmt: str, rank: int, rows: int = ROWS) -> bool:
     """The group's launch with the tiles in force against its float32 reference: whether it is within 1e-2."""
     kind, k, widths, residual = GROUPS[name]
+    fp8, act = FORMATS[fmt]
     projs = make_projs(k, widths, fp8, rank, seed=1)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
+    x = torch.randn(rows, k, device="cuda", dtype=act)
+    res = torch.randn(rows, widths[0], device="cuda", dtype=act) if residual else None
     got = run_kernels(kind, x, projs, res).float()
     ref = (dg.project_gated_ref(x.float(), projs[0], projs[1]) if kind == "gated"
            else dg.project_ref(x.float(), projs, residual=None if res is None else res.float())[0])
     rel = ((got - ref).norm() / ref.norm()).item()
-    cfg = dg.tile_config(*tile_key(name, fp8), rows, x.device)
-    rec.record("check", group=name, fp8=fp8, rank=rank, rows=rows, cfg=cfg.__dict__, rel_err=round(rel, 6),
+    cfg = dg.tile_config(tile_key(name, fmt), rows, x.device)
+    rec.record("check", group=name, format=fmt, rank=rank, rows=rows, cfg=cfg.__dict__, rel_err=round(rel, 6),
                ok=rel < 1e-2)
     return rel < 1e-2
 
@@ -153,7 +161,7 @@ def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
     n_copies = max(2, -(-(256 << 20) // one))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
-    row = dict(kind="rows", group=name, fp8=fp8, rows=rows)
+    row = dict(kind="rows", group=name, format=fmt, rows=rows)
     for rank in (0, 32):
         copies = [make_projs(k, widths, fp8, rank, seed=i) for i in range(n_copies)]
         with dg.tuning(pdl=False):
@@ -227,7 +235,7 @@ def compare_fp16_activations(rec: Recorder, name: str, budget_s: float) -> None:
             if rec.elapsed_s() > budget_s:
                 return
             try:
-                with dg.tuning(tiles={} if cfg is None else {tile_key(name, True): cfg}):
+                with dg.tuning(tiles={} if cfg is None else {tile_key(name, "fp8-fp16"): cfg}):
                     got = run_kernels(kind, x, copies[0], res).float()
                     us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
             except Exception as exc:  # a config the compiler refuses (shared memory) is skipped, not fatal
@@ -268,43 +276,45 @@ def compare_lora_down(rec: Recorder, name: str, rows: int) -> None:
                    rel_err=round(((got - ref).norm() / ref.norm()).item(), 6))
 
 
-def sweep(rec: Recorder, name: str, fp8: bool, budget_s: float, rows: int = ROWS) -> dg.TileConfig | None:
+def sweep(rec: Recorder, name: str, fmt: str, budget_s: float, rows: int = ROWS) -> dg.TileConfig | None:
     """Time each config of the sweep on one group and format at `rows` rows; the fastest is timed against
-    cuBLAS and with rsLoRA, and returned (None when none ran). Each config is in force only while it is timed."""
+    cuBLAS (bf16) and with rsLoRA, and returned (None when none ran). Each config is in force only while it is
+    timed."""
     kind, k, widths, residual = GROUPS[name]
+    fp8, act = FORMATS[fmt]
     one = group_bytes(make_projs(k, widths, fp8, 0, seed=0))
     n_copies = max(2, -(-(256 << 20) // one))
     copies = [make_projs(k, widths, fp8, 0, seed=i) for i in range(n_copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
-    key = tile_key(name, fp8)
+    x = torch.randn(rows, k, device="cuda", dtype=act)
+    res = torch.randn(rows, widths[0], device="cuda", dtype=act) if residual else None
+    key = tile_key(name, fmt)
     best = None
-    for cfg in configs(kind, fp8):
+    for cfg in configs(kind, fmt):
         if rec.elapsed_s() > budget_s:
-            rec.record("skipped", group=name, fp8=fp8, reason="budget")
+            rec.record("skipped", group=name, format=fmt, reason="budget")
             break
         try:
             with dg.tuning(tiles={key: cfg}):
                 us = graph_us(lambda c: run_kernels(kind, x, c, res), copies)
         except Exception as exc:  # a config the compiler refuses (shared memory) is skipped, not fatal
-            rec.record("config_error", group=name, fp8=fp8, cfg=cfg.__dict__, error=repr(exc)[:200])
+            rec.record("config_error", group=name, format=fmt, cfg=cfg.__dict__, error=repr(exc)[:200])
             continue
-        rec.record("config", group=name, fp8=fp8, rows=rows, cfg=cfg.__dict__, us=round(us, 2),
+        rec.record("config", group=name, format=fmt, rows=rows, cfg=cfg.__dict__, us=round(us, 2),
                    tbps=round(one / us / 1e6, 2))
         if best is None or us < best[0]:
             best = (us, cfg)
     if best is None:
         return None
     best_us, best_cfg = best
-    cublas = graph_us(lambda c: run_modules(kind, x, c, res), copies) if not fp8 else None
-    rec.record("best", group=name, fp8=fp8, rows=rows, cfg=best_cfg.__dict__, us=round(best_us, 2),
+    cublas = graph_us(lambda c: run_modules(kind, x, c, res), copies) if fmt == "bf16" else None
+    rec.record("best", group=name, format=fmt, rows=rows, cfg=best_cfg.__dict__, us=round(best_us, 2),
         tbps=round(one / best_us / 1e6, 2), cublas_us=None if cublas is None else round(cublas, 2), bytes=one)
     # with LoRA r32, kernels (best config) against the module path
     lcopies = [make_projs(k, widths, fp8, 32, seed=i) for i in range(n_copies)]
     with dg.tuning(tiles={key: best_cfg}):
         lk = graph_us(lambda c: run_kernels(kind, x, c, res), lcopies)
-    lm = graph_us(lambda c: run_modules(kind, x, c, res), lcopies)
-    rec.record("lora", group=name, fp8=fp8, kernels_us=round(lk, 2), modules_us=round(lm, 2))
+    lm = graph_us(lambda c: run_modules(kind, x.bfloat16(), c, None if res is None else res.bfloat16()), lcopies)
+    rec.record("lora", group=name, format=fmt, kernels_us=round(lk, 2), modules_us=round(lm, 2))
     return best_cfg
 
 
@@ -359,18 +369,19 @@ def engine_rows(rec: Recorder, rows_list: list[int]) -> None:
                 ngc.run_engine(rec, f"{label} {rows} rows {gemm}", m, ngc.weight_bytes(m), engine_kw=kw, rows=rows)
 
 
-def sweep_into_table(rec: Recorder, path) -> None:
-    """--write-table: each launch of PRODUCT_SWEEPS swept, its fastest config checked with and without rsLoRA,
-    and the checked picks written into the table at `path`."""
+def sweep_into_table(rec: Recorder, path, formats=tuple(FORMATS)) -> None:
+    """--write-table: each launch of PRODUCT_SWEEPS in `formats` swept, its fastest config checked with and without
+    rsLoRA, and the checked picks written into the table at `path` (the other entries kept)."""
     picked: dict[int, dict[tuple, dg.TileConfig]] = {}  # rows -> tile_key -> the sweep's fastest config
     for rows, name, fmt in PRODUCT_SWEEPS:
-        fp8 = fmt == "fp8"
-        cfg = sweep(rec, name, fp8, float("inf"), rows)  # no budget: a table is written from a whole sweep
+        if fmt not in formats:
+            continue
+        cfg = sweep(rec, name, fmt, float("inf"), rows)  # no budget: a table is written from a whole sweep
         if cfg is None:
             continue
-        with dg.tuning(tiles={tile_key(name, fp8): cfg}):
-            if all([check_group(rec, name, fp8, rank, rows) for rank in (0, 32)]):
-                picked.setdefault(rows, {})[tile_key(name, fp8)] = cfg
+        with dg.tuning(tiles={tile_key(name, fmt): cfg}):
+            if all([check_group(rec, name, fmt, rank, rows) for rank in (0, 32)]):
+                picked.setdefault(rows, {})[tile_key(name, fmt)] = cfg
     tiles.write_table(path, gemm=picked)
     rec.record("table", path=str(path), entries={rows: len(section) for rows, section in picked.items()})
 
@@ -386,7 +397,9 @@ def main() -> None:
                     help="the projection groups (default: Llama-3.2-1B's; qwen_*: the packaged Qwen2.5-Coder-1.5B's)")
     ap.add_argument("--sweep-rows", type=int, default=ROWS, choices=[16, 32, 64],
                     help="rows of the checks and the sweep (the sampler's wider batches: 64)")
-    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--formats", nargs="+", default=None, choices=list(FORMATS),
+                    help="weights and activations: bf16, fp8 (on bf16 activations), fp8-fp16 (on fp16 ones, W x^T); "
+                         "default: bf16 and fp8, with --write-table all three (its other entries are kept)")
     ap.add_argument("--pairs", nargs="+", default=None, metavar="GROUP:FORMAT",
                     help="sweep only these, e.g. gate_up:bf16 down:fp8 (default: every group x format)")
     ap.add_argument("--engine", action="store_true", help="then time the native engine with the picked configs")
@@ -405,6 +418,8 @@ def main() -> None:
                          "the --rows (default: --sweep-rows)")
     add_out_argument(ap)
     args = ap.parse_args()
+    if args.rows and "fp8-fp16" in (args.formats or ()):
+        ap.error("--rows compares the kernels with the modules on bf16 activations: --formats bf16 fp8")
     import triton
 
     rec = Recorder("decode_gemm_tiles", args.out)
@@ -413,7 +428,7 @@ def main() -> None:
     rec.record("env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
                device_key=key)
     if args.write_table:
-        sweep_into_table(rec, args.table or tiles.TABLES / f"{key}.json")
+        sweep_into_table(rec, args.table or tiles.TABLES / f"{key}.json", args.formats or tuple(FORMATS))
         return
     run(rec, args)
 
@@ -442,24 +457,24 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
     if args.rows:
         for rows in args.rows:
             for name in args.groups:
-                for fmt in args.formats:
+                for fmt in args.formats or ("bf16", "fp8"):
                     compare_rows(rec, name, fmt == "fp8", rows)
         return
     for name in args.groups:
-        for fp8 in (False, True):
+        for fmt in FORMATS:
             for rank in (0, 32):
-                check_group(rec, name, fp8, rank, args.sweep_rows)
+                check_group(rec, name, fmt, rank, args.sweep_rows)
     pairs = [p.split(":") for p in args.pairs] if args.pairs else [
-        (name, fmt) for name in args.groups for fmt in args.formats]
+        (name, fmt) for name in args.groups for fmt in args.formats or ("bf16", "fp8")]
     picked: dict[tuple, dg.TileConfig] = {}  # tile_key -> the sweep's fastest config
     for name, fmt in pairs:
-        cfg = sweep(rec, name, fmt == "fp8", args.budget_s, args.sweep_rows)
+        cfg = sweep(rec, name, fmt, args.budget_s, args.sweep_rows)
         if cfg is not None:
-            picked[tile_key(name, fmt == "fp8")] = cfg
+            picked[tile_key(name, fmt)] = cfg
     with dg.tuning(tiles=picked):
         for name, fmt in pairs:  # the picked configs, checked against the reference too
             for rank in (0, 32):
-                check_group(rec, name, fmt == "fp8", rank, args.sweep_rows)
+                check_group(rec, name, fmt, rank, args.sweep_rows)
         print("\nCONFIG =", {k: v.__dict__ for k, v in picked.items()})
         if args.engine:
             engine_with_configs(rec)

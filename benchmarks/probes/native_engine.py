@@ -457,7 +457,7 @@ PLANS = {
     # at 16 rows: where each one's time goes inside the CUDA graph
     "wide": ["lora_product_64", "lora_product_64_graph", "lora_product_256", "lora_product_256_graph",
              "lora_product_folded_256", "lora_product_folded_256_graph", "fp8_lora_product", "fp8_lora_product_graph",
-             "fp8_lora_256_fp8", "fp8_lora_256_dense", "fp8_lora_product_f16", "fp8_lora_product_f16_graph"],
+             "fp8_lora_256_fp8", "fp8_lora_256_dense", "fp8_lora_product_bf16"],
 }
 # the `wide` plan's steps past 16 rows: (name, rows, EngineTuning.fold_adapter)
 WIDE_STEPS = (("lora_product_64", 64, False), ("lora_product_256", 256, False), ("lora_product_folded_256", 256, True))
@@ -499,11 +499,6 @@ def _tuned(fn, **choices):
 # decode_gemm.Tuning's variants of the product's step, by the suffix of their names: chain off (each launch after the
 # one ahead of it has ended)
 CHOICES = {"no_chain": dict(chain=False)}
-# the FP8 launches' tiles on fp16 activations: `decode_gemm_tiles.py --fp16-activations`' fastest (H100)
-F16_TILES = {("gated", 16384, 2048, True): decode_gemm.TileConfig(32, 256, 2, 4),
-             ("proj", 2048, 8192, True): decode_gemm.TileConfig(32, 256, 2, 4, 4),
-             ("proj", 3072, 2048, True): decode_gemm.TileConfig(64, 128, 2, 4, 4),
-             ("proj", 2048, 2048, True): decode_gemm.TileConfig(32, 256, 2, 4, 4)}
 
 
 def step_variants(step, name: str, label: str, run, choices: dict | None = None) -> None:
@@ -751,12 +746,10 @@ def main() -> None:
                       lambda label: run_engine(rec, label, fp8_lora, wfl, engine_kw=product))
         step("fp8_lora_product_graph", lambda: graph_breakdown(rec, "fp8+LoRA r32 product", fp8_lora,
                                                                engine_kw=product))
-        # the FP8 projections on fp16 activations (EngineTuning.fp8_activations), at the W x^T sweep's tiles
-        f16 = product | {"fp8_activations": "fp16"}
-        step("fp8_lora_product_f16", lambda: _tuned(lambda: run_engine(rec, "fp8+LoRA r32 product fp16", fp8_lora,
-                                                                       wfl, engine_kw=f16), tiles=F16_TILES))
-        step("fp8_lora_product_f16_graph", lambda: _tuned(lambda: graph_breakdown(
-            rec, "fp8+LoRA r32 product fp16", fp8_lora, engine_kw=f16), tiles=F16_TILES))
+        # the FP8 projections on the model's bf16 activations (EngineTuning.fp8_activations), not fp16 (W x^T)
+        on_bf16 = product | {"fp8_activations": "bf16"}
+        step("fp8_lora_product_bf16", lambda: run_engine(rec, "fp8+LoRA r32 product on bf16", fp8_lora, wfl,
+                                                         engine_kw=on_bf16))
         # past the kernels' rows FP8 layers run their modules, multiplying as --fp8-gemm says
         step("fp8_lora_256_fp8", lambda: run_fp8_modules(rec, "fp8", fp8_lora, wfl, product))
         step("fp8_lora_256_dense", lambda: run_fp8_modules(rec, "dense", fp8_lora, wfl, product))

@@ -240,6 +240,25 @@ def test_native_engine_with_fp8_projections_on_fp16_activations_samples_what_the
         EngineTuning(fp8_activations="fp8")
 
 
+def test_fp8_projections_read_fp16_by_default_in_a_bf16_model_and_a_float32_models_own_dtype():
+    # EngineTuning.fp8_activations="auto": fp16 (W x^T) where the model is bf16; a float32 model keeps its exact sums
+    from grpo.config import LORA_TARGETS
+    from grpo.kernels.fp8 import quantize_linears_
+    from grpo.rollout.native import NativeEngine
+    from test_native_engine import PAD, small_llama
+
+    for dtype, read in ((torch.bfloat16, torch.float16), (torch.float32, None)):
+        base = small_llama(seed=1, layers=2).to(dtype)
+        quantize_linears_(base, list(LORA_TARGETS))
+        engine = NativeEngine(base, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
+        engine._plan(4)  # the layers a generate of 4 rows would run
+        assert [layer.inputs for layer in engine._layers] == [read, read]
+    bf16 = NativeEngine(small_llama(seed=1, layers=1).to(torch.bfloat16), max_seq_len=16, max_batch=6, pad_id=PAD,
+                        gemm="kernels")
+    bf16._plan(4)
+    assert bf16._layers[0].inputs is None  # no FP8 projection: nothing reads fp16
+
+
 def test_native_engine_with_the_adapters_folded_samples_what_the_modules_do_and_gives_the_weights_back():
     from peft import LoraConfig, get_peft_model
 

@@ -232,7 +232,9 @@ class NativeEngine:
         packs = [None] * len(layers)
         if packed:  # kept between generates of other widths: the graphs captured on them read them in place
             self._packs = packs = packs_for(read, self.dtype, self._packs)
-        inputs = torch.float16 if self.tuning.fp8_activations == "fp16" else None
+        activations = self.tuning.fp8_activations
+        fp16 = activations == "fp16" or (activations == "auto" and self.dtype == torch.bfloat16)
+        inputs = torch.float16 if fp16 else None  # what FP8 projections read (EngineTuning.fp8_activations)
         self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams, pack,
                                     inputs) for layer, proj, pack in zip(layers, read, packs)]
 

@@ -63,7 +63,11 @@ class EngineTuning:
         rounded (the trainer corrects for it). Off for an engine built alone; the trainer folds by default.
     fp8_activations: the dtype the decode kernels' FP8 projections read their activations in: "bf16" (the model's),
         or "fp16": the norms, the attention and the SiLU product write fp16 for them, which E4M3 codes become in one
-        instruction a pair (`decode_gemm._w_first`); the residual stream and q/k/v stay in the model's dtype.
+        instruction a pair (`decode_gemm._w_first`); the residual stream and q/k/v stay in the model's dtype. "auto":
+        fp16 for a bf16 model (the same bytes, a shorter FP8 token step: benchmarks/RESULTS.md, "The measured
+        defaults"), the model's own dtype else (float32 models, as the CPU tests run, keep their exact sums). fp16
+        holds up to 65,504, with three more bits of mantissa than bf16: the largest such input found, a down
+        projection's, was 3,072 in SmolLM2-135M and 1,400 in Qwen2.5-Coder-1.5B (on GSM8K prompts).
     """
 
     use_cuda_graph: bool | None = None
@@ -76,14 +80,14 @@ class EngineTuning:
     streams: bool | None = None
     kernel_rows: int = decode_gemm.MAX_ROWS
     fold_adapter: bool = False
-    fp8_activations: str = "bf16"
+    fp8_activations: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_bucket < 1 or self.check_every < 1 or self.prefill_bucket < 1 or self.turn_block < 1:
             raise ValueError(f"kv_bucket={self.kv_bucket}, check_every={self.check_every}, prefill_bucket="
                              f"{self.prefill_bucket}, turn_block={self.turn_block}: each must be >= 1")
-        if self.fp8_activations not in ("bf16", "fp16"):
-            raise ValueError(f"fp8_activations={self.fp8_activations!r}: use 'bf16' or 'fp16'")
+        if self.fp8_activations not in ("auto", "bf16", "fp16"):
+            raise ValueError(f"fp8_activations={self.fp8_activations!r}: use 'auto', 'bf16' or 'fp16'")
         if self.attention not in ("auto", "sdpa", "kernel"):
             raise ValueError(f"attention={self.attention!r}: use 'auto', 'sdpa' or 'kernel'")
         if not 1 <= self.kernel_rows <= decode_gemm.MAX_ROWS:
