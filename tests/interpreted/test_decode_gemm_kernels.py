@@ -240,19 +240,23 @@ def test_native_engine_with_fp8_projections_on_fp16_activations_samples_what_the
         EngineTuning(fp8_activations="fp8")
 
 
-def test_fp8_projections_read_fp16_by_default_in_a_bf16_model_and_a_float32_models_own_dtype():
-    # EngineTuning.fp8_activations="auto": fp16 (W x^T) where the model is bf16; a float32 model keeps its exact sums
+def test_fp8_projections_read_fp16_by_default_in_a_bf16_models_narrow_steps_and_a_float32_models_own_dtype():
+    # EngineTuning.fp8_activations="auto": fp16 (W x^T) where the model is bf16 and the step no wider than the rows
+    # its tiles were swept for; a float32 model keeps its exact sums
     from grpo.config import LORA_TARGETS
     from grpo.kernels.fp8 import quantize_linears_
     from grpo.rollout.native import NativeEngine
+    from grpo.rollout.native.engine import FP16_ACTIVATIONS_ROWS
     from test_native_engine import PAD, small_llama
 
-    for dtype, read in ((torch.bfloat16, torch.float16), (torch.float32, None)):
+    widest = FP16_ACTIVATIONS_ROWS
+    for dtype, rows, read in ((torch.bfloat16, 4, torch.float16), (torch.bfloat16, widest, torch.float16),
+                              (torch.bfloat16, widest + 1, None), (torch.float32, 4, None)):
         base = small_llama(seed=1, layers=2).to(dtype)
         quantize_linears_(base, list(LORA_TARGETS))
-        engine = NativeEngine(base, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels")
-        engine._plan(4)  # the layers a generate of 4 rows would run
-        assert [layer.inputs for layer in engine._layers] == [read, read]
+        engine = NativeEngine(base, max_seq_len=16, max_batch=64, pad_id=PAD, gemm="kernels")
+        engine._plan(rows)  # the layers a generate of these rows would run
+        assert [layer.inputs for layer in engine._layers] == [read, read], (dtype, rows)
     bf16 = NativeEngine(small_llama(seed=1, layers=1).to(torch.bfloat16), max_seq_len=16, max_batch=6, pad_id=PAD,
                         gemm="kernels")
     bf16._plan(4)

@@ -70,6 +70,10 @@ from grpo.rollout.sampling import sample_with_noise
 # shape is met: host time saved against the graph pool's memory, which keeps the largest graphed prefill's
 # working memory (benchmarks/RESULTS.md, "The measured defaults").
 PREFILL_GRAPH_TOKENS = 4096
+# EngineTuning.fp8_activations="auto" gives FP8 projections fp16 in steps of up to this many rows: where their W x^T
+# tiles were swept and the step timed (the table's 16-row entries serve launches of up to 32); wider steps keep
+# the model's dtype and the table's 64-row tiles (benchmarks/RESULTS.md, "The measured defaults").
+FP16_ACTIVATIONS_ROWS = 32
 
 
 def feed_replies(token: torch.Tensor, logp: torch.Tensor, alive: torch.Tensor, at: torch.Tensor, end: torch.Tensor,
@@ -233,7 +237,8 @@ class NativeEngine:
         if packed:  # kept between generates of other widths: the graphs captured on them read them in place
             self._packs = packs = packs_for(read, self.dtype, self._packs)
         activations = self.tuning.fp8_activations
-        fp16 = activations == "fp16" or (activations == "auto" and self.dtype == torch.bfloat16)
+        fp16 = activations == "fp16" or (activations == "auto" and self.dtype == torch.bfloat16
+                                         and rows <= FP16_ACTIVATIONS_ROWS)
         inputs = torch.float16 if fp16 else None  # what FP8 projections read (EngineTuning.fp8_activations)
         self._layers = [build_layer(layer, proj, self._fns, self.dims, self.tuning.attention, self._streams, pack,
                                     inputs) for layer, proj, pack in zip(layers, read, packs)]
