@@ -132,7 +132,7 @@ def test_fp8_kernels_with_fp16_activations_at_llama_decode_shapes_on_cuda(kind, 
         a = torch.randn(rank, k, device="cuda", generator=g) / k**0.5 if rank else None
         b = torch.randn(n, rank, device="cuda", generator=g) * 0.05 if rank else None
         projs.append(dg.DecodeProj(weight, s, a, b, 11.3))
-    key = (kind, sum(widths), k, True)
+    key = (kind, sum(widths), k, True, "fp16")
     for cfg in (None, dg.TileConfig(64, 256, 2, 3, 4 if kind == "proj" else 1), dg.TileConfig(128, 128, 4, 4)):
         for m in (64, 16, 3):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)

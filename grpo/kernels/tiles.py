@@ -38,6 +38,7 @@ TABLES = Path(__file__).resolve().parent / "tuned"
 # splits its work as a GPU's launch does.
 HOST_SM_COUNT = 64
 
+
 class GemmKey(NamedTuple):
     """What a decode GEMM launch's tiles are chosen by. A plain (kind, n, k, fp8) tuple reads as the bf16 key."""
 

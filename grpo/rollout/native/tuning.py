@@ -61,14 +61,14 @@ class EngineTuning:
         fold the adapters into the base weights for the prefill and the decode and take them out after,
         exactly (`fold.py`): no adapter work in a token step, for a sampler that samples W + scale * B A
         rounded (the trainer corrects for it). Off for an engine built alone; the trainer folds by default.
-    fp8_activations: the dtype the decode kernels' FP8 projections read their activations in: "bf16" (the model's),
-        or "fp16": the norms, the attention and the SiLU product write fp16 for them, which E4M3 codes become in one
+    fp8_activations: the dtype the decode kernels' FP8 projections read their activations in: "bf16" (the model's), or
+        "fp16": the norms, the attention and the SiLU product write fp16 for them, which E4M3 codes become in one
         instruction a pair (`decode_gemm._w_first`); the residual stream and q/k/v stay in the model's dtype. "auto":
-        fp16 for a bf16 model in steps of up to `engine.FP16_ACTIVATIONS_ROWS` rows (the same bytes, a shorter FP8
-        token step: benchmarks/RESULTS.md, "The measured defaults"), the model's own dtype else (float32 models, as
-        the CPU tests run, keep their exact sums). fp16
-        holds up to 65,504, with three more bits of mantissa than bf16: the largest such input found, a down
-        projection's, was 3,072 in SmolLM2-135M and 1,400 in Qwen2.5-Coder-1.5B (on GSM8K prompts).
+        fp16 for a bf16 model in steps of up to `engine.FP16_ACTIVATIONS_ROWS` rows (the same bytes, a shorter FP8 token
+        step: benchmarks/RESULTS.md, "The measured defaults"), the model's own dtype else (float32 models, as the CPU
+        tests run, keep their exact sums). fp16 holds up to 65,504, with three more bits of mantissa than bf16: the
+        largest such input found, a down projection's, was 3,072 in SmolLM2-135M and 1,400 in Qwen2.5-Coder-1.5B (on
+        GSM8K prompts).
     """
 
     use_cuda_graph: bool | None = None
