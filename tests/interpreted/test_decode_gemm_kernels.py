@@ -213,7 +213,8 @@ def test_native_engine_with_kernels_equals_engine_with_modules(fp8):
     torch.testing.assert_close(out.sampler_logp, ref.sampler_logp, atol=1e-5, rtol=0)
 
 
-def test_native_engine_with_fp8_projections_on_fp16_activations_samples_what_the_modules_do():
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])  # sdpa: the modules' attention, below 16 rows
+def test_native_engine_with_fp8_projections_on_fp16_activations_samples_what_the_modules_do(attention):
     # EngineTuning.fp8_activations="fp16": the norms, the attention and the SiLU product write fp16 for the FP8
     # projections (W x^T); the residual stream and q/k/v stay in the model's dtype; values within fp16's rounding
     from peft import LoraConfig, get_peft_model
@@ -231,7 +232,7 @@ def test_native_engine_with_fp8_projections_on_fp16_activations_samples_what_the
     sampling = Sampling(max_new_tokens=4, temperature=1.0, top_k=20, seed=3)
     ref = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="modules").generate(PROMPTS, 2, sampling)
     engine = NativeEngine(lora, max_seq_len=16, max_batch=6, pad_id=PAD, gemm="kernels",
-                          tuning=EngineTuning(fp8_activations="fp16", attention="kernel"))
+                          tuning=EngineTuning(fp8_activations="fp16", attention=attention))
     out = engine.generate(PROMPTS, 2, sampling)
     assert all(layer.inputs == torch.float16 for layer in engine._layers)
     assert torch.equal(out.completion_ids, ref.completion_ids)
