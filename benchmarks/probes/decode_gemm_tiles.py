@@ -161,7 +161,7 @@ def compare_rows(rec: Recorder, name: str, fp8: bool, rows: int) -> None:
     n_copies = max(2, -(-(256 << 20) // one))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(rows, widths[0], device="cuda", dtype=torch.bfloat16) if residual else None
-    row = dict(kind="rows", group=name, format=fmt, rows=rows)
+    row = dict(kind="rows", group=name, fp8=fp8, rows=rows)
     for rank in (0, 32):
         copies = [make_projs(k, widths, fp8, rank, seed=i) for i in range(n_copies)]
         with dg.tuning(pdl=False):
