@@ -418,7 +418,9 @@ def main() -> None:
                          "the --rows (default: --sweep-rows)")
     add_out_argument(ap)
     args = ap.parse_args()
-    if args.rows and "fp8-fp16" in (args.formats or ()):
+    if args.formats is None:
+        args.formats = list(FORMATS) if args.write_table else ["bf16", "fp8"]
+    if args.rows and "fp8-fp16" in args.formats:
         ap.error("--rows compares the kernels with the modules on bf16 activations: --formats bf16 fp8")
     import triton
 
@@ -428,7 +430,7 @@ def main() -> None:
     rec.record("env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
                device_key=key)
     if args.write_table:
-        sweep_into_table(rec, args.table or tiles.TABLES / f"{key}.json", args.formats or tuple(FORMATS))
+        sweep_into_table(rec, args.table or tiles.TABLES / f"{key}.json", args.formats)
         return
     run(rec, args)
 
@@ -457,7 +459,7 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
     if args.rows:
         for rows in args.rows:
             for name in args.groups:
-                for fmt in args.formats or ("bf16", "fp8"):
+                for fmt in args.formats:
                     compare_rows(rec, name, fmt == "fp8", rows)
         return
     for name in args.groups:
@@ -465,7 +467,7 @@ def run(rec: Recorder, args: argparse.Namespace) -> None:
             for rank in (0, 32):
                 check_group(rec, name, fmt, rank, args.sweep_rows)
     pairs = [p.split(":") for p in args.pairs] if args.pairs else [
-        (name, fmt) for name in args.groups for fmt in args.formats or ("bf16", "fp8")]
+        (name, fmt) for name in args.groups for fmt in args.formats]
     picked: dict[tuple, dg.TileConfig] = {}  # tile_key -> the sweep's fastest config
     for name, fmt in pairs:
         cfg = sweep(rec, name, fmt, args.budget_s, args.sweep_rows)
