@@ -66,9 +66,8 @@ class EngineTuning:
         instruction a pair (`decode_gemm._w_first`); the residual stream and q/k/v stay in the model's dtype. "auto":
         fp16 for a bf16 model in steps of up to `engine.FP16_ACTIVATIONS_ROWS` rows (the same bytes, a shorter FP8 token
         step: benchmarks/RESULTS.md, "The measured defaults"), the model's own dtype else (float32 models, as the CPU
-        tests run, keep their exact sums). fp16 holds up to 65,504, with three more bits of mantissa than bf16: the
-        largest such input found, a down projection's, was 3,072 in SmolLM2-135M and 1,400 in Qwen2.5-Coder-1.5B (on
-        GSM8K prompts).
+        tests run, keep their exact sums). fp16 holds up to 65,504, with three more bits of mantissa than bf16; the
+        largest such input found in real models is far below (RESULTS, the same row).
     """
 
     use_cuda_graph: bool | None = None
