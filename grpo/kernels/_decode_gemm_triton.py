@@ -9,14 +9,27 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Products of float32 operands: "tf32" on the tensor cores, or "ieee" (exact float32 FMAs) where the
 # model itself is float32 (EXACT). The LoRA products of a bf16 model run in TF32: their result is a small
-# correction to the base output, which is rounded to bf16 anyway, and "ieee" there costs several times the
+# correction to the base output, which is rounded to 16 bits anyway, and "ieee" there costs several times the
 # time (benchmarks/RESULTS.md, "The measured defaults").
+
+
+@triton.jit
+def _tf32(x):
+    # float32 -> the nearest TF32 value (10 mantissa bits, ties to even), kept in float32. The tensor cores
+    # read a float32 operand's upper 19 bits and drop the rest: truncation shrinks every product by 2^-11 on
+    # average, a bias that adds up over a sum and shows in fp16 outputs. Integer ops, a few per element.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _dot32(a, b, EXACT: tl.constexpr):
     if EXACT:
         return tl.dot(a, b, input_precision="ieee")
+    if a.dtype == tl.float32:  # rounded here, so that the tensor cores' truncation leaves them as they are
+        a = _tf32(a)
+        b = _tf32(b)
     return tl.dot(a, b, input_precision="tf32")
 
 
