@@ -194,3 +194,42 @@ def test_a_llama_layer_saves_less_for_backward_by_silus_output_and_the_norms_flo
     # anyway), the second's float32 copy for its bf16 input (both save the rstd, as eager's product does)
     expected = tokens * 256 * 2 + tokens * hidden * 4 + tokens * hidden * (4 - 2)
     assert eager - lean == expected
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the kernel")
+def test_without_a_kernel_to_run_the_silu_product_is_eagers_and_the_kernel_says_what_it_lacks():
+    from grpo.kernels import silu_mul
+
+    gate, up = torch.randn(4, 6), torch.randn(4, 6)
+    assert not silu_mul.kernel_runs(gate, up)  # the CPU without the interpreter: SiluMul in the lean MLP
+    with pytest.raises(ValueError, match=r"no kernel for gate \(4, 6\) .* use silu_mul_ref"):
+        silu_mul.silu_mul(gate, up)
+
+
+def test_the_silu_kernel_takes_contiguous_tensors_of_one_shape_and_dtype(monkeypatch):
+    from grpo.kernels import silu_mul
+
+    monkeypatch.setattr(silu_mul, "can_run", lambda device: True)
+    gate = torch.randn(4, 6)
+    assert silu_mul.kernel_runs(gate, torch.randn(4, 6))
+    assert not silu_mul.kernel_runs(gate, torch.randn(4, 6).half())
+    assert not silu_mul.kernel_runs(gate, torch.randn(6, 4).t())
+    assert not silu_mul.kernel_runs(gate, torch.randn(4, 7))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_in_bf16_the_silu_kernels_are_as_close_to_float32_as_eagers_ops():
+    from grpo.kernels import silu_mul
+
+    torch.manual_seed(0)
+    gate32, up32, grad32 = (torch.randn(333, 8192, device="cuda") * 3 for _ in range(3))
+    truth = silu_mul.silu_mul_ref(gate32.requires_grad_(), up32.requires_grad_())
+    truth_grads = torch.autograd.grad(truth, [gate32, up32], grad32)
+    errors = {}
+    for name, fn in (("eager", lambda g, u: SiluMul.apply(g, u, True)), ("kernel", silu_mul.silu_mul)):
+        gate, up = (t.detach().bfloat16().requires_grad_() for t in (gate32, up32))
+        y = fn(gate, up)
+        grads = torch.autograd.grad(y, [gate, up], grad32.bfloat16())
+        errors[name] = [float((a.float() - b).norm() / b.norm()) for a, b in zip((y, *grads), (truth, *truth_grads))]
+    assert all(k < 1.2 * e + 1e-4 and k < 1e-2 for k, e in zip(errors["kernel"], errors["eager"])), errors
