@@ -4,6 +4,7 @@ bytes saved for backward."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -196,7 +197,7 @@ def test_a_llama_layer_saves_less_for_backward_by_silus_output_and_the_norms_flo
     assert eager - lean == expected
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the kernel")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the kernel")
 def test_without_a_kernel_to_run_the_silu_product_is_eagers_and_the_kernel_says_what_it_lacks():
     from grpo.kernels import silu_mul
 

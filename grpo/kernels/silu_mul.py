@@ -1,8 +1,8 @@
 """The training pass's SiLU product, silu(gate) * up, as one Triton launch each way.
 
 Eager, `lean_activations.SiluMul` takes two kernels forward (SiLU, the product) and four backward, each a pass
-over a tensor of the MLP's intermediate size: the largest activations of the layer, read and written some
-fifteen times where these kernels read and write them five (benchmarks/RESULTS.md, "The measured defaults").
+over tensors of the MLP's intermediate size, the layer's largest: five tensors read or written forward and eleven
+backward, where these kernels read or write three and five (benchmarks/RESULTS.md, "The measured defaults").
 Under gradient checkpointing the forward runs twice.
 
 The arithmetic is eager's (float32, SiLU's output and the product's gradient rounded to the dtype where eager
