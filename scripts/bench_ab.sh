@@ -28,7 +28,8 @@ build_trees() {  # build_trees DIR: DIR/head and DIR/NAME for each .ab/NAME.patc
     name=$(basename "$patch" .patch)
     [ -d "$dir/$name" ] && continue
     cp -r "$dir/head" "$dir/$name.part"
-    [ ! -s "$patch" ] || (cd "$dir/$name.part" && git apply "$root/$patch") || { echo "bench_ab: $patch does not apply to the working tree" >&2; exit 1; }
+    [ ! -s "$patch" ] || (cd "$dir/$name.part" && git apply "$root/$patch") || {
+      echo "bench_ab: $patch does not apply to the working tree" >&2; exit 1; }
     mv "$dir/$name.part" "$dir/$name"
   done
 }
@@ -44,9 +45,10 @@ for path in sorted(glob.glob(results + "/*.json")):
             continue
         phases = info.get("phases_s", {})
         gap = info.get("gap", {}).get("logp_abs_mean")
-        print(f"{name} {record.get('dtype')}: step {info['step_time_s']:.4f} s, generate {phases.get('generate', 0):.4f}, "
-              f"train {phases.get('train', 0):.4f}, reference {phases.get('reference', 0):.4f}, peak "
-              f"{info.get('peak_alloc_gib', 0):.3f} GiB, gap {gap}, steps {info.get('step_times_s')}")
+        print(f"{name} {record.get('dtype')}: step {info['step_time_s']:.4f} s, "
+              f"generate {phases.get('generate', 0):.4f}, train {phases.get('train', 0):.4f}, "
+              f"reference {phases.get('reference', 0):.4f}, peak {info.get('peak_alloc_gib', 0):.3f} GiB, gap {gap}, "
+              f"steps {info.get('step_times_s')}")
 PY
 }
 
@@ -79,7 +81,8 @@ case "${1:-}" in
     fi
     build_trees /tmp/ab/trees
     names=(head $(for p in .ab/*.patch; do [ -e "$p" ] && basename "$p" .patch; done))
-    echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), -k '$expr'" | tee -a "$out/summary.txt"
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    echo "== $gpu, -k '$expr'" | tee -a "$out/summary.txt"
     for ((r = 1; r <= rounds; r++)); do
       order=("${names[@]}")
       if ((r % 2 == 0)); then order=($(printf '%s\n' "${names[@]}" | tac)); fi
