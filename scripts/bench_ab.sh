@@ -88,6 +88,7 @@ case "${1:-}" in
       if ((r % 2 == 0)); then order=($(printf '%s\n' "${names[@]}" | tac)); fi
       for name in "${order[@]}"; do
         results=/tmp/ab/results/$name-$r
+        rm -rf "$results"  # a later call on the warm machine (another -k) starts this run's records afresh
         (cd /tmp/ab/trees/$name && HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/ab/trees/$name:/tmp/ab/site python3 -m pytest -q \
            -p no:cacheprovider benchmarks/test_bench_step.py --benchmark -k "$expr" --bench-results-dir "$results" \
            > "$results.log" 2>&1) || echo "$name round $r failed: $(tail -2 "$results.log")" | tee -a "$out/summary.txt"
