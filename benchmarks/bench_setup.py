@@ -266,6 +266,8 @@ def summarize_steps(records: list[dict], warmup: int, rows: int | None = None) -
     out = {
         "steps": len(records), "steady_steps": len(steady), "step_time_s": step_time,
         "step_times_s": [round(r["step_time"], 4) for r in records],
+        # each step's seconds in Python's garbage collector (inside its phases): a slow step's collection shows here
+        **({"step_gc_s": [round(r["gc_time"], 4) for r in records]} if all("gc_time" in r for r in records) else {}),
         # Top-level phases are disjoint; "generate/capture" and the like are parts of "generate".
         "phases_s": phases, "other_s": max(0.0, step_time - sum(v for k, v in phases.items() if "/" not in k)),
         "peak_alloc_gib": max(r["peak_mem_gib"] for r in steady),

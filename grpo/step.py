@@ -65,10 +65,11 @@ class StepResult:
     episodes: dict[str, float] = dataclasses.field(default_factory=dict)  # turns, tool calls...; {}: single turn
 
     def log_record(self, step: int, lr: float, step_time: float, peak_mem_gib: float,
-                   engine_pool_gib: float | None = None) -> dict:
+                   engine_pool_gib: float | None = None, gc_time: float | None = None) -> dict:
         """One line of metrics.jsonl: the batch of all ranks; time and memory are this rank's. With
         --dynamic-sampling the batch is every completion sampled, kept or dropped. `peak_mem_gib` is the
-        trainer's; `engine_pool_gib` (vLLM's share of the GPU, --engine vllm/unsloth) is logged apart."""
+        trainer's; `engine_pool_gib` (vLLM's share of the GPU, --engine vllm/unsloth) is logged apart; `gc_time`:
+        the step's seconds in Python's garbage collector (`grpo.run.log.GcClock`), inside the phases' times."""
         scores = self.scores
         total = scores.total  # (N*P*G,)
         record = {
@@ -81,6 +82,7 @@ class StepResult:
             "lr": lr, "grad_norm": self.grad_norm,
             "skipped": self.skipped, **self.loss_stats,
             "step_time": step_time, **{f"time/{k}": v for k, v in self.timings.items()},
+            **({} if gc_time is None else {"gc_time": gc_time}),
             "peak_mem_gib": peak_mem_gib,
             **({} if engine_pool_gib is None else {"engine_pool_gib": engine_pool_gib}),
             **self.gap,  # gap/logp_abs_mean, gap/logp_abs_max, gap/is_clipped_frac; none if nothing was trained

@@ -55,8 +55,8 @@ from grpo.run.checkpoint import (CheckpointWriteError, Resumable, RunState, chec
                                  save_from_every_rank, schedule_note)
 from grpo.run.claim import RunClaim
 from grpo.run.failures import add_note, describe
-from grpo.run.log import (MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line, step_memory_gib,
-                          synced_clock)
+from grpo.run.log import (GcClock, MetricsLog, ProgressBar, print_completions, reset_peak_memory, step_line,
+                          step_memory_gib, synced_clock)
 from grpo.run.plots import plot_metrics
 from grpo.run.signals import StopOnSignal, Stopped
 from grpo.step import InFlight, StepResult, grpo_step
@@ -110,13 +110,14 @@ def run(cfg: Config, world: World) -> Path:
     if freeze_setup:
         gc.collect()
         gc.freeze()
+    gc_clock = GcClock()
     try:
         progress.start()
         if state.step == 0 and cfg.eval_size > 0:
             held_out_eval(setup, held_out, 0, console, log, progress)
         stop = StopOnSignal(console)
         while state.step < cfg.max_steps:
-            t_step = time.perf_counter()
+            t_step, gc_at_start = time.perf_counter(), gc_clock.seconds
             reset_peak_memory(device)
             in_flight = InFlight(stream_at_start=setup.stream.state_dict(), rng_at_start=rng_state())
             result = grpo_step(setup, state.step, in_flight)
@@ -128,7 +129,8 @@ def run(cfg: Config, world: World) -> Path:
             state.skipped_steps += int(result.skipped)
             give_up = skipped_step_verdict(cfg, state, console) if result.skipped else None
             record = result.log_record(state.step, scheduler.get_last_lr()[0], time.perf_counter() - t_step,
-                                       *step_memory_gib(device, setup.engine))  # the batch of all ranks
+                                       *step_memory_gib(device, setup.engine),  # the batch of all ranks
+                                       gc_time=gc_clock.seconds - gc_at_start)
             report_step(cfg, record, result, console, log, progress)
             if give_up is not None:  # every rank gives up after the same step: save with every rank's RNG
                 saved = save_from_every_rank(out, state, parts, cfg, world)
@@ -154,6 +156,7 @@ def run(cfg: Config, world: World) -> Path:
             recover(err, out, cfg, state, parts, in_flight, saved, console, progress)
         raise
     finally:
+        gc_clock.stop()
         if freeze_setup:
             gc.unfreeze()  # the rest of the process collects them again
         progress.stop()

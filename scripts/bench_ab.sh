@@ -48,7 +48,7 @@ for path in sorted(glob.glob(results + "/*.json")):
         print(f"{name} {record.get('dtype')}: step {info['step_time_s']:.4f} s, "
               f"generate {phases.get('generate', 0):.4f}, train {phases.get('train', 0):.4f}, "
               f"reference {phases.get('reference', 0):.4f}, peak {info.get('peak_alloc_gib', 0):.3f} GiB, gap {gap}, "
-              f"steps {info.get('step_times_s')}")
+              f"steps {info.get('step_times_s')}, gc {info.get('step_gc_s')}")
 PY
 }
 

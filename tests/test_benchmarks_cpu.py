@@ -140,6 +140,9 @@ def test_summarize_steps_takes_medians_after_the_warmup_steps(bench_modules):
     assert s["gap"] == {"logp_abs_mean": 0.015}
     assert s["completion_tokens_per_s"] == pytest.approx(16 * 512 / 1.5)
     assert bs.summarize_steps(records[:1], warmup=2)["step_time_s"] == 9.0  # too few steps: the last one
+    assert "step_gc_s" not in s  # records of a trainer that logged no gc_time
+    with_gc = bs.summarize_steps([{**r, "gc_time": t / 10} for r, t in zip(records, times)], warmup=2)
+    assert with_gc["step_gc_s"] == [0.9, 0.4, 0.1, 0.2, 0.15] and with_gc["step_time_s"] == 1.5
     with pytest.raises(ValueError, match="no step records"):
         bs.summarize_steps([], warmup=1)
 

@@ -53,6 +53,24 @@ def test_the_step_record_has_the_metrics_keys_in_order_with_nan_rewards_left_out
     assert "kl 0.0000" in step_line(skipped) and math.isfinite(skipped["reward"])
 
 
+def test_the_gc_clock_counts_the_collectors_time_until_stopped_and_the_record_carries_a_steps_share():
+    import gc
+
+    from grpo.run.log import GcClock
+
+    clock = GcClock()
+    assert clock.seconds == 0.0
+    gc.collect()
+    after_one = clock.seconds
+    assert after_one > 0 and clock._hook in gc.callbacks
+    clock.stop()
+    gc.collect()
+    assert clock.seconds == after_one and clock._hook not in gc.callbacks
+    clock.stop()  # twice: nothing left to take out
+    record = _result(skipped=False).log_record(5, lr=1e-3, step_time=2.5, peak_mem_gib=1.5, gc_time=0.125)
+    assert record["gc_time"] == 0.125 and list(record).index("gc_time") == list(record).index("time/train") + 1
+
+
 def test_the_step_line_shows_vllms_pool_apart_from_the_trainers_peak_never_added_to_it():
     record = _result(skipped=False).log_record(12, lr=1e-3, step_time=2.5, peak_mem_gib=5.21, engine_pool_gib=122.5)
     assert record["peak_mem_gib"] == 5.21 and record["engine_pool_gib"] == 122.5

@@ -1,6 +1,6 @@
 """What a run shows and records while it trains: metrics.jsonl (and tensorboard or wandb), the one-line
 summary of a step's record (the record itself is `grpo.step.StepResult.log_record`), the progress bar,
-the clock that charges each phase with its own GPU work, and peak memory.
+the clock that charges each phase with its own GPU work, peak memory, and the time spent collecting garbage.
 
 metrics.jsonl takes one whole line per record, in one write that is flushed to disk; a line cut short
 (a kill at the wrong moment, a full disk) is dropped with a note when a resumed run opens the file. Each
@@ -14,6 +14,7 @@ explicitly; nothing here decides what the run does next. Signals are `grpo.run.s
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import resource
@@ -236,6 +237,28 @@ def step_memory_gib(device: torch.device, engine: Any) -> tuple[float, float | N
     if device.type != "cuda" or not hasattr(engine, "pool_bytes"):  # vLLM's CPU build: no GPU pool
         return peak, None
     return peak - engine.pool_bytes_in_torch() / 2**30, engine.pool_bytes() / 2**30
+
+
+class GcClock:
+    """Seconds this process has spent in Python's garbage collector since the clock was made: a step's share
+    (`gc_time` in its record) shows a collection that stalled it, which the phase timers charge to whichever phase it
+    fell in. `stop` takes its hook out of `gc.callbacks`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began: float | None = None
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
+
+    def stop(self) -> None:
+        if self._hook in gc.callbacks:
+            gc.callbacks.remove(self._hook)
 
 
 def reset_peak_memory(device: torch.device) -> None:
