@@ -2,7 +2,8 @@
 
 - `fp8`: FP8 block-quantized base weights (E4M3, 128x128 scales) as a frozen linear that LoRA trains on;
 - `logprobs`: the fused lm_head, log-softmax gather and entropy (never a (T, V) float32 logits tensor);
-- `rmsnorm`, `silu_mul`: the training pass's RMSNorm and SiLU product, one launch each way;
+- `rmsnorm`, `silu_mul`, `rotary`: the training pass's RMSNorm, SiLU product and rotary of q and k, one launch
+  each way;
 - `decode_gemm`, `decode_attention`: the sampler's decode step (projections with LoRA and FP8 fused in,
   attention split over each row's own length);
 - `tiles`: the decode kernels' launch tiles, tuned per device as data (`tuned/*.json`), guessed elsewhere.

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo.config import DTYPES, LORA_TARGETS, Config
 from grpo.kernels.fp8 import FP8Linear, quantize_linears_
-from grpo.model import compiled_layers, lean_activations, lora_addmm
+from grpo.model import compiled_layers, lean_activations, lora_addmm, rotary_attention
 from grpo.model.fp8_checkpoint import is_fp8_checkpoint, load_fp8_block_model
 from grpo.model.lora_addmm import LinearInInputDtype
 from grpo.model.packaged import PACKAGED_MODELS, packaged_model_dir
@@ -173,6 +173,7 @@ def add_lora(model, cfg: Config):
         lora_addmm.install(policy)  # in training, the adapter's product added inside one GEMM
     if cfg.lean_activations:
         lean_activations.install(model)
+    rotary_attention.install(model)  # the rotary in one launch each way where its kernel runs
     on_cuda = next(model.parameters()).device.type == "cuda"
     if on_cuda and cfg.compile_layers == "auto" and not cfg.gradient_checkpointing:
         compiled_layers.install(model)  # after the modules' own changes: the layers it refuses keep them
