@@ -69,6 +69,13 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+def freeze_alive() -> None:
+    """Collects this process's garbage, then moves every object still alive out of the collector's reach
+    (`gc.freeze`): later collections walk only what was made after it."""
+    gc.collect()
+    gc.freeze()
+
+
 def train(cfg: Config) -> Path:
     """Run GRPO as `cfg` says; returns the folder of the final adapter. Under torchrun, every rank
     calls this; without it, the run is one process and makes no process group."""
@@ -103,13 +110,13 @@ def run(cfg: Config, world: World) -> Path:
     stop: StopOnSignal | None = None
     in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
     stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
-    # An engine that collects all of this process's objects every step (Unsloth's: vLLM's sleep and wake) would
-    # walk set-up's, alive till the run ends: they are frozen out of its reach. Not for other engines, where a
-    # collection and its undoing only lengthen a short run (benchmarks/RESULTS.md, "The measured defaults")
-    freeze_setup = getattr(setup.engine, "full_gc_each_step", False)
-    if freeze_setup:
-        gc.collect()
-        gc.freeze()
+    # Python's full collections walk every object the process holds, most of them set-up's and the first step's
+    # (modules, compiled code, graphs), alive till the run ends: those are frozen out of their reach once the first
+    # step is done, for one collection first (benchmarks/RESULTS.md, "The measured defaults"). An engine that
+    # collects every step (Unsloth's: vLLM's sleep and wake) gets set-up's frozen before the first step too.
+    first_step, frozen = state.step, getattr(setup.engine, "full_gc_each_step", False)
+    if frozen:
+        freeze_alive()
     gc_clock = GcClock()
     try:
         progress.start()
@@ -121,6 +128,9 @@ def run(cfg: Config, world: World) -> Path:
             reset_peak_memory(device)
             in_flight = InFlight(stream_at_start=setup.stream.state_dict(), rng_at_start=rng_state())
             result = grpo_step(setup, state.step, in_flight)
+            if state.step == first_step:
+                freeze_alive()  # charged to this step (its time, its gc_time)
+                frozen = True
             scheduler.step()
             state.step += 1
             in_flight = None  # from here the run's state is the finished step's
@@ -157,7 +167,7 @@ def run(cfg: Config, world: World) -> Path:
         raise
     finally:
         gc_clock.stop()
-        if freeze_setup:
+        if frozen:
             gc.unfreeze()  # the rest of the process collects them again
         progress.stop()
         if stop is not None:

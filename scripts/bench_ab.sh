@@ -5,10 +5,11 @@
 # Here (project root, a git checkout): scripts/bench_ab.sh pack NAME=REF ...
 #   writes .ab/NAME.patch, the diff from HEAD to REF, for each (the machine gets the working tree, not .git), and
 #   fetches .whl/ (../shared/device/fetch-wheels.sh) if it is missing.
-# There (carry [".whl", ".ab"]): scripts/bench_ab.sh run [ROUNDS] [-k EXPR]
+# There (carry [".whl", ".ab"]): scripts/bench_ab.sh run [ROUNDS] [-k EXPR] [-- PYTEST_ARGS]
 #   builds /tmp/ab/trees/head (the working tree) and /tmp/ab/trees/NAME (each patch applied to it), then ROUNDS
-#   rounds (default 2) of `pytest benchmarks/test_bench_step.py --benchmark -k EXPR` (default at_bench_config)
-#   for every tree, one process a tree and round, in order then reversed; one line a run into $OUT/summary.txt
+#   rounds (default 2) of `pytest benchmarks/test_bench_step.py --benchmark -k EXPR PYTEST_ARGS` (EXPR default
+#   at_bench_config; PYTEST_ARGS e.g. --bench-steps 12) for every tree, one process a tree and round, in order
+#   then reversed; one line a run into $OUT/summary.txt
 #   as it comes, so a call cut short keeps what it measured. Install and trees are kept for later calls while
 #   the machine stays warm.
 #   scripts/bench_ab.sh trees DIR    only builds the trees, in DIR (the CPU test does this)
@@ -45,7 +46,9 @@ for path in sorted(glob.glob(results + "/*.json")):
             continue
         phases = info.get("phases_s", {})
         gap = info.get("gap", {}).get("logp_abs_mean")
-        print(f"{name} {record.get('dtype')}: step {info['step_time_s']:.4f} s, "
+        steady = (info.get("step_times_s") or [])[info.get("warmup_steps", 0):]
+        mean = sum(steady) / len(steady) if steady else 0.0  # a collection's stall shows here, not in the median
+        print(f"{name} {record.get('dtype')}: step {info['step_time_s']:.4f} s, steady mean {mean:.4f}, "
               f"generate {phases.get('generate', 0):.4f}, train {phases.get('train', 0):.4f}, "
               f"reference {phases.get('reference', 0):.4f}, peak {info.get('peak_alloc_gib', 0):.3f} GiB, gap {gap}, "
               f"steps {info.get('step_times_s')}, gc {info.get('step_gc_s')}")
@@ -73,7 +76,9 @@ case "${1:-}" in
     rounds=2
     if [[ ${1:-} =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
     expr=at_bench_config
-    if [ "${1:-}" = -k ]; then expr=${2:?-k needs an expression}; fi
+    if [ "${1:-}" = -k ]; then expr=${2:?-k needs an expression}; shift 2; fi
+    if [ "${1:-}" = -- ]; then shift; fi
+    extra=("$@")  # more of pytest's arguments for every run (--bench-steps N)
     out=${OUT:-/tmp/ab/out}
     mkdir -p "$out" /tmp/ab/results
     if [ ! -d /tmp/ab/site ]; then
@@ -82,7 +87,7 @@ case "${1:-}" in
     build_trees /tmp/ab/trees
     names=(head $(for p in .ab/*.patch; do [ -e "$p" ] && basename "$p" .patch; done))
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-    echo "== $gpu, -k '$expr'" | tee -a "$out/summary.txt"
+    echo "== $gpu, -k '$expr' ${extra[*]}" | tee -a "$out/summary.txt"
     for ((r = 1; r <= rounds; r++)); do
       order=("${names[@]}")
       if ((r % 2 == 0)); then order=($(printf '%s\n' "${names[@]}" | tac)); fi
@@ -91,6 +96,7 @@ case "${1:-}" in
         rm -rf "$results"  # a later call on the warm machine (another -k) starts this run's records afresh
         (cd /tmp/ab/trees/$name && HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/ab/trees/$name:/tmp/ab/site python3 -m pytest -q \
            -p no:cacheprovider benchmarks/test_bench_step.py --benchmark -k "$expr" --bench-results-dir "$results" \
+           "${extra[@]}" \
            > "$results.log" 2>&1) || echo "$name round $r failed: $(tail -2 "$results.log")" | tee -a "$out/summary.txt"
         summarize "$name" "$results" | sed "s/^/round $r: /" | tee -a "$out/summary.txt"
       done

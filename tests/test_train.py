@@ -361,7 +361,7 @@ def test_a_run_trains_without_cudnns_attention_and_gives_it_back_after(tiny_llam
 
 
 @pytest.mark.parametrize("collects", [True, False])
-def test_set_up_is_frozen_out_of_the_collectors_reach_only_for_an_engine_that_collects_every_step(
+def test_objects_alive_after_the_first_step_are_frozen_and_set_up_before_it_for_an_engine_that_collects(
         tiny_llama_dir, tmp_path, monkeypatch, collects):
     import gc
 
@@ -377,9 +377,10 @@ def test_set_up_is_frozen_out_of_the_collectors_reach_only_for_an_engine_that_co
 
     monkeypatch.setattr(trainer, "grpo_step", recording)
     monkeypatch.setattr(HFEngine, "full_gc_each_step", collects, raising=False)  # as Unsloth's engine says
-    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=1, log_completions_steps=0))
-    frozen, policy_scanned = during[0]
-    assert (frozen > 0, policy_scanned) == ((True, False) if collects else (False, True))
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=2, log_completions_steps=0))
+    (frozen_first, scanned_first), (frozen_second, scanned_second) = during
+    assert (frozen_first > 0, scanned_first) == ((True, False) if collects else (False, True))
+    assert frozen_second > frozen_first and not scanned_second  # the first step's objects too, for every engine
     assert gc.get_freeze_count() == 0  # after the run, the process collects as before
 
 
