@@ -38,6 +38,23 @@ def test_install_takes_the_attention_modules_without_a_window(family, extra, ins
     assert sum(bound) == installed
 
 
+def test_a_class_of_the_name_whose_file_has_no_eager_attention_keeps_its_forward():
+    stranger = type("LlamaAttention", (torch.nn.Module,), {})()  # this test file defines no eager_attention_forward
+    assert rotary_attention.install(stranger) == 0 and "forward" not in vars(stranger)
+
+
+def test_the_attention_is_the_one_the_class_calls_with_or_without_transformers_get_interface(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    attention = tiny_model("llama").model.layers[0].self_attn
+    sdpa = rotary_attention._attention_function(attention)
+    assert attention.config._attn_implementation == "sdpa" and sdpa is not modeling_llama.eager_attention_forward
+    monkeypatch.setattr(rotary_attention, "ALL_ATTENTION_FUNCTIONS", {"sdpa": sdpa})  # a plain mapping, as older
+    assert rotary_attention._attention_function(attention) is sdpa
+    attention.config._attn_implementation = "eager"
+    assert rotary_attention._attention_function(attention) is modeling_llama.eager_attention_forward
+
+
 @NO_INTERPRETER
 def test_where_the_kernel_does_not_run_the_installed_model_is_the_class_bit_for_bit():
     model = tiny_model("llama").train()

@@ -37,6 +37,20 @@ def sliding_window(module: nn.Module) -> int | None:
     return getattr(module, "sliding_window", None)
 
 
+def _eager_attention(module: nn.Module):
+    """The eager attention of the module's own modeling file, which its class falls back on; None if it has none."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _attention_function(module: nn.Module):
+    """The attention the class's forward calls for the model's implementation (sdpa, flash, eager, ...)."""
+    implementation, eager = module.config._attn_implementation, _eager_attention(module)
+    lookup = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)  # (older transformers: a plain lookup)
+    if lookup is not None:
+        return lookup(implementation, eager)
+    return eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+
+
 def _forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
     caches = ("cache", "past_key_values")  # (transformers' older name for it: past_key_values)
     if (any(kwargs.get(n) is not None for n in caches) or position_embeddings is None
@@ -53,19 +67,20 @@ def _forward(self, hidden_states: torch.Tensor, position_embeddings=None, attent
     cos, sin = position_embeddings
     rotate = rotary.rotary if rotary.kernel_runs(q, k, cos, sin) else rotary.rotary_ref
     q, k = rotate(q, k, cos, sin)
-    eager = sys.modules[type(self).__module__].eager_attention_forward
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-    attended, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-                               scaling=self.scaling, **kwargs)
+    dropout = self.attention_dropout if self.training else 0.0
+    attended, weights = _attention_function(self)(self, q, k, v, attention_mask, dropout=dropout,
+                                                  scaling=self.scaling, **kwargs)
     return self.o_proj(attended.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 
 def install(model: nn.Module) -> int:
-    """Gives `model`'s attention modules of `ATTENTION_CLASSES` without a sliding window the forward with the
-    rotary kernel (a bound method on each module, as `lean_activations.install` does). Returns how many changed."""
+    """Gives `model`'s attention modules of `ATTENTION_CLASSES` without a sliding window (whose modeling file has
+    the eager attention their class falls back on) the forward with the rotary kernel: a bound method on each
+    module, as `lean_activations.install` does. Returns how many changed."""
     changed = 0
     for module in model.modules():
-        if type(module).__name__ in ATTENTION_CLASSES and sliding_window(module) is None:
+        if (type(module).__name__ in ATTENTION_CLASSES and sliding_window(module) is None
+                and _eager_attention(module) is not None):
             module.forward = types.MethodType(_forward, module)
             changed += 1
     return changed
