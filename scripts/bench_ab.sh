@@ -9,9 +9,8 @@
 #   builds /tmp/ab/trees/head (the working tree) and /tmp/ab/trees/NAME (each patch applied to it), then ROUNDS
 #   rounds (default 2) of `pytest benchmarks/test_bench_step.py --benchmark -k EXPR PYTEST_ARGS` (EXPR default
 #   at_bench_config; PYTEST_ARGS e.g. --bench-steps 12) for every tree, one process a tree and round, in order
-#   then reversed; one line a run into $OUT/summary.txt
-#   as it comes, so a call cut short keeps what it measured. Install and trees are kept for later calls while
-#   the machine stays warm.
+#   then reversed; one line a run into $OUT/summary.txt as it comes, so a call cut short keeps what it measured.
+#   Install and trees are kept for later calls while the machine stays warm.
 #   scripts/bench_ab.sh trees DIR    only builds the trees, in DIR (the CPU test does this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
