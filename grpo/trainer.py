@@ -76,6 +76,13 @@ def freeze_alive() -> None:
     gc.freeze()
 
 
+def freezes_after_first_step(device: torch.device) -> bool:
+    """Whether the trainer freezes what is alive once the first step is done: on a GPU, where a full collection
+    stalls a short step (benchmarks/RESULTS.md, "The measured defaults"); not on the CPU, where steps are long
+    and the collection before the freeze would lengthen every short run."""
+    return device.type == "cuda"
+
+
 def train(cfg: Config) -> Path:
     """Run GRPO as `cfg` says; returns the folder of the final adapter. Under torchrun, every rank
     calls this; without it, the run is one process and makes no process group."""
@@ -111,9 +118,9 @@ def run(cfg: Config, world: World) -> Path:
     in_flight: InFlight | None = None  # the step being run; None between steps (the state is a finished step's)
     stopped = False  # a first signal on some rank: the step in flight finished, then the run stops
     # Python's full collections walk every object the process holds, most of them set-up's and the first step's
-    # (modules, compiled code, graphs), alive till the run ends: those are frozen out of their reach once the first
-    # step is done, for one collection first (benchmarks/RESULTS.md, "The measured defaults"). An engine that
-    # collects every step (Unsloth's: vLLM's sleep and wake) gets set-up's frozen before the first step too.
+    # (modules, compiled code, graphs), alive till the run ends: on a GPU those are frozen out of their reach once
+    # the first step is done, for one collection first (benchmarks/RESULTS.md, "The measured defaults"). An engine
+    # that collects every step (Unsloth's: vLLM's sleep and wake) gets set-up's frozen before the first step too.
     first_step, frozen = state.step, getattr(setup.engine, "full_gc_each_step", False)
     if frozen:
         freeze_alive()
@@ -128,7 +135,7 @@ def run(cfg: Config, world: World) -> Path:
             reset_peak_memory(device)
             in_flight = InFlight(stream_at_start=setup.stream.state_dict(), rng_at_start=rng_state())
             result = grpo_step(setup, state.step, in_flight)
-            if state.step == first_step:
+            if state.step == first_step and freezes_after_first_step(device):
                 freeze_alive()  # charged to this step (its time, its gc_time)
                 frozen = True
             scheduler.step()

@@ -360,9 +360,9 @@ def test_a_run_trains_without_cudnns_attention_and_gives_it_back_after(tiny_llam
         torch.backends.cuda.enable_cudnn_sdp(was)
 
 
-@pytest.mark.parametrize("collects", [True, False])
-def test_objects_alive_after_the_first_step_are_frozen_and_set_up_before_it_for_an_engine_that_collects(
-        tiny_llama_dir, tmp_path, monkeypatch, collects):
+@pytest.mark.parametrize("collects,gpu", [(True, False), (False, True), (False, False)])
+def test_set_up_is_frozen_where_the_engine_collects_and_the_first_steps_survivors_on_a_gpu(
+        tiny_llama_dir, tmp_path, monkeypatch, collects, gpu):
     import gc
 
     from grpo import trainer
@@ -377,10 +377,16 @@ def test_objects_alive_after_the_first_step_are_frozen_and_set_up_before_it_for_
 
     monkeypatch.setattr(trainer, "grpo_step", recording)
     monkeypatch.setattr(HFEngine, "full_gc_each_step", collects, raising=False)  # as Unsloth's engine says
+    if gpu:  # the CPU's answer is no: this run takes the GPU's way
+        assert not trainer.freezes_after_first_step(torch.device("cpu"))
+        monkeypatch.setattr(trainer, "freezes_after_first_step", lambda device: True)
     train(tiny_cfg(tiny_llama_dir, tmp_path / "run", max_steps=2, log_completions_steps=0))
     (frozen_first, scanned_first), (frozen_second, scanned_second) = during
     assert (frozen_first > 0, scanned_first) == ((True, False) if collects else (False, True))
-    assert frozen_second > frozen_first and not scanned_second  # the first step's objects too, for every engine
+    if gpu:  # the first step's objects, and set-up's, out of the collector's reach from the second step
+        assert frozen_second > frozen_first and not scanned_second
+    else:  # nothing frozen anew (frozen objects that die leave the count)
+        assert frozen_second <= frozen_first and scanned_second == scanned_first
     assert gc.get_freeze_count() == 0  # after the run, the process collects as before
 
 
