@@ -132,7 +132,7 @@ class Engine(Protocol):
     has it, else re-send each row's whole context to `generate` every turn (`grpo.agents.episodes`). And an
     attribute `full_gc_each_step`, True where the engine runs full garbage collections of this process every
     step (vLLM's sleep and wake where its engine runs in this process): the trainer then freezes its set-up's
-    objects out of their reach before the first step (every engine's after it).
+    objects out of their reach before the first step (on a GPU every engine's after it).
     """
 
     needs_importance_correction: bool
