@@ -51,6 +51,21 @@ def tiny_llama(seed: int = 0, dtype=torch.float32, **kw):
     return model
 
 
+FAMILY_DIMS = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   num_hidden_layers=2, vocab_size=200, max_position_embeddings=256, pad_token_id=0)
+
+
+def tiny_family_model(family: str, **config):
+    """A random two-layer model of `family` (llama, mistral, qwen2, qwen3) at FAMILY_DIMS: Qwen2's q/k/v have
+    biases, Qwen3's heads their norms; no sliding window unless `config` sets one (it overrides the dims too)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    window = {} if family == "llama" else {"sliding_window": None}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_class(**{**FAMILY_DIMS, **window, **config}))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, llama_tokenizer):
     """A tiny random Llama saved with the real Llama 3.2 tokenizer, loadable by path."""

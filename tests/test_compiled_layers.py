@@ -10,25 +10,20 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from conftest import FAMILY_DIMS as DIMS
+from conftest import tiny_family_model
 from grpo.model import compiled_layers, lora_addmm
 from grpo.model.compiled_layers import decoder_layer, layer_shape, layer_weights
 from grpo.model.load import adapters_off, compute_adapters_in_base_dtype
 
 # The compiling tests share one worker and one model shape: aot_eager compiles the layer once for all of them
 COMPILED = pytest.mark.xdist_group("compiled_layers")
-DIMS = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_hidden_layers=2, vocab_size=200, max_position_embeddings=256, pad_token_id=0)
 
 
 def tiny_model(family: str, dtype=torch.float32, lora_dropout: float = 0.0):
     """A random two-layer model of `family` with the trainer's rsLoRA on the 7 projections, B non-zero (as after
     some training): Qwen2's q/k/v have biases, Qwen3's heads their norms."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    config = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
-    extra = {"sliding_window": None} if family in ("mistral", "qwen2", "qwen3") else {}
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(**DIMS, **extra)).to(dtype).requires_grad_(False)
+    model = tiny_family_model(family).to(dtype).requires_grad_(False)
     policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, use_rslora=True, lora_dropout=lora_dropout,
                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]))

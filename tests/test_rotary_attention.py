@@ -10,20 +10,11 @@ import os
 import pytest
 import torch
 
+from conftest import tiny_family_model
 from grpo.kernels import rotary
 from grpo.model import rotary_attention
 
 NO_INTERPRETER = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs the kernel")
-
-
-def tiny_model(family: str, **extra):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    config = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_hidden_layers=2, vocab_size=200, max_position_embeddings=256, pad_token_id=0, **extra))
 
 
 @pytest.mark.parametrize("family,extra,installed", [
@@ -32,7 +23,7 @@ def tiny_model(family: str, **extra):
     ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}, 1),  # layer 1's window
 ])
 def test_install_takes_the_attention_modules_without_a_window(family, extra, installed):
-    model = tiny_model(family, **extra)
+    model = tiny_family_model(family, **extra)
     assert rotary_attention.install(model) == installed
     bound = [("forward" in vars(layer.self_attn)) for layer in model.model.layers]
     assert sum(bound) == installed
@@ -46,7 +37,7 @@ def test_a_class_of_the_name_whose_file_has_no_eager_attention_keeps_its_forward
 def test_the_attention_is_the_one_the_class_calls_with_or_without_transformers_get_interface(monkeypatch):
     from transformers.models.llama import modeling_llama
 
-    attention = tiny_model("llama").model.layers[0].self_attn
+    attention = tiny_family_model("llama").model.layers[0].self_attn
     sdpa = rotary_attention._attention_function(attention)
     assert attention.config._attn_implementation == "sdpa" and sdpa is not modeling_llama.eager_attention_forward
     monkeypatch.setattr(rotary_attention, "ALL_ATTENTION_FUNCTIONS", {"sdpa": sdpa})  # a plain mapping, as older
@@ -57,7 +48,7 @@ def test_the_attention_is_the_one_the_class_calls_with_or_without_transformers_g
 
 @NO_INTERPRETER
 def test_where_the_kernel_does_not_run_the_installed_model_is_the_class_bit_for_bit():
-    model = tiny_model("llama").train()
+    model = tiny_family_model("llama").train()
     ours = copy.deepcopy(model)
     rotary_attention.install(ours)
     ids = torch.randint(0, 200, (2, 7))

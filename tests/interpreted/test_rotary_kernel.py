@@ -8,12 +8,17 @@ Collected only when TRITON_INTERPRET=1 (tests/test_decode_gemm.py runs this fold
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from grpo.kernels import rotary
 from grpo.model import rotary_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's tiny models
+from conftest import tiny_family_model  # noqa: E402
 
 
 def rope_tables(batch: int, T: int, D: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,22 +83,11 @@ def test_a_wrong_rotation_would_show():
         assert (wrong - rotary.rotary(q, k, cos, sin)[0]).abs().max() > 0.1
 
 
-def tiny_model(family: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    config = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
-    extra = {"sliding_window": None} if family != "llama" else {}
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_hidden_layers=2, vocab_size=200, max_position_embeddings=256, pad_token_id=0, **extra))
-
-
 @pytest.mark.parametrize("family,checkpointed", [("llama", False), ("llama", True), ("mistral", False),
                                                  ("qwen2", False), ("qwen3", False)])
 def test_the_installed_attention_takes_the_kernel_and_gives_the_class_values_and_gradients(family, checkpointed,
                                                                                             monkeypatch):
-    model = tiny_model(family).train()
+    model = tiny_family_model(family).train()
     if checkpointed:  # as the trainer enables it: each layer's forward runs again in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ours = copy.deepcopy(model)
@@ -114,7 +108,7 @@ def test_the_installed_attention_takes_the_kernel_and_gives_the_class_values_and
 
 def test_a_call_with_a_cache_takes_the_class_forward(monkeypatch):
     # transformers' generate: the cache updated as the class does it, the kernel never called
-    model = tiny_model("llama").eval()
+    model = tiny_family_model("llama").eval()
     ours = copy.deepcopy(model)
     rotary_attention.install(ours)
     monkeypatch.setattr(rotary, "rotary", lambda *a: pytest.fail("the kernel ran under a cache"))
