@@ -1,4 +1,4 @@
-"""Shared fixtures: the real Llama 3.2 tokenizer and tiny random Llama models built in the test."""
+"""Shared fixtures: the real Llama 3.2 tokenizer (parsed once a process) and tiny random models built in the test."""
 
 from __future__ import annotations
 
