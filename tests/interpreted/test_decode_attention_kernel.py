@@ -224,25 +224,3 @@ def test_the_attention_kernel_leaves_qwen3s_head_norms_and_rotaries_apart(monkey
     assert all(layer.attention == "kernel" for layer in engine._layers)  # asked for
     assert bool(out.mask.all()) and bool(torch.isfinite(out.sampler_logp).all())
 
-
-def test_the_loop_reads_k_and_v_into_the_tensor_cores_as_without_the_rotaries_in_the_launch():
-    # benchmarks/probes/decode_gemm_sass.py --kernel attention, for sm_90 (its own process: kernels cannot be
-    # compiled while TRITON_INTERPRET=1): the token's own K/V join after the loop, so the loop over the cache
-    # is the plain kernel's; a select on each tile inside it sent K and V through registers (445 instructions a
-    # step against 291, triton 3.6)
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "decode_gemm_sass.py"), "--kernel",
-                           "attention", "--json"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    loops = json.loads(proc.stdout.splitlines()[-1])
-    (rope,), (plain,) = loops["rope"], loops["plain"]
-    assert rope["instructions"] == plain["instructions"]
-    assert "LDGSTS.E.BYPASS.128" in rope["ops"] and any(op.startswith("HMMA") for op in rope["ops"])
-    assert "PRMT" not in rope["ops"]

@@ -443,7 +443,7 @@ def test_e4m3_bit_moves_give_every_code_times_2_to_the_minus_120():
 
 # What benchmarks/probes/decode_gemm_sass.py compiles for the tests below, in one process of its own (kernels
 # cannot be compiled while TRITON_INTERPRET=1; a process a compile spent its seconds importing torch): name ->
-# compile_kernel's arguments
+# compile_kernel's arguments (the decode attention's: compile_attention's)
 SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4), chain=True),  # as the engine launches it
         "gated-convert": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="convert"),
         "gated-bits": dict(kind="gated", fp8=True, tile=(32, 128, 4, 4), unpack="bits"),
@@ -451,15 +451,19 @@ SASS = {"gated-bf16": dict(kind="gated", fp8=False, tile=(32, 256, 4, 4), chain=
         "qkv-qwen2": dict(kind="proj", fp8=True, tile=(32, 256, 4, 3), bias=True, split_k=4),
         "lora-epilogue": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2),
         "lora-epilogue-pdl": dict(kind="proj", fp8=False, tile=(32, 128, 4, 6), rows=64, lora=True, split_k=2,
-                                  pdl=True)}
+                                  pdl=True),
+        "attention-rope": dict(kind="attention", rope=True),  # compile_attention's argument
+        "attention-plain": dict(kind="attention", rope=False)}
 COMPILE_EACH = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import decode_gemm_sass as sass
 out = {}
 for name, spec in json.loads(sys.argv[2]).items():
-    spec["tile"] = tuple(spec["tile"])
-    compiled = sass.compile_kernel(**spec)
+    if spec["kind"] == "attention":
+        compiled = sass.compile_attention(spec["rope"])
+    else:
+        compiled = sass.compile_kernel(**{**spec, "tile": tuple(spec["tile"])})
     ptx = compiled.asm["ptx"]
     out[name] = dict(loops=sass.sass_loops(compiled.asm["cubin"]), ptx_waits="griddepcontrol.wait" in ptx,
                      ptx_at={op: ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
@@ -542,3 +546,16 @@ def test_sass_tool_compiles_the_lora_epilogue_to_wait_for_lora_down_only_when_la
     apart, beside = sass_compiled["lora-epilogue"], sass_compiled["lora-epilogue-pdl"]
     assert beside["ptx_waits"] and not apart["ptx_waits"]
     assert [loop["instructions"] for loop in beside["loops"]] == [loop["instructions"] for loop in apart["loops"]]
+
+
+def test_the_attention_loop_reads_k_and_v_into_the_tensor_cores_as_without_the_rotaries_in_the_launch(
+        sass_compiled):
+    # the decode attention's chunk kernel (decode_gemm_sass.py --kernel attention): the token's own K/V join after
+    # the loop, so the loop over the cache is the plain kernel's; a select on each tile inside it sent K and V
+    # through registers (445 instructions a step against 291, triton 3.6)
+    loops = {way: [loop for loop in sass_compiled[f"attention-{way}"]["loops"] if loop["instructions"] >= 8]
+             for way in ("rope", "plain")}  # as the probe's --kernel attention lists them
+    (rope,), (plain,) = loops["rope"], loops["plain"]
+    assert rope["instructions"] == plain["instructions"]
+    assert "LDGSTS.E.BYPASS.128" in rope["ops"] and any(op.startswith("HMMA") for op in rope["ops"])
+    assert "PRMT" not in rope["ops"]
