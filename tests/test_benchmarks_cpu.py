@@ -41,8 +41,9 @@ def _pytest_benchmarks(tmp_path, *args, cuda_visible: str | None = None) -> subp
     env["HF_HUB_OFFLINE"] = "1"
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    cmd = [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-rs", "-p", "no:cacheprovider",
-           "--bench-results-dir", str(tmp_path / "results"), *args]
+    # each benchmark loads the real tokenizer again: parsed once, as in this process (tests/tokenizer_once.py)
+    cmd = [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-rs", "-p", "no:cacheprovider", "-p",
+           "tests.tokenizer_once", "--bench-results-dir", str(tmp_path / "results"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
