@@ -27,6 +27,7 @@ import math
 import platform
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import threading
@@ -116,7 +117,7 @@ def model_config(size: str = "1b"):
 def build_model_dir(path: str | Path, size: str = "1b", device: str = "cuda", seed: int = 0) -> Path:
     """Save a randomly initialised Llama (bf16) and the real Llama 3.2 tokenizer into `path`."""
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from grpo.assets import llama_tokenizer_dir
 
@@ -136,7 +137,8 @@ def build_model_dir(path: str | Path, size: str = "1b", device: str = "cuda", se
     model.generation_config.pad_token_id = 128004
     partial = path.with_name(path.name + ".partial")
     model.save_pretrained(partial)
-    AutoTokenizer.from_pretrained(llama_tokenizer_dir()).save_pretrained(partial)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # as shipped: save_pretrained's copy loads slower
+        shutil.copy(llama_tokenizer_dir() / name, partial / name)
     del model
     free_memory()
     partial.rename(path)
