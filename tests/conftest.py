@@ -14,7 +14,7 @@ import torch
 # Triton-interpreter tests run in their own process (tests/test_decode_gemm.py), with TRITON_INTERPRET=1
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
 if os.environ.get("TRITON_INTERPRET") == "1":
-    import interpreter_patch  # noqa: F401  (beside this file: the language patched once a launch)
+    import interpreter_patch  # noqa: F401  (beside this file: the language patched once a launch, no dead checks)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -50,7 +50,7 @@ if interpreter is not None and hasattr(interpreter, "GridExecutor") and hasattr(
 
 # Integer +, - and * in a kernel also compute an overflow check (each operand cast to int64, two compares) for a
 # device_assert that only a debug build keeps: the interpreter builds without debug, so it dropped every check it
-# had computed (a third of these tests' time, profiled, triton 3.9). Off, as a GPU build without debug compiles.
+# had computed (a quarter of these tests' time, triton 3.9). Off, as a GPU build without debug compiles.
 if interpreter is not None and hasattr(interpreter, "interpreter_builder"):
     import dataclasses
 
