@@ -91,12 +91,12 @@ def test_grpo_step_on_the_fp8_tensor_cores(benchmark, bench_env, results, tmp_pa
 
 @pytest.mark.bench_order(31)
 @pytest.mark.bench_cost(30)
-@pytest.mark.parametrize("config_name", ["bench", "rows64"])
-def test_grpo_step_sampling_ahead(benchmark, bench_env, results, tmp_path, config_name):
-    """bf16 with --sample-ahead, at the bench config and at 64 rows (where the training pass is as long as the
-    decode): each step's completions generated while the step before trains, on a copy of the adapted weights
-    with the adapters folded (one step off the policy)."""
-    _run_ours(benchmark, bench_env, results, tmp_path, config_name, "bf16", sample_ahead=True, impl="ours-ahead")
+@pytest.mark.parametrize("config_name, dtype", [("bench", "bf16"), ("rows64", "bf16"), ("bench", "fp8")])
+def test_grpo_step_sampling_ahead(benchmark, bench_env, results, tmp_path, config_name, dtype):
+    """--sample-ahead at the bench config and at 64 rows (where the training pass is as long as the decode):
+    each step's completions generated while the step before trains, on a copy of the policy (bf16: the adapted
+    weights with the adapters folded; FP8: the adapters alone), one step off the policy."""
+    _run_ours(benchmark, bench_env, results, tmp_path, config_name, dtype, sample_ahead=True, impl="ours-ahead")
 
 
 @pytest.mark.bench_order(31)

@@ -272,13 +272,14 @@ class Config:
                                    "--no-engine-fold-adapter samples through the adapters as they are.", "sampling")
     sample_ahead: bool = _f(False, "Generate each step's completions while the step before trains, on a stream "
                             "of their own (grpo.rollout.ahead): the decode, bound by memory, shares the GPU with the "
-                            "training pass, bound by compute. The sampler then samples a copy of the adapted weights "
-                            "with the adapters folded in, as they were before the previous step's update (one step "
-                            "off the policy; the importance weights correct for it), and holds that copy (the "
-                            "adapted projections' weights once more) and its KV cache between steps. The native "
-                            "engine (elsewhere it samples in the step, and says so), bf16 or float32 base weights, one "
-                            "sampling round, single-turn. Off by default; the qwen1.5b-gsm8k preset "
-                            "turns it on (benchmarks/RESULTS.md, \"The measured defaults\").", "sampling")
+                            "training pass, bound by compute. The sampler then samples a copy of the policy as it was "
+                            "before the previous step's update (one step off the policy; the importance weights "
+                            "correct for it) and holds its KV cache between steps. With --engine-fold-adapter on bf16 "
+                            "or float32 base weights that copy holds the adapted projections' weights once more, the "
+                            "adapters folded in; else (FP8 weights, --no-engine-fold-adapter) only the adapters. The "
+                            "native engine (elsewhere it samples in the step, and says so), one sampling round, "
+                            "single-turn. Off by default; the qwen1.5b-gsm8k preset turns it on "
+                            "(benchmarks/RESULTS.md, \"The measured defaults\").", "sampling")
     vllm_gpu_memory_utilization: float | None = _f(
         None, "With --engine vllm or unsloth: the share of the GPU's memory vLLM takes for its weights, KV cache "
         "and CUDA graphs (vLLM's gpu_memory_utilization; its KV cache fills what the weights leave). none: sized "
@@ -431,8 +432,6 @@ class Config:
                 raise ValueError(f"--sample-ahead starts one sampling round of single-turn completions ahead, and "
                                  f"{name} needs more: drop {name} or pass --no-sample-ahead")
         for on, name, why in (
-                (self.load_in_fp8, "--load-in-fp8", "FP8 weights do not fold into its copy"),
-                (not self.engine_fold_adapter, "--no-engine-fold-adapter", "its copy holds the adapters folded"),
                 (self.is_correction == "none", "--is-correction none", "its tokens need the importance weights"),
                 (self.engine_standby == "release", "--engine-standby release", "its engine generates again at once")):
             if on:

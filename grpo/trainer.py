@@ -239,7 +239,8 @@ def set_up_steps(cfg: Config, world: World, device: torch.device, out: Path, con
                                 max_batch=rows, gemm=cfg.engine_gemm, attention=cfg.engine_attention,
                                 fold_adapter=cfg.engine_fold_adapter, vllm=vllm)
 
-        engine = SampleAhead(policy, build) if cfg.sample_ahead and engine_name == "native" else build(policy)
+        native_ahead = cfg.sample_ahead and engine_name == "native"
+        engine = SampleAhead(policy, build, fold=cfg.engine_fold_adapter) if native_ahead else build(policy)
     sampling = Sampling(max_new_tokens=max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         top_k=cfg.top_k, min_p=cfg.min_p,
                         stop_token_ids=stop_token_ids(tokenizer, policy.get_base_model().generation_config),

@@ -1,5 +1,6 @@
-"""Sampling one step ahead (grpo.rollout.ahead): a copy with the adapters folded, a rollout started before an
-update that samples the policy before it, other generates in between, errors, refusals, and the trainer's run."""
+"""Sampling one step ahead (grpo.rollout.ahead): a copy with the adapters folded or with a copy of the adapters
+(FP8 weights), a rollout started before an update that samples the policy before it, other generates in
+between, errors, refusals, and the trainer's run."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from torch import nn
 
 from grpo.config import Config
 from grpo.model import compiled_layers
-from grpo.rollout.ahead import SampleAhead, folded_copy, refusal
+from grpo.kernels.fp8 import FP8Linear, quantize_linears_
+from grpo.rollout.ahead import SampleAhead, adapters_copy, folded_copy, folds, refusal
 from grpo.rollout.base import Engine, Sampling
 from grpo.rollout.native import NativeEngine
 from test_native_engine import PAD, PROMPTS, small_llama
@@ -26,11 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = Sampling(max_new_tokens=10, temperature=1.0, min_p=0.1, ignore_eos=True, seed=5)
 
 
-def adapted(seed: int = 1, dtype=torch.float32):
+def adapted(seed: int = 1, dtype=torch.float32, fp8: bool = False):
     from peft import LoraConfig, get_peft_model
 
-    policy = get_peft_model(small_llama(seed=seed).to(dtype),
-                            LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    base = small_llama(seed=seed).to(dtype)
+    if fp8:  # as --load-in-fp8 loads it
+        assert quantize_linears_(base, TARGETS) == 2 * 7
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
     for name, p in policy.named_parameters():
         p.requires_grad_("lora_" in name)
     return policy
@@ -55,11 +59,11 @@ def move_adapters(policy, by: float = 0.5) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_copy_holds_the_rounded_fold_and_shares_every_other_tensor(dtype):
     policy = adapted(dtype=dtype)
-    model, folds = folded_copy(policy)
-    for f in folds:
-        f.fold()
+    model, taken = folded_copy(policy)
+    for f in taken:
+        f.take()
     originals = lora_layers(policy)
-    assert len(folds) == len(originals) == 2 * 7
+    assert len(taken) == len(originals) == 2 * 7
     names = dict(policy.get_base_model().named_modules())
     for name, module in model.named_modules():
         if name in names and names[name] in originals:
@@ -70,10 +74,31 @@ def test_the_copy_holds_the_rounded_fold_and_shares_every_other_tensor(dtype):
             torch.testing.assert_close(module.weight, expect, rtol=0, atol=1e-6)
             assert module.weight.data_ptr() != lora.base_layer.weight.data_ptr()
     copy_ptrs = {t.data_ptr() for t in model.parameters()}
-    folded_ptrs = {f.weight.data_ptr() for f in folds}
+    folded_ptrs = {f.weight.data_ptr() for f in taken}
     base_ptrs = {t.data_ptr() for n, t in policy.named_parameters() if "lora_" not in n and "base_layer" not in n}
     assert copy_ptrs - folded_ptrs == base_ptrs  # embeddings, norms, head: the policy's own tensors
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_the_adapters_copy_shares_every_tensor_but_the_adapters_and_takes_them_when_told():
+    policy = adapted(fp8=True)
+    assert not folds(policy)
+    model, taken = adapters_copy(policy)
+    theirs = dict(policy.get_base_model().named_parameters())
+    mine = dict(model.named_parameters())
+    assert mine.keys() == theirs.keys()
+    adapters = {name for name in mine if "lora_" in name}
+    assert len(adapters) == len(taken) == 2 * 7 * 2
+    for name, t in mine.items():
+        assert (t.data_ptr() == theirs[name].data_ptr()) == (name not in adapters), name
+        assert not t.requires_grad
+    assert all(theirs[name].requires_grad for name in adapters)  # the policy still trains its own
+    move_adapters(policy)
+    assert not all(torch.equal(mine[name], theirs[name]) for name in adapters)  # until taken, the copy's are its own
+    for t in taken:
+        t.take()
+    assert all(torch.equal(mine[name], theirs[name]) for name in adapters)
+    assert any(type(m) is FP8Linear for m in model.modules())
 
 
 def test_the_copy_has_none_of_the_trainings_own_forwards():
@@ -84,11 +109,12 @@ def test_the_copy_has_none_of_the_trainings_own_forwards():
     assert all("forward" in layer.__dict__ for layer in policy.get_base_model().model.layers)  # the policy keeps its
 
 
-def test_a_rollout_started_ahead_samples_the_policy_before_the_update():
-    policy = adapted()
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_rollout_started_ahead_samples_the_policy_before_the_update(fp8):
+    policy = adapted(fp8=fp8)
     before = copy.deepcopy(policy)
     ahead = SampleAhead(policy, native)
-    assert isinstance(ahead, Engine) and ahead.needs_importance_correction
+    assert isinstance(ahead, Engine) and ahead.needs_importance_correction and ahead.folded is not fp8
     ahead.prefetch(PROMPTS, 2, SAMPLING)
     move_adapters(policy)  # the update runs while the rollout generates
     got = ahead.generate(PROMPTS, 2, SAMPLING)
@@ -100,6 +126,25 @@ def test_a_rollout_started_ahead_samples_the_policy_before_the_update():
     moved = copy.deepcopy(policy)
     torch.testing.assert_close(now.sampler_logp, SampleAhead(moved, native).generate(PROMPTS, 2, SAMPLING).sampler_logp,
                                rtol=0, atol=1e-6)
+    if fp8:  # the adapters through the copy, as the policy's own engine reads them
+        torch.testing.assert_close(now.sampler_logp, native(moved).generate(PROMPTS, 2, SAMPLING).sampler_logp,
+                                   rtol=0, atol=1e-6)
+
+
+def test_dense_weights_without_the_fold_get_the_adapters_copied_and_an_engine_that_folds_is_refused():
+    from grpo.rollout.native import EngineTuning
+
+    policy = adapted()
+    ahead = SampleAhead(policy, native, fold=False)
+    assert not ahead.folded and all(t.weight.shape == t.source.shape for t in ahead._copies)
+    assert ahead.generate(PROMPTS, 2, SAMPLING).completion_ids.shape[0] == 2 * len(PROMPTS)
+
+    def folding(model):
+        return NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, tuning=EngineTuning(fold_adapter=True))
+
+    with pytest.raises(ValueError, match="fold_adapter=False"):  # it would fold into the policy's own weights
+        SampleAhead(policy, folding, fold=False)
+    assert SampleAhead(policy, folding).folded  # into a copy of them: fine
 
 
 def test_another_generate_waits_for_the_one_in_flight_and_leaves_it_for_its_step():
@@ -131,20 +176,22 @@ def test_an_error_in_the_background_is_raised_by_the_generate_that_asks_for_it()
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_the_rollout_ahead_runs_beside_training_and_still_samples_the_policy_before():
-    policy = adapted(dtype=torch.bfloat16).cuda()
+@pytest.mark.parametrize("fp8", [False, True])
+def test_on_cuda_the_rollout_ahead_runs_beside_training_and_still_samples_the_policy_before(fp8):
+    policy = adapted(dtype=torch.bfloat16, fp8=fp8).cuda()
 
     def engine(model):
         return NativeEngine(model, max_seq_len=64, max_batch=6, pad_id=PAD)  # kernels, graphs, compiled pieces
 
     ahead = SampleAhead(policy, engine)
+    assert ahead.folded is not fp8
     sampling = Sampling(max_new_tokens=40, temperature=1.0, min_p=0.1, ignore_eos=True, seed=5)
     ahead.generate(PROMPTS, 2, sampling)  # captures; the copy now holds these adapters
-    move_adapters(policy)  # a step's update: the next fold writes other values into the copy
+    move_adapters(policy)  # a step's update: the next take writes other values into the copy
     before = copy.deepcopy(policy)
     x = torch.randn(2048, 2048, device="cuda")
-    for _ in range(20):  # work queued ahead of the fold on the default stream: a generate that did not wait for
-        x = torch.tanh(x @ x / 64)  # the fold would read the copy's old values
+    for _ in range(20):  # work queued ahead of the take on the default stream: a generate that did not wait for
+        x = torch.tanh(x @ x / 64)  # the take would read the copy's old values
     ahead.prefetch(PROMPTS, 2, sampling)
     for _ in range(20):  # the training pass's work meanwhile, and its update
         x = torch.tanh(x @ x / 64)
@@ -156,25 +203,18 @@ def test_on_cuda_the_rollout_ahead_runs_beside_training_and_still_samples_the_po
     assert torch.isfinite(x).all()
 
 
-def test_base_layers_that_do_not_fold_are_refused_in_one_line():
-    class Coarse(nn.Linear):  # a stand-in for FP8Linear
-        pass
-
+def test_adapters_it_cannot_take_are_refused_in_one_line():
     policy = adapted()
-    layer = lora_layers(policy)[0]
-    old = layer.base_layer
-    layer.base_layer = Coarse(old.in_features, old.out_features, bias=False)
-    assert refusal(policy).startswith("Coarse base layers do not fold")
-    with pytest.raises(ValueError, match="--sample-ahead: Coarse base layers"):
+    lora_layers(policy)[0].lora_variant["default"] = object()  # what peft keeps for DoRA
+    assert refusal(policy) == "DoRA and other LoRA variants are not scale * B A"
+    with pytest.raises(ValueError, match="--sample-ahead: DoRA .*; fix: pass --no-sample-ahead"):
         SampleAhead(policy, native)
-    assert refusal(small_llama()) == "the policy has no LoRA layers to fold"
+    assert refusal(small_llama()) == "the policy has no LoRA layers to copy"
 
 
 @pytest.mark.parametrize("kw, named", [(dict(engine="vllm"), "--engine vllm"), (dict(engine="hf"), "--engine hf"),
                                        (dict(dynamic_sampling=True), "--dynamic-sampling"),
                                        (dict(environment="number-guess"), "--environment"),
-                                       (dict(load_in_fp8=True), "--load-in-fp8"),
-                                       (dict(engine_fold_adapter=False), "--no-engine-fold-adapter"),
                                        (dict(is_correction="none"), "--is-correction none"),
                                        (dict(engine_standby="release"), "--engine-standby release")])
 def test_flags_it_cannot_serve_are_refused_in_one_line_naming_the_flag(kw, named):
@@ -182,6 +222,11 @@ def test_flags_it_cannot_serve_are_refused_in_one_line_naming_the_flag(kw, named
         Config(sample_ahead=True, **kw)
     assert "--no-sample-ahead" in str(err.value) and "\n" not in str(err.value)
     Config(sample_ahead=False, **kw)  # each alone is fine
+
+
+def test_fp8_weights_and_the_adapters_unfolded_are_served_with_a_copy_of_the_adapters():
+    assert Config(sample_ahead=True, load_in_fp8=True).sample_ahead
+    assert Config(sample_ahead=True, engine_fold_adapter=False).sample_ahead
 
 
 def test_a_run_whose_engine_is_not_native_says_so_and_samples_in_each_step(tiny_llama_dir, tmp_path, capsys):
