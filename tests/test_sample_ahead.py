@@ -136,8 +136,11 @@ def test_dense_weights_without_the_fold_get_the_adapters_copied_and_an_engine_th
 
     policy = adapted()
     ahead = SampleAhead(policy, native, fold=False)
-    assert not ahead.folded and all(t.weight.shape == t.source.shape for t in ahead._copies)
-    assert ahead.generate(PROMPTS, 2, SAMPLING).completion_ids.shape[0] == 2 * len(PROMPTS)
+    assert not ahead.folded and len(lora_layers(ahead.model)) == 2 * 7  # the copy keeps its LoRA layers
+    got = ahead.generate(PROMPTS, 2, SAMPLING)  # through the adapters, as the policy's own engine samples it
+    want = native(copy.deepcopy(policy)).generate(PROMPTS, 2, SAMPLING)
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    torch.testing.assert_close(got.sampler_logp, want.sampler_logp, rtol=0, atol=1e-6)
 
     def folding(model):
         return NativeEngine(model, max_seq_len=32, max_batch=6, pad_id=PAD, tuning=EngineTuning(fold_adapter=True))
@@ -284,6 +287,31 @@ def test_a_run_sampling_ahead_trains_each_step_on_the_rollout_started_in_the_ste
     records = [r for r in records if "step_time" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all("gap/logp_abs_mean" in r and not r["skipped"] for r in records)
+
+
+@pytest.mark.slow
+def test_a_run_on_fp8_weights_samples_ahead_through_a_copy_of_the_adapters(tiny_llama_dir, tmp_path, monkeypatch):
+    built, taken = [], []
+    init, received_ahead = SampleAhead.__init__, SampleAhead._received
+
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    def spy_received(self, job):
+        taken.append(job.request[2].seed)
+        return received_ahead(self, job)
+
+    monkeypatch.setattr(SampleAhead, "__init__", spy_init)
+    monkeypatch.setattr(SampleAhead, "_received", spy_received)
+    train(tiny_cfg(tiny_llama_dir, tmp_path / "run", engine="native", sample_ahead=True, load_in_fp8=True,
+                   max_steps=2))
+    [ahead] = built
+    assert not ahead.folded and any(type(m) is FP8Linear for m in ahead.model.modules())
+    assert len(taken) == 1  # step 2 trained on the rollout started in step 1
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "step_time" in r]
+    assert [r["step"] for r in records] == [1, 2] and not any(r["skipped"] for r in records)
 
 
 _answers: list[list[str]] = []
